@@ -1,0 +1,11 @@
+"""DHT key names. Every key is versioned so a future schema can live beside this one."""
+
+SCHEMA_PREFIX = "crowdtrain/v1"
+
+RUNS_KEY = f"{SCHEMA_PREFIX}/runs"
+"""Dictionary key: subkey = a member's owner marker, value = a SignedManifest of its run."""
+
+
+def peers_key(run_id: str) -> str:
+    """Dictionary key of a run's peer statuses: subkey = owner marker, value = PeerStatus."""
+    return f"{SCHEMA_PREFIX}/run/{run_id}/peers"

@@ -1,0 +1,132 @@
+"""Encode, sign, decode and verify the records crowdtrain stores in the DHT.
+
+Every decoder treats its input as hostile: it caps the size, parses the protobuf, validates the
+content, and checks that the record's owner key is the key that wrote it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import TypeVar
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from google.protobuf.message import DecodeError
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+
+from crowdtrain import proto
+from crowdtrain.manifest import RunManifest
+from crowdtrain.structured import FieldError
+
+MAX_MANIFEST_RECORD_BYTES = 64 * 1024
+"""Cap on a SignedManifest: the model config is capped at 16 KiB, the rest is small."""
+MAX_PEER_STATUS_BYTES = 16 * 1024
+"""Cap on a PeerStatus: ample for a node with a few hundred experts and a dozen addresses."""
+
+M = TypeVar("M", proto.PeerStatus, proto.SignedManifest)
+
+_OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
+_SHA2_256_MULTIHASH_PREFIX = b"\x12\x20"  # multihash code of sha2-256, then the digest length
+
+
+class RecordError(ValueError):
+    """A DHT record that is malformed, oversized, or not written by its claimed owner."""
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedManifest:
+    """A manifest whose founder signature has been verified."""
+
+    manifest: RunManifest
+    founder_peer_id: str
+
+
+def owner_marker(private_key: RSAPrivateKey) -> bytes:
+    """The `[owner:...]` subkey that lets only the holder of `private_key` write a record."""
+    return RSASignatureValidator(private_key).local_public_key
+
+
+def peer_id_of_owner(marker: bytes) -> PeerID:
+    """The libp2p peer ID of the RSA key in an `[owner:...]` marker (as p2pd derives it)."""
+    match = _OWNER_RE.fullmatch(marker)
+    if match is None:
+        raise RecordError("subkey is not an [owner:...] marker")
+    return peer_id_of_public_key(_load_public_key(match.group(1)))
+
+
+def peer_id_of_public_key(public_key: rsa.RSAPublicKey) -> PeerID:
+    """libp2p peer ID: the sha2-256 multihash of the protobuf-wrapped DER public key."""
+    der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    wrapped = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    return PeerID(_SHA2_256_MULTIHASH_PREFIX + hashlib.sha256(wrapped).digest())
+
+
+def _load_public_key(openssh: bytes) -> rsa.RSAPublicKey:
+    try:
+        key = serialization.load_ssh_public_key(openssh)
+    except Exception as e:  # cryptography raises several types for garbage input
+        raise RecordError(f"owner key is not an OpenSSH public key: {e}") from None
+    if not isinstance(key, rsa.RSAPublicKey):
+        raise RecordError("owner key is not an RSA key")
+    return key
+
+
+def sign_manifest(manifest: RunManifest, private_key: RSAPrivateKey) -> bytes:
+    """A serialized SignedManifest of `manifest`, signed by the founder's key."""
+    body = manifest.to_bytes()
+    signed = proto.SignedManifest(
+        manifest=body,
+        founder_public_key=private_key.get_public_key().to_bytes(),
+        signature=private_key.sign(body),
+    )
+    data = signed.SerializeToString()
+    if len(data) > MAX_MANIFEST_RECORD_BYTES:
+        raise RecordError(f"the run manifest is {len(data)} bytes, over the {MAX_MANIFEST_RECORD_BYTES} cap")
+    return data
+
+
+def open_manifest(data: bytes) -> PublishedManifest:
+    """Parse and verify a SignedManifest; raises RecordError if anything is wrong with it."""
+    if len(data) > MAX_MANIFEST_RECORD_BYTES:
+        raise RecordError(f"manifest record of {len(data)} bytes is over the {MAX_MANIFEST_RECORD_BYTES} cap")
+    signed = _parse(proto.SignedManifest, data)
+    founder_key = _load_public_key(signed.founder_public_key)
+    if not RSAPublicKey(founder_key).verify(signed.manifest, signed.signature):
+        raise RecordError("the manifest's founder signature is invalid")
+    try:
+        manifest = RunManifest.from_bytes(signed.manifest)
+    except (DecodeError, FieldError, ValueError) as e:
+        raise RecordError(f"the manifest is invalid: {e}") from None
+    return PublishedManifest(manifest=manifest, founder_peer_id=peer_id_of_public_key(founder_key).to_base58())
+
+
+def encode_peer_status(status: proto.PeerStatus) -> bytes:
+    """Serialize a PeerStatus, refusing one over the size cap."""
+    data = status.SerializeToString()
+    if len(data) > MAX_PEER_STATUS_BYTES:
+        raise RecordError(f"peer status of {len(data)} bytes is over the {MAX_PEER_STATUS_BYTES} cap")
+    return data
+
+
+def decode_peer_status(data: bytes, owner: bytes) -> proto.PeerStatus:
+    """Parse a PeerStatus stored under the subkey `owner`; its peer_id must be the owner's."""
+    if len(data) > MAX_PEER_STATUS_BYTES:
+        raise RecordError(f"peer status of {len(data)} bytes is over the {MAX_PEER_STATUS_BYTES} cap")
+    status = _parse(proto.PeerStatus, data)
+    if status.peer_id != peer_id_of_owner(owner).to_base58():
+        raise RecordError("peer status names a peer_id that is not its owner's")
+    return status
+
+
+def _parse(message_type: type[M], data: bytes) -> M:
+    if not isinstance(data, bytes):
+        raise RecordError(f"value must be bytes, got {type(data).__name__}")
+    try:
+        return message_type.FromString(data)
+    except (DecodeError, RuntimeWarning) as e:
+        raise RecordError(f"value is not a valid {message_type.__name__}: {e}") from None

@@ -1,0 +1,110 @@
+"""Read and write the run's records: published manifests and peer statuses."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+
+import hivemind
+from hivemind.utils import get_dht_time
+
+from crowdtrain import proto
+from crowdtrain.dht import keys
+from crowdtrain.dht.records import (
+    PublishedManifest,
+    RecordError,
+    decode_peer_status,
+    encode_peer_status,
+    open_manifest,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RunListing:
+    """One run found in the DHT: its verified manifest, its signed bytes, and who republishes it."""
+
+    published: PublishedManifest
+    signed_bytes: bytes
+    publishers: frozenset[bytes]
+
+
+def list_runs(dht: hivemind.DHT, timeout_s: float) -> dict[str, RunListing]:
+    """Every run whose manifest is in the DHT, by run_id; for a contested run_id the oldest wins."""
+    entries = _get_dictionary(dht, keys.RUNS_KEY, timeout_s)
+    by_run: dict[str, list[tuple[PublishedManifest, bytes, bytes]]] = defaultdict(list)
+    for publisher, value in entries.items():
+        try:
+            published = open_manifest(value)
+        except RecordError as e:
+            logger.debug(f"skipped a manifest record: {e}")
+            continue
+        by_run[published.manifest.run_id].append((published, value, publisher))
+    return {run_id: _pick_canonical(candidates) for run_id, candidates in by_run.items()}
+
+
+def _pick_canonical(candidates: list[tuple[PublishedManifest, bytes, bytes]]) -> RunListing:
+    def age_key(item: tuple[PublishedManifest, bytes, bytes]) -> tuple[float, str]:
+        return item[0].manifest.created_at, item[0].founder_peer_id
+
+    oldest = min(candidates, key=age_key)
+    same = frozenset(publisher for published, value, publisher in candidates if value == oldest[1])
+    if len(same) != len(candidates):
+        logger.warning(f"run {oldest[0].manifest.run_id!r} has manifests from several founders; using the oldest")
+    return RunListing(published=oldest[0], signed_bytes=oldest[1], publishers=same)
+
+
+def publish_manifest(dht: hivemind.DHT, signed_bytes: bytes, owner: bytes, ttl_s: float, timeout_s: float) -> bool:
+    """Store (or refresh) a signed manifest under this node's own subkey."""
+    return _store(dht, keys.RUNS_KEY, signed_bytes, owner, ttl_s, timeout_s)
+
+
+def publish_peer_status(
+    dht: hivemind.DHT, status: proto.PeerStatus, owner: bytes, ttl_s: float, timeout_s: float
+) -> bool:
+    """Store this node's heartbeat under its run; it expires `ttl_s` after the last refresh."""
+    return _store(dht, keys.peers_key(status.run_id), encode_peer_status(status), owner, ttl_s, timeout_s)
+
+
+def _store(dht: hivemind.DHT, key: str, value: bytes, owner: bytes, ttl_s: float, timeout_s: float) -> bool:
+    future = dht.store(key, value, get_dht_time() + ttl_s, subkey=owner, return_future=True)
+    try:
+        return bool(future.result(timeout=timeout_s))
+    except TimeoutError:
+        future.cancel()
+        logger.warning(f"DHT store of {key} timed out after {timeout_s:g} s")
+        return False
+
+
+def list_peer_statuses(dht: hivemind.DHT, run_id: str, timeout_s: float) -> list[proto.PeerStatus]:
+    """The run's online peers, one verified status each, ordered by peer ID."""
+    statuses = []
+    for owner, value in _get_dictionary(dht, keys.peers_key(run_id), timeout_s).items():
+        try:
+            status = decode_peer_status(value, owner)
+        except RecordError as e:
+            logger.debug(f"skipped a peer status: {e}")
+            continue
+        if status.state == proto.PeerStatus.ONLINE and status.run_id == run_id:
+            statuses.append(status)
+    return sorted(statuses, key=lambda status: status.peer_id)
+
+
+def _get_dictionary(dht: hivemind.DHT, key: str, timeout_s: float) -> dict[bytes, bytes]:
+    future = dht.get(key, latest=True, return_future=True)
+    try:
+        found = future.result(timeout=timeout_s)
+    except TimeoutError:
+        future.cancel()
+        logger.warning(f"DHT lookup of {key} timed out after {timeout_s:g} s")
+        return {}
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    now = get_dht_time()
+    return {
+        subkey: item.value
+        for subkey, item in found.value.items()
+        if isinstance(subkey, bytes) and isinstance(item.value, bytes) and item.expiration_time > now
+    }

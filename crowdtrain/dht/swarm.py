@@ -1,0 +1,132 @@
+"""Join the DHT as a server (a daemon) or a client (`status`), in bounded time, with plain errors."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import hivemind
+from hivemind.dht.validation import RecordValidatorBase
+from hivemind.p2p import P2PDaemonError
+
+from crowdtrain.errors import CrowdtrainError, SwarmUnreachableError
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+P2PD_STARTUP_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SwarmOptions:
+    """How this process joins the DHT."""
+
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs (with /p2p/ID) of peers already in the swarm; empty to start a new swarm."""
+    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    """Multiaddrs p2pd listens on."""
+    announce: tuple[str, ...] = ()
+    """Multiaddrs peers should dial instead of the listen addresses (e.g. a forwarded public port)."""
+    identity_path: str | None = None
+    """libp2p private key file that fixes the peer ID; None for a throwaway identity."""
+    client_mode: bool = False
+    """True: never accept DHT requests or store records (status readers, undialable nodes)."""
+    bootstrap_timeout_s: float = 20.0
+    """Give up when no initial peer answered within this many seconds."""
+    request_timeout_s: float = 5.0
+    """One DHT RPC is deemed lost after this many seconds."""
+
+    def __post_init__(self) -> None:
+        if not self.bootstrap_timeout_s > 0 or not self.request_timeout_s > 0:
+            raise ValueError("bootstrap_timeout_s and request_timeout_s must be positive")
+
+
+class SupervisedDHT(hivemind.DHT):
+    """hivemind.DHT whose background process, and the p2pd it started, die with their parent.
+
+    Symptom worked around: when the daemon is SIGKILLed (OOM killer, `kill -9`), hivemind's DHT
+    process and its p2pd live on as orphans that keep the port and answer for a dead node.
+    """
+
+    def run(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        signal.signal(signal.SIGTERM, _kill_children_and_exit)
+        if os.getppid() != self._parent_pid:  # the parent died before prctl took effect
+            _kill_children_and_exit()
+        super().run()
+
+
+def _kill_children_and_exit(*_: object) -> None:
+    for pid in _child_pids(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os._exit(0)
+
+
+def _child_pids(parent_pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent_pid:
+            children.append(int(entry))
+    return children
+
+
+def join_swarm(options: SwarmOptions, validators: Sequence[RecordValidatorBase]) -> SupervisedDHT:
+    """Start a DHT node and wait until it is bootstrapped; raises with a sentence a user can act on."""
+    dht = SupervisedDHT(
+        initial_peers=list(options.initial_peers) or None,
+        start=False,
+        record_validators=validators,
+        host_maddrs=list(options.listen),
+        announce_maddrs=list(options.announce) or None,
+        identity_path=options.identity_path,
+        client_mode=options.client_mode,
+        use_ipfs=False,  # never dial the public IPFS bootstrap nodes
+        check_if_identity_free=False,  # the state-dir lock already keeps one identity to one daemon
+        wait_timeout=options.request_timeout_s,
+        bootstrap_timeout=options.bootstrap_timeout_s,
+        startup_timeout=P2PD_STARTUP_TIMEOUT_S,
+    )
+    try:
+        dht.run_in_background(await_ready=True, timeout=P2PD_STARTUP_TIMEOUT_S + options.bootstrap_timeout_s)
+    except BaseException as e:
+        _stop(dht)
+        raise _explain_start_failure(e, options) from None
+    return dht
+
+
+def _explain_start_failure(error: BaseException, options: SwarmOptions) -> BaseException:
+    if isinstance(error, KeyboardInterrupt):
+        return error
+    peers = ", ".join(options.initial_peers)
+    if isinstance(error, TimeoutError) or "bootstrap" in str(error).lower():
+        if options.initial_peers:
+            return SwarmUnreachableError(
+                f"No initial peer answered within {options.bootstrap_timeout_s:g} s ({peers}); "
+                "check the address and that the peer is running, or raise --bootstrap-timeout."
+            )
+        return CrowdtrainError(f"The p2p daemon did not start within {P2PD_STARTUP_TIMEOUT_S:g} s.")
+    if isinstance(error, P2PDaemonError) and "address already in use" in str(error).lower():
+        return CrowdtrainError(f"Cannot listen on {', '.join(options.listen)}: the port is already in use.")
+    logger.debug("DHT start failed", exc_info=error)
+    return CrowdtrainError(f"Could not start the DHT node: {error}.")
+
+
+def _stop(dht: hivemind.DHT) -> None:
+    if dht.is_alive():
+        dht.terminate()  # SIGTERM: our handler kills p2pd, then the process exits
+        dht.join(5)

@@ -1,0 +1,248 @@
+"""The run manifest: what a run trains, on what data, with which optimizer and averaging.
+
+The founder builds it from a preset or a TOML run file; it travels through the DHT as a signed
+protobuf (`proto.RunManifest` inside `proto.SignedManifest`), so joiners need only an address.
+A run file overrides the `demo` preset: it names only what differs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from crowdtrain import proto
+from crowdtrain.errors import BadInputError
+from crowdtrain.structured import FieldError, from_mapping, from_message, to_message
+
+PROTOCOL_VERSION = 1
+"""Bumped when nodes of different versions can no longer train together."""
+
+RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
+MAX_MODEL_CONFIG_BYTES = 16 * 1024
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """The model: a transformers architecture built from its config, randomly initialised."""
+
+    architecture: str = "LlamaForCausalLM"
+    """A transformers model class name, e.g. LlamaForCausalLM or AlbertForMaskedLM."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the architecture's config class (treat as read-only)."""
+    tokenizer: str = "bytes"
+    """`bytes` for the built-in byte-level tokenizer, or a local directory with a saved tokenizer."""
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.architecture):
+            raise ValueError(f"architecture must be a transformers class name, got {self.architecture!r}")
+        if len(json.dumps(self.config)) > MAX_MODEL_CONFIG_BYTES:
+            raise ValueError(f"config is larger than {MAX_MODEL_CONFIG_BYTES} bytes as JSON")
+        if not self.tokenizer:
+            raise ValueError("tokenizer must be 'bytes' or a directory")
+
+
+DATA_SOURCES = ("embedded", "files", "hf")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataSpec:
+    """The training data and how it is cut into samples."""
+
+    source: str = "embedded"
+    """`embedded` (the text shipped with Python), `files` (local text/JSONL) or `hf` (HF datasets)."""
+    path: str = ""
+    """For `files`: a file or directory; for `hf`: a dataset name or local path."""
+    text_field: str = "text"
+    """For JSONL and HF datasets: the field that holds the text."""
+    sequence_length: int = 128
+    """Tokens per training sample."""
+
+    def __post_init__(self) -> None:
+        if self.source not in DATA_SOURCES:
+            raise ValueError(f"source must be one of {', '.join(DATA_SOURCES)}, got {self.source!r}")
+        if self.source != "embedded" and not self.path:
+            raise ValueError(f"path is required when source is {self.source!r}")
+        if not 1 <= self.sequence_length <= 65536:
+            raise ValueError(f"sequence_length must be between 1 and 65536, got {self.sequence_length}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerSpec:
+    """The optimizer and its learning-rate schedule, counted in global steps."""
+
+    name: str = "adamw"
+    """`adamw` or `sgd`."""
+    learning_rate: float = 1e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    warmup_steps: int = 10
+    """Global steps of linear warm-up."""
+    total_steps: int = 10_000
+    """Global steps of the whole schedule (cosine decay after warm-up)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("adamw", "sgd"):
+            raise ValueError(f"name must be 'adamw' or 'sgd', got {self.name!r}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be positive, got {self.learning_rate}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must not be negative, got {self.weight_decay}")
+        if not 0 <= self.warmup_steps <= self.total_steps:
+            raise ValueError(f"warmup_steps must be between 0 and total_steps, got {self.warmup_steps}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AveragingSpec:
+    """How peers average: DeDLOC gradient averaging or Moshpit parameter averaging."""
+
+    mode: str = "gradients"
+    """`gradients` (average gradients every global step) or `parameters` (local steps, then average)."""
+    group_size: int = 16
+    """Peers per all-reduce group (M in Moshpit SGD)."""
+    grid_dims: int = 2
+    """Dimensions of the Moshpit grid (d): exact average after d rounds for M^d peers."""
+    compression: str = "fp16"
+    """Tensor encoding on the wire: `fp16` or `none`."""
+    timeout_s: float = 60.0
+    """Abandon an averaging round after this many seconds."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("gradients", "parameters"):
+            raise ValueError(f"mode must be 'gradients' or 'parameters', got {self.mode!r}")
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be at least 2, got {self.group_size}")
+        if not 1 <= self.grid_dims <= 8:
+            raise ValueError(f"grid_dims must be between 1 and 8, got {self.grid_dims}")
+        if self.compression not in ("fp16", "none"):
+            raise ValueError(f"compression must be 'fp16' or 'none', got {self.compression!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunManifest:
+    """Everything a joiner needs to train with the run; published by the founder, signed."""
+
+    run_id: str
+    """The run's name: lowercase letters, digits, '.', '_' and '-', at most 63 characters."""
+    protocol_version: int = PROTOCOL_VERSION
+    """The wire protocol the run speaks."""
+    created_at: float = 0.0
+    """Unix seconds when the founder started the run (set on publication)."""
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    target_batch_size: int = 256
+    """Samples the whole swarm accumulates per global step."""
+    averaging: AveragingSpec = field(default_factory=AveragingSpec)
+
+    def __post_init__(self) -> None:
+        if not RUN_ID_PATTERN.fullmatch(self.run_id):
+            raise ValueError(
+                f"run_id must be 1-63 lowercase letters, digits, '.', '_' or '-', got {self.run_id!r}"
+            )
+        if self.protocol_version != PROTOCOL_VERSION:
+            raise ValueError(
+                f"protocol_version {self.protocol_version} is not spoken by this crowdtrain "
+                f"(it speaks {PROTOCOL_VERSION}); upgrade crowdtrain"
+            )
+        if self.target_batch_size < 1:
+            raise ValueError(f"target_batch_size must be positive, got {self.target_batch_size}")
+
+    def to_bytes(self) -> bytes:
+        """Serialize as a `proto.RunManifest` message."""
+        return to_message(self, proto.RunManifest()).SerializeToString(deterministic=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RunManifest:
+        """Parse a serialized `proto.RunManifest`; raises ValueError when malformed or invalid."""
+        message = proto.RunManifest.FromString(data)
+        return from_message(cls, message)
+
+
+def demo() -> RunManifest:
+    """The default run: a small LLaMA-style causal LM on the embedded corpus, CPU-friendly."""
+    return RunManifest(
+        run_id="demo",
+        model=ModelSpec(
+            architecture="LlamaForCausalLM",
+            config={
+                "vocab_size": 260,
+                "hidden_size": 256,
+                "intermediate_size": 688,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "max_position_embeddings": 256,
+                "tie_word_embeddings": True,
+            },
+            tokenizer="bytes",
+        ),
+        data=DataSpec(source="embedded", sequence_length=128),
+        optimizer=OptimizerSpec(name="adamw", learning_rate=1e-3, warmup_steps=10, total_steps=10_000),
+        target_batch_size=256,
+        averaging=AveragingSpec(mode="gradients", group_size=16, grid_dims=2, compression="fp16"),
+    )
+
+
+PRESETS: dict[str, Callable[[], RunManifest]] = {"demo": demo}
+
+
+def load_run_file(name_or_path: str, *, run_id: str | None = None) -> RunManifest:
+    """Resolve `--run-file`: a preset name or a TOML file overriding the `demo` preset."""
+    if name_or_path in PRESETS:
+        manifest = PRESETS[name_or_path]()
+        return manifest if run_id is None else dataclasses.replace(manifest, run_id=run_id)
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise BadInputError(
+            f"--run-file {name_or_path} is neither a file nor a preset (presets: {', '.join(PRESETS)})."
+        )
+    try:
+        overrides = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInputError(f"Cannot read run file {path}: {getattr(e, 'strerror', None) or e}.") from None
+    except tomllib.TOMLDecodeError as e:
+        raise BadInputError(f"Run file {path} is not valid TOML: {e}.") from None
+    if run_id is not None:
+        overrides["run_id"] = run_id
+    try:
+        return manifest_from_overrides(overrides)
+    except FieldError as e:
+        raise BadInputError(f"Run file {path} is invalid: {e}.") from None
+
+
+def manifest_from_overrides(overrides: Mapping[str, Any]) -> RunManifest:
+    """Layer a run file's tables over the `demo` preset; raises FieldError naming the field."""
+    base = _as_plain_dict(demo())
+    model = overrides.get("model")
+    if isinstance(model, Mapping) and model.get("architecture", base["model"]["architecture"]) != (
+        base["model"]["architecture"]
+    ):
+        if "config" not in model:
+            raise FieldError("model.config is required when model.architecture differs from the demo's")
+        base["model"]["config"] = {}
+    return from_mapping(RunManifest, _merge(base, overrides))
+
+
+def _as_plain_dict(manifest: RunManifest) -> dict[str, Any]:
+    return copy.deepcopy(dataclasses.asdict(manifest))
+
+
+def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge tables, except that `model.config` given in the file replaces the preset's."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict) and key != "config":
+            merged[key] = _merge(base[key], value)
+        else:
+            merged[key] = value
+    return merged

@@ -1,0 +1,148 @@
+"""The `crowdtrain` command: parse the edge, run the node or the status reader, map errors to exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from crowdtrain import __version__
+from crowdtrain.errors import CrowdtrainError
+
+logger = logging.getLogger(__name__)
+
+EXIT_INTERRUPTED = 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="crowdtrain", description="Lend this machine to a shared training run.")
+    parser.add_argument("--version", action="version", version=f"crowdtrain {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,status}")
+
+    run = commands.add_parser("run", help="start a node: found a run, or join one with --initial-peers")
+    _add_swarm_flags(run)
+    run.add_argument("--listen", nargs="+", metavar="MADDR", help="addresses to listen on (default: all interfaces, port 31330)")
+    run.add_argument("--announce", nargs="+", metavar="MADDR", help="addresses peers should dial, e.g. a forwarded public port")
+    run.add_argument("--identity", metavar="PATH", help="identity key file (default: <state-dir>/identity.key)")
+    run.add_argument("--run-file", metavar="RUN.toml|PRESET", help="found a run from this manifest or preset (demo)")
+    run.add_argument("--device", metavar="auto|cpu|cuda[:N]", help="device to train on (default: auto)")
+    run.add_argument("--role", metavar="ROLE", help="auto, trainer, aggregator, expert-host or client (default: auto)")
+    run.add_argument("--config", metavar="NODE.toml", help="TOML file with any of these settings")
+
+    status = commands.add_parser("status", help="show the swarm: the run's progress and every peer")
+    _add_swarm_flags(status)
+    status.add_argument("--json", action="store_const", const=True, help="print one JSON object")
+    status.add_argument("--watch", type=float, metavar="SECONDS", dest="watch_s", help="refresh every SECONDS until Ctrl-C")
+    return parser
+
+
+def _add_swarm_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="address(es) of peers in the swarm")
+    parser.add_argument("--state-dir", metavar="DIR", help="this node's state directory (default: ~/.crowdtrain)")
+    parser.add_argument("--run-id", metavar="ID", help="the run to join or show when the swarm holds several")
+    parser.add_argument("--bootstrap-timeout", type=float, metavar="SECONDS", dest="bootstrap_timeout_s",
+                        help="give up when no initial peer answers in this time (default: 20)")
+    parser.add_argument("--log-format", choices=("text", "json"), help="log lines for people (text) or machines (json)")
+    parser.add_argument("-v", "--verbose", action="count", help="more logs: -v shows hivemind's, -vv debug")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit code."""
+    args = vars(build_parser().parse_args(argv))
+    command = args.pop("command")
+    verbose = args.get("verbose") or 0
+    try:
+        if command == "run":
+            return _run(args)
+        return _status(args)
+    except CrowdtrainError as e:
+        print(f"crowdtrain: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("crowdtrain: interrupted.", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        if verbose:
+            logger.exception("unexpected error")
+        print(f"crowdtrain: unexpected error: {e} (rerun with -v for the traceback).", file=sys.stderr)
+        return 1
+
+
+def _run(args: dict[str, Any]) -> int:
+    from crowdtrain.node.config import NodeConfig, environment, resolve_config
+    from crowdtrain.node.logs import setup_logging
+
+    config_file = args.pop("config")
+    config = resolve_config(NodeConfig, _tuples(args), env=environment(), config_file=config_file)
+    setup_logging(config.log_format, config.verbose)
+    from crowdtrain.node.daemon import Daemon, ReadyInfo
+
+    stop = threading.Event()
+    state = {"ready": False}
+
+    def on_ready(info: ReadyInfo) -> None:
+        state["ready"] = True
+        if config.log_format == "json":
+            logger.info(f"ready: peer {info.peer_id} in run {info.run_id!r} at {' '.join(info.multiaddrs)}")
+        else:
+            _print_ready(info, config.state_dir)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if not state["ready"]:
+            raise KeyboardInterrupt  # still starting: abandon the start-up at once
+        if stop.is_set():
+            logger.warning("second signal: exiting at once, without leaving the swarm cleanly")
+            os._exit(EXIT_INTERRUPTED)
+        logger.info(f"received {signal.Signals(signum).name}: leaving the swarm (press Ctrl-C again to force)")
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    Daemon(config, stop, on_ready).run()
+    return 0
+
+
+def _print_ready(info: Any, state_dir: str) -> None:
+    role = "founded" if info.founded else "joined"
+    print(f"crowdtrain {__version__}: peer {info.peer_id} {role} run '{info.run_id}' "
+          f"as {', '.join(info.roles)} on {info.device}")
+    print("Visible addresses:")
+    for address in info.multiaddrs:
+        print(f"  {address}")
+    print("To join from another machine, run:")
+    print(f"  crowdtrain run --initial-peers {info.join_address}")
+    print("To watch the swarm from this machine, run:")
+    state_flag = "" if state_dir == "~/.crowdtrain" else f" --state-dir {state_dir}"
+    print(f"  crowdtrain status --watch 2{state_flag}", flush=True)
+
+
+def _status(args: dict[str, Any]) -> int:
+    from rich.console import Console
+
+    from crowdtrain.node.config import StatusConfig, environment, resolve_config
+    from crowdtrain.node.logs import setup_logging
+    from crowdtrain.node.status import show_status
+
+    config = resolve_config(StatusConfig, _tuples(args), env=environment())
+    setup_logging(config.log_format, config.verbose, quiet=True)
+    stop = threading.Event()
+
+    def on_signal(_signum: int, _frame: object) -> None:
+        if stop.is_set() or not config.watch_s:
+            raise KeyboardInterrupt
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    # Piped output (scripts, `watch`) gets full rows instead of rich's 80-column default.
+    show_status(config, stop, Console() if sys.stdout.isatty() else Console(width=240))
+    return 0
+
+
+def _tuples(args: dict[str, Any]) -> dict[str, Any]:
+    return {name: tuple(value) if isinstance(value, list) else value for name, value in args.items()}

@@ -1,0 +1,193 @@
+"""The node's configuration, parsed once at the edge: flags > env CROWDTRAIN_* > TOML file > defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hivemind.utils.multiaddr import Multiaddr
+
+from crowdtrain.errors import BadInputError
+from crowdtrain.structured import FieldError, from_mapping
+
+T = TypeVar("T")
+
+ENV_PREFIX = "CROWDTRAIN_"
+DEFAULT_STATE_DIR = "~/.crowdtrain"
+ROLES = ("auto", "trainer", "aggregator", "expert-host", "client")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeConfig:
+    """Everything `crowdtrain run` needs; validated on construction."""
+
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs ending in /p2p/<peer id> of peers already in the swarm; empty founds a new run."""
+    listen: tuple[str, ...] = ()
+    """Multiaddrs to listen on; empty: all interfaces on the default port, or a free one if taken."""
+    announce: tuple[str, ...] = ()
+    """Multiaddrs peers should dial (e.g. a public address with a forwarded port)."""
+    state_dir: str = DEFAULT_STATE_DIR
+    """Directory of this node's identity, node.json, lock and (later) checkpoints."""
+    identity: str = ""
+    """Path of the identity key; empty means <state_dir>/identity.key."""
+    run_file: str = ""
+    """Founder only: a run manifest TOML file or a preset name (demo)."""
+    run_id: str = ""
+    """The run to join when the swarm holds several, or the name of a run being founded."""
+    device: str = "auto"
+    """auto, cpu, cuda or cuda:N."""
+    role: str = "auto"
+    """auto (decided by the swarm), trainer, aggregator, expert-host or client."""
+    bootstrap_timeout_s: float = 20.0
+    """Give up when no initial peer answers within this many seconds."""
+    status_interval_s: float = 5.0
+    """Seconds between two refreshes of this node's status record."""
+    status_ttl_s: float = 20.0
+    """Seconds a status record outlives its last refresh (how long a crashed node stays listed)."""
+    log_format: str = "text"
+    """text for people, json for machines."""
+    verbose: int = 0
+    """0: crowdtrain's info; 1: hivemind's info too; 2: debug."""
+
+    def __post_init__(self) -> None:
+        check_multiaddrs(self.initial_peers, "initial_peers", need_peer_id=True)
+        check_multiaddrs(self.listen, "listen")
+        check_multiaddrs(self.announce, "announce")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        _check_positive(self, "bootstrap_timeout_s", "status_interval_s", "status_ttl_s")
+        if self.status_ttl_s <= self.status_interval_s:
+            raise ValueError("status_ttl_s must be longer than status_interval_s, or records expire between refreshes")
+        _check_log_options(self.log_format, self.verbose)
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_dir).expanduser()
+
+    @property
+    def identity_path(self) -> Path:
+        return Path(self.identity).expanduser() if self.identity else self.state_path / "identity.key"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StatusConfig:
+    """Everything `crowdtrain status` needs."""
+
+    initial_peers: tuple[str, ...] = ()
+    """Peers of the swarm to inspect; empty: the local daemon found through node.json."""
+    state_dir: str = DEFAULT_STATE_DIR
+    """Where the local daemon keeps node.json."""
+    run_id: str = ""
+    """The run to show when the swarm holds several."""
+    json: bool = False
+    """Print one JSON object instead of a table."""
+    watch_s: float = 0.0
+    """Refresh every this many seconds until Ctrl-C; 0 prints once."""
+    bootstrap_timeout_s: float = 20.0
+    """Give up when no initial peer answers within this many seconds."""
+    log_format: str = "text"
+    """text or json (for the log lines; the output format is chosen by `json`)."""
+    verbose: int = 0
+    """0: warnings only; 1: info; 2: debug."""
+
+    def __post_init__(self) -> None:
+        check_multiaddrs(self.initial_peers, "initial_peers", need_peer_id=True)
+        if self.watch_s < 0:
+            raise ValueError(f"watch must not be negative, got {self.watch_s}")
+        _check_positive(self, "bootstrap_timeout_s")
+        _check_log_options(self.log_format, self.verbose)
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_dir).expanduser()
+
+
+def check_multiaddrs(values: tuple[str, ...], name: str, *, need_peer_id: bool = False) -> None:
+    """Raise ValueError naming the option unless every value is a multiaddr (with /p2p/ if needed)."""
+    for value in values:
+        try:
+            parsed = Multiaddr(value)
+        except Exception:
+            raise ValueError(
+                f"{name} {value!r} is not a valid multiaddr (expected e.g. /ip4/203.0.113.5/tcp/31330/p2p/Qm...)"
+            ) from None
+        if need_peer_id and "p2p" not in parsed:
+            raise ValueError(
+                f"{name} {value!r} lacks the peer id: it must end with /p2p/<peer id>, "
+                "as in the join command the first daemon printed"
+            )
+
+
+def _check_positive(config: object, *names: str) -> None:
+    for name in names:
+        if not getattr(config, name) > 0:
+            raise ValueError(f"{name} must be positive, got {getattr(config, name)}")
+
+
+def _check_log_options(log_format: str, verbose: int) -> None:
+    if log_format not in ("text", "json"):
+        raise ValueError(f"log_format must be text or json, got {log_format!r}")
+    if verbose < 0:
+        raise ValueError("verbose must not be negative")
+
+
+def resolve_config(
+    cls: type[T], flags: Mapping[str, Any], *, env: Mapping[str, str], config_file: str | None = None
+) -> T:
+    """Layer flags over CROWDTRAIN_* variables over a TOML file over the defaults of `cls`."""
+    layered: dict[str, Any] = {}
+    if config_file:
+        layered.update(_read_toml(config_file))
+    layered.update(_from_env(cls, env))
+    layered.update({name: value for name, value in flags.items() if value is not None})
+    try:
+        return from_mapping(cls, layered)
+    except FieldError as e:
+        raise BadInputError(f"Invalid configuration: {e}.") from None
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInputError(f"Cannot read config file {path}: {getattr(e, 'strerror', None) or e}.") from None
+    except tomllib.TOMLDecodeError as e:
+        raise BadInputError(f"Config file {path} is not valid TOML: {e}.") from None
+
+
+def _from_env(cls: type, env: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        text = env.get(ENV_PREFIX + field.name.upper())
+        if text is not None:
+            values[field.name] = _parse_env_value(hints[field.name], text, ENV_PREFIX + field.name.upper())
+    return values
+
+
+def _parse_env_value(hint: Any, text: str, variable: str) -> Any:
+    try:
+        if typing.get_origin(hint) is tuple:
+            return tuple(item for item in re.split(r"[\s,]+", text) if item)
+        if hint is bool:
+            if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError
+            return text.lower() in ("1", "true", "yes")
+        return hint(text)
+    except ValueError:
+        raise BadInputError(f"Environment variable {variable}={text!r} is not a valid {hint.__name__}.") from None
+
+
+def environment() -> dict[str, str]:
+    """The process environment, read only here at the edge."""
+    return dict(os.environ)

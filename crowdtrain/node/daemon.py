@@ -1,0 +1,185 @@
+"""The daemon's lifecycle: lock the state dir, load the identity, join the DHT and the run, heartbeat, leave."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import hivemind
+
+from crowdtrain import __version__, proto
+from crowdtrain.dht.records import owner_marker
+from crowdtrain.dht.registry import list_peer_statuses, list_runs, publish_manifest, publish_peer_status
+from crowdtrain.dht.swarm import SwarmOptions, join_swarm
+from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
+from crowdtrain.errors import CrowdtrainError
+from crowdtrain.node.addresses import resolve_listen, shareable_address
+from crowdtrain.node.config import NodeConfig
+from crowdtrain.node.device import describe_device, resolve_device
+from crowdtrain.node.identity import Identity, load_or_create_identity
+from crowdtrain.node.logs import set_log_peer
+from crowdtrain.node.membership import Membership, resolve_membership
+from crowdtrain.node.statedir import exclusive_state_dir, remove_node_file, write_node_file
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_TTL_S = 90.0
+"""A manifest record outlives its publisher's last refresh by this long."""
+MANIFEST_REFRESH_S = 30.0
+MANIFEST_PUBLISHERS = 5
+"""Members beyond this many don't republish the manifest: enough copies, less DHT traffic."""
+SWARM_LOG_INTERVAL_S = 60.0
+DHT_CALL_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReadyInfo:
+    """What the CLI prints once the node is up."""
+
+    peer_id: str
+    run_id: str
+    founded: bool
+    multiaddrs: tuple[str, ...]
+    join_address: str
+    roles: tuple[str, ...]
+    device: str
+
+
+class Daemon:
+    """One crowdtrain node. `run()` blocks until `stop` is set, then leaves the swarm cleanly."""
+
+    def __init__(self, config: NodeConfig, stop: threading.Event, on_ready: Callable[[ReadyInfo], None]):
+        self.config = config
+        self.stop = stop
+        self.on_ready = on_ready
+        self.roles = _roles(config.role)
+
+    def run(self) -> None:
+        with exclusive_state_dir(self.config.state_path):
+            identity = load_or_create_identity(self.config.identity_path)
+            set_log_peer(identity.peer_id.to_base58())
+            device = describe_device(resolve_device(self.config.device))
+            dht = join_swarm(self._swarm_options(identity), make_validators(identity.private_key))
+            try:
+                self._serve(dht, identity, device)
+            finally:
+                dht.shutdown()
+
+    def _swarm_options(self, identity: Identity) -> SwarmOptions:
+        return SwarmOptions(
+            initial_peers=self.config.initial_peers,
+            listen=resolve_listen(self.config.listen),
+            announce=self.config.announce,
+            identity_path=str(identity.path),
+            client_mode="client" in self.roles,
+            bootstrap_timeout_s=self.config.bootstrap_timeout_s,
+        )
+
+    def _serve(self, dht: hivemind.DHT, identity: Identity, device: str) -> None:
+        membership = resolve_membership(dht, self.config, identity)
+        run_id = membership.manifest.run_id
+        dht.add_validators([CrowdtrainRecordValidator([run_id])])
+        multiaddrs = tuple(str(address) for address in dht.get_visible_maddrs())
+        heartbeat = Heartbeat(dht, identity, membership, self.config, self.roles, device, multiaddrs)
+        heartbeat.beat()
+        state_path = self.config.state_path
+        write_node_file(state_path, _node_info(identity, multiaddrs, run_id))
+        self.on_ready(
+            ReadyInfo(
+                peer_id=identity.peer_id.to_base58(),
+                run_id=run_id,
+                founded=membership.founded,
+                multiaddrs=multiaddrs,
+                join_address=shareable_address(list(multiaddrs)),
+                roles=self.roles,
+                device=device,
+            )
+        )
+        try:
+            while not self.stop.wait(self.config.status_interval_s):
+                if not dht.is_alive():
+                    raise CrowdtrainError("The DHT process died unexpectedly; restart the daemon (see the log above).")
+                heartbeat.beat()
+        finally:
+            logger.info("leaving the swarm")
+            heartbeat.withdraw()
+            remove_node_file(state_path)
+
+
+class Heartbeat:
+    """Publishes this node's status every interval, republishes the manifest, logs the swarm's size."""
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        identity: Identity,
+        membership: Membership,
+        config: NodeConfig,
+        roles: tuple[str, ...],
+        device: str,
+        multiaddrs: tuple[str, ...],
+    ):
+        self.dht, self.membership, self.config = dht, membership, config
+        self.owner = owner_marker(identity.private_key)
+        self.status = proto.PeerStatus(
+            peer_id=identity.peer_id.to_base58(),
+            version=__version__,
+            roles=roles,
+            device=device,
+            reachable="client" not in roles,
+            multiaddrs=multiaddrs,
+            run_id=membership.manifest.run_id,
+        )
+        self.next_manifest_at = 0.0
+        self.next_swarm_log_at = time.monotonic() + SWARM_LOG_INTERVAL_S
+        self.failed_beats = 0
+
+    def beat(self) -> None:
+        self.status.last_seen = time.time()
+        stored = publish_peer_status(self.dht, self.status, self.owner, self.config.status_ttl_s, DHT_CALL_TIMEOUT_S)
+        self.failed_beats = 0 if stored else self.failed_beats + 1
+        if self.failed_beats in (1, 10):
+            logger.warning("could not refresh this node's status in the DHT; peers may not see it")
+        if time.monotonic() >= self.next_manifest_at:
+            self._republish_manifest()
+        if time.monotonic() >= self.next_swarm_log_at:
+            self.next_swarm_log_at = time.monotonic() + SWARM_LOG_INTERVAL_S
+            peers = list_peer_statuses(self.dht, self.status.run_id, DHT_CALL_TIMEOUT_S)
+            logger.info(f"run {self.status.run_id!r}: {len(peers)} peers online")
+
+    def _republish_manifest(self) -> None:
+        self.next_manifest_at = time.monotonic() + MANIFEST_REFRESH_S
+        if not self.membership.founded:
+            listing = list_runs(self.dht, DHT_CALL_TIMEOUT_S).get(self.status.run_id)
+            others = listing.publishers - {self.owner} if listing else frozenset()
+            already_publishing = listing is not None and self.owner in listing.publishers
+            if len(others) >= MANIFEST_PUBLISHERS and not already_publishing:
+                return
+        publish_manifest(self.dht, self.membership.signed_bytes, self.owner, MANIFEST_TTL_S, DHT_CALL_TIMEOUT_S)
+
+    def withdraw(self) -> None:
+        """Replace our status with an OFFLINE one, so readers drop this node at once."""
+        self.status.state = proto.PeerStatus.OFFLINE
+        self.status.last_seen = time.time()
+        if not publish_peer_status(self.dht, self.status, self.owner, self.config.status_ttl_s, DHT_CALL_TIMEOUT_S):
+            logger.warning("could not withdraw this node's status; it will expire by itself")
+
+
+def _roles(role: str) -> tuple[str, ...]:
+    # Until the DeDLOC plan assigns roles from measurements, `auto` means a trainer.
+    return ("trainer",) if role == "auto" else (role,)
+
+
+def _node_info(identity: Identity, multiaddrs: tuple[str, ...], run_id: str) -> dict[str, object]:
+    return {
+        "pid": os.getpid(),
+        "peer_id": identity.peer_id.to_base58(),
+        "multiaddrs": list(multiaddrs),
+        "run_id": run_id,
+        "version": __version__,
+        "started_at": time.time(),
+    }

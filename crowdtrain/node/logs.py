@@ -1,0 +1,60 @@
+"""Logging set-up for the CLI: readable text or JSON lines, with hivemind's chatter below -v."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+_PEER = {"id": "-"}
+
+
+class _PeerFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.peer = _PEER["id"]
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, peer, message (and exc when there is one)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "peer": getattr(record, "peer", "-"),
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(log_format: str, verbose: int, *, quiet: bool = False) -> None:
+    """Configure the root logger once; hivemind and p2pd stay at warnings unless -v."""
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    use_hivemind_log_handler("nowhere")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_PeerFilter())
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        formatter = logging.Formatter("%(asctime)s %(levelname)-7s [%(peer)s] %(message)s", "%H:%M:%S")
+        formatter.converter = time.localtime
+        handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose >= 2 else logging.WARNING if quiet else logging.INFO)
+    logging.getLogger("hivemind").setLevel(
+        logging.DEBUG if verbose >= 2 else logging.INFO if verbose == 1 else logging.ERROR
+    )
+    os.environ.setdefault("GOLOG_LOG_LEVEL", "debug" if verbose >= 2 else "info" if verbose == 1 else "error")
+
+
+def set_log_peer(peer_id: str) -> None:
+    """Tag every later log line with the short peer ID."""
+    _PEER["id"] = peer_id[-8:]

@@ -1,0 +1,96 @@
+"""Which run this node belongs to: found a new one, or learn the swarm's from the DHT."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import hivemind
+
+from crowdtrain.dht.records import sign_manifest
+from crowdtrain.dht.registry import RunListing, list_runs
+from crowdtrain.errors import BadInputError, CrowdtrainError
+from crowdtrain.manifest import RunManifest, load_run_file
+from crowdtrain.node.config import NodeConfig
+from crowdtrain.node.identity import Identity
+
+logger = logging.getLogger(__name__)
+
+LOOKUP_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Membership:
+    """The run this node trains in, with the founder-signed manifest it republishes."""
+
+    manifest: RunManifest
+    signed_bytes: bytes
+    founded: bool
+    """True when this node founded the run (it then always republishes the manifest)."""
+
+
+def resolve_membership(dht: hivemind.DHT, config: NodeConfig, identity: Identity) -> Membership:
+    """Found a run (no initial peers, or a run file naming a run the swarm lacks) or join one."""
+    if not config.initial_peers:
+        return _found(load_run_file(config.run_file or "demo", run_id=config.run_id or None), identity)
+    wanted = load_run_file(config.run_file, run_id=config.run_id or None) if config.run_file else None
+    runs = _await_runs(dht, wanted.run_id if wanted else config.run_id, config.bootstrap_timeout_s)
+    if wanted is not None:
+        return _found_or_join_same(wanted, runs.get(wanted.run_id), identity)
+    if config.run_id:
+        if config.run_id not in runs:
+            raise BadInputError(f"The swarm holds no run named {config.run_id!r}; runs here: {_describe(runs)}.")
+        return _join(runs[config.run_id])
+    if not runs:
+        raise CrowdtrainError(
+            "The swarm answered but holds no run yet; found one by running `crowdtrain run` "
+            "without --initial-peers (or with --run-file)."
+        )
+    if len(runs) > 1:
+        raise BadInputError(f"The swarm holds {len(runs)} runs: {_describe(runs)}; pass --run-id to choose one.")
+    return _join(next(iter(runs.values())))
+
+
+def _await_runs(dht: hivemind.DHT, run_id: str, timeout_s: float) -> dict[str, RunListing]:
+    """Poll the runs key with backoff until a run (or the wanted one) shows up, or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    delay_s = 0.25
+    while True:
+        runs = list_runs(dht, timeout_s=min(LOOKUP_TIMEOUT_S, max(deadline - time.monotonic(), 1.0)))
+        if (run_id in runs) if run_id else runs:
+            return runs
+        if time.monotonic() + delay_s > deadline:
+            return runs
+        time.sleep(delay_s)
+        delay_s = min(delay_s * 2, 2.0)
+
+
+def _found(manifest: RunManifest, identity: Identity) -> Membership:
+    manifest = dataclasses.replace(manifest, created_at=time.time())
+    logger.info(f"founding run {manifest.run_id!r} ({manifest.model.architecture})")
+    return Membership(manifest=manifest, signed_bytes=sign_manifest(manifest, identity.private_key), founded=True)
+
+
+def _join(listing: RunListing) -> Membership:
+    manifest = listing.published.manifest
+    logger.info(f"joining run {manifest.run_id!r} founded by {listing.published.founder_peer_id}")
+    return Membership(manifest=manifest, signed_bytes=listing.signed_bytes, founded=False)
+
+
+def _found_or_join_same(wanted: RunManifest, existing: RunListing | None, identity: Identity) -> Membership:
+    if existing is None:
+        return _found(wanted, identity)
+    if dataclasses.replace(existing.published.manifest, created_at=0.0) == wanted:
+        return _join(existing)
+    raise BadInputError(
+        f"The swarm already holds a run named {wanted.run_id!r} with a different manifest; "
+        "pass --run-id to found yours under another name, or drop --run-file to join it."
+    )
+
+
+def _describe(runs: dict[str, RunListing]) -> str:
+    if not runs:
+        return "none"
+    return ", ".join(f"{run_id} ({listing.published.manifest.model.architecture})" for run_id, listing in sorted(runs.items()))

@@ -1,0 +1,130 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RunManifest(_message.Message):
+    __slots__ = ("run_id", "protocol_version", "created_at", "model", "data", "optimizer", "target_batch_size", "averaging")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    TARGET_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    AVERAGING_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    protocol_version: int
+    created_at: float
+    model: ModelSpec
+    data: DataSpec
+    optimizer: OptimizerSpec
+    target_batch_size: int
+    averaging: AveragingSpec
+    def __init__(self, run_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., created_at: _Optional[float] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., target_batch_size: _Optional[int] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ...) -> None: ...
+
+class ModelSpec(_message.Message):
+    __slots__ = ("architecture", "config_json", "tokenizer")
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    architecture: str
+    config_json: str
+    tokenizer: str
+    def __init__(self, architecture: _Optional[str] = ..., config_json: _Optional[str] = ..., tokenizer: _Optional[str] = ...) -> None: ...
+
+class DataSpec(_message.Message):
+    __slots__ = ("source", "path", "text_field", "sequence_length")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    path: str
+    text_field: str
+    sequence_length: int
+    def __init__(self, source: _Optional[str] = ..., path: _Optional[str] = ..., text_field: _Optional[str] = ..., sequence_length: _Optional[int] = ...) -> None: ...
+
+class OptimizerSpec(_message.Message):
+    __slots__ = ("name", "learning_rate", "weight_decay", "warmup_steps", "total_steps")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    learning_rate: float
+    weight_decay: float
+    warmup_steps: int
+    total_steps: int
+    def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., total_steps: _Optional[int] = ...) -> None: ...
+
+class AveragingSpec(_message.Message):
+    __slots__ = ("mode", "group_size", "grid_dims", "compression", "timeout_s")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GRID_DIMS_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    group_size: int
+    grid_dims: int
+    compression: str
+    timeout_s: float
+    def __init__(self, mode: _Optional[str] = ..., group_size: _Optional[int] = ..., grid_dims: _Optional[int] = ..., compression: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class SignedManifest(_message.Message):
+    __slots__ = ("manifest", "founder_public_key", "signature")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    FOUNDER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    manifest: bytes
+    founder_public_key: bytes
+    signature: bytes
+    def __init__(self, manifest: _Optional[bytes] = ..., founder_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class PeerStatus(_message.Message):
+    __slots__ = ("peer_id", "version", "state", "roles", "device", "samples_per_second", "epoch", "loss", "upload_mbps", "download_mbps", "reachable", "experts", "multiaddrs", "last_seen", "samples_accumulated", "run_id")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ONLINE: _ClassVar[PeerStatus.State]
+        OFFLINE: _ClassVar[PeerStatus.State]
+    ONLINE: PeerStatus.State
+    OFFLINE: PeerStatus.State
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ROLES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_MBPS_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_MBPS_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    MULTIADDRS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_ACCUMULATED_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    version: str
+    state: PeerStatus.State
+    roles: _containers.RepeatedScalarFieldContainer[str]
+    device: str
+    samples_per_second: float
+    epoch: int
+    loss: float
+    upload_mbps: float
+    download_mbps: float
+    reachable: bool
+    experts: _containers.RepeatedScalarFieldContainer[str]
+    multiaddrs: _containers.RepeatedScalarFieldContainer[str]
+    last_seen: float
+    samples_accumulated: int
+    run_id: str
+    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[PeerStatus.State, str]] = ..., roles: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., epoch: _Optional[int] = ..., loss: _Optional[float] = ..., upload_mbps: _Optional[float] = ..., download_mbps: _Optional[float] = ..., reachable: _Optional[bool] = ..., experts: _Optional[_Iterable[str]] = ..., multiaddrs: _Optional[_Iterable[str]] = ..., last_seen: _Optional[float] = ..., samples_accumulated: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
