@@ -146,9 +146,7 @@ class RunManifest:
 
     def __post_init__(self) -> None:
         if not RUN_ID_PATTERN.fullmatch(self.run_id):
-            raise ValueError(
-                f"run_id must be 1-63 lowercase letters, digits, '.', '_' or '-', got {self.run_id!r}"
-            )
+            raise ValueError(f"run_id must be 1-63 lowercase letters, digits, '.', '_' or '-', got {self.run_id!r}")
         if self.protocol_version != PROTOCOL_VERSION:
             raise ValueError(
                 f"protocol_version {self.protocol_version} is not spoken by this crowdtrain "
@@ -224,8 +222,9 @@ def manifest_from_overrides(overrides: Mapping[str, Any]) -> RunManifest:
     """Layer a run file's tables over the `demo` preset; raises FieldError naming the field."""
     base = _as_plain_dict(demo())
     model = overrides.get("model")
-    if isinstance(model, Mapping) and model.get("architecture", base["model"]["architecture"]) != (
-        base["model"]["architecture"]
+    if (
+        isinstance(model, Mapping)
+        and model.get("architecture", base["model"]["architecture"]) != (base["model"]["architecture"])
     ):
         if "config" not in model:
             raise FieldError("model.config is required when model.architecture differs from the demo's")

@@ -26,8 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="start a node: found a run, or join one with --initial-peers")
     _add_swarm_flags(run)
-    run.add_argument("--listen", nargs="+", metavar="MADDR", help="addresses to listen on (default: all interfaces, port 31330)")
-    run.add_argument("--announce", nargs="+", metavar="MADDR", help="addresses peers should dial, e.g. a forwarded public port")
+    run.add_argument(
+        "--listen", nargs="+", metavar="MADDR", help="addresses to listen on (default: all interfaces, port 31330)"
+    )
+    run.add_argument(
+        "--announce", nargs="+", metavar="MADDR", help="addresses peers should dial, e.g. a forwarded public port"
+    )
     run.add_argument("--identity", metavar="PATH", help="identity key file (default: <state-dir>/identity.key)")
     run.add_argument("--run-file", metavar="RUN.toml|PRESET", help="found a run from this manifest or preset (demo)")
     run.add_argument("--device", metavar="auto|cpu|cuda[:N]", help="device to train on (default: auto)")
@@ -37,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="show the swarm: the run's progress and every peer")
     _add_swarm_flags(status)
     status.add_argument("--json", action="store_const", const=True, help="print one JSON object")
-    status.add_argument("--watch", type=float, metavar="SECONDS", dest="watch_s", help="refresh every SECONDS until Ctrl-C")
+    status.add_argument(
+        "--watch", type=float, metavar="SECONDS", dest="watch_s", help="refresh every SECONDS until Ctrl-C"
+    )
     return parser
 
 
@@ -45,8 +51,13 @@ def _add_swarm_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="address(es) of peers in the swarm")
     parser.add_argument("--state-dir", metavar="DIR", help="this node's state directory (default: ~/.crowdtrain)")
     parser.add_argument("--run-id", metavar="ID", help="the run to join or show when the swarm holds several")
-    parser.add_argument("--bootstrap-timeout", type=float, metavar="SECONDS", dest="bootstrap_timeout_s",
-                        help="give up when no initial peer answers in this time (default: 20)")
+    parser.add_argument(
+        "--bootstrap-timeout",
+        type=float,
+        metavar="SECONDS",
+        dest="bootstrap_timeout_s",
+        help="give up when no initial peer answers in this time (default: 20)",
+    )
     parser.add_argument("--log-format", choices=("text", "json"), help="log lines for people (text) or machines (json)")
     parser.add_argument("-v", "--verbose", action="count", help="more logs: -v shows hivemind's, -vv debug")
 
@@ -109,8 +120,10 @@ def _run(args: dict[str, Any]) -> int:
 
 def _print_ready(info: Any, state_dir: str) -> None:
     role = "founded" if info.founded else "joined"
-    print(f"crowdtrain {__version__}: peer {info.peer_id} {role} run '{info.run_id}' "
-          f"as {', '.join(info.roles)} on {info.device}")
+    print(
+        f"crowdtrain {__version__}: peer {info.peer_id} {role} run '{info.run_id}' "
+        f"as {', '.join(info.roles)} on {info.device}"
+    )
     print("Visible addresses:")
     for address in info.multiaddrs:
         print(f"  {address}")

@@ -52,9 +52,13 @@ def load_identity(path: Path) -> Identity:
             "pass --identity with the right file, or move this one away to create a new identity."
         )
     private_key = RSAPrivateKey.__new__(RSAPrivateKey)
-    private_key.__setstate__({"_private_key": key.private_bytes(
-        serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
-    )})
+    private_key.__setstate__(
+        {
+            "_private_key": key.private_bytes(
+                serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+            )
+        }
+    )
     return Identity(private_key=private_key, peer_id=PeerID.from_identity(data), path=path)
 
 

@@ -93,4 +93,6 @@ def _found_or_join_same(wanted: RunManifest, existing: RunListing | None, identi
 def _describe(runs: dict[str, RunListing]) -> str:
     if not runs:
         return "none"
-    return ", ".join(f"{run_id} ({listing.published.manifest.model.architecture})" for run_id, listing in sorted(runs.items()))
+    return ", ".join(
+        f"{run_id} ({listing.published.manifest.model.architecture})" for run_id, listing in sorted(runs.items())
+    )

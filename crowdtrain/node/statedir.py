@@ -23,7 +23,9 @@ def exclusive_state_dir(path: Path) -> Iterator[Path]:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as e:
-        raise BadInputError(f"Cannot use state dir {path}: {e.strerror}; pass --state-dir with a writable directory.") from None
+        raise BadInputError(
+            f"Cannot use state dir {path}: {e.strerror}; pass --state-dir with a writable directory."
+        ) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

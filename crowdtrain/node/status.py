@@ -65,12 +65,16 @@ def _target(config: StatusConfig) -> tuple[tuple[str, ...], str]:
 def _choose_run(runs: dict[str, RunListing], run_id: str) -> str:
     if run_id:
         if run_id not in runs:
-            raise BadInputError(f"The swarm holds no run named {run_id!r}; runs here: {', '.join(sorted(runs)) or 'none'}.")
+            raise BadInputError(
+                f"The swarm holds no run named {run_id!r}; runs here: {', '.join(sorted(runs)) or 'none'}."
+            )
         return run_id
     if not runs:
         raise CrowdtrainError("The swarm answered but holds no run yet.")
     if len(runs) > 1:
-        raise BadInputError(f"The swarm holds {len(runs)} runs: {', '.join(sorted(runs))}; pass --run-id to choose one.")
+        raise BadInputError(
+            f"The swarm holds {len(runs)} runs: {', '.join(sorted(runs))}; pass --run-id to choose one."
+        )
     return next(iter(runs))
 
 
@@ -138,7 +142,8 @@ def render(snapshot: dict[str, Any], now: float) -> Group:
     eta = "—" if run["eta_s"] is None else f"{run['eta_s']:.0f} s"
     target = run["target_batch_size"] if run["target_batch_size"] is not None else "?"
     summary = Text.assemble(
-        ("run ", "dim"), (run["run_id"], "bold"),
+        ("run ", "dim"),
+        (run["run_id"], "bold"),
         f"  epoch {run['epoch']}  samples {run['samples_accumulated']}/{target}",
         f"  {run['samples_per_second']:.1f} samples/s  ETA {eta}  {run['num_peers']} peers",
     )

@@ -1,0 +1,42 @@
+# Set-up and main jobs. `make demo` runs a local 3-daemon swarm; `make test` lints and runs every test.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+# torch is pinned to the CPU build here; volunteers with GPUs use the Dockerfile or their own torch.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: demo test lint unit proto clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml
+	$(BIN)/pip install --quiet $(TORCH_PIN)
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/python scripts/demo_swarm.py
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check crowdtrain tests scripts
+	$(BIN)/ruff format --check crowdtrain tests scripts
+	$(BIN)/mypy crowdtrain
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+unit: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q -m "not swarm"
+
+# Regenerate protobuf code after editing crowdtrain/proto/*.proto.
+proto: $(VENV)/.installed
+	cd crowdtrain/proto && ../../$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. *.proto
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache

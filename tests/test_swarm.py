@@ -1,0 +1,96 @@
+"""Real daemons (real p2pd) on loopback: they see each other, keep their identity, and leave."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.harness import await_condition, group_alive, peer_ids, start_daemon, status_json
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
+
+
+def start_swarm(tmp_path: Path, num_daemons: int, env: dict[str, str] | None = None) -> list:
+    founder = start_daemon(tmp_path / "node0", env=env).await_ready()
+    joiners = [
+        start_daemon(tmp_path / f"node{i}", initial_peers=[founder.address], env=env) for i in range(1, num_daemons)
+    ]
+    return [founder, *(joiner.await_ready() for joiner in joiners)]
+
+
+def test_two_daemons_see_each_other(tmp_path: Path) -> None:
+    founder, joiner = start_swarm(tmp_path, 2)
+    expected = {founder.peer_id, joiner.peer_id}
+    for daemon in (founder, joiner):
+        snapshot = await_condition(
+            lambda d=daemon: (s := status_json("--state-dir", str(d.state_dir))) and peer_ids(s) == expected and s,
+            timeout_s=30,
+            what="both peers in status",
+        )
+        assert snapshot["run"]["run_id"] == "demo"
+        assert snapshot["run"]["num_peers"] == 2
+        assert snapshot["run"]["target_batch_size"] == 256
+        peer = snapshot["peers"][0]
+        assert peer["roles"] == ["trainer"] and peer["device"].startswith("cpu")
+        assert peer["loss"] is None and peer["upload_mbps"] is None
+        assert peer["multiaddrs"] and all(address.startswith("/ip4/127.0.0.1/") for address in peer["multiaddrs"])
+    assert joiner.info["run_id"] == "demo"
+    assert "crowdtrain run --initial-peers /ip4/127.0.0.1/" in founder.log()
+
+
+def test_five_daemons_see_each_other(tmp_path: Path) -> None:
+    daemons = start_swarm(tmp_path, 5)
+    expected = {daemon.peer_id for daemon in daemons}
+    assert len(expected) == 5
+    await_condition(
+        lambda: peer_ids(status_json("--initial-peers", daemons[-1].address)) == expected,
+        timeout_s=45,
+        what="all five peers in status",
+    )
+
+
+def test_status_reader_is_not_counted(tmp_path: Path) -> None:
+    (founder,) = start_swarm(tmp_path, 1)
+    for _ in range(2):
+        snapshot = status_json("--initial-peers", founder.address)
+        assert peer_ids(snapshot) == {founder.peer_id}
+
+
+def test_identity_survives_restart(tmp_path: Path) -> None:
+    (first,) = start_swarm(tmp_path, 1)
+    peer_id = first.peer_id
+    key_bytes = (tmp_path / "node0" / "identity.key").read_bytes()
+    assert (tmp_path / "node0" / "identity.key").stat().st_mode & 0o777 == 0o600
+    first.signal(signal.SIGTERM)
+    assert first.wait() == 0
+    assert not (tmp_path / "node0" / "node.json").exists(), "a clean exit removes node.json"
+    second = start_daemon(tmp_path / "node0").await_ready()
+    assert second.peer_id == peer_id
+    assert (tmp_path / "node0" / "identity.key").read_bytes() == key_bytes
+
+
+def test_sigterm_leaves_status_at_once(tmp_path: Path) -> None:
+    env = {"CROWDTRAIN_STATUS_TTL_S": "600"}  # expiry can't be what removes it
+    founder, leaver = start_swarm(tmp_path, 2, env=env)
+    await_condition(lambda: leaver.peer_id in peer_ids(status_json("--initial-peers", founder.address)), 30, "leaver")
+    leaver.signal(signal.SIGTERM)
+    assert leaver.wait(timeout_s=30) == 0
+    snapshot = status_json("--initial-peers", founder.address)
+    assert peer_ids(snapshot) == {founder.peer_id}
+    assert not group_alive(leaver.process.pid), "p2pd and the DHT process exit with the daemon"
+
+
+def test_sigkill_leaves_status_when_record_expires(tmp_path: Path) -> None:
+    env = {"CROWDTRAIN_STATUS_TTL_S": "8"}
+    founder, victim = start_swarm(tmp_path, 2, env=env)
+    await_condition(lambda: victim.peer_id in peer_ids(status_json("--initial-peers", founder.address)), 30, "victim")
+    victim.signal(signal.SIGKILL)
+    victim.wait()
+    await_condition(lambda: not group_alive(victim.process.pid), 15, "the victim's p2pd and DHT process to exit")
+    await_condition(
+        lambda: peer_ids(status_json("--initial-peers", founder.address)) == {founder.peer_id},
+        timeout_s=40,
+        what="the killed peer's record to expire",
+    )
