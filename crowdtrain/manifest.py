@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from google.protobuf.message import DecodeError
+
 from crowdtrain import proto
 from crowdtrain.errors import BadInputError
 from crowdtrain.structured import FieldError, from_mapping, from_message, to_message
@@ -111,8 +113,10 @@ class AveragingSpec:
     """Dimensions of the Moshpit grid (d): exact average after d rounds for M^d peers."""
     compression: str = "fp16"
     """Tensor encoding on the wire: `fp16` or `none`."""
-    timeout_s: float = 60.0
+    timeout_s: float = 20.0
     """Abandon an averaging round after this many seconds."""
+    matchmaking_time_s: float = 5.0
+    """Seconds spent gathering a group before an averaging round starts."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("gradients", "parameters"):
@@ -123,8 +127,12 @@ class AveragingSpec:
             raise ValueError(f"grid_dims must be between 1 and 8, got {self.grid_dims}")
         if self.compression not in ("fp16", "none"):
             raise ValueError(f"compression must be 'fp16' or 'none', got {self.compression!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if not self.timeout_s > 0 or not self.matchmaking_time_s > 0:
+            raise ValueError(
+                f"timeout_s and matchmaking_time_s must be positive, got {self.timeout_s}, {self.matchmaking_time_s}"
+            )
+        if self.group_size & (self.group_size - 1):
+            raise ValueError(f"group_size must be a power of two (Moshpit grid keys are bits), got {self.group_size}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -162,7 +170,10 @@ class RunManifest:
     @classmethod
     def from_bytes(cls, data: bytes) -> RunManifest:
         """Parse a serialized `proto.RunManifest`; raises ValueError when malformed or invalid."""
-        message = proto.RunManifest.FromString(data)
+        try:
+            message = proto.RunManifest.FromString(data)
+        except DecodeError as e:
+            raise FieldError(f"not a RunManifest message: {e}") from None
         return from_message(cls, message)
 
 
@@ -198,7 +209,10 @@ def load_run_file(name_or_path: str, *, run_id: str | None = None) -> RunManifes
     """Resolve `--run-file`: a preset name or a TOML file overriding the `demo` preset."""
     if name_or_path in PRESETS:
         manifest = PRESETS[name_or_path]()
-        return manifest if run_id is None else dataclasses.replace(manifest, run_id=run_id)
+        try:
+            return manifest if run_id is None else dataclasses.replace(manifest, run_id=run_id)
+        except ValueError as e:
+            raise BadInputError(f"Invalid --run-id: {e}.") from None
     path = Path(name_or_path).expanduser()
     if not path.exists():
         raise BadInputError(

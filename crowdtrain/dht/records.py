@@ -7,6 +7,7 @@ content, and checks that the record's owner key is the key that wrote it.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from dataclasses import dataclass
 from typing import TypeVar
@@ -100,7 +101,7 @@ def open_manifest(data: bytes) -> PublishedManifest:
         raise RecordError("the manifest's founder signature is invalid")
     try:
         manifest = RunManifest.from_bytes(signed.manifest)
-    except (DecodeError, FieldError, ValueError) as e:
+    except (DecodeError, FieldError, ValueError, RecursionError) as e:  # RecursionError: deeply nested JSON
         raise RecordError(f"the manifest is invalid: {e}") from None
     return PublishedManifest(manifest=manifest, founder_peer_id=peer_id_of_public_key(founder_key).to_base58())
 
@@ -120,6 +121,10 @@ def decode_peer_status(data: bytes, owner: bytes) -> proto.PeerStatus:
     status = _parse(proto.PeerStatus, data)
     if status.peer_id != peer_id_of_owner(owner).to_base58():
         raise RecordError("peer status names a peer_id that is not its owner's")
+    for name in ("samples_per_second", "loss", "upload_mbps", "download_mbps", "last_seen"):
+        value = getattr(status, name)
+        if not math.isfinite(value) or (value < 0 and name != "loss"):
+            raise RecordError(f"peer status has an invalid {name}: {value}")
     return status
 
 

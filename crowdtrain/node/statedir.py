@@ -83,6 +83,8 @@ def find_local_daemon(path: Path) -> dict[str, Any]:
 
 
 def _pid_alive(pid: int) -> bool:
+    if pid <= 0:  # kill(0 or -1) would signal a whole process group, and succeed
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -64,18 +64,20 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., total_steps: _Optional[int] = ...) -> None: ...
 
 class AveragingSpec(_message.Message):
-    __slots__ = ("mode", "group_size", "grid_dims", "compression", "timeout_s")
+    __slots__ = ("mode", "group_size", "grid_dims", "compression", "timeout_s", "matchmaking_time_s")
     MODE_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     GRID_DIMS_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MATCHMAKING_TIME_S_FIELD_NUMBER: _ClassVar[int]
     mode: str
     group_size: int
     grid_dims: int
     compression: str
     timeout_s: float
-    def __init__(self, mode: _Optional[str] = ..., group_size: _Optional[int] = ..., grid_dims: _Optional[int] = ..., compression: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    matchmaking_time_s: float
+    def __init__(self, mode: _Optional[str] = ..., group_size: _Optional[int] = ..., grid_dims: _Optional[int] = ..., compression: _Optional[str] = ..., timeout_s: _Optional[float] = ..., matchmaking_time_s: _Optional[float] = ...) -> None: ...
 
 class SignedManifest(_message.Message):
     __slots__ = ("manifest", "founder_public_key", "signature")

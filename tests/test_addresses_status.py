@@ -1,0 +1,282 @@
+"""Listen addresses and the pure half of `crowdtrain status`: the summary and its rendering."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import socket
+from collections.abc import Iterator
+
+import pytest
+from rich.console import Console, Group
+
+from crowdtrain import proto
+from crowdtrain.dht.records import PublishedManifest
+from crowdtrain.dht.registry import RunListing
+from crowdtrain.errors import BadInputError
+from crowdtrain.manifest import demo
+from crowdtrain.node import addresses
+from crowdtrain.node.addresses import port_is_free, resolve_listen, shareable_address
+from crowdtrain.node.status import render, summarize
+
+PEER_A = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+PEER_B = "QmcgpsyWgH8Y8ajJz1Cu72KnS5uo2Aa2LpzU7kinSupNKC"
+PEER_C = "QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"
+FOUNDER = "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
+
+# --- addresses ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def listening_port() -> Iterator[int]:
+    """A loopback port something listens on for the test's duration."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        yield listener.getsockname()[1]
+
+
+def test_port_is_free_sees_a_listener(listening_port: int) -> None:
+    assert port_is_free("127.0.0.1", listening_port) is False
+    assert port_is_free("0.0.0.0", listening_port) is False  # all interfaces include loopback
+
+
+def test_port_is_free_after_the_listener_closes() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert port_is_free("127.0.0.1", port) is False
+    assert port_is_free("127.0.0.1", port) is True
+
+
+def test_explicit_busy_port_is_bad_input(listening_port: int) -> None:
+    busy = f"/ip4/127.0.0.1/tcp/{listening_port}"
+    with pytest.raises(BadInputError, match=f"port {listening_port} is already in use") as caught:
+        resolve_listen(("/ip4/127.0.0.1/tcp/0", busy))
+    assert busy in str(caught.value)
+
+
+def test_explicit_free_addresses_are_kept_as_given() -> None:
+    listen = ("/ip4/127.0.0.1/tcp/0", "/ip6/::1/tcp/0", "/ip4/127.0.0.1/udp/5/quic")
+    assert resolve_listen(listen) == listen
+
+
+def test_default_port_when_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free_port = probe.getsockname()[1]
+    monkeypatch.setattr(addresses, "DEFAULT_PORT", free_port)
+    assert resolve_listen(()) == (f"/ip4/0.0.0.0/tcp/{free_port}",)
+
+
+def test_busy_default_port_falls_back_to_a_free_one(
+    monkeypatch: pytest.MonkeyPatch, listening_port: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(addresses, "DEFAULT_PORT", listening_port)
+    with caplog.at_level(logging.WARNING, logger="crowdtrain.node.addresses"):
+        assert resolve_listen(()) == ("/ip4/0.0.0.0/tcp/0",)
+    assert str(listening_port) in caplog.text
+
+
+def test_shareable_address_prefers_public_then_private_then_loopback() -> None:
+    loopback = f"/ip4/127.0.0.1/tcp/31330/p2p/{PEER_A}"
+    private = f"/ip4/192.168.1.20/tcp/31330/p2p/{PEER_A}"
+    public = f"/ip4/8.8.4.4/tcp/31330/p2p/{PEER_A}"
+    assert shareable_address([loopback, private, public]) == public
+    assert shareable_address([public, loopback, private]) == public
+    assert shareable_address([loopback, private]) == private
+    assert shareable_address([loopback]) == loopback
+
+
+def test_shareable_address_ranks_ipv6_and_link_local() -> None:
+    public_v6 = f"/ip6/2001:4860:4860::8888/tcp/31330/p2p/{PEER_A}"
+    public_v4 = f"/ip4/1.1.1.1/tcp/31330/p2p/{PEER_A}"
+    link_local = f"/ip6/fe80::1/tcp/31330/p2p/{PEER_A}"
+    loopback_v6 = f"/ip6/::1/tcp/31330/p2p/{PEER_A}"
+    assert shareable_address([public_v6, public_v4]) == public_v4  # same rank: IPv4 first
+    assert shareable_address([loopback_v6, public_v6]) == public_v6
+    assert shareable_address([loopback_v6, link_local]) == link_local
+    assert shareable_address([f"/dns4/example.org/tcp/1/p2p/{PEER_A}", loopback_v6]) == loopback_v6
+
+
+# --- status: summarize -------------------------------------------------------------------------
+
+RUN_KEYS = {"run_id", "epoch", "samples_accumulated", "target_batch_size", "samples_per_second", "eta_s", "num_peers"}
+PEER_KEYS = {
+    "peer_id",
+    "roles",
+    "device",
+    "samples_per_second",
+    "epoch",
+    "loss",
+    "upload_mbps",
+    "download_mbps",
+    "reachable",
+    "experts",
+    "version",
+    "last_seen",
+    "multiaddrs",
+}
+
+
+def listing(target_batch_size: int = 256) -> RunListing:
+    manifest = dataclasses.replace(demo(), target_batch_size=target_batch_size, created_at=1000.0)
+    return RunListing(
+        published=PublishedManifest(manifest=manifest, founder_peer_id=FOUNDER),
+        signed_bytes=b"",
+        publishers=frozenset(),
+    )
+
+
+def statuses() -> list[proto.PeerStatus]:
+    return [
+        proto.PeerStatus(
+            peer_id=PEER_A,
+            version="0.1.0",
+            roles=["trainer", "aggregator"],
+            device="cuda:0 (NVIDIA A100)",
+            samples_per_second=30.0,
+            epoch=5,
+            loss=2.5,
+            upload_mbps=100.0,
+            download_mbps=250.0,
+            reachable=True,
+            experts=["ffn.0", "ffn.1"],
+            multiaddrs=[f"/ip4/127.0.0.1/tcp/31330/p2p/{PEER_A}", f"/ip4/8.8.8.8/tcp/31330/p2p/{PEER_A}"],
+            last_seen=995.0,
+            samples_accumulated=40,
+            run_id="demo",
+        ),
+        proto.PeerStatus(
+            peer_id=PEER_B,
+            version="0.1.0",
+            roles=["trainer"],
+            device="cpu",
+            samples_per_second=10.0,
+            epoch=5,
+            last_seen=990.0,
+            samples_accumulated=16,
+            run_id="demo",
+        ),
+        proto.PeerStatus(  # a straggler: its samples count toward an older epoch, its speed still counts
+            peer_id=PEER_C,
+            roles=["client"],
+            device="cpu",
+            samples_per_second=0.0,
+            epoch=4,
+            samples_accumulated=1000,
+            run_id="demo",
+        ),
+    ]
+
+
+def test_summary_has_the_contract_fields() -> None:
+    snapshot = summarize("demo", listing(), statuses())
+    assert RUN_KEYS <= snapshot["run"].keys()
+    assert all(PEER_KEYS <= peer.keys() for peer in snapshot["peers"])
+    assert json.loads(json.dumps(snapshot)) == snapshot  # plain JSON types only
+
+
+def test_summary_of_the_run() -> None:
+    run = summarize("demo", listing(target_batch_size=256), statuses())["run"]
+    assert run["run_id"] == "demo"
+    assert run["epoch"] == 5
+    assert run["samples_accumulated"] == 56  # only peers at the newest epoch
+    assert run["target_batch_size"] == 256
+    assert run["samples_per_second"] == 40.0
+    assert run["eta_s"] == pytest.approx((256 - 56) / 40.0)
+    assert run["num_peers"] == 3
+    assert run["model"] == "LlamaForCausalLM"
+    assert run["founder"] == FOUNDER
+    assert run["created_at"] == 1000.0
+
+
+def test_summary_of_each_peer() -> None:
+    first, second, _ = summarize("demo", listing(), statuses())["peers"]
+    assert first == {
+        "peer_id": PEER_A,
+        "roles": ["trainer", "aggregator"],
+        "device": "cuda:0 (NVIDIA A100)",
+        "samples_per_second": 30.0,
+        "samples_accumulated": 40,
+        "epoch": 5,
+        "loss": 2.5,
+        "upload_mbps": 100.0,
+        "download_mbps": 250.0,
+        "reachable": True,
+        "experts": ["ffn.0", "ffn.1"],
+        "version": "0.1.0",
+        "last_seen": 995.0,
+        "multiaddrs": [f"/ip4/127.0.0.1/tcp/31330/p2p/{PEER_A}", f"/ip4/8.8.8.8/tcp/31330/p2p/{PEER_A}"],
+    }
+    assert isinstance(second["roles"], list) and second["roles"] == ["trainer"]
+    assert (second["loss"], second["upload_mbps"], second["download_mbps"]) == (None, None, None)
+    assert second["reachable"] is False and second["experts"] == [] and second["multiaddrs"] == []
+
+
+def test_loss_of_zero_is_not_unset() -> None:
+    peer = summarize("demo", None, [proto.PeerStatus(peer_id=PEER_A, loss=0.0, upload_mbps=0.0)])["peers"][0]
+    assert peer["loss"] == 0.0 and peer["upload_mbps"] == 0.0 and peer["download_mbps"] is None
+
+
+@pytest.mark.parametrize(
+    ("target", "accumulated", "samples_per_second", "eta_s"),
+    [(256, 56, 40.0, 5.0), (100, 100, 10.0, 0.0), (100, 150, 10.0, 0.0), (100, 0, 0.0, None)],
+)
+def test_eta_from_target_and_throughput(
+    target: int, accumulated: int, samples_per_second: float, eta_s: float | None
+) -> None:
+    status = proto.PeerStatus(peer_id=PEER_A, samples_accumulated=accumulated, samples_per_second=samples_per_second)
+    assert summarize("demo", listing(target), [status])["run"]["eta_s"] == eta_s
+
+
+def test_summary_without_manifest_or_peers() -> None:
+    run = summarize("demo", None, statuses())["run"]
+    assert run["target_batch_size"] is None and run["eta_s"] is None and run["founder"] is None
+    empty = summarize("demo", listing(), [])
+    assert empty["peers"] == []
+    assert (empty["run"]["epoch"], empty["run"]["num_peers"], empty["run"]["samples_accumulated"]) == (0, 0, 0)
+    assert empty["run"]["eta_s"] is None
+
+
+# --- status: render ----------------------------------------------------------------------------
+
+
+def rendered(snapshot: dict, now: float) -> str:
+    group = render(snapshot, now)
+    assert isinstance(group, Group)
+    console = Console(record=True, width=200, color_system=None)
+    console.print(group)
+    return console.export_text()
+
+
+def test_render_shows_the_run_and_short_peer_ids() -> None:
+    text = rendered(summarize("demo", listing(), statuses()), now=1000.0)
+    assert "run demo" in text
+    assert "epoch 5" in text and "samples 56/256" in text and "40.0 samples/s" in text
+    assert "ETA 5 s" in text and "3 peers" in text
+    rows = [line.strip() for line in text.splitlines()]
+    for peer_id in (PEER_A, PEER_B, PEER_C):
+        assert any(row.startswith("…" + peer_id[-8:] + " ") for row in rows)
+    assert PEER_B not in text and PEER_C not in text  # the peer column shows the short form only
+    assert "trainer,aggregator" in text and "cuda:0 (NVIDIA A100)" in text
+    assert "2.500" in text
+    assert "5 s ago" in text and "10 s ago" in text
+    assert f"/ip4/8.8.8.8/tcp/31330/p2p/{PEER_A}" in text  # the shareable (public) address
+
+
+def test_render_without_manifest_or_measurements() -> None:
+    snapshot = summarize("demo", None, [proto.PeerStatus(peer_id=PEER_B, last_seen=2000.0, loss=math.nan)])
+    text = rendered(snapshot, now=1000.0)
+    assert "samples 0/?" in text and "ETA —" in text and "1 peers" in text
+    assert "…" + PEER_B[-8:] in text
+    assert "nan" not in text.lower()
+    assert "0 s ago" in text  # a clock ahead of ours never shows negative ages
+
+
+def test_render_of_an_empty_swarm() -> None:
+    text = rendered(summarize("demo", listing(), []), now=0.0)
+    assert "0 peers" in text and "peer" in text and "address" in text

@@ -1,0 +1,197 @@
+"""The run manifest: presets, TOML run files over the demo preset, protobuf round trips, field-named errors."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from crowdtrain import proto
+from crowdtrain.errors import BadInputError
+from crowdtrain.manifest import (
+    PROTOCOL_VERSION,
+    AveragingSpec,
+    DataSpec,
+    ModelSpec,
+    OptimizerSpec,
+    RunManifest,
+    demo,
+    load_run_file,
+    manifest_from_overrides,
+)
+from crowdtrain.structured import FieldError
+
+
+def write_run_file(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "run.toml"
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def test_demo_round_trips_through_protobuf() -> None:
+    manifest = dataclasses.replace(demo(), created_at=1_700_000_000.25)
+    data = manifest.to_bytes()
+    assert RunManifest.from_bytes(data) == manifest
+    assert manifest.to_bytes() == data  # deterministic: the founder's signature covers these bytes
+
+
+def test_round_trip_keeps_every_spec_field() -> None:
+    manifest = RunManifest(
+        run_id="r.1_x-2",
+        model=ModelSpec(architecture="AlbertForMaskedLM", config={"nested": {"a": [1, 2.5, None]}}, tokenizer="/tok"),
+        data=DataSpec(source="files", path="/data/corpus", text_field="body", sequence_length=512),
+        optimizer=OptimizerSpec(name="sgd", learning_rate=0.5, weight_decay=0.0, warmup_steps=0, total_steps=3),
+        target_batch_size=4096,
+        averaging=AveragingSpec(mode="parameters", group_size=4, grid_dims=8, compression="none", timeout_s=2.5),
+    )
+    assert RunManifest.from_bytes(manifest.to_bytes()) == manifest
+
+
+def test_demo_preset_loads_by_name() -> None:
+    assert load_run_file("demo") == demo()
+    assert load_run_file("demo", run_id="other-run") == dataclasses.replace(demo(), run_id="other-run")
+
+
+def test_run_file_overrides_only_what_it_names(tmp_path: Path) -> None:
+    path = write_run_file(tmp_path, 'run_id = "mine"\n[optimizer]\nlearning_rate = 0.01\n')
+    manifest = load_run_file(path)
+    assert manifest.run_id == "mine"
+    assert manifest.optimizer.learning_rate == 0.01
+    assert manifest.optimizer == dataclasses.replace(demo().optimizer, learning_rate=0.01)
+    assert dataclasses.replace(manifest, run_id="demo", optimizer=demo().optimizer) == demo()
+
+
+def test_run_id_argument_beats_the_run_file(tmp_path: Path) -> None:
+    path = write_run_file(tmp_path, 'run_id = "mine"\n')
+    assert load_run_file(path, run_id="flagged").run_id == "flagged"
+
+
+def test_integer_is_accepted_for_a_float_field(tmp_path: Path) -> None:
+    manifest = load_run_file(write_run_file(tmp_path, "[optimizer]\nlearning_rate = 1\n"))
+    assert manifest.optimizer.learning_rate == 1.0 and isinstance(manifest.optimizer.learning_rate, float)
+
+
+def test_model_config_in_a_run_file_replaces_the_presets(tmp_path: Path) -> None:
+    path = write_run_file(tmp_path, "[model.config]\nhidden_size = 64\n")
+    assert load_run_file(path).model.config == {"hidden_size": 64}
+
+
+def test_new_architecture_with_its_config_is_accepted(tmp_path: Path) -> None:
+    path = write_run_file(tmp_path, '[model]\narchitecture = "GPT2LMHeadModel"\nconfig = { n_layer = 2 }\n')
+    model = load_run_file(path).model
+    assert model.architecture == "GPT2LMHeadModel"
+    assert model.config == {"n_layer": 2}
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("[optimizer]\nlearnig_rate = 1\n", "optimizer.learnig_rate"),
+        ("colour = 1\n", "colour"),
+        ('target_batch_size = "big"\n', "target_batch_size"),
+        ("[optimizer]\nwarmup_steps = 1.5\n", "optimizer.warmup_steps"),
+        ('[model]\ntokenizer = ["a"]\n', "model.tokenizer"),
+        ('model = "llama"\n', "model"),
+        ('[averaging]\nmode = "magic"\n', "mode"),
+        ("[averaging]\ngroup_size = 1\n", "group_size"),
+        ("[data]\nsequence_length = 0\n", "sequence_length"),
+        ('[data]\nsource = "files"\n', "path"),
+        ("[optimizer]\nlearning_rate = -1.0\n", "learning_rate"),
+        ('run_id = "Bad Run!"\n', "run_id"),
+        ("run_id = 7\n", "run_id"),
+        ("protocol_version = 99\n", "protocol_version"),
+        ('[model]\narchitecture = "not a class"\nconfig = {}\n', "architecture"),
+    ],
+)
+def test_bad_run_file_names_the_field(tmp_path: Path, text: str, field: str) -> None:
+    path = write_run_file(tmp_path, text)
+    with pytest.raises(BadInputError, match=field.replace(".", r"\.")) as caught:
+        load_run_file(path)
+    assert path in str(caught.value)
+
+
+def test_averaging_errors_say_which_table(tmp_path: Path) -> None:
+    with pytest.raises(BadInputError, match=r"\[averaging\].*mode.*'magic'"):
+        load_run_file(write_run_file(tmp_path, '[averaging]\nmode = "magic"\n'))
+
+
+def test_bad_run_id_argument_with_a_run_file_is_bad_input(tmp_path: Path) -> None:
+    with pytest.raises(BadInputError, match="run_id"):
+        load_run_file(write_run_file(tmp_path, ""), run_id="Bad Run!")
+
+
+def test_bad_run_id_argument_with_a_preset_is_bad_input() -> None:
+    with pytest.raises(BadInputError, match="run_id"):
+        load_run_file("demo", run_id="Bad Run!")
+
+
+def test_changing_architecture_without_config_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(BadInputError, match="model.config"):
+        load_run_file(write_run_file(tmp_path, '[model]\narchitecture = "GPT2LMHeadModel"\n'))
+    with pytest.raises(FieldError, match="model.config"):
+        manifest_from_overrides({"model": {"architecture": "GPT2LMHeadModel"}})
+
+
+def test_invalid_toml_is_bad_input(tmp_path: Path) -> None:
+    path = write_run_file(tmp_path, "[optimizer\nlearning_rate = \n")
+    with pytest.raises(BadInputError, match="not valid TOML") as caught:
+        load_run_file(path)
+    assert path in str(caught.value)
+
+
+def test_a_directory_is_not_a_run_file(tmp_path: Path) -> None:
+    with pytest.raises(BadInputError, match="Cannot read run file") as caught:
+        load_run_file(str(tmp_path))
+    assert str(tmp_path) in str(caught.value)
+
+
+def test_a_missing_file_that_is_no_preset_is_bad_input(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.toml")
+    with pytest.raises(BadInputError, match="neither a file nor a preset") as caught:
+        load_run_file(missing)
+    assert missing in str(caught.value) and "demo" in str(caught.value)
+
+
+def test_run_file_that_is_not_utf8_is_bad_input(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_bytes(b'run_id = "\xff\xfe"\n')
+    with pytest.raises(BadInputError, match="Cannot read run file"):
+        load_run_file(str(path))
+
+
+def test_protocol_version_mismatch_from_bytes_is_rejected() -> None:
+    message = proto.RunManifest.FromString(demo().to_bytes())
+    message.protocol_version = PROTOCOL_VERSION + 1
+    with pytest.raises(ValueError, match="protocol_version"):
+        RunManifest.from_bytes(message.SerializeToString())
+
+
+def test_unknown_protobuf_fields_are_ignored() -> None:
+    extra_field = b"\xa0\x06\x01"  # field 100, varint 1: a field a newer version might add
+    assert RunManifest.from_bytes(demo().to_bytes() + extra_field) == demo()
+
+
+@pytest.mark.parametrize("config_json", ["[1, 2]", "{not json", '"text"'])
+def test_model_config_from_bytes_must_be_a_json_object(config_json: str) -> None:
+    message = proto.RunManifest.FromString(demo().to_bytes())
+    message.model.config_json = config_json
+    with pytest.raises(FieldError, match="config"):
+        RunManifest.from_bytes(message.SerializeToString())
+
+
+def test_invalid_values_from_bytes_name_the_field() -> None:
+    message = proto.RunManifest.FromString(demo().to_bytes())
+    message.averaging.group_size = 1
+    with pytest.raises(FieldError, match="group_size must be at least 2"):
+        RunManifest.from_bytes(message.SerializeToString())
+
+
+def test_corrupt_bytes_raise_value_error_as_documented() -> None:
+    with pytest.raises(ValueError, match="not a RunManifest"):
+        RunManifest.from_bytes(b"\xff\xff\xff")
+
+
+def test_oversized_model_config_is_rejected() -> None:
+    with pytest.raises(ValueError, match="config is larger"):
+        ModelSpec(config={"blob": "x" * 17_000})

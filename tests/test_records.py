@@ -1,0 +1,393 @@
+"""DHT records and their validator: signed manifests, peer statuses, forgeries and garbage."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import CompositeValidator, DHTRecord
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.serializer import MSGPackSerializer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from crowdtrain import proto
+from crowdtrain.dht import keys
+from crowdtrain.dht.records import (
+    MAX_MANIFEST_RECORD_BYTES,
+    MAX_PEER_STATUS_BYTES,
+    RecordError,
+    decode_peer_status,
+    encode_peer_status,
+    open_manifest,
+    owner_marker,
+    peer_id_of_owner,
+    sign_manifest,
+)
+from crowdtrain.dht.validator import CrowdtrainRecordValidator, SafeSignatureValidator, make_validators
+from crowdtrain.manifest import DataSpec, demo
+from crowdtrain.node.identity import Identity, load_or_create_identity
+
+RUN_ID = "demo"
+FAST = settings(max_examples=50, deadline=None)
+
+
+@pytest.fixture(scope="module")
+def identity(tmp_path_factory: pytest.TempPathFactory) -> Identity:
+    return load_or_create_identity(tmp_path_factory.mktemp("identity") / "identity.key")
+
+
+@pytest.fixture(scope="module")
+def other_key() -> RSAPrivateKey:
+    return RSAPrivateKey()
+
+
+@pytest.fixture(scope="module")
+def validator(identity: Identity) -> CompositeValidator:
+    return CompositeValidator(make_validators(identity.private_key, [RUN_ID]))
+
+
+def peer_id_of(identity: Identity) -> str:
+    return PeerID.from_identity(identity.path.read_bytes()).to_base58()
+
+
+def status_of(peer_id: str, **fields: Any) -> proto.PeerStatus:
+    return proto.PeerStatus(peer_id=peer_id, run_id=RUN_ID, version="0.1.0", roles=["trainer"], **fields)
+
+
+def make_record(key: str, owner: bytes, value: object) -> DHTRecord:
+    """A record as hivemind builds it for `dht.store(key, value, subkey=owner)`."""
+    return DHTRecord(
+        key=DHTID.generate(source=key).to_bytes(),
+        subkey=MSGPackSerializer.dumps(owner),
+        value=MSGPackSerializer.dumps(value),
+        expiration_time=get_dht_time() + 60,
+    )
+
+
+def signed(validator: CompositeValidator, record: DHTRecord) -> DHTRecord:
+    """The record as stored: its value extended with the owner's signature."""
+    return dataclasses.replace(record, value=validator.sign_value(record))
+
+
+def forge(record: DHTRecord, signer: RSAPrivateKey) -> DHTRecord:
+    """Sign `record` with `signer` the way hivemind would, whatever owner the record claims."""
+    signature = signer.sign(MSGPackSerializer.dumps(dataclasses.astuple(record)))
+    return dataclasses.replace(record, value=record.value + b"[signature:" + signature + b"]")
+
+
+# --- manifests ---------------------------------------------------------------------------------
+
+
+def test_signed_manifest_round_trips_and_names_the_founder(identity: Identity) -> None:
+    manifest = dataclasses.replace(demo(), created_at=1_700_000_000.5)
+    published = open_manifest(sign_manifest(manifest, identity.private_key))
+    assert published.manifest == manifest
+    assert published.founder_peer_id == peer_id_of(identity)
+    assert published.founder_peer_id == identity.peer_id.to_base58()
+
+
+def test_owner_marker_maps_to_the_identity_peer_id(identity: Identity) -> None:
+    marker = owner_marker(identity.private_key)
+    assert marker.startswith(b"[owner:ssh-rsa ") and marker.endswith(b"]")
+    assert peer_id_of_owner(marker).to_base58() == peer_id_of(identity)
+
+
+def test_manifest_altered_after_signing_is_rejected(identity: Identity) -> None:
+    wrapper = proto.SignedManifest.FromString(sign_manifest(demo(), identity.private_key))
+    altered = proto.RunManifest.FromString(wrapper.manifest)
+    altered.optimizer.learning_rate = 10.0
+    wrapper.manifest = altered.SerializeToString(deterministic=True)
+    with pytest.raises(RecordError, match="signature"):
+        open_manifest(wrapper.SerializeToString())
+
+
+def test_manifest_with_a_damaged_signature_is_rejected(identity: Identity) -> None:
+    wrapper = proto.SignedManifest.FromString(sign_manifest(demo(), identity.private_key))
+    wrapper.signature = identity.private_key.sign(wrapper.manifest + b"something else")
+    with pytest.raises(RecordError, match="signature"):
+        open_manifest(wrapper.SerializeToString())
+
+
+def test_manifest_signed_by_another_key_than_the_one_it_names_is_rejected(
+    identity: Identity, other_key: RSAPrivateKey
+) -> None:
+    wrapper = proto.SignedManifest.FromString(sign_manifest(demo(), identity.private_key))
+    wrapper.founder_public_key = other_key.get_public_key().to_bytes()
+    with pytest.raises(RecordError, match="signature"):
+        open_manifest(wrapper.SerializeToString())
+
+
+def test_manifest_with_a_non_rsa_founder_key_is_rejected() -> None:
+    ed_key = ed25519.Ed25519PrivateKey.generate().public_key()
+    openssh = ed_key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    data = proto.SignedManifest(manifest=demo().to_bytes(), founder_public_key=openssh, signature=b"x")
+    with pytest.raises(RecordError, match="RSA"):
+        open_manifest(data.SerializeToString())
+
+
+def test_validly_signed_but_invalid_manifest_is_rejected(identity: Identity) -> None:
+    body = proto.RunManifest.FromString(demo().to_bytes())
+    body.run_id = "Not A Run ID"
+    data = body.SerializeToString()
+    wrapper = proto.SignedManifest(
+        manifest=data,
+        founder_public_key=identity.private_key.get_public_key().to_bytes(),
+        signature=identity.private_key.sign(data),
+    )
+    with pytest.raises(RecordError, match="run_id"):
+        open_manifest(wrapper.SerializeToString())
+
+
+def deeply_nested_manifest(founder: RSAPrivateKey) -> bytes:
+    """A validly signed SignedManifest, under the size cap, whose model config nests 20,000 lists deep."""
+    body = proto.RunManifest.FromString(demo().to_bytes())
+    body.model.config_json = '{"a": ' + "[" * 20_000 + "]" * 20_000 + "}"
+    data = body.SerializeToString()
+    wrapper = proto.SignedManifest(
+        manifest=data, founder_public_key=founder.get_public_key().to_bytes(), signature=founder.sign(data)
+    ).SerializeToString()
+    assert len(wrapper) <= MAX_MANIFEST_RECORD_BYTES
+    return wrapper
+
+
+def test_validly_signed_manifest_with_deeply_nested_config_raises_record_error(identity: Identity) -> None:
+    with pytest.raises(RecordError):
+        open_manifest(deeply_nested_manifest(identity.private_key))
+
+
+def test_oversized_manifest_is_refused_on_both_ends(identity: Identity) -> None:
+    huge = dataclasses.replace(demo(), data=DataSpec(source="files", path="x" * MAX_MANIFEST_RECORD_BYTES))
+    with pytest.raises(RecordError, match="cap"):
+        sign_manifest(huge, identity.private_key)
+    body = huge.to_bytes()
+    wrapper = proto.SignedManifest(
+        manifest=body,
+        founder_public_key=identity.private_key.get_public_key().to_bytes(),
+        signature=identity.private_key.sign(body),
+    ).SerializeToString()
+    assert len(wrapper) > MAX_MANIFEST_RECORD_BYTES
+    with pytest.raises(RecordError, match="cap"):
+        open_manifest(wrapper)
+
+
+@pytest.mark.parametrize("data", [b"\xff\xff\xff", b"\x0a\x05ab", "not bytes"])
+def test_open_manifest_rejects_garbage(data: bytes) -> None:
+    with pytest.raises(RecordError):
+        open_manifest(data)
+
+
+# --- peer statuses -----------------------------------------------------------------------------
+
+
+def test_peer_status_of_its_owner_round_trips(identity: Identity) -> None:
+    status = status_of(peer_id_of(identity), samples_per_second=12.5, epoch=3, loss=2.25)
+    decoded = decode_peer_status(encode_peer_status(status), owner_marker(identity.private_key))
+    assert decoded == status
+    assert decoded.HasField("loss") and not decoded.HasField("upload_mbps")
+
+
+def test_peer_status_naming_another_peer_is_rejected(identity: Identity, other_key: RSAPrivateKey) -> None:
+    forged = encode_peer_status(status_of(peer_id_of(identity)))
+    with pytest.raises(RecordError, match="owner"):
+        decode_peer_status(forged, owner_marker(other_key))
+
+
+def test_oversized_peer_status_is_refused_on_both_ends(identity: Identity) -> None:
+    status = status_of(peer_id_of(identity), experts=[f"expert.{i}" for i in range(MAX_PEER_STATUS_BYTES // 8)])
+    with pytest.raises(RecordError, match="cap"):
+        encode_peer_status(status)
+    data = status.SerializeToString()
+    assert len(data) > MAX_PEER_STATUS_BYTES
+    with pytest.raises(RecordError, match="cap"):
+        decode_peer_status(data, owner_marker(identity.private_key))
+
+
+def test_peer_status_that_is_not_protobuf_is_rejected(identity: Identity) -> None:
+    with pytest.raises(RecordError, match="PeerStatus"):
+        decode_peer_status(b"\xff\xff\xff", owner_marker(identity.private_key))
+
+
+@pytest.mark.parametrize(
+    "marker",
+    [
+        b"",
+        b"garbage",
+        b"[owner:]",
+        b"[owner:ssh-rsa not-base64]",
+        b"[owner:ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQ]",
+        b"prefix [owner:ssh-rsa AAAA]",
+    ],
+)
+def test_peer_id_of_owner_rejects_garbage(marker: bytes) -> None:
+    with pytest.raises(RecordError):
+        peer_id_of_owner(marker)
+
+
+def test_peer_id_of_owner_rejects_a_non_rsa_key() -> None:
+    ed_key = ed25519.Ed25519PrivateKey.generate().public_key()
+    openssh = ed_key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    with pytest.raises(RecordError, match="RSA"):
+        peer_id_of_owner(b"[owner:" + openssh + b"]")
+
+
+# --- the validator, fed records built exactly as hivemind builds them --------------------------
+
+
+def test_validator_accepts_a_signed_manifest_record(identity: Identity, validator: CompositeValidator) -> None:
+    manifest = sign_manifest(demo(), identity.private_key)
+    record = signed(validator, make_record(keys.RUNS_KEY, owner_marker(identity.private_key), manifest))
+    assert b"[signature:" in record.value
+    assert validator.validate(record) is True
+    assert MSGPackSerializer.loads(validator.strip_value(record)) == manifest
+
+
+def test_validator_rejects_a_deeply_nested_manifest_without_raising(
+    identity: Identity, validator: CompositeValidator
+) -> None:
+    owner = owner_marker(identity.private_key)
+    record = signed(validator, make_record(keys.RUNS_KEY, owner, deeply_nested_manifest(identity.private_key)))
+    assert validator.validate(record) is False
+
+
+def test_validator_accepts_a_manifest_republished_by_another_member(
+    identity: Identity, other_key: RSAPrivateKey, validator: CompositeValidator
+) -> None:
+    founders_manifest = sign_manifest(demo(), other_key)
+    record = signed(validator, make_record(keys.RUNS_KEY, owner_marker(identity.private_key), founders_manifest))
+    assert validator.validate(record) is True
+
+
+def test_validator_accepts_the_owners_peer_status(identity: Identity, validator: CompositeValidator) -> None:
+    status = encode_peer_status(status_of(peer_id_of(identity)))
+    record = signed(validator, make_record(keys.peers_key(RUN_ID), owner_marker(identity.private_key), status))
+    assert validator.validate(record) is True
+
+
+def test_validator_rejects_a_status_naming_another_peer(
+    identity: Identity, other_key: RSAPrivateKey, validator: CompositeValidator
+) -> None:
+    someone_else = peer_id_of_owner(owner_marker(other_key)).to_base58()
+    status = encode_peer_status(status_of(someone_else))
+    record = signed(validator, make_record(keys.peers_key(RUN_ID), owner_marker(identity.private_key), status))
+    assert b"[signature:" in record.value  # the signature is genuine: only the content lies
+    assert validator.validate(record) is False
+
+
+def test_validator_rejects_a_record_signed_by_a_key_other_than_its_owner(
+    identity: Identity, other_key: RSAPrivateKey, validator: CompositeValidator
+) -> None:
+    victim = owner_marker(other_key)
+    status = encode_peer_status(status_of(peer_id_of_owner(victim).to_base58()))
+    unsigned = make_record(keys.peers_key(RUN_ID), victim, status)
+    assert validator.sign_value(unsigned) == unsigned.value  # our key does not sign for another owner
+    assert validator.validate(unsigned) is False
+    assert validator.validate(forge(unsigned, identity.private_key)) is False
+    assert validator.validate(forge(unsigned, other_key)) is True  # the same record, signed by its owner
+
+
+def test_validator_rejects_a_signed_record_moved_to_another_owner(
+    identity: Identity, other_key: RSAPrivateKey, validator: CompositeValidator
+) -> None:
+    manifest = sign_manifest(demo(), identity.private_key)
+    original = signed(validator, make_record(keys.RUNS_KEY, owner_marker(identity.private_key), manifest))
+    assert validator.validate(original) is True
+    moved = dataclasses.replace(original, subkey=MSGPackSerializer.dumps(owner_marker(other_key)))
+    assert validator.validate(moved) is False
+
+
+def test_validator_passes_records_under_unrelated_keys(validator: CompositeValidator) -> None:
+    for key in ("some/averaging/key", keys.peers_key("a-run-not-registered")):
+        record = make_record(key, b"any subkey", b"\xff any value")
+        assert validator.validate(record) is True
+
+
+def test_validator_rejects_a_regular_value_under_the_runs_key(
+    identity: Identity, validator: CompositeValidator
+) -> None:
+    record = DHTRecord(
+        key=DHTID.generate(source=keys.RUNS_KEY).to_bytes(),
+        subkey=MSGPackSerializer.dumps(None),  # hivemind's marker of a non-dictionary value
+        value=MSGPackSerializer.dumps(sign_manifest(demo(), identity.private_key)),
+        expiration_time=get_dht_time() + 60,
+    )
+    assert validator.validate(record) is False
+
+
+def test_merged_validators_guard_runs_registered_later(identity: Identity) -> None:
+    composite = CompositeValidator(make_validators(identity.private_key, [RUN_ID]))
+    composite.extend([CrowdtrainRecordValidator(["later"])])
+    garbage = signed(composite, make_record(keys.peers_key("later"), owner_marker(identity.private_key), b"\xff"))
+    assert composite.validate(garbage) is False
+
+
+@FAST
+@given(value=st.binary(max_size=512), under_peers_key=st.booleans())
+def test_validator_rejects_arbitrary_bytes_under_crowdtrain_keys(
+    identity: Identity, validator: CompositeValidator, value: bytes, under_peers_key: bool
+) -> None:
+    key = keys.peers_key(RUN_ID) if under_peers_key else keys.RUNS_KEY
+    record = signed(validator, make_record(key, owner_marker(identity.private_key), value))
+    assert validator.validate(record) is False
+
+
+MSGPACK_OBJECTS = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=32)
+    | st.binary(max_size=64),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=10,
+)
+
+
+@FAST
+@given(value=MSGPACK_OBJECTS, under_peers_key=st.booleans())
+def test_validator_rejects_arbitrary_msgpack_values_under_crowdtrain_keys(
+    identity: Identity, validator: CompositeValidator, value: object, under_peers_key: bool
+) -> None:
+    key = keys.peers_key(RUN_ID) if under_peers_key else keys.RUNS_KEY
+    record = signed(validator, make_record(key, owner_marker(identity.private_key), value))
+    assert validator.validate(record) is False
+
+
+@FAST
+@given(raw_value=st.binary(max_size=256), raw_subkey=st.binary(max_size=64), under_peers_key=st.booleans())
+def test_validator_never_raises_on_raw_bytes(
+    validator: CompositeValidator, raw_value: bytes, raw_subkey: bytes, under_peers_key: bool
+) -> None:
+    key = keys.peers_key(RUN_ID) if under_peers_key else keys.RUNS_KEY
+    record = DHTRecord(DHTID.generate(source=key).to_bytes(), raw_subkey, raw_value, get_dht_time() + 60)
+    assert validator.validate(record) is False
+
+
+@FAST
+@given(junk=st.binary(min_size=1, max_size=128))
+def test_garbage_owner_marker_is_rejected_without_raising(identity: Identity, junk: bytes) -> None:
+    marker = b"[owner:" + junk + b"]"
+    record = make_record(keys.RUNS_KEY, marker, sign_manifest(demo(), identity.private_key))
+    record = dataclasses.replace(record, value=record.value + b"[signature:AAAA]")
+    assert SafeSignatureValidator(identity.private_key).validate(record) in (True, False)
+    assert CompositeValidator(make_validators(identity.private_key, [RUN_ID])).validate(record) is False
+
+
+def test_unparsable_owner_key_is_a_rejection(identity: Identity) -> None:
+    record = make_record(keys.RUNS_KEY, b"[owner:ssh-rsa garbage]", b"")
+    record = dataclasses.replace(record, value=record.value + b"[signature:AAAA]")
+    assert SafeSignatureValidator(identity.private_key).validate(record) is False
+
+
+def test_identity_file_peer_id_is_the_one_p2pd_derives(tmp_path: Path) -> None:
+    created = load_or_create_identity(tmp_path / "identity.key")
+    from_file = PeerID.from_identity((tmp_path / "identity.key").read_bytes())
+    assert created.peer_id == from_file
+    assert peer_id_of_owner(owner_marker(created.private_key)) == from_file
