@@ -52,6 +52,12 @@ class NodeConfig:
     """Seconds between two refreshes of this node's status record."""
     status_ttl_s: float = 20.0
     """Seconds a status record outlives its last refresh (how long a crashed node stays listed)."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward pass on this node (lower it when memory is short)."""
+    num_threads: int = 0
+    """CPU threads torch may use for training; 0 leaves torch's default (one per core)."""
+    checkpoint_keep: int = 3
+    """How many checkpoints of the run to keep in the state dir."""
     log_format: str = "text"
     """text for people, json for machines."""
     verbose: int = 0
@@ -65,7 +71,15 @@ class NodeConfig:
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        _check_positive(self, "bootstrap_timeout_s", "status_interval_s", "status_ttl_s")
+        _check_positive(self, "bootstrap_timeout_s", "status_interval_s", "status_ttl_s", "micro_batch_size")
+        _check_positive(self, "checkpoint_keep")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must not be negative, got {self.num_threads}")
+        if self.role in ("aggregator", "expert-host"):
+            raise ValueError(
+                f"role {self.role} is not available in this version yet (adaptive roles and DMoE hosting are "
+                "coming); use auto, trainer or client"
+            )
         if self.status_ttl_s <= self.status_interval_s:
             raise ValueError("status_ttl_s must be longer than status_interval_s, or records expire between refreshes")
         _check_log_options(self.log_format, self.verbose)

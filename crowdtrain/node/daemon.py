@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -16,7 +17,6 @@ from crowdtrain.dht.records import owner_marker
 from crowdtrain.dht.registry import list_peer_statuses, list_runs, publish_manifest, publish_peer_status
 from crowdtrain.dht.swarm import SwarmOptions, join_swarm
 from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
-from crowdtrain.errors import CrowdtrainError
 from crowdtrain.node.addresses import resolve_listen, shareable_address
 from crowdtrain.node.config import NodeConfig
 from crowdtrain.node.device import describe_device, resolve_device
@@ -24,6 +24,7 @@ from crowdtrain.node.identity import Identity, load_or_create_identity
 from crowdtrain.node.logs import set_log_peer
 from crowdtrain.node.membership import Membership, resolve_membership
 from crowdtrain.node.statedir import exclusive_state_dir, remove_node_file, write_node_file
+from crowdtrain.node.training import Progress, Trainer, TrainerOptions
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,8 @@ class Daemon:
         run_id = membership.manifest.run_id
         dht.add_validators([CrowdtrainRecordValidator([run_id])])
         multiaddrs = tuple(str(address) for address in dht.get_visible_maddrs())
-        heartbeat = Heartbeat(dht, identity, membership, self.config, self.roles, device, multiaddrs)
+        progress = Progress()
+        heartbeat = Heartbeat(dht, identity, membership, self.config, self.roles, device, multiaddrs, progress)
         heartbeat.beat()
         state_path = self.config.state_path
         write_node_file(state_path, _node_info(identity, multiaddrs, run_id))
@@ -99,15 +101,42 @@ class Daemon:
                 device=device,
             )
         )
+        beating = threading.Thread(target=heartbeat.run, args=(self.stop,), name="heartbeat", daemon=True)
+        beating.start()
         try:
-            while not self.stop.wait(self.config.status_interval_s):
-                if not dht.is_alive():
-                    raise CrowdtrainError("The DHT process died unexpectedly; restart the daemon (see the log above).")
-                heartbeat.beat()
+            self._trainer(dht, identity, membership, progress).run(self.stop)
         finally:
+            self.stop.set()
+            beating.join(timeout=DHT_CALL_TIMEOUT_S + 1)
             logger.info("leaving the swarm")
             heartbeat.withdraw()
             remove_node_file(state_path)
+
+    def _trainer(self, dht: hivemind.DHT, identity: Identity, membership: Membership, progress: Progress) -> Trainer:
+        run_id = membership.manifest.run_id
+        state = self.config.state_path
+        options = TrainerOptions(
+            micro_batch_size=self.config.micro_batch_size,
+            checkpoint_dir=state / "checkpoints" / run_id,
+            checkpoint_keep=self.config.checkpoint_keep,
+            data_cache_dir=state / "data-cache",
+            client_mode="client" in self.roles,
+            show_bar=self.config.log_format == "text" and sys.stderr.isatty(),
+            num_threads=self.config.num_threads,
+        )
+
+        def known_peers() -> list[str]:
+            return [status.peer_id for status in list_peer_statuses(dht, run_id, DHT_CALL_TIMEOUT_S)]
+
+        return Trainer(
+            dht=dht,
+            manifest=membership.manifest,
+            peer_id=identity.peer_id.to_base58(),
+            private_key=identity.private_key,
+            options=options,
+            progress=progress,
+            known_peers=known_peers,
+        )
 
 
 class Heartbeat:
@@ -122,8 +151,9 @@ class Heartbeat:
         roles: tuple[str, ...],
         device: str,
         multiaddrs: tuple[str, ...],
+        progress: Progress,
     ):
-        self.dht, self.membership, self.config = dht, membership, config
+        self.dht, self.membership, self.config, self.progress = dht, membership, config, progress
         self.owner = owner_marker(identity.private_key)
         self.status = proto.PeerStatus(
             peer_id=identity.peer_id.to_base58(),
@@ -138,7 +168,24 @@ class Heartbeat:
         self.next_swarm_log_at = time.monotonic() + SWARM_LOG_INTERVAL_S
         self.failed_beats = 0
 
+    def run(self, stop: threading.Event) -> None:
+        """Beat every status interval until `stop` is set; a DHT that died ends the daemon."""
+        while not stop.wait(self.config.status_interval_s):
+            if not self.dht.is_alive():
+                logger.error("the DHT process died unexpectedly; stopping (restart the daemon)")
+                stop.set()
+                return
+            try:
+                self.beat()
+            except Exception:
+                logger.exception("heartbeat failed; retrying at the next interval")
+
     def beat(self) -> None:
+        progress = self.progress
+        self.status.epoch, self.status.samples_accumulated = progress.epoch, progress.samples_accumulated
+        self.status.samples_per_second = progress.samples_per_second
+        if progress.loss is not None:
+            self.status.loss = progress.loss
         self.status.last_seen = time.time()
         stored = publish_peer_status(self.dht, self.status, self.owner, self.config.status_ttl_s, DHT_CALL_TIMEOUT_S)
         self.failed_beats = 0 if stored else self.failed_beats + 1

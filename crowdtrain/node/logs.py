@@ -17,6 +17,16 @@ class _PeerFilter(logging.Filter):
         return True
 
 
+class _CurrentStderr:
+    """Whatever sys.stderr is at write time, so a live progress bar can print log lines above itself."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts, level, logger, peer, message (and exc when there is one)."""
 
@@ -38,7 +48,7 @@ def setup_logging(log_format: str, verbose: int, *, quiet: bool = False) -> None
     from hivemind.utils.logging import use_hivemind_log_handler
 
     use_hivemind_log_handler("nowhere")
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_CurrentStderr())
     handler.addFilter(_PeerFilter())
     if log_format == "json":
         handler.setFormatter(JsonFormatter())

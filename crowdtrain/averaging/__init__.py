@@ -1,0 +1,7 @@
+"""Data-parallel training together: global batches (DeDLOC) and Moshpit group averaging.
+
+grid          Moshpit grid coordinates as hivemind group bits
+schedule      the learning-rate schedule per global step
+collaboration hivemind.Optimizer configured from the run manifest, with Moshpit keys
+checkpoint    atomic checkpoints in the state dir, the last K kept, corrupt ones skipped
+"""

@@ -1,0 +1,115 @@
+"""Checkpoints of a node's training state: written atomically, the last K kept, corrupt ones skipped.
+
+A checkpoint is one torch file `epoch-<N>.pt` holding the model and optimizer state, the local
+epoch and the parameter shapes; a SHA-256 of its bytes sits beside it in `epoch-<N>.pt.sha256`, so a
+truncated or bit-flipped file is detected before torch reads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_NAME = re.compile(r"epoch-(\d{8})\.pt")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that can't be used: corrupt, truncated, or for another model."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A loaded checkpoint."""
+
+    epoch: int
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any]
+    path: Path
+
+
+def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
+    """The model's schema: every state tensor's name and shape."""
+    return {name: list(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def save_checkpoint(
+    directory: Path, epoch: int, model: torch.nn.Module, optimizer_state: dict[str, Any], keep: int
+) -> Path:
+    """Write epoch-<epoch>.pt atomically with its checksum, then delete all but the newest `keep`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    payload = {
+        "epoch": epoch,
+        "model": model.state_dict(),
+        "optimizer": optimizer_state,
+        "shapes": parameter_shapes(model),
+    }
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    path = directory / f"epoch-{epoch:08d}.pt"
+    _write_atomically(path, data)
+    _write_atomically(path.with_name(path.name + ".sha256"), hashlib.sha256(data).hexdigest().encode())
+    for old in list_checkpoints(directory)[:-keep]:
+        _remove(old)
+    return path
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Checkpoint files in `directory`, oldest first."""
+    if not directory.is_dir():
+        return []
+    return sorted(path for path in directory.iterdir() if _NAME.fullmatch(path.name))
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module) -> Checkpoint:
+    """Read and verify one checkpoint against its checksum and the model's shapes."""
+    try:
+        data = path.read_bytes()
+        expected = path.with_name(path.name + ".sha256").read_text().strip()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable: {e.strerror}") from None
+    if hashlib.sha256(data).hexdigest() != expected:
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated (checksum mismatch)")
+    try:
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} can't be read by torch: {e}") from None
+    if payload.get("shapes") != parameter_shapes(model):
+        raise CheckpointError(f"checkpoint {path} is for a model of another shape")
+    return Checkpoint(
+        epoch=int(payload["epoch"]), model_state=payload["model"], optimizer_state=payload["optimizer"], path=path
+    )
+
+
+def load_latest_checkpoint(directory: Path, model: torch.nn.Module) -> Checkpoint | None:
+    """The newest usable checkpoint; unusable newer ones are reported and skipped."""
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            return load_checkpoint(path, model)
+        except CheckpointError as e:
+            logger.warning(f"{e}; trying the previous checkpoint")
+    return None
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def _remove(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    path.with_name(path.name + ".sha256").unlink(missing_ok=True)

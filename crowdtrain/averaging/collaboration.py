@@ -1,0 +1,121 @@
+"""hivemind.Optimizer configured from the run manifest: global batches, Moshpit keys, fp16 on the wire.
+
+`gradients` mode (DeDLOC): peers accumulate gradients until the swarm reaches the target batch,
+average them, and step together. `parameters` mode (Moshpit SGD): peers step locally and average
+parameters once per global epoch.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import hivemind
+import torch
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.utils.crypto import RSAPrivateKey
+
+from crowdtrain.averaging.grid import initial_group_bits
+from crowdtrain.averaging.schedule import learning_rate_factor
+from crowdtrain.manifest import AveragingSpec, OptimizerSpec, RunManifest
+
+logger = logging.getLogger(__name__)
+
+LOAD_STATE_TIMEOUT_S = 120.0
+STATE_AVERAGING_EVERY_EPOCHS = 5
+
+
+class _Optimizer(hivemind.Optimizer):
+    """hivemind.Optimizer that honours an explicit `client_mode`.
+
+    Symptom worked around: hivemind 1.1.12 reads `client_mode if client_mode is None else
+    dht.client_mode`, so an explicit client_mode is replaced by the DHT's. The progress tracker is
+    built first, so restoring the value there reaches the tracker and both averagers.
+    """
+
+    def __init__(self, *, client_mode: bool, **kwargs: Any):
+        self._requested_client_mode = client_mode
+        super().__init__(client_mode=client_mode, **kwargs)
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> Any:
+        self.client_mode = self._requested_client_mode
+        return super()._make_progress_tracker(target_batch_size, **kwargs)
+
+
+def make_optimizer(
+    *,
+    dht: hivemind.DHT,
+    manifest: RunManifest,
+    parameters: Iterable[torch.nn.Parameter],
+    micro_batch_size: int,
+    client_mode: bool,
+    group_bits: str,
+    private_key: RSAPrivateKey,
+) -> hivemind.Optimizer:
+    """The collaborative optimizer of this node for the run described by `manifest`.
+
+    `private_key` must be the key of the DHT's signature validator: hivemind merges every
+    RSASignatureValidator added to a DHT into the first one, so progress records signed with any
+    other key (hivemind's default, a process-wide random key) go out unsigned and every peer
+    rejects them: peers then never see each other's epoch and never resynchronise.
+    """
+    averaging = manifest.averaging
+    compression = _compression(averaging)
+    use_local_updates = averaging.mode == "parameters"
+    averager_opts = {"target_group_size": averaging.group_size, "initial_group_bits": group_bits}
+    extra: dict[str, Any] = {}
+    if not use_local_updates:
+        extra["grad_averager_factory"] = functools.partial(GradientAverager, **averager_opts)
+        extra["grad_compression"] = compression
+    return _Optimizer(
+        dht=dht,
+        run_id=f"crowdtrain-{manifest.run_id}",
+        target_batch_size=manifest.target_batch_size,
+        batch_size_per_step=micro_batch_size,
+        params=list(parameters),
+        optimizer=functools.partial(_torch_optimizer, spec=manifest.optimizer),
+        scheduler=functools.partial(_scheduler, spec=manifest.optimizer),
+        matchmaking_time=averaging.matchmaking_time_s,
+        averaging_timeout=averaging.timeout_s,
+        load_state_timeout=LOAD_STATE_TIMEOUT_S,
+        use_local_updates=use_local_updates,
+        # Gradient mode: every peer applies the same averaged gradient, so parameters only drift when a
+        # peer misses a round; average them every few epochs, in step, never in the background (hivemind's
+        # default), where a late result overwrites parameters that moved on and training diverges.
+        delay_state_averaging=use_local_updates,
+        average_state_every=1 if use_local_updates else STATE_AVERAGING_EVERY_EPOCHS,
+        offload_optimizer=False,
+        client_mode=client_mode,
+        # Parameters averaged every few epochs in gradient mode travel uncompressed, so rounding never
+        # erases small updates; a downloaded state always does: fp16 flushes Adam's tiny second moments
+        # to zero, and the next step divides by ~eps and blows the weights up.
+        state_averaging_compression=compression if use_local_updates else NoCompression(),
+        load_state_compression=NoCompression(),
+        averager_opts=averager_opts if use_local_updates else {"target_group_size": averaging.group_size},
+        tracker_opts={"private_key": private_key},
+        verbose=False,
+        **extra,
+    )
+
+
+def moshpit_bits(own_peer_id: str, peer_ids: Iterable[str], averaging: AveragingSpec) -> str:
+    """This peer's initial Moshpit group key from its rank among the peers it knows of."""
+    ranked = sorted(set(peer_ids) | {own_peer_id})
+    return initial_group_bits(ranked.index(own_peer_id), len(ranked), averaging.group_size, averaging.grid_dims)
+
+
+def _compression(averaging: AveragingSpec) -> CompressionBase:
+    return Float16Compression() if averaging.compression == "fp16" else NoCompression()
+
+
+def _torch_optimizer(params: Any, *, spec: OptimizerSpec) -> torch.optim.Optimizer:
+    if spec.name == "sgd":
+        return torch.optim.SGD(params, lr=spec.learning_rate, momentum=0.9, weight_decay=spec.weight_decay)
+    return torch.optim.AdamW(params, lr=spec.learning_rate, weight_decay=spec.weight_decay)
+
+
+def _scheduler(optimizer: torch.optim.Optimizer, *, spec: OptimizerSpec) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(learning_rate_factor, spec=spec))

@@ -1,0 +1,173 @@
+"""The training loop of a node: build the run's model and data, train with the swarm, checkpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import hivemind
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+
+from crowdtrain.averaging.checkpoint import load_latest_checkpoint, save_checkpoint
+from crowdtrain.averaging.collaboration import make_optimizer, moshpit_bits
+from crowdtrain.data import WindowSampler, load_token_stream, peer_seed_from_peer_id
+from crowdtrain.manifest import RunManifest
+from crowdtrain.models import build_model, load_tokenizer, model_kind, training_loss
+from crowdtrain.node.progress_bar import GlobalBatchBar
+
+logger = logging.getLogger(__name__)
+
+THROUGHPUT_EMA_ALPHA = 0.1
+
+
+@dataclass(slots=True)
+class Progress:
+    """What the heartbeat publishes about this node's training; written by the trainer thread only."""
+
+    epoch: int = 0
+    samples_accumulated: int = 0
+    samples_per_second: float = 0.0
+    loss: float | None = None
+    num_skipped_steps: int = 0
+
+    def observe(self, loss: float, num_samples: int, elapsed_s: float) -> None:
+        """Fold one micro-step into the exponential moving averages."""
+        rate = num_samples / max(elapsed_s, 1e-6)
+        alpha = THROUGHPUT_EMA_ALPHA
+        self.samples_per_second = (
+            rate if self.samples_per_second == 0 else (1 - alpha) * self.samples_per_second + alpha * rate
+        )
+        self.loss = loss if self.loss is None else (1 - alpha) * self.loss + alpha * loss
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerOptions:
+    """Node-local training settings (the run-wide ones live in the manifest)."""
+
+    micro_batch_size: int
+    """Samples per forward/backward pass on this node."""
+    checkpoint_dir: Path
+    """Where this run's checkpoints live."""
+    checkpoint_keep: int
+    """How many checkpoints to keep."""
+    data_cache_dir: Path
+    """Where the tokenised corpus is cached."""
+    client_mode: bool
+    """True when peers can't dial this node: it trains but never aggregates."""
+    show_bar: bool
+    """Draw a progress bar of the global batch in the terminal."""
+    num_threads: int = 0
+    """CPU threads for torch; 0 keeps torch's default."""
+
+
+class Trainer:
+    """Trains this node's replica with the swarm until `stop` is set, then checkpoints and shuts down."""
+
+    def __init__(
+        self,
+        *,
+        dht: hivemind.DHT,
+        manifest: RunManifest,
+        peer_id: str,
+        private_key: RSAPrivateKey,
+        options: TrainerOptions,
+        progress: Progress,
+        known_peers: Callable[[], list[str]],
+    ):
+        self.dht, self.manifest, self.peer_id, self.private_key = dht, manifest, peer_id, private_key
+        self.options, self.progress, self.known_peers = options, progress, known_peers
+
+    def run(self, stop: threading.Event) -> None:
+        manifest = self.manifest
+        if self.options.num_threads:
+            torch.set_num_threads(self.options.num_threads)
+        tokenizer = load_tokenizer(manifest.model)
+        model = build_model(manifest.model, tokenizer.vocab_size, seed=run_seed(manifest))
+        kind = model_kind(manifest.model)
+        tokens = load_token_stream(manifest.data, tokenizer, self.options.data_cache_dir)
+        sampler = WindowSampler(tokens, manifest.data.sequence_length, peer_seed_from_peer_id(self.peer_id))
+        restored = load_latest_checkpoint(self.options.checkpoint_dir, model)
+        if restored is not None:
+            model.load_state_dict(restored.model_state)
+            logger.info(f"resuming from checkpoint {restored.path.name} (epoch {restored.epoch})")
+        optimizer = make_optimizer(
+            dht=self.dht,
+            manifest=manifest,
+            parameters=model.parameters(),
+            micro_batch_size=self.options.micro_batch_size,
+            client_mode=self.options.client_mode,
+            group_bits=moshpit_bits(self.peer_id, self.known_peers(), manifest.averaging),
+            private_key=self.private_key,
+        )
+        try:
+            if restored is not None:
+                optimizer.load_state_dict(restored.optimizer_state)
+            self.progress.epoch = optimizer.local_epoch
+            self._train(model, kind, sampler, optimizer, stop)
+        finally:
+            self._checkpoint(model, optimizer)
+            optimizer.shutdown()
+
+    def _train(
+        self,
+        model: torch.nn.Module,
+        kind: str,
+        sampler: WindowSampler,
+        optimizer: hivemind.Optimizer,
+        stop: threading.Event,
+    ) -> None:
+        micro_batch_size, progress = self.options.micro_batch_size, self.progress
+        generator = torch.Generator().manual_seed(peer_seed_from_peer_id(self.peer_id))
+        last_epoch, step = optimizer.local_epoch, 0
+        with GlobalBatchBar(enabled=self.options.show_bar, target=self.manifest.target_batch_size) as bar:
+            while not stop.is_set():
+                started = time.monotonic()
+                batch = sampler.batch(optimizer.local_epoch, micro_batch_size, step)
+                loss = training_loss(model, batch, kind, generator=generator)  # type: ignore[arg-type]
+                if not math.isfinite(loss.item()):
+                    progress.num_skipped_steps += 1
+                    optimizer.zero_grad()
+                    continue
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                step += 1
+                progress.observe(loss.item(), micro_batch_size, time.monotonic() - started)
+                progress.epoch = optimizer.local_epoch
+                progress.samples_accumulated = optimizer.tracker.local_progress.samples_accumulated
+                global_progress = optimizer.tracker.global_progress
+                bar.update(progress, global_progress.samples_accumulated, global_progress.num_peers)
+                if optimizer.local_epoch != last_epoch:
+                    last_epoch = optimizer.local_epoch
+                    self._on_new_epoch(model, optimizer)
+
+    def _on_new_epoch(self, model: torch.nn.Module, optimizer: hivemind.Optimizer) -> None:
+        loss = "?" if self.progress.loss is None else f"{self.progress.loss:.3f}"
+        logger.info(
+            f"epoch {optimizer.local_epoch}: loss {loss}, {self.progress.samples_per_second:.1f} samples/s on this node"
+        )
+        self._checkpoint(model, optimizer)
+
+    def _checkpoint(self, model: torch.nn.Module, optimizer: hivemind.Optimizer) -> None:
+        if optimizer.local_epoch == 0:
+            return  # nothing learned together yet; the swarm's state is what a restart should load
+        save_checkpoint(
+            self.options.checkpoint_dir,
+            optimizer.local_epoch,
+            model,
+            optimizer.state_dict(),
+            keep=self.options.checkpoint_keep,
+        )
+
+
+def run_seed(manifest: RunManifest) -> int:
+    """One initialisation seed per run, so every peer starts from the same weights."""
+    digest = hashlib.blake2b(f"{manifest.run_id}:{manifest.created_at}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % (2**31)

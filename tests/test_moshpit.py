@@ -1,0 +1,93 @@
+"""Moshpit grid keys: pure layout tests, and real hivemind averagers reaching the exact mean in d rounds."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import hivemind
+import pytest
+import torch
+
+from crowdtrain.averaging.collaboration import moshpit_bits
+from crowdtrain.averaging.grid import bits_per_coordinate, initial_group_bits
+from crowdtrain.manifest import AveragingSpec
+
+
+def test_small_swarm_shares_one_group() -> None:
+    assert {initial_group_bits(rank, 4, 4, 2) for rank in range(4)} == {""}
+    assert initial_group_bits(0, 9, 16, 3) == ""
+
+
+def test_grid_keys_fill_groups_row_by_row() -> None:
+    # 16 peers, groups of 4, 2 dimensions: 4 keys of 2 bits, 4 peers each
+    keys = [initial_group_bits(rank, 16, 4, 2) for rank in range(16)]
+    assert keys[:4] == ["00"] * 4 and keys[4:8] == ["01"] * 4 and keys[12:] == ["11"] * 4
+    # 3 dimensions of 2: 4 keys of 2 bits (coordinates in dimensions 1 and 2)
+    keys = [initial_group_bits(rank, 8, 2, 3) for rank in range(8)]
+    assert sorted(set(keys)) == ["00", "01", "10", "11"]
+    assert all(keys.count(key) == 2 for key in set(keys))
+
+
+def test_bits_per_coordinate() -> None:
+    assert [bits_per_coordinate(size) for size in (1, 2, 4, 16)] == [0, 1, 2, 4]
+
+
+def test_rank_out_of_range_is_rejected() -> None:
+    with pytest.raises(ValueError):
+        initial_group_bits(5, 5, 2, 2)
+
+
+def test_moshpit_bits_rank_by_sorted_peer_id() -> None:
+    spec = AveragingSpec(group_size=2, grid_dims=2)
+    peers = ["d", "a", "c", "b"]
+    assert [moshpit_bits(peer, peers, spec) for peer in "abcd"] == ["0", "0", "1", "1"]
+    assert moshpit_bits("a", [], spec) == ""
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(180)
+def test_four_averagers_in_groups_of_two_reach_the_exact_mean_in_two_rounds() -> None:
+    group_size, grid_dims, num_peers = 2, 2, 4
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dhts = [first] + [
+        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+        for _ in range(num_peers - 1)
+    ]
+    values = [torch.tensor([float(rank), 10.0 * rank]) for rank in range(num_peers)]
+    averagers = [
+        hivemind.averaging.DecentralizedAverager(
+            [values[rank].clone()],
+            dht=dhts[rank],
+            prefix="moshpit-test",
+            target_group_size=group_size,
+            min_group_size=group_size,
+            min_matchmaking_time=2.0,
+            request_timeout=2.0,
+            initial_group_bits=initial_group_bits(rank, num_peers, group_size, grid_dims),
+            start=True,
+        )
+        for rank in range(num_peers)
+    ]
+    try:
+        with ThreadPoolExecutor(num_peers) as pool:
+            first_round = list(pool.map(lambda averager: averager.step(timeout=60), averagers))
+            assert all(gathered is not None for gathered in first_round), "every peer found its group"
+            after_first = [_tensor(averager) for averager in averagers]
+            # groups of two, not one group of four: ranks 0,1 and 2,3 each hold their pair's mean
+            assert torch.allclose(after_first[0], (values[0] + values[1]) / 2)
+            assert torch.allclose(after_first[3], (values[2] + values[3]) / 2)
+            second_round = list(pool.map(lambda averager: averager.step(timeout=60), averagers))
+            assert all(gathered is not None for gathered in second_round)
+        mean = torch.stack(values).mean(dim=0)
+        for averager in averagers:
+            assert torch.allclose(_tensor(averager), mean), "exact mean after d=2 rounds"
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+def _tensor(averager: hivemind.averaging.DecentralizedAverager) -> torch.Tensor:
+    with averager.get_tensors() as tensors:
+        return tensors[0].clone()

@@ -1,0 +1,147 @@
+"""Real daemons training one model together on loopback: epochs advance, loss falls, peers come and go."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.harness import Daemon, await_condition, start_daemon, status_json
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
+
+# A tiny model and batch, so a global step takes seconds on two shared cores.
+RUN_FILE = """
+run_id = "tiny"
+target_batch_size = 1024
+
+[model.config]
+vocab_size = 260
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 4
+max_position_embeddings = 64
+tie_word_embeddings = true
+
+[data]
+sequence_length = 32
+
+[optimizer]
+learning_rate = 0.005
+warmup_steps = 0
+total_steps = 1000
+
+[averaging]
+matchmaking_time_s = 2.0
+timeout_s = 15.0
+"""
+
+TRAIN_ENV = {
+    "CROWDTRAIN_MICRO_BATCH_SIZE": "8",
+    "CROWDTRAIN_NUM_THREADS": "1",
+    "CROWDTRAIN_CHECKPOINT_KEEP": "100",
+}
+
+
+def start_training_swarm(tmp_path: Path, num_peers: int) -> list[Daemon]:
+    run_file = tmp_path / "tiny.toml"
+    run_file.write_text(RUN_FILE)
+    founder = start_daemon(tmp_path / "node0", "--run-file", str(run_file), env=TRAIN_ENV).await_ready()
+    joiners = [
+        start_daemon(tmp_path / f"node{i}", initial_peers=[founder.address], env=TRAIN_ENV) for i in range(1, num_peers)
+    ]
+    return [founder, *(joiner.await_ready() for joiner in joiners)]
+
+
+def peers_by_id(snapshot: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {peer["peer_id"]: peer for peer in snapshot["peers"]}
+
+
+def await_epoch(observer: Daemon, daemons: list[Daemon], epoch: int, timeout_s: float) -> dict[str, Any]:
+    """Wait until every daemon in `daemons` reports at least `epoch`; returns the snapshot."""
+    wanted = {daemon.peer_id for daemon in daemons}
+
+    def reached() -> dict[str, Any] | None:
+        snapshot = status_json("--initial-peers", observer.address)
+        peers = peers_by_id(snapshot)
+        done = wanted <= peers.keys() and all(peers[peer]["epoch"] >= epoch for peer in wanted)
+        return snapshot if done else None
+
+    return await_condition(reached, timeout_s, f"{len(wanted)} peers at epoch {epoch}", poll_s=1)
+
+
+def test_three_peers_train_together_and_survive_a_killed_peer(tmp_path: Path) -> None:
+    daemons = start_training_swarm(tmp_path, 3)
+    early = await_epoch(daemons[0], daemons, 1, timeout_s=150)
+    early_loss = {peer_id: peer["loss"] for peer_id, peer in peers_by_id(early).items()}
+    snapshot = await_epoch(daemons[0], daemons, 3, timeout_s=150)
+    assert snapshot["run"]["epoch"] >= 3
+    assert snapshot["run"]["target_batch_size"] == 1024
+    for peer_id, peer in peers_by_id(snapshot).items():
+        assert peer["loss"] is not None and peer["loss"] < early_loss[peer_id], "loss falls as the swarm trains"
+        assert peer["samples_per_second"] > 0
+
+    victim, survivors = daemons[2], daemons[:2]
+    victim.signal(signal.SIGKILL)
+    after_kill = max(peer["epoch"] for peer in snapshot["peers"])
+    await_epoch(survivors[0], survivors, after_kill + 2, timeout_s=150)
+
+
+def test_late_joiner_syncs_epoch_and_parameters(tmp_path: Path) -> None:
+    founder, second = start_training_swarm(tmp_path, 2)
+    await_epoch(founder, [founder, second], 2, timeout_s=150)
+    late = start_daemon(tmp_path / "late", initial_peers=[founder.address], env=TRAIN_ENV).await_ready()
+    snapshot = await_epoch(founder, [founder, second, late], 0, timeout_s=60)
+    swarm_epoch = max(peer["epoch"] for peer in snapshot["peers"] if peer["peer_id"] != late.peer_id)
+    await_epoch(founder, [late], swarm_epoch + 1, timeout_s=150)
+
+    def checkpoints(daemon: Daemon) -> dict[str, Path]:
+        return {path.name: path for path in (daemon.state_dir / "checkpoints" / "tiny").glob("epoch-*.pt")}
+
+    def first_common_epoch() -> str | None:
+        shared = sorted(checkpoints(late).keys() & checkpoints(founder).keys() & checkpoints(second).keys())
+        return shared[0] if shared else None
+
+    # Peers in gradient mode drift apart by fp16 rounding between state-averaging rounds (every few
+    # epochs), so the joiner can't equal both; it must sit within that drift of the swarm, far closer than
+    # the distance the swarm itself travelled since epoch 1 (where a joiner that didn't sync would be).
+    name = await_condition(first_common_epoch, 60, "a checkpoint of the same epoch on all three")
+    late_state = load_model(checkpoints(late)[name])
+    distance_to_swarm = min(
+        max_difference(late_state, load_model(checkpoints(peer)[name])) for peer in (founder, second)
+    )
+    travelled = max_difference(
+        load_model(checkpoints(founder)["epoch-00000001.pt"]), load_model(checkpoints(founder)[name])
+    )
+    assert distance_to_swarm < 0.25 * travelled, (
+        f"joiner is {distance_to_swarm} from the swarm, which moved {travelled}"
+    )
+
+
+def load_model(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)["model"]
+
+
+def max_difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> float:
+    return max((first[key] - tensor).abs().max().item() for key, tensor in second.items())
+
+
+def test_restart_resumes_from_checkpoint(tmp_path: Path) -> None:
+    (solo,) = start_training_swarm(tmp_path, 1)
+    await_epoch(solo, [solo], 2, timeout_s=150)
+    solo.signal(signal.SIGTERM)
+    assert solo.wait(timeout_s=40) == 0
+    saved = sorted((solo.state_dir / "checkpoints" / "tiny").glob("epoch-*.pt"))
+    assert saved, "a clean exit leaves a checkpoint"
+    saved_epoch = int(saved[-1].stem.split("-")[1])
+    restarted = start_daemon(solo.state_dir, "--run-file", str(tmp_path / "tiny.toml"), env=TRAIN_ENV).await_ready()
+    await_condition(
+        lambda: "resuming from checkpoint" in restarted.log(), 60, "the restarted node to load its checkpoint"
+    )
+    assert f"epoch-{saved_epoch:08d}.pt (epoch {saved_epoch})" in restarted.log()
+    await_epoch(restarted, [restarted], saved_epoch, timeout_s=30)
