@@ -84,3 +84,11 @@ def test_learning_rate_schedule_warms_up_then_decays() -> None:
     assert factors[4] == pytest.approx(1.0)
     assert all(later <= earlier for earlier, later in zip(factors[4:], factors[5:], strict=False))
     assert factors[14] == pytest.approx(0.0) and factors[15] == pytest.approx(0.0)
+
+
+def test_partial_average_is_rejected_and_complete_one_accepted() -> None:
+    from crowdtrain.averaging.exact import PartialAverageError, require_complete
+
+    require_complete(0, 1000)
+    with pytest.raises(PartialAverageError, match="4 of 1000 elements"):
+        require_complete(4, 1000)

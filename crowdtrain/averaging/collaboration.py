@@ -10,14 +10,15 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterable
+from multiprocessing.sharedctypes import Synchronized
 from typing import Any
 
 import hivemind
 import torch
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
-from hivemind.optim.grad_averager import GradientAverager
 from hivemind.utils.crypto import RSAPrivateKey
 
+from crowdtrain.averaging.exact import ExactGradientAverager
 from crowdtrain.averaging.grid import initial_group_bits
 from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.manifest import AveragingSpec, OptimizerSpec, RunManifest
@@ -54,6 +55,7 @@ def make_optimizer(
     client_mode: bool,
     group_bits: str,
     private_key: RSAPrivateKey,
+    partial_counter: Synchronized,
 ) -> hivemind.Optimizer:
     """The collaborative optimizer of this node for the run described by `manifest`.
 
@@ -68,7 +70,9 @@ def make_optimizer(
     averager_opts = {"target_group_size": averaging.group_size, "initial_group_bits": group_bits}
     extra: dict[str, Any] = {}
     if not use_local_updates:
-        extra["grad_averager_factory"] = functools.partial(GradientAverager, **averager_opts)
+        extra["grad_averager_factory"] = functools.partial(
+            ExactGradientAverager, partial_counter=partial_counter, **averager_opts
+        )
         extra["grad_compression"] = compression
     return _Optimizer(
         dht=dht,

@@ -101,6 +101,7 @@ def summarize(run_id: str, listing: RunListing | None, statuses: list[proto.Peer
         "samples_per_second": samples_per_second,
         "eta_s": _eta_s(accumulated, target, samples_per_second),
         "num_peers": len(peers),
+        "partial_averages": sum(peer["partial_averages"] for peer in peers),
         "model": manifest.model.architecture if manifest else None,
         "founder": listing.published.founder_peer_id if listing else None,
         "created_at": manifest.created_at if manifest else None,
@@ -133,6 +134,7 @@ def _peer_json(status: proto.PeerStatus) -> dict[str, Any]:
         "version": status.version,
         "last_seen": status.last_seen,
         "multiaddrs": list(status.multiaddrs),
+        "partial_averages": status.partial_averages,
     }
 
 
@@ -146,6 +148,7 @@ def render(snapshot: dict[str, Any], now: float) -> Group:
         (run["run_id"], "bold"),
         f"  epoch {run['epoch']}  samples {run['samples_accumulated']}/{target}",
         f"  {run['samples_per_second']:.1f} samples/s  ETA {eta}  {run['num_peers']} peers",
+        (f"  {run['partial_averages']} partial averages rejected", "yellow") if run["partial_averages"] else "",
     )
     table = Table(box=None, header_style="bold")  # columns never wrap: a narrow terminal crops instead
     for column in ("peer", "roles", "device", "samples/s", "epoch", "loss", "last seen", "address"):

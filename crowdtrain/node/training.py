@@ -17,6 +17,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain.averaging.checkpoint import load_latest_checkpoint, save_checkpoint
 from crowdtrain.averaging.collaboration import make_optimizer, moshpit_bits
+from crowdtrain.averaging.exact import new_partial_counter
 from crowdtrain.data import WindowSampler, load_token_stream, peer_seed_from_peer_id
 from crowdtrain.manifest import RunManifest
 from crowdtrain.models import build_model, load_tokenizer, model_kind, training_loss
@@ -36,6 +37,8 @@ class Progress:
     samples_per_second: float = 0.0
     loss: float | None = None
     num_skipped_steps: int = 0
+    num_partial_averages: int = 0
+    """Averaging rounds rejected because some parts came back un-averaged."""
 
     def observe(self, loss: float, num_samples: int, elapsed_s: float) -> None:
         """Fold one micro-step into the exponential moving averages."""
@@ -83,6 +86,7 @@ class Trainer:
     ):
         self.dht, self.manifest, self.peer_id, self.private_key = dht, manifest, peer_id, private_key
         self.options, self.progress, self.known_peers = options, progress, known_peers
+        self.partial_counter = new_partial_counter()
 
     def run(self, stop: threading.Event) -> None:
         manifest = self.manifest
@@ -105,6 +109,7 @@ class Trainer:
             client_mode=self.options.client_mode,
             group_bits=moshpit_bits(self.peer_id, self.known_peers(), manifest.averaging),
             private_key=self.private_key,
+            partial_counter=self.partial_counter,
         )
         try:
             if restored is not None:
@@ -142,6 +147,7 @@ class Trainer:
                 progress.observe(loss.item(), micro_batch_size, time.monotonic() - started)
                 progress.epoch = optimizer.local_epoch
                 progress.samples_accumulated = optimizer.tracker.local_progress.samples_accumulated
+                progress.num_partial_averages = self.partial_counter.value
                 global_progress = optimizer.tracker.global_progress
                 bar.update(progress, global_progress.samples_accumulated, global_progress.num_peers)
                 if optimizer.local_epoch != last_epoch:

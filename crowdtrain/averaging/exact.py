@@ -1,0 +1,57 @@
+"""Never accept a partial average: an all-reduce missing any part is a failed round, and counted.
+
+hivemind's all-reduce substitutes a peer's own values for the parts a failed reducer never sent back,
+logs "received 99.5% results" and reports success. Training on such a mixture silently breaks the
+equality of replicas. Here a round with any missing part raises instead, so hivemind's Optimizer falls
+back to this peer's local gradients for the step (and the next state averaging re-aligns the replicas),
+and a counter shared with the daemon process records it for `crowdtrain status`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Sequence
+from multiprocessing.sharedctypes import Synchronized
+from typing import Any
+
+import torch
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.optim.grad_averager import GradientAverager
+
+
+class PartialAverageError(RuntimeError):
+    """An all-reduce round in which some parts of the vector were never averaged."""
+
+
+def new_partial_counter() -> Synchronized:
+    """A counter in shared memory: created before hivemind forks its averager process, read after."""
+    return mp.Value("l", 0)
+
+
+def require_complete(num_missing: int, num_total: int) -> None:
+    """Raise PartialAverageError when any of the `num_total` elements came back un-averaged."""
+    if num_missing:
+        raise PartialAverageError(
+            f"{num_missing} of {num_total} elements ({num_missing / max(num_total, 1):.2%}) were not averaged"
+        )
+
+
+class ExactGradientAverager(GradientAverager):
+    """hivemind's GradientAverager that fails a round instead of returning a partial average."""
+
+    def __init__(self, *args: Any, partial_counter: Synchronized, **kwargs: Any):
+        self.partial_counter = partial_counter
+        super().__init__(*args, **kwargs)
+
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs: Any
+    ) -> None:
+        group_id = group_info.group_id if group_id is None else group_id
+        await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
+        container = self._running_groups[group_id].result().tensor_part_container
+        try:
+            require_complete(container.failed_size, container.total_size)
+        except PartialAverageError:
+            with self.partial_counter.get_lock():
+                self.partial_counter.value += 1
+            raise
