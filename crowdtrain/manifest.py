@@ -197,7 +197,7 @@ def demo() -> RunManifest:
         ),
         data=DataSpec(source="embedded", sequence_length=128),
         optimizer=OptimizerSpec(name="adamw", learning_rate=1e-3, warmup_steps=10, total_steps=10_000),
-        target_batch_size=256,
+        target_batch_size=1024,
         averaging=AveragingSpec(mode="gradients", group_size=16, grid_dims=2, compression="fp16"),
     )
 

@@ -29,7 +29,9 @@ def start_daemon(index: int, root: Path, initial_peers: list[str]) -> tuple[subp
     if initial_peers:
         command += ["--initial-peers", *initial_peers]
     log = open(root / f"node{index}.log", "ab")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # One torch thread per daemon: N daemons share this machine's cores instead of oversubscribing them.
+    env = {**os.environ, "CROWDTRAIN_NUM_THREADS": os.environ.get("CROWDTRAIN_NUM_THREADS", "1")}
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     return process, state_dir
 
 

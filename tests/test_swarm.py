@@ -31,7 +31,7 @@ def test_two_daemons_see_each_other(tmp_path: Path) -> None:
         )
         assert snapshot["run"]["run_id"] == "demo"
         assert snapshot["run"]["num_peers"] == 2
-        assert snapshot["run"]["target_batch_size"] == 256
+        assert snapshot["run"]["target_batch_size"] == 1024
         peer = snapshot["peers"][0]
         assert peer["roles"] == ["trainer"] and peer["device"].startswith("cpu")
         assert peer["loss"] is None and peer["upload_mbps"] is None
