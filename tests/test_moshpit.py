@@ -91,3 +91,36 @@ def test_four_averagers_in_groups_of_two_reach_the_exact_mean_in_two_rounds() ->
 def _tensor(averager: hivemind.averaging.DecentralizedAverager) -> torch.Tensor:
     with averager.get_tensors() as tensors:
         return tensors[0].clone()
+
+
+class _StubAverager:
+    def __init__(self, bits: str):
+        self.bits = bits
+
+    def get_group_bits(self) -> str:
+        return self.bits
+
+    def set_group_bits(self, bits: str) -> None:
+        self.bits = bits
+
+
+class _StubOptimizer:
+    use_local_updates = False
+
+    def __init__(self, bits: str):
+        self.grad_averager = _StubAverager(bits)
+
+
+def test_group_key_is_reseeded_only_when_the_swarm_crosses_the_group_size() -> None:
+    from crowdtrain.averaging.collaboration import refresh_moshpit_bits
+
+    spec = AveragingSpec(group_size=2, grid_dims=2)
+    optimizer = _StubOptimizer("")
+    assert not refresh_moshpit_bits(optimizer, "a", ["b"], spec)  # type: ignore[arg-type]
+    assert refresh_moshpit_bits(optimizer, "c", ["a", "b", "d"], spec)  # type: ignore[arg-type]
+    assert optimizer.grad_averager.bits == "1"
+    optimizer.grad_averager.bits = "0"  # hivemind rotated it after a round: must be left alone
+    assert not refresh_moshpit_bits(optimizer, "c", ["a", "b", "d", "e"], spec)  # type: ignore[arg-type]
+    assert optimizer.grad_averager.bits == "0"
+    assert refresh_moshpit_bits(optimizer, "c", ["a"], spec)  # type: ignore[arg-type]
+    assert optimizer.grad_averager.bits == ""

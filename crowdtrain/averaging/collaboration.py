@@ -111,6 +111,24 @@ def moshpit_bits(own_peer_id: str, peer_ids: Iterable[str], averaging: Averaging
     return initial_group_bits(ranked.index(own_peer_id), len(ranked), averaging.group_size, averaging.grid_dims)
 
 
+def refresh_moshpit_bits(
+    optimizer: hivemind.Optimizer, own_peer_id: str, peer_ids: Iterable[str], averaging: AveragingSpec
+) -> bool:
+    """Re-seed the group key when the swarm crossed the group size (one group <-> a grid); True if changed.
+
+    Within one regime the key is left alone: hivemind rotates it after every round, which is the
+    Moshpit schedule, and resetting it would undo that.
+    """
+    averager = optimizer.state_averager if optimizer.use_local_updates else optimizer.grad_averager
+    wanted = moshpit_bits(own_peer_id, peer_ids, averaging)
+    current = averager.get_group_bits()
+    if len(wanted) == len(current):
+        return False
+    averager.set_group_bits(wanted)
+    logger.info(f"swarm size changed: Moshpit group key {current or '(one group)'} -> {wanted or '(one group)'}")
+    return True
+
+
 def _compression(averaging: AveragingSpec) -> CompressionBase:
     return Float16Compression() if averaging.compression == "fp16" else NoCompression()
 

@@ -16,7 +16,7 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain.averaging.checkpoint import load_latest_checkpoint, save_checkpoint
-from crowdtrain.averaging.collaboration import make_optimizer, moshpit_bits
+from crowdtrain.averaging.collaboration import make_optimizer, moshpit_bits, refresh_moshpit_bits
 from crowdtrain.averaging.exact import new_partial_counter
 from crowdtrain.data import WindowSampler, load_token_stream, peer_seed_from_peer_id
 from crowdtrain.manifest import RunManifest
@@ -160,6 +160,7 @@ class Trainer:
             f"epoch {optimizer.local_epoch}: loss {loss}, {self.progress.samples_per_second:.1f} samples/s on this node"
         )
         self._checkpoint(model, optimizer)
+        refresh_moshpit_bits(optimizer, self.peer_id, self.known_peers(), self.manifest.averaging)
 
     def _checkpoint(self, model: torch.nn.Module, optimizer: hivemind.Optimizer) -> None:
         if optimizer.local_epoch == 0:
