@@ -145,3 +145,15 @@ def test_restart_resumes_from_checkpoint(tmp_path: Path) -> None:
     )
     assert f"epoch-{saved_epoch:08d}.pt (epoch {saved_epoch})" in restarted.log()
     await_epoch(restarted, [restarted], saved_epoch, timeout_s=30)
+
+
+def test_parameters_mode_trains_with_local_steps(tmp_path: Path) -> None:
+    run_file = tmp_path / "tiny.toml"
+    run_file.write_text(RUN_FILE.replace('run_id = "tiny"', 'run_id = "tiny-moshpit"') + 'mode = "parameters"\n')
+    founder = start_daemon(tmp_path / "node0", "--run-file", str(run_file), env=TRAIN_ENV).await_ready()
+    joiner = start_daemon(tmp_path / "node1", initial_peers=[founder.address], env=TRAIN_ENV).await_ready()
+    early = await_epoch(founder, [founder, joiner], 1, timeout_s=150)
+    late = await_epoch(founder, [founder, joiner], 4, timeout_s=150)
+    assert late["run"]["run_id"] == "tiny-moshpit"
+    for peer_id, peer in peers_by_id(late).items():
+        assert peer["loss"] < peers_by_id(early)[peer_id]["loss"]

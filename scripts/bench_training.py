@@ -1,0 +1,956 @@
+"""Benchmark crowdtrain's training: convergence against one process, throughput, and memory per node.
+
+Runs one after another, printing a table for each:
+1. convergence  3 daemons train a tiny LLaMA for E global steps; the founder's checkpoints are scored on
+                held-out windows against one in-process torch loop with the same initial weights and batch
+2. throughput   N standalone torch loops (one thread each) against N daemons of the demo preset
+3. memory       each daemon's peak RSS summed over its process group (p2pd, DHT, averagers), during (2)
+Writes <out>/training.json, and <out>/convergence.png when matplotlib is installed (`pip install -e '.[bench]'`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import platform
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+import hivemind
+import torch
+
+from crowdtrain.averaging.checkpoint import list_checkpoints, load_checkpoint
+from crowdtrain.averaging.schedule import learning_rate_factor
+from crowdtrain.data import WindowSampler, load_token_stream, peer_seed_from_peer_id
+from crowdtrain.manifest import RunManifest, demo, load_run_file
+from crowdtrain.models import build_model, load_tokenizer, model_kind, training_loss
+from crowdtrain.node.training import run_seed
+
+T = TypeVar("T")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+MICRO_BATCH_SIZE = 8
+EVAL_BATCH_SIZE, NUM_EVAL_BATCHES = 8, 8
+NUM_CONVERGENCE_NODES = 3
+START_TIMEOUT_S = 120.0
+"""For a daemon to write node.json, or a standalone worker to finish its first micro-batch."""
+EPOCH_TIMEOUT_S = 300.0
+"""The longest the tiny swarm may go without a new global step."""
+TRAINING_TIMEOUT_S = 300.0
+"""For every demo daemon to report a nonzero samples/s."""
+WARMUP_S = 10.0
+"""Standalone workers train this long before their measured interval starts."""
+POLL_S = 0.5
+KILL_TIMEOUT_S = 15.0
+THROUGHPUT_TARGET_RATIO = 0.8
+MEMORY_TARGET_MIB = 1000.0
+MIB = 1024 * 1024
+NOISE_CAVEAT = (
+    "Numbers are noisy: this machine has few cores and other engineers may be running tests on it at the same "
+    "time; compare runs taken back to back, and look at the load averages recorded in the JSON."
+)
+
+TINY_RUN_TOML = """\
+run_id = "bench-tiny"
+target_batch_size = {target_batch_size}
+
+[model.config]
+vocab_size = 260
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 4
+max_position_embeddings = 64
+tie_word_embeddings = true
+
+[data]
+sequence_length = 32
+
+[optimizer]
+learning_rate = 0.005
+warmup_steps = 0
+total_steps = 1000
+
+[averaging]
+matchmaking_time_s = 2.0
+timeout_s = 15.0
+"""
+
+
+class BenchError(RuntimeError):
+    """A phase could not finish: a child died or a wait ran past its deadline."""
+
+
+_started_at = time.monotonic()
+
+
+def say(message: str) -> None:
+    """A progress line with the seconds since the benchmark started."""
+    print(f"[{time.monotonic() - _started_at:5.0f}s] {message}", flush=True)
+
+
+def await_condition(check: Callable[[], T | None], timeout_s: float, what: str, poll_s: float = POLL_S) -> T:
+    """Poll `check` until it returns a truthy value; BenchError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise BenchError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(poll_s)
+
+
+# --- Children: every one in its own session, killed by process group ---------------------------------------
+
+
+class ProcessGroups:
+    """The children this benchmark starts; each leads its own session, so killpg also ends what it spawned."""
+
+    def __init__(self) -> None:
+        self.processes: list[subprocess.Popen] = []
+
+    def start(self, command: Sequence[str], **popen_options: Any) -> subprocess.Popen:
+        process = subprocess.Popen(list(command), start_new_session=True, **popen_options)
+        self.processes.append(process)
+        return process
+
+    def kill(self, process: subprocess.Popen) -> None:
+        """SIGKILL the process's whole group and wait until no member of it is left running."""
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            process.wait(timeout=KILL_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pass
+        if process in self.processes:
+            self.processes.remove(process)
+        try:
+            await_condition(lambda: not group_alive(process.pid), KILL_TIMEOUT_S, f"process group {process.pid} to end")
+        except BenchError as e:
+            print(f"warning: {e}", file=sys.stderr)
+
+    def kill_all(self) -> None:
+        for process in list(self.processes):
+            self.kill(process)
+
+
+def read_proc_stat(pid: str) -> tuple[str, int] | None:
+    """(state, process group) of a pid from /proc/<pid>/stat, or None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0].decode(), int(fields[2])  # fields 3 and 5 of stat: state and pgrp
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` still runs (zombies don't count)."""
+    for pid in os.listdir("/proc"):
+        stat = read_proc_stat(pid) if pid.isdigit() else None
+        if stat is not None and stat[1] == pgid and stat[0] != "Z":
+            return True
+    return False
+
+
+def child_env(**settings: str) -> dict[str, str]:
+    """This environment without any CROWDTRAIN_* the user set, plus `settings`: runs are reproducible."""
+    base = {name: value for name, value in os.environ.items() if not name.startswith("CROWDTRAIN_")}
+    return {**base, **settings}
+
+
+def log_tail(path: Path, num_lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+    except OSError:
+        return "(no log)"
+
+
+# --- Daemons and the status reader ---------------------------------------------------------------------------
+
+
+@dataclass
+class Node:
+    """One `crowdtrain run` daemon with its state dir and log."""
+
+    process: subprocess.Popen
+    state_dir: Path
+    log_path: Path
+    node_info: dict[str, Any] = field(default_factory=dict)
+    """node.json (peer_id, multiaddrs, run_id), once ready() saw it."""
+
+    @property
+    def address(self) -> str:
+        return str(self.node_info["multiaddrs"][0])
+
+    def info(self) -> dict[str, Any] | None:
+        """node.json once this daemon (not a previous one) wrote it."""
+        try:
+            info = json.loads((self.state_dir / "node.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return info if info.get("pid") == self.process.pid else None
+
+    def check_alive(self) -> None:
+        if self.process.poll() is not None:
+            raise BenchError(
+                f"daemon {self.state_dir.name} exited with code {self.process.returncode}; its log ends:\n"
+                + log_tail(self.log_path)
+            )
+
+    def ready(self) -> bool:
+        self.check_alive()
+        self.node_info = self.info() or {}
+        return bool(self.node_info)
+
+
+def start_node(groups: ProcessGroups, state_dir: Path, args: Sequence[str], env: dict[str, str]) -> Node:
+    state_dir.mkdir(parents=True)
+    command = [sys.executable, "-m", "crowdtrain", "run", "--state-dir", str(state_dir), "--listen", LOOPBACK, *args]
+    log_path = state_dir.parent / f"{state_dir.name}.log"
+    with open(log_path, "wb") as log:
+        process = groups.start(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    return Node(process=process, state_dir=state_dir, log_path=log_path)
+
+
+def start_swarm(
+    groups: ProcessGroups, root: Path, num_nodes: int, founder_args: Sequence[str], env: dict[str, str]
+) -> list[Node]:
+    """A founder, then `num_nodes - 1` joiners dialling it; returns once every node wrote node.json."""
+    founder = start_node(groups, root / "node0", founder_args, env)
+    await_condition(founder.ready, START_TIMEOUT_S, "the founder to start")
+    joiners = [
+        start_node(groups, root / f"node{index}", ["--initial-peers", founder.address], env)
+        for index in range(1, num_nodes)
+    ]
+    for joiner in joiners:
+        await_condition(joiner.ready, START_TIMEOUT_S, f"daemon {joiner.state_dir.name} to start")
+    return [founder, *joiners]
+
+
+class StatusWatcher:
+    """One long-lived `crowdtrain status --json --watch` reader, instead of a new DHT client per sample."""
+
+    def __init__(self, groups: ProcessGroups, address: str, interval_s: float, log_path: Path) -> None:
+        command = [sys.executable, "-m", "crowdtrain", "status", "--json", "--initial-peers", address]
+        with open(log_path, "ab") as log:
+            self.process = groups.start(
+                [*command, "--watch", f"{interval_s:g}"],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                env=child_env(),
+                text=True,
+            )
+        self.log_path = log_path
+        self.snapshots: list[tuple[float, dict[str, Any]]] = []
+        """(time.monotonic() when read, snapshot), oldest first."""
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, name="status-watcher", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            try:
+                snapshot = json.loads(line)
+            except ValueError:
+                continue
+            with self._lock:
+                self.snapshots.append((time.monotonic(), snapshot))
+
+    def latest(self) -> dict[str, Any] | None:
+        if self.process.poll() is not None:
+            raise BenchError(
+                f"crowdtrain status exited with code {self.process.returncode}:\n{log_tail(self.log_path)}"
+            )
+        with self._lock:
+            return self.snapshots[-1][1] if self.snapshots else None
+
+    def between(self, start: float, end: float) -> list[dict[str, Any]]:
+        with self._lock:
+            return [snapshot for read_at, snapshot in self.snapshots if start <= read_at <= end]
+
+
+class CheckpointClock:
+    """When each of a node's checkpoints appeared (file mtimes), remembered after old ones are pruned."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.times: dict[int, float] = {}
+        """Epoch -> unix seconds its checkpoint was written."""
+
+    def poll(self) -> None:
+        for path in list_checkpoints(self.directory):
+            epoch = int(path.stem.split("-")[1])
+            if epoch not in self.times:
+                try:
+                    self.times[epoch] = path.stat().st_mtime
+                except OSError:
+                    pass  # pruned between listing and stat
+
+
+@dataclass
+class GroupMemory:
+    """Peak memory of one process group."""
+
+    peak_rss_bytes: int = 0
+    pss_at_peak_bytes: int = 0
+    num_processes_at_peak: int = 0
+    max_num_processes: int = 0
+
+
+class MemoryPeaks:
+    """Samples RSS (and PSS: RSS shares pages forked children have in common) per process group."""
+
+    def __init__(self, pgids: Sequence[int]) -> None:
+        self.groups = {pgid: GroupMemory() for pgid in pgids}
+
+    def poll(self) -> None:
+        totals = {pgid: [0, 0, 0] for pgid in self.groups}  # rss bytes, pss bytes, processes
+        for pid in os.listdir("/proc"):
+            stat = read_proc_stat(pid) if pid.isdigit() else None
+            if stat is None or stat[1] not in totals or stat[0] == "Z":
+                continue
+            rss_kib = _proc_field_kib(f"/proc/{pid}/status", "VmRSS:")
+            pss_kib = _proc_field_kib(f"/proc/{pid}/smaps_rollup", "Pss:")
+            total = totals[stat[1]]
+            total[0], total[1], total[2] = total[0] + rss_kib * 1024, total[1] + pss_kib * 1024, total[2] + 1
+        for pgid, (rss, pss, count) in totals.items():
+            memory = self.groups[pgid]
+            memory.max_num_processes = max(memory.max_num_processes, count)
+            if rss > memory.peak_rss_bytes:
+                memory.peak_rss_bytes, memory.pss_at_peak_bytes, memory.num_processes_at_peak = rss, pss, count
+
+
+def _proc_field_kib(path: str, name: str) -> int:
+    try:
+        with open(path) as file:
+            return next((int(line.split()[1]) for line in file if line.startswith(name)), 0)
+    except (OSError, ValueError):
+        return 0
+
+
+class Poller:
+    """Calls `functions` every `period_s` on a background thread while in its `with` block."""
+
+    def __init__(self, functions: Sequence[Callable[[], None]], period_s: float = POLL_S) -> None:
+        self.functions, self.period_s = functions, period_s
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="poller", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            for function in self.functions:
+                function()
+            if self.stop.wait(self.period_s):
+                return
+
+    def __enter__(self) -> Poller:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
+        for function in self.functions:
+            function()  # one last sample
+
+
+# --- Plain torch training, the reference ---------------------------------------------------------------------
+
+
+def load_sampler(manifest: RunManifest, cache_dir: Path, peer_name: str) -> WindowSampler:
+    tokenizer = load_tokenizer(manifest.model)
+    tokens = load_token_stream(manifest.data, tokenizer, cache_dir)
+    return WindowSampler(tokens, manifest.data.sequence_length, peer_seed_from_peer_id(peer_name))
+
+
+def initial_model(manifest: RunManifest) -> torch.nn.Module:
+    """The weights every peer of the run starts from."""
+    return build_model(manifest.model, load_tokenizer(manifest.model).vocab_size, seed=run_seed(manifest))
+
+
+class LocalTrainer:
+    """Plain torch: AdamW and the run's schedule, gradients accumulated over the global batch in micro-batches."""
+
+    def __init__(self, manifest: RunManifest, sampler: WindowSampler) -> None:
+        self.sampler, self.kind = sampler, model_kind(manifest.model)
+        self.model = initial_model(manifest)
+        spec = manifest.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=spec.learning_rate, weight_decay=spec.weight_decay
+        )
+        factor = functools.partial(learning_rate_factor, spec=spec)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+        self.num_micro_batches = math.ceil(manifest.target_batch_size / MICRO_BATCH_SIZE)
+        self.generator = torch.Generator().manual_seed(0)
+        self.step = self.micro_step = 0
+
+    def train_micro_batch(self) -> None:
+        """One forward/backward of MICRO_BATCH_SIZE samples; an optimizer step once the global batch is full."""
+        batch = self.sampler.batch(self.step, MICRO_BATCH_SIZE, self.micro_step)
+        loss = training_loss(self.model, batch, self.kind, generator=self.generator)
+        (loss / self.num_micro_batches).backward()  # the mean gradient over the global batch, as the swarm's
+        self.micro_step += 1
+        if self.micro_step == self.num_micro_batches:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad()
+            self.step, self.micro_step = self.step + 1, 0
+
+
+def mean_eval_loss(model: torch.nn.Module, batches: list[torch.Tensor], kind: str) -> float:
+    model.eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        losses = [training_loss(model, batch, kind, generator=generator).item() for batch in batches]  # type: ignore[arg-type]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def run_standalone_worker(cache_dir: Path) -> None:
+    """Hidden mode: train the demo model until the measured window the parent sends on stdin has passed.
+
+    Protocol: print `ready` after the first micro-batch; read `<start> <end>` (unix seconds); print one
+    JSON line with the samples of the micro-batches that ran entirely inside the window.
+    """
+    torch.set_num_threads(1)
+    manifest = demo()
+    trainer = LocalTrainer(manifest, load_sampler(manifest, cache_dir, f"standalone-{os.getpid()}"))
+    trainer.train_micro_batch()
+    print("ready", flush=True)
+    window: list[float] = []
+    parent_gone = threading.Event()
+
+    def read_window() -> None:
+        line = sys.stdin.readline()
+        if line:
+            window.extend(map(float, line.split()))
+        else:
+            parent_gone.set()
+
+    threading.Thread(target=read_window, daemon=True).start()
+    num_samples, first_began, last_ended = 0, math.inf, 0.0
+    while not parent_gone.is_set():
+        began = time.time()
+        trainer.train_micro_batch()
+        ended = time.time()
+        if len(window) == 2 and ended > window[1]:
+            break
+        if len(window) == 2 and began >= window[0]:
+            num_samples, first_began, last_ended = num_samples + MICRO_BATCH_SIZE, min(first_began, began), ended
+    if parent_gone.is_set():
+        raise SystemExit("the benchmark that started this worker is gone")
+    seconds = max(last_ended - first_began, 1e-9)
+    print(json.dumps({"samples": num_samples, "seconds": seconds, "samples_per_second": num_samples / seconds}))
+
+
+# --- 1. Convergence ---------------------------------------------------------------------------------------------
+
+
+def bench_convergence(groups: ProcessGroups, root: Path, num_steps: int, target_batch_size: int) -> dict[str, Any]:
+    run_file = root / "tiny.toml"
+    run_file.write_text(TINY_RUN_TOML.format(target_batch_size=target_batch_size))
+    env = child_env(
+        CROWDTRAIN_MICRO_BATCH_SIZE=str(MICRO_BATCH_SIZE),
+        CROWDTRAIN_NUM_THREADS="1",
+        CROWDTRAIN_CHECKPOINT_KEEP=str(num_steps + 1000),
+    )
+    say(f"convergence: starting {NUM_CONVERGENCE_NODES} daemons on the tiny run (B={target_batch_size})")
+    started = time.time()
+    nodes = start_swarm(groups, root / "convergence", NUM_CONVERGENCE_NODES, ["--run-file", str(run_file)], env)
+    # The founder stamps created_at when it publishes the run, and the seed hashes it: read it back, or the
+    # reference would start from other weights than the swarm.
+    watcher = StatusWatcher(groups, nodes[0].address, 5.0, root / "status-convergence.log")
+    snapshot = await_condition(
+        lambda: _with_created_at(watcher.latest()), START_TIMEOUT_S, "the run's created_at in crowdtrain status"
+    )
+    groups.kill(watcher.process)
+    manifest = dataclasses.replace(load_run_file(str(run_file)), created_at=float(snapshot["run"]["created_at"]))
+    clock = CheckpointClock(nodes[0].state_dir / "checkpoints" / manifest.run_id)
+    final_epoch = await_founder_epoch(nodes, clock, num_steps, started)
+    for node in nodes:
+        groups.kill(node.process)
+
+    say("convergence: scoring the founder's checkpoints, then training the single-process reference")
+    sampler = load_sampler(manifest, root / "data-cache", "bench-single-process")
+    eval_batches = sampler.eval_batches(EVAL_BATCH_SIZE, NUM_EVAL_BATCHES)
+    swarm = score_checkpoints(manifest, clock.directory, final_epoch, eval_batches)
+    single = train_reference(manifest, sampler, eval_batches, num_steps)
+    return {
+        "num_nodes": NUM_CONVERGENCE_NODES,
+        "num_steps": num_steps,
+        "target_batch_size": target_batch_size,
+        "micro_batch_size": MICRO_BATCH_SIZE,
+        "eval_windows": EVAL_BATCH_SIZE * NUM_EVAL_BATCHES,
+        "sequence_length": manifest.data.sequence_length,
+        "run_file": run_file.read_text(),
+        "created_at": manifest.created_at,
+        "seed": run_seed(manifest),
+        "swarm": {**swarm, "seconds_to_epoch": {e: t - started for e, t in sorted(clock.times.items())}},
+        "single_process": single,
+        "final_loss_ratio": swarm["eval_loss"][-1] / single["eval_loss"][-1],
+    }
+
+
+def _with_created_at(snapshot: dict[str, Any] | None) -> dict[str, Any] | None:
+    return snapshot if snapshot and snapshot["run"].get("created_at") is not None else None
+
+
+def await_founder_epoch(nodes: list[Node], clock: CheckpointClock, num_steps: int, started: float) -> int:
+    """Wait, at most EPOCH_TIMEOUT_S per global step, until the founder checkpointed epoch `num_steps`."""
+    reached = 0
+    while reached < num_steps:
+
+        def newer_epoch(since: int = reached) -> int | None:
+            for node in nodes:
+                node.check_alive()
+            clock.poll()
+            latest = max(clock.times, default=0)
+            return latest if latest > since else None
+
+        reached = await_condition(newer_epoch, EPOCH_TIMEOUT_S, f"global epoch {reached + 1} of the tiny swarm")
+        say(f"convergence: swarm at epoch {reached} after {clock.times[reached] - started:.0f} s")
+    return reached
+
+
+def score_checkpoints(
+    manifest: RunManifest, directory: Path, final_epoch: int, eval_batches: list[torch.Tensor]
+) -> dict[str, Any]:
+    """Held-out loss of the initial weights and of every founder checkpoint up to `final_epoch`."""
+    model, kind = initial_model(manifest), model_kind(manifest.model)
+    initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    steps, losses = [0], [mean_eval_loss(model, eval_batches, kind)]
+    checkpoints = [load_checkpoint(path, model) for path in list_checkpoints(directory)]
+    checkpoints = [checkpoint for checkpoint in checkpoints if checkpoint.epoch <= final_epoch]
+    if not checkpoints:
+        raise BenchError(f"the founder left no checkpoint in {directory}")
+    for checkpoint in checkpoints:
+        model.load_state_dict(checkpoint.model_state)
+        steps.append(checkpoint.epoch)
+        losses.append(mean_eval_loss(model, eval_batches, kind))
+    # Adam moves a weight by at most about lr per step, so the first checkpoint lies that close to the
+    # reference's initial weights only if both started from the same seed.
+    first = checkpoints[0]
+    first_distance = max((initial[name] - tensor).abs().max().item() for name, tensor in first.model_state.items())
+    bound = 2 * first.epoch * manifest.optimizer.learning_rate
+    same_start = {"max_abs_difference": first_distance, "bound": bound, "ok": first_distance <= bound}
+    return {"steps": steps, "eval_loss": losses, "initial_weights_match_first_checkpoint": same_start}
+
+
+def train_reference(
+    manifest: RunManifest, sampler: WindowSampler, eval_batches: list[torch.Tensor], num_steps: int
+) -> dict[str, Any]:
+    trainer = LocalTrainer(manifest, sampler)
+    losses = [mean_eval_loss(trainer.model, eval_batches, trainer.kind)]
+    started = time.monotonic()
+    while trainer.step < num_steps:
+        trainer.train_micro_batch()
+        if trainer.micro_step == 0:
+            losses.append(mean_eval_loss(trainer.model, eval_batches, trainer.kind))
+    seconds = time.monotonic() - started
+    return {"steps": list(range(num_steps + 1)), "eval_loss": losses, "seconds": seconds}
+
+
+def print_convergence(result: dict[str, Any]) -> None:
+    swarm = dict(zip(result["swarm"]["steps"], result["swarm"]["eval_loss"], strict=True))
+    single = dict(enumerate(result["single_process"]["eval_loss"]))
+    rows = [
+        [
+            step,
+            swarm.get(step),
+            single.get(step),
+            swarm[step] / single[step] if step in swarm and step in single else None,
+        ]
+        for step in sorted(swarm.keys() | single.keys())
+    ]
+    print_table(
+        f"Convergence: held-out loss, {result['num_nodes']} daemons vs one process (B={result['target_batch_size']})",
+        ["global step", "swarm", "single process", "swarm / single"],
+        rows,
+    )
+    check = result["swarm"]["initial_weights_match_first_checkpoint"]
+    print(f"final_loss_ratio = swarm_final / single_final = {result['final_loss_ratio']:.4f}")
+    print(f"same initial weights as the swarm (seed {result['seed']}): {'yes' if check['ok'] else 'NO'}")
+
+
+def plot_convergence(result: dict[str, Any], path: Path) -> bool:
+    """Both curves against the global step; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    swarm, single = result["swarm"], result["single_process"]
+    axes.plot(swarm["steps"], swarm["eval_loss"], marker="o", label=f"crowdtrain, {result['num_nodes']} daemons")
+    axes.plot(single["steps"], single["eval_loss"], marker="s", linestyle="--", label="single process")
+    axes.set(xlabel="global step", ylabel="held-out loss", title=f"B = {result['target_batch_size']} samples/step")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+# --- 2 and 3. Throughput and memory ---------------------------------------------------------------------------
+
+
+def bench_throughput(groups: ProcessGroups, root: Path, num_processes: int, duration_s: float) -> dict[str, Any]:
+    cache_dir = root / "data-cache"
+    load_token_stream(demo().data, load_tokenizer(demo().model), cache_dir)  # tokenise once, not per worker
+    standalone = measure_standalone(groups, root, cache_dir, num_processes, duration_s)
+    swarm = measure_swarm(groups, root / "throughput", num_processes, duration_s)
+    ratio = swarm["samples_per_second"] / standalone["samples_per_second"]
+    from_epochs = swarm["samples_per_second_from_epochs"]
+    return {
+        "num_processes": num_processes,
+        "duration_s": duration_s,
+        "micro_batch_size": MICRO_BATCH_SIZE,
+        "torch_threads_per_process": 1,
+        "standalone": standalone,
+        "swarm": swarm,
+        "throughput_ratio": ratio,
+        "throughput_ratio_from_epochs": None if from_epochs is None else from_epochs / standalone["samples_per_second"],
+        "target_ratio": THROUGHPUT_TARGET_RATIO,
+    }
+
+
+class LineReader:
+    """Lines of a child's stdout on a queue, so reading them can have a deadline."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.put(line.strip())
+        self.lines.put(None)
+
+    def next_line(self, timeout_s: float, what: str) -> str:
+        try:
+            line = self.lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise BenchError(f"timed out after {timeout_s:g} s waiting for {what}") from None
+        if line is None:
+            raise BenchError(f"{what}: the process ended first")
+        return line
+
+
+def measure_standalone(
+    groups: ProcessGroups, root: Path, cache_dir: Path, num_processes: int, duration_s: float
+) -> dict[str, Any]:
+    say(f"throughput: {num_processes} standalone torch loops, {WARMUP_S:g} s warm-up, then {duration_s:g} s")
+    command = [sys.executable, str(Path(__file__).resolve()), "--standalone-worker", "--cache-dir", str(cache_dir)]
+    workers, readers = [], []
+    for index in range(num_processes):
+        with open(root / f"standalone{index}.log", "wb") as log:
+            worker = groups.start(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+        workers.append(worker)
+        readers.append(LineReader(worker.stdout))  # type: ignore[arg-type]
+    memory = MemoryPeaks([worker.pid for worker in workers])
+    with Poller([memory.poll], period_s=1.0):
+        for index, reader in enumerate(readers):
+            reader.next_line(START_TIMEOUT_S, f"standalone worker {index} to start")
+        start = time.time() + WARMUP_S
+        for worker in workers:
+            worker.stdin.write(f"{start} {start + duration_s}\n")  # type: ignore[union-attr]
+            worker.stdin.flush()  # type: ignore[union-attr]
+        timeout_s = WARMUP_S + duration_s + START_TIMEOUT_S
+        results = [
+            json.loads(reader.next_line(timeout_s, f"standalone worker {i}")) for i, reader in enumerate(readers)
+        ]
+    for worker in workers:
+        groups.kill(worker)
+    peak_rss = [memory.groups[worker.pid].peak_rss_bytes / MIB for worker in workers]
+    return {
+        "warmup_s": WARMUP_S,
+        "per_process": results,
+        "samples_per_second": sum(result["samples_per_second"] for result in results),
+        "peak_rss_mib_per_process": peak_rss,
+    }
+
+
+def measure_swarm(groups: ProcessGroups, root: Path, num_nodes: int, duration_s: float) -> dict[str, Any]:
+    env = child_env(CROWDTRAIN_MICRO_BATCH_SIZE=str(MICRO_BATCH_SIZE), CROWDTRAIN_NUM_THREADS="1")
+    say(f"throughput: starting {num_nodes} daemons on the demo preset")
+    nodes = start_swarm(groups, root, num_nodes, ["--run-file", "demo"], env)
+    peer_ids = [node.node_info["peer_id"] for node in nodes]
+    memory = MemoryPeaks([node.process.pid for node in nodes])
+    clock = CheckpointClock(nodes[0].state_dir / "checkpoints" / nodes[0].node_info["run_id"])
+    interval_s = min(max(duration_s / 10, 2.0), 10.0)
+    with Poller([memory.poll, clock.poll], period_s=1.0):
+        watcher = StatusWatcher(groups, nodes[0].address, interval_s, root / "status.log")
+        await_condition(
+            lambda: _all_training(nodes, watcher, peer_ids), TRAINING_TIMEOUT_S, "every daemon to report samples/s"
+        )
+        say(f"throughput: every daemon trains; measuring {duration_s:g} s")
+        window = (time.monotonic(), time.time())
+        deadline = window[0] + duration_s
+        while (left_s := deadline - time.monotonic()) > 0:  # the measured interval; fail fast if a node dies
+            for node in nodes:
+                node.check_alive()
+            time.sleep(min(POLL_S, left_s))
+        snapshots = watcher.between(window[0], time.monotonic())
+    for process in [watcher.process, *(node.process for node in nodes)]:
+        groups.kill(process)
+    return {
+        **summarize_snapshots(snapshots, peer_ids),
+        "status_sample_interval_s": interval_s,
+        **epochs_throughput(clock.times, window[1], window[1] + duration_s, demo().target_batch_size),
+        "memory_per_node": [_memory_json(memory.groups[node.process.pid]) for node in nodes],
+    }
+
+
+def _all_training(nodes: list[Node], watcher: StatusWatcher, peer_ids: list[str]) -> bool:
+    for node in nodes:
+        node.check_alive()
+    snapshot = watcher.latest()
+    peers = {peer["peer_id"]: peer for peer in (snapshot or {}).get("peers", [])}
+    return all(
+        peer_id in peers and peers[peer_id]["epoch"] >= 0 and peers[peer_id]["samples_per_second"] > 0
+        for peer_id in peer_ids
+    )
+
+
+def summarize_snapshots(snapshots: list[dict[str, Any]], peer_ids: list[str]) -> dict[str, Any]:
+    """Per peer and in sum, the mean of the samples/s each status snapshot reported."""
+    per_peer: dict[str, list[float]] = {peer_id: [] for peer_id in peer_ids}
+    sums: list[float] = []
+    for snapshot in snapshots:
+        reported = {peer["peer_id"]: peer["samples_per_second"] for peer in snapshot["peers"]}
+        if all(peer_id in reported for peer_id in peer_ids):
+            sums.append(sum(reported[peer_id] for peer_id in peer_ids))
+            for peer_id in peer_ids:
+                per_peer[peer_id].append(reported[peer_id])
+    if not sums:
+        raise BenchError("crowdtrain status listed every peer in none of the snapshots of the measured interval")
+    return {
+        "num_status_samples": len(sums),
+        "samples_per_second": sum(sums) / len(sums),
+        "samples_per_second_per_peer": {peer_id: sum(v) / len(v) for peer_id, v in per_peer.items()},
+        "samples_per_second_samples": sums,
+        "final_epoch": max(snapshot["run"]["epoch"] for snapshot in snapshots),
+    }
+
+
+def epochs_throughput(times: dict[int, float], start: float, end: float, target_batch_size: int) -> dict[str, Any]:
+    """Samples the swarm actually completed: global steps between the founder's checkpoints in the window."""
+    inside = sorted((epoch, written) for epoch, written in times.items() if start <= written <= end)
+    if len(inside) < 2:
+        return {"samples_per_second_from_epochs": None, "num_epochs_in_window": len(inside)}
+    (first_epoch, first_time), (last_epoch, last_time) = inside[0], inside[-1]
+    rate = (last_epoch - first_epoch) * target_batch_size / (last_time - first_time)
+    return {"samples_per_second_from_epochs": rate, "num_epochs_in_window": len(inside)}
+
+
+def _memory_json(memory: GroupMemory) -> dict[str, Any]:
+    return {
+        "peak_rss_mib": memory.peak_rss_bytes / MIB,
+        "pss_at_peak_mib": memory.pss_at_peak_bytes / MIB,
+        "num_processes_at_peak": memory.num_processes_at_peak,
+        "max_num_processes": memory.max_num_processes,
+    }
+
+
+def print_throughput(result: dict[str, Any]) -> None:
+    standalone, swarm = result["standalone"], result["swarm"]
+    rows: list[list[Any]] = [
+        [f"standalone {index}", item["samples_per_second"]] for index, item in enumerate(standalone["per_process"])
+    ]
+    rows.append(["standalone sum", standalone["samples_per_second"]])
+    rows += [[f"daemon …{peer_id[-8:]}", rate] for peer_id, rate in swarm["samples_per_second_per_peer"].items()]
+    rows.append([f"swarm sum (mean of {swarm['num_status_samples']} status samples)", swarm["samples_per_second"]])
+    rows.append(
+        [f"swarm from global steps ({swarm['num_epochs_in_window']} epochs)", swarm["samples_per_second_from_epochs"]]
+    )
+    print_table(
+        f"Throughput: {result['num_processes']} processes for {result['duration_s']:g} s", ["", "samples/s"], rows
+    )
+    print(
+        f"throughput_ratio = swarm / standalone_sum = {result['throughput_ratio']:.3f} "
+        f"(target >= {THROUGHPUT_TARGET_RATIO}; a plain hivemind.Optimizer loop reached 0.34 on this machine)"
+    )
+    if result["throughput_ratio_from_epochs"] is not None:
+        print(f"  from completed global steps instead of status: {result['throughput_ratio_from_epochs']:.3f}")
+
+
+def memory_summary(throughput: dict[str, Any]) -> dict[str, Any]:
+    nodes = throughput["swarm"]["memory_per_node"]
+    peak = max(node["peak_rss_mib"] for node in nodes)
+    return {
+        "per_node": nodes,
+        "peak_rss_mib_max": peak,
+        "target_mib": MEMORY_TARGET_MIB,
+        "meets_target": peak <= MEMORY_TARGET_MIB,
+        "standalone_peak_rss_mib_per_process": throughput["standalone"]["peak_rss_mib_per_process"],
+    }
+
+
+def print_memory(memory: dict[str, Any]) -> None:
+    rows = [
+        [f"node{index}", node["peak_rss_mib"], node["pss_at_peak_mib"], node["num_processes_at_peak"]]
+        for index, node in enumerate(memory["per_node"])
+    ]
+    rows += [[f"standalone {i}", rss, None, 1] for i, rss in enumerate(memory["standalone_peak_rss_mib_per_process"])]
+    print_table(
+        "Memory: peak RSS per process group during the throughput run",
+        ["", "peak RSS MiB", "PSS at peak MiB", "processes"],
+        rows,
+    )
+    verdict = "meets" if memory["meets_target"] else "MISSES"
+    print(
+        f"max peak RSS per node = {memory['peak_rss_mib_max']:.0f} MiB: {verdict} the target <= {MEMORY_TARGET_MIB:g}"
+    )
+
+
+# --- Output and the entry point ---------------------------------------------------------------------------------
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    def cell(value: Any) -> str:
+        if value is None:
+            return "—"
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    cells = [list(header), *([cell(value) for value in row] for row in rows)]
+    widths = [max(len(row[column]) for row in cells) for column in range(len(header))]
+    print(f"\n{title}")
+    for index, row in enumerate(cells):
+        print(
+            "  "
+            + "  ".join(
+                text.ljust(width) if i == 0 else text.rjust(width)
+                for i, (text, width) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+        if index == 0:
+            print("  " + "  ".join("-" * width for width in widths))
+    print()
+
+
+def environment_json(args: argparse.Namespace) -> dict[str, Any]:
+    def git(*git_args: str) -> str:
+        try:
+            result = subprocess.run(
+                ["git", *git_args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, start_new_session=True
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        return result.stdout.strip() if result.returncode == 0 else ""
+
+    return {
+        "commit": git("rev-parse", "--short", "HEAD") or "unknown",
+        "uncommitted_changes": bool(git("status", "--porcelain")),
+        "nproc": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "hivemind": hivemind.__version__,
+        "quick": args.quick,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a reduced run of a few minutes")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (bench-results/)")
+    parser.add_argument("--epochs", type=int, help="convergence: global steps E (default 12, quick 6)")
+    parser.add_argument("--batch", type=int, help="convergence: target batch size B (default 1024, quick 512)")
+    parser.add_argument("--processes", type=int, help="throughput: processes and daemons N (default 4, quick 3)")
+    parser.add_argument("--duration", type=float, help="throughput: measured seconds T (default 60, quick 30)")
+    parser.add_argument("--standalone-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cache-dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.epochs = args.epochs or (6 if args.quick else 12)
+    args.batch = args.batch or (512 if args.quick else 1024)
+    args.processes = args.processes or (3 if args.quick else 4)
+    args.duration = args.duration or (30.0 if args.quick else 60.0)
+    return args
+
+
+def run_phases(args: argparse.Namespace, groups: ProcessGroups, root: Path, results: dict[str, Any]) -> bool:
+    """Each phase in turn, results saved after each; a failed phase is recorded and the next one still runs."""
+    json_path = args.out / "training.json"
+    ok = True
+    phases: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("convergence", lambda: bench_convergence(groups, root, args.epochs, args.batch)),
+        ("throughput", lambda: bench_throughput(groups, root, args.processes, args.duration)),
+    ]
+    for name, run_phase in phases:
+        try:
+            results[name] = run_phase()
+        except Exception as e:  # record the failure and go on: the other phase's numbers are still worth having
+            traceback.print_exc()
+            print(f"\n{name} failed: {e}", file=sys.stderr)
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+            ok = False
+        finally:
+            groups.kill_all()
+        if name == "convergence" and "error" not in results[name]:
+            print_convergence(results[name])
+            png = args.out / "convergence.png"
+            results[name]["plot"] = str(png) if plot_convergence(results[name], png) else None
+            print(f"wrote {png}" if results[name]["plot"] else "convergence.png skipped: matplotlib is not installed")
+        if name == "throughput" and "error" not in results[name]:
+            print_throughput(results[name])
+            results["memory"] = memory_summary(results[name])
+            print_memory(results["memory"])
+        results["environment"]["load_average_at_end"] = os.getloadavg()
+        json_path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {json_path}\n{NOISE_CAVEAT}")
+    return ok
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.standalone_worker:
+        run_standalone_worker(args.cache_dir)
+        return 0
+
+    def on_sigterm(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    print(NOISE_CAVEAT, flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"caveat": NOISE_CAVEAT, "environment": environment_json(args)}
+    groups = ProcessGroups()
+    try:
+        with tempfile.TemporaryDirectory(prefix="crowdtrain-bench-") as directory:
+            try:
+                return 0 if run_phases(args, groups, Path(directory), results) else 1
+            finally:
+                groups.kill_all()  # before the state dirs go away
+    except KeyboardInterrupt:
+        print("interrupted; every child process was killed", file=sys.stderr)
+        return 130
+    finally:
+        groups.kill_all()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
