@@ -3,5 +3,7 @@
 grid          Moshpit grid coordinates as hivemind group bits
 schedule      the learning-rate schedule per global step
 collaboration hivemind.Optimizer configured from the run manifest, with Moshpit keys
+exact         reject partial all-reduce results and count them
 checkpoint    atomic checkpoints in the state dir, the last K kept, corrupt ones skipped
+plan          the DeDLOC plan: who computes, who aggregates, each aggregator's share (not wired in yet)
 """
