@@ -141,3 +141,11 @@ def test_joiner_of_a_swarm_with_two_runs_must_choose(tmp_path: Path) -> None:
     assert_plain_failure(result, 2, "holds 2 runs", "demo", "other", "--run-id")
     chosen = start_daemon(tmp_path / "c", "--run-id", "other", initial_peers=[founder.address]).await_ready()
     assert chosen.info["run_id"] == "other"
+
+
+def test_run_file_with_an_unbuildable_model_exits_2_before_publishing(tmp_path: Path) -> None:
+    run_file = tmp_path / "run.toml"
+    run_file.write_text("[model.config]\nhidden_sizee = 64\n")
+    result = crowdtrain("run", "--state-dir", str(tmp_path / "state"), "--run-file", str(run_file))
+    assert_plain_failure(result, 2, "hidden_sizee")
+    assert not (tmp_path / "state" / "node.json").exists()

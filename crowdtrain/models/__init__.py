@@ -5,7 +5,7 @@ build      build a transformers model from a ModelSpec with identical initial we
            its parameter count, its kind (causal or masked) and its training loss
 """
 
-from crowdtrain.models.build import build_model, count_parameters, model_kind, training_loss
+from crowdtrain.models.build import build_model, check_model_spec, count_parameters, model_kind, training_loss
 from crowdtrain.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "HFTokenizer",
     "Tokenizer",
     "build_model",
+    "check_model_spec",
     "count_parameters",
     "load_tokenizer",
     "model_kind",

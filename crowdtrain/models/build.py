@@ -34,16 +34,17 @@ def model_kind(spec: ModelSpec) -> ModelKind:
     )
 
 
+def check_model_spec(spec: ModelSpec, tokenizer_vocab_size: int) -> None:
+    """Raise BadInputError unless `spec` builds (architecture, config keys, vocabulary), without the weights."""
+    model_class = _resolve_architecture(spec.architecture)
+    _check_vocab_size(_build_config(model_class, spec), tokenizer_vocab_size)
+
+
 def build_model(spec: ModelSpec, tokenizer_vocab_size: int, seed: int = 0) -> torch.nn.Module:
     """A randomly initialised model in training mode; the same `seed` gives the same weights."""
     model_class = _resolve_architecture(spec.architecture)
     config = _build_config(model_class, spec)
-    vocab_size = getattr(config, "vocab_size", None)
-    if not isinstance(vocab_size, int) or vocab_size < tokenizer_vocab_size:
-        raise BadInputError(
-            f"Model config vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer_vocab_size} tokens; "
-            f"set model.config.vocab_size to at least {tokenizer_vocab_size}."
-        )
+    _check_vocab_size(config, tokenizer_vocab_size)
     # fork_rng keeps the caller's global RNG state as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -54,6 +55,15 @@ def build_model(spec: ModelSpec, tokenizer_vocab_size: int, seed: int = 0) -> to
     model.train()
     logger.info("Built %s with %d parameters (seed %d)", spec.architecture, count_parameters(model), seed)
     return model
+
+
+def _check_vocab_size(config: Any, tokenizer_vocab_size: int) -> None:
+    vocab_size = getattr(config, "vocab_size", None)
+    if not isinstance(vocab_size, int) or vocab_size < tokenizer_vocab_size:
+        raise BadInputError(
+            f"Model config vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer_vocab_size} tokens; "
+            f"set model.config.vocab_size to at least {tokenizer_vocab_size}."
+        )
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -13,6 +13,7 @@ from crowdtrain.dht.records import sign_manifest
 from crowdtrain.dht.registry import RunListing, list_runs
 from crowdtrain.errors import BadInputError, CrowdtrainError
 from crowdtrain.manifest import RunManifest, load_run_file
+from crowdtrain.models import check_model_spec, load_tokenizer, model_kind
 from crowdtrain.node.config import NodeConfig
 from crowdtrain.node.identity import Identity
 
@@ -68,6 +69,9 @@ def _await_runs(dht: hivemind.DHT, run_id: str, timeout_s: float) -> dict[str, R
 
 
 def _found(manifest: RunManifest, identity: Identity) -> Membership:
+    # A run nobody can build must fail here, before its manifest reaches the swarm.
+    check_model_spec(manifest.model, load_tokenizer(manifest.model).vocab_size)
+    model_kind(manifest.model)
     manifest = dataclasses.replace(manifest, created_at=time.time())
     logger.info(f"founding run {manifest.run_id!r} ({manifest.model.architecture})")
     return Membership(manifest=manifest, signed_bytes=sign_manifest(manifest, identity.private_key), founded=True)
