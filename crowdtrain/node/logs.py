@@ -62,6 +62,9 @@ def setup_logging(log_format: str, verbose: int, *, quiet: bool = False) -> None
     logging.getLogger("hivemind").setLevel(
         logging.DEBUG if verbose >= 2 else logging.INFO if verbose == 1 else logging.ERROR
     )
+    # hivemind's averager processes leave cancelled asyncio tasks behind ("Task exception was never
+    # retrieved ... InvalidStateError") when a round times out; that is chatter, not a user's problem.
+    logging.getLogger("asyncio").setLevel(logging.DEBUG if verbose >= 1 else logging.CRITICAL)
     os.environ.setdefault("GOLOG_LOG_LEVEL", "debug" if verbose >= 2 else "info" if verbose == 1 else "error")
 
 
