@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -52,11 +53,15 @@ def test_five_daemons_see_each_other(tmp_path: Path) -> None:
     )
 
 
-def test_status_reader_is_not_counted(tmp_path: Path) -> None:
-    (founder,) = start_swarm(tmp_path, 1)
+def test_status_reader_is_not_counted_and_json_logs_parse(tmp_path: Path) -> None:
+    founder = start_daemon(tmp_path / "node0", "--log-format", "json").await_ready()
     for _ in range(2):
         snapshot = status_json("--initial-peers", founder.address)
         assert peer_ids(snapshot) == {founder.peer_id}
+    lines = [line for line in founder.log().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # every line a JSON object, nothing else
+    assert any(record["message"].startswith("ready: peer ") for record in records)
+    assert all({"ts", "level", "logger", "peer", "message"} <= record.keys() for record in records)
 
 
 def test_identity_survives_restart(tmp_path: Path) -> None:
