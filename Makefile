@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch is pinned to the CPU build here; volunteers with GPUs use the Dockerfile or their own torch.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test lint unit proto clean
+.PHONY: demo test lint unit bench proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ test: lint
 
 unit: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m "not swarm"
+
+# Convergence, throughput and memory of training against plain torch; results in bench-results/.
+bench: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e '.[bench]'
+	$(BIN)/python scripts/bench_training.py
 
 # Regenerate protobuf code after editing crowdtrain/proto/*.proto.
 proto: $(VENV)/.installed

@@ -1,16 +1,19 @@
 """Benchmark crowdtrain's training: convergence against one process, throughput, and memory per node.
 
 Runs one after another, printing a table for each:
-1. convergence  3 daemons train a tiny LLaMA for E global steps; the founder's checkpoints are scored on
-                held-out windows against one in-process torch loop with the same initial weights and batch
+1. convergence  3 daemons train a tiny LLaMA; from the founder's first checkpoint after all of them train
+                together, E more global steps are scored on held-out windows against a plain in-process torch
+                loop with the same global batch resumed from that checkpoint (and one from the initial weights)
 2. throughput   N standalone torch loops (one thread each) against N daemons of the demo preset
 3. memory       each daemon's peak RSS summed over its process group (p2pd, DHT, averagers), during (2)
-Writes <out>/training.json, and <out>/convergence.png when matplotlib is installed (`pip install -e '.[bench]'`).
+Writes <out>/training.json, <out>/convergence.png when matplotlib is installed (`pip install -e '.[bench]'`), and
+the daemons' logs to <out>/logs/.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import functools
 import json
@@ -18,6 +21,7 @@ import math
 import os
 import platform
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,11 +37,12 @@ from typing import IO, Any, TypeVar
 import hivemind
 import torch
 
-from crowdtrain.averaging.checkpoint import list_checkpoints, load_checkpoint
+from crowdtrain.averaging.checkpoint import Checkpoint, list_checkpoints, load_checkpoint
 from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.data import WindowSampler, load_token_stream, peer_seed_from_peer_id
 from crowdtrain.manifest import RunManifest, demo, load_run_file
 from crowdtrain.models import build_model, load_tokenizer, model_kind, training_loss
+from crowdtrain.models.build import ModelKind
 from crowdtrain.node.training import run_seed
 
 T = TypeVar("T")
@@ -53,6 +58,8 @@ EPOCH_TIMEOUT_S = 300.0
 """The longest the tiny swarm may go without a new global step."""
 TRAINING_TIMEOUT_S = 300.0
 """For every demo daemon to report a nonzero samples/s."""
+SWARM_STATUS_INTERVAL_S = 2.0
+"""Heartbeat period of the demo daemons and of the status reader: fresh progress, little overhead."""
 WARMUP_S = 10.0
 """Standalone workers train this long before their measured interval starts."""
 POLL_S = 0.5
@@ -284,9 +291,9 @@ class StatusWatcher:
         with self._lock:
             return self.snapshots[-1][1] if self.snapshots else None
 
-    def between(self, start: float, end: float) -> list[dict[str, Any]]:
+    def between(self, start: float, end: float) -> list[tuple[float, dict[str, Any]]]:
         with self._lock:
-            return [snapshot for read_at, snapshot in self.snapshots if start <= read_at <= end]
+            return [(read_at, snapshot) for read_at, snapshot in self.snapshots if start <= read_at <= end]
 
 
 class CheckpointClock:
@@ -313,31 +320,39 @@ class GroupMemory:
 
     peak_rss_bytes: int = 0
     pss_at_peak_bytes: int = 0
-    num_processes_at_peak: int = 0
+    processes_at_peak: list[dict[str, Any]] = field(default_factory=list)
+    """Each member at the peak: command name, RSS and PSS in MiB."""
     max_num_processes: int = 0
 
 
 class MemoryPeaks:
-    """Samples RSS (and PSS: RSS shares pages forked children have in common) per process group."""
+    """Samples RSS per process group, and PSS, which splits the pages forked children share instead of
+    counting them once in every child."""
 
     def __init__(self, pgids: Sequence[int]) -> None:
         self.groups = {pgid: GroupMemory() for pgid in pgids}
 
     def poll(self) -> None:
-        totals = {pgid: [0, 0, 0] for pgid in self.groups}  # rss bytes, pss bytes, processes
+        members: dict[int, list[dict[str, Any]]] = {pgid: [] for pgid in self.groups}
         for pid in os.listdir("/proc"):
             stat = read_proc_stat(pid) if pid.isdigit() else None
-            if stat is None or stat[1] not in totals or stat[0] == "Z":
+            if stat is None or stat[1] not in members or stat[0] == "Z":
+                continue
+            try:
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:
                 continue
             rss_kib = _proc_field_kib(f"/proc/{pid}/status", "VmRSS:")
             pss_kib = _proc_field_kib(f"/proc/{pid}/smaps_rollup", "Pss:")
-            total = totals[stat[1]]
-            total[0], total[1], total[2] = total[0] + rss_kib * 1024, total[1] + pss_kib * 1024, total[2] + 1
-        for pgid, (rss, pss, count) in totals.items():
+            members[stat[1]].append({"name": name, "rss_mib": rss_kib / 1024, "pss_mib": pss_kib / 1024})
+        for pgid, processes in members.items():
             memory = self.groups[pgid]
-            memory.max_num_processes = max(memory.max_num_processes, count)
+            memory.max_num_processes = max(memory.max_num_processes, len(processes))
+            rss = sum(round(process["rss_mib"] * MIB) for process in processes)
             if rss > memory.peak_rss_bytes:
-                memory.peak_rss_bytes, memory.pss_at_peak_bytes, memory.num_processes_at_peak = rss, pss, count
+                memory.peak_rss_bytes = rss
+                memory.pss_at_peak_bytes = sum(round(process["pss_mib"] * MIB) for process in processes)
+                memory.processes_at_peak = processes
 
 
 def _proc_field_kib(path: str, name: str) -> int:
@@ -346,6 +361,47 @@ def _proc_field_kib(path: str, name: str) -> int:
             return next((int(line.split()[1]) for line in file if line.startswith(name)), 0)
     except (OSError, ValueError):
         return 0
+
+
+CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds_by_process(pgids: Sequence[int]) -> dict[tuple[int, int], tuple[str, float]]:
+    """User + system CPU seconds so far (all threads) of every process of the groups, by (pgid, pid)."""
+    found: dict[tuple[int, int], tuple[str, float]] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) in pgids:  # fields 5, 14 and 15 of stat: pgrp, utime, stime
+            found[int(fields[2]), int(pid)] = (name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_PER_S)
+    return found
+
+
+def cpu_use(
+    before: dict[tuple[int, int], tuple[str, float]],
+    after: dict[tuple[int, int], tuple[str, float]],
+    pgid: int,
+    elapsed_s: float,
+) -> dict[str, Any]:
+    """Cores each process of group `pgid` kept busy between two samples; the group leader is the daemon itself."""
+    processes: list[dict[str, Any]] = [
+        {"name": name, "leader": pid == pgid, "cores": (seconds - before[group, pid][1]) / elapsed_s}
+        for (group, pid), (name, seconds) in after.items()
+        if group == pgid and (group, pid) in before
+    ]
+    leader = sum(process["cores"] for process in processes if process["leader"])
+    total = sum(process["cores"] for process in processes)
+    return {
+        "cores": total,
+        "cores_daemon_process": leader,
+        "cores_other_processes": total - leader,
+        "processes": processes,
+    }
 
 
 class Poller:
@@ -389,20 +445,29 @@ def initial_model(manifest: RunManifest) -> torch.nn.Module:
 
 
 class LocalTrainer:
-    """Plain torch: AdamW and the run's schedule, gradients accumulated over the global batch in micro-batches."""
+    """Plain torch: AdamW and the run's schedule, gradients accumulated over the global batch in micro-batches.
 
-    def __init__(self, manifest: RunManifest, sampler: WindowSampler) -> None:
+    From the run's initial weights, or from a swarm checkpoint: its weights, AdamW moments and global step.
+    """
+
+    def __init__(self, manifest: RunManifest, sampler: WindowSampler, start: Checkpoint | None = None) -> None:
         self.sampler, self.kind = sampler, model_kind(manifest.model)
         self.model = initial_model(manifest)
         spec = manifest.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=spec.learning_rate, weight_decay=spec.weight_decay
         )
+        self.step = self.micro_step = 0
+        if start is not None:
+            self.model.load_state_dict(start.model_state)
+            state = copy.deepcopy(start.optimizer_state)
+            state["state"].pop("local_epoch", None)  # hivemind.Optimizer's addition to torch's state dict
+            self.optimizer.load_state_dict(state)
+            self.step = start.epoch
         factor = functools.partial(learning_rate_factor, spec=spec)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor, last_epoch=self.step - 1)
         self.num_micro_batches = math.ceil(manifest.target_batch_size / MICRO_BATCH_SIZE)
         self.generator = torch.Generator().manual_seed(0)
-        self.step = self.micro_step = 0
 
     def train_micro_batch(self) -> None:
         """One forward/backward of MICRO_BATCH_SIZE samples; an optimizer step once the global batch is full."""
@@ -417,11 +482,12 @@ class LocalTrainer:
             self.step, self.micro_step = self.step + 1, 0
 
 
-def mean_eval_loss(model: torch.nn.Module, batches: list[torch.Tensor], kind: str) -> float:
+def mean_eval_loss(model: torch.nn.Module, batches: list[torch.Tensor], kind: ModelKind) -> float:
+    """The mean loss over `batches`, without gradients, in eval mode."""
     model.eval()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        losses = [training_loss(model, batch, kind, generator=generator).item() for batch in batches]  # type: ignore[arg-type]
+        losses = [training_loss(model, batch, kind, generator=generator).item() for batch in batches]
     model.train()
     return sum(losses) / len(losses)
 
@@ -443,24 +509,27 @@ def run_standalone_worker(cache_dir: Path) -> None:
     def read_window() -> None:
         line = sys.stdin.readline()
         if line:
-            window.extend(map(float, line.split()))
+            window.extend(tuple(map(float, line.split())))  # both at once: the trainer reads it unlocked
         else:
             parent_gone.set()
 
     threading.Thread(target=read_window, daemon=True).start()
-    num_samples, first_began, last_ended = 0, math.inf, 0.0
+    num_samples, first_began, last_ended, cpu_began, cpu_ended = 0, math.inf, 0.0, 0.0, 0.0
     while not parent_gone.is_set():
-        began = time.time()
+        began, cpu = time.time(), time.process_time()
         trainer.train_micro_batch()
         ended = time.time()
         if len(window) == 2 and ended > window[1]:
             break
         if len(window) == 2 and began >= window[0]:
-            num_samples, first_began, last_ended = num_samples + MICRO_BATCH_SIZE, min(first_began, began), ended
+            if num_samples == 0:
+                first_began, cpu_began = began, cpu
+            num_samples, last_ended, cpu_ended = num_samples + MICRO_BATCH_SIZE, ended, time.process_time()
     if parent_gone.is_set():
         raise SystemExit("the benchmark that started this worker is gone")
     seconds = max(last_ended - first_began, 1e-9)
-    print(json.dumps({"samples": num_samples, "seconds": seconds, "samples_per_second": num_samples / seconds}))
+    result = {"samples": num_samples, "seconds": seconds, "samples_per_second": num_samples / seconds}
+    print(json.dumps({**result, "cpu_cores": (cpu_ended - cpu_began) / seconds}))
 
 
 # --- 1. Convergence ---------------------------------------------------------------------------------------------
@@ -469,56 +538,109 @@ def run_standalone_worker(cache_dir: Path) -> None:
 def bench_convergence(groups: ProcessGroups, root: Path, num_steps: int, target_batch_size: int) -> dict[str, Any]:
     run_file = root / "tiny.toml"
     run_file.write_text(TINY_RUN_TOML.format(target_batch_size=target_batch_size))
-    env = child_env(
-        CROWDTRAIN_MICRO_BATCH_SIZE=str(MICRO_BATCH_SIZE),
-        CROWDTRAIN_NUM_THREADS="1",
-        CROWDTRAIN_CHECKPOINT_KEEP=str(num_steps + 1000),
-    )
-    say(f"convergence: starting {NUM_CONVERGENCE_NODES} daemons on the tiny run (B={target_batch_size})")
-    started = time.time()
-    nodes = start_swarm(groups, root / "convergence", NUM_CONVERGENCE_NODES, ["--run-file", str(run_file)], env)
-    # The founder stamps created_at when it publishes the run, and the seed hashes it: read it back, or the
-    # reference would start from other weights than the swarm.
-    watcher = StatusWatcher(groups, nodes[0].address, 5.0, root / "status-convergence.log")
-    snapshot = await_condition(
-        lambda: _with_created_at(watcher.latest()), START_TIMEOUT_S, "the run's created_at in crowdtrain status"
-    )
-    groups.kill(watcher.process)
-    manifest = dataclasses.replace(load_run_file(str(run_file)), created_at=float(snapshot["run"]["created_at"]))
-    clock = CheckpointClock(nodes[0].state_dir / "checkpoints" / manifest.run_id)
-    final_epoch = await_founder_epoch(nodes, clock, num_steps, started)
-    for node in nodes:
-        groups.kill(node.process)
-
-    say("convergence: scoring the founder's checkpoints, then training the single-process reference")
+    run = run_tiny_swarm(groups, root, run_file, num_steps)
+    say("convergence: scoring the founder's checkpoints, then training the single-process references")
+    # The seed hashes created_at, which the founder stamps when it publishes the run.
+    manifest = dataclasses.replace(load_run_file(str(run_file)), created_at=run.created_at)
     sampler = load_sampler(manifest, root / "data-cache", "bench-single-process")
     eval_batches = sampler.eval_batches(EVAL_BATCH_SIZE, NUM_EVAL_BATCHES)
-    swarm = score_checkpoints(manifest, clock.directory, final_epoch, eval_batches)
-    single = train_reference(manifest, sampler, eval_batches, num_steps)
+    swarm = score_checkpoints(manifest, run.clock.directory, run.final_epoch, eval_batches)
+    start = load_checkpoint(run.clock.directory / f"epoch-{run.start_epoch:08d}.pt", initial_model(manifest))
+    single = train_reference(manifest, sampler, eval_batches, run.final_epoch, start)
+    from_initial = train_reference(manifest, sampler, eval_batches, run.final_epoch, None)
+    swarm_final = swarm["eval_loss"][swarm["steps"].index(run.final_epoch)]
+    seconds_to_epoch = {epoch: written - run.started for epoch, written in sorted(run.clock.times.items())}
+    # A founder that falls behind (e.g. stuck in an averaging round until its timeout) downloads the others'
+    # state and jumps to their epoch, leaving no checkpoint of the epochs in between.
+    skipped = [epoch for epoch in range(run.start_epoch, run.final_epoch) if epoch not in run.clock.times]
     return {
         "num_nodes": NUM_CONVERGENCE_NODES,
-        "num_steps": num_steps,
+        "num_steps": run.final_epoch - run.start_epoch,
+        "start_epoch": run.start_epoch,
+        "final_epoch": run.final_epoch,
         "target_batch_size": target_batch_size,
         "micro_batch_size": MICRO_BATCH_SIZE,
         "eval_windows": EVAL_BATCH_SIZE * NUM_EVAL_BATCHES,
-        "sequence_length": manifest.data.sequence_length,
         "run_file": run_file.read_text(),
         "created_at": manifest.created_at,
         "seed": run_seed(manifest),
-        "swarm": {**swarm, "seconds_to_epoch": {e: t - started for e, t in sorted(clock.times.items())}},
+        "peer_epochs_at_end": run.peer_epochs_at_end,
+        "epochs_the_founder_skipped": skipped,
+        "swarm": {**swarm, "seconds_to_epoch": seconds_to_epoch},
         "single_process": single,
-        "final_loss_ratio": swarm["eval_loss"][-1] / single["eval_loss"][-1],
+        "single_process_from_initial_weights": from_initial,
+        "final_loss_ratio": swarm_final / single["eval_loss"][-1],
+        "final_loss_ratio_vs_reference_from_initial_weights": swarm_final / from_initial["eval_loss"][-1],
     }
 
 
-def _with_created_at(snapshot: dict[str, Any] | None) -> dict[str, Any] | None:
-    return snapshot if snapshot and snapshot["run"].get("created_at") is not None else None
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TinySwarmRun:
+    """What the tiny swarm left behind: the founder's checkpoints and the epochs to compare."""
+
+    clock: CheckpointClock
+    created_at: float
+    """The run's created_at as published by the founder (unix seconds)."""
+    started: float
+    """Unix seconds when the first daemon was started."""
+    start_epoch: int
+    """The first checkpoint after which every daemon computed every global step."""
+    final_epoch: int
+    peer_epochs_at_end: dict[str, int]
 
 
-def await_founder_epoch(nodes: list[Node], clock: CheckpointClock, num_steps: int, started: float) -> int:
-    """Wait, at most EPOCH_TIMEOUT_S per global step, until the founder checkpointed epoch `num_steps`."""
+def run_tiny_swarm(groups: ProcessGroups, root: Path, run_file: Path, num_steps: int) -> TinySwarmRun:
+    """Train the tiny run with 3 daemons until `num_steps` global steps after all of them train together."""
+    env = child_env(
+        CROWDTRAIN_MICRO_BATCH_SIZE=str(MICRO_BATCH_SIZE),
+        CROWDTRAIN_NUM_THREADS="1",
+        CROWDTRAIN_CHECKPOINT_KEEP="1000000",
+        CROWDTRAIN_STATUS_INTERVAL_S="1",
+    )
+    say(f"convergence: starting {NUM_CONVERGENCE_NODES} daemons on {run_file.name}")
+    started = time.time()
+    nodes = start_swarm(groups, root / "convergence", NUM_CONVERGENCE_NODES, ["--run-file", str(run_file)], env)
+    peer_ids = [node.node_info["peer_id"] for node in nodes]
+    watcher = StatusWatcher(groups, nodes[0].address, 2.0, root / "status-convergence.log")
+    # The founder trains alone while the joiners start, for many of the tiny run's short epochs on a busy
+    # machine: compare from the first epoch all of them computed together.
+    together = await_condition(
+        lambda: _training_together(nodes, watcher, peer_ids), TRAINING_TIMEOUT_S, "all daemons at the same epoch"
+    )
+    say(f"convergence: all daemons train at epoch {together['run']['epoch']}; {num_steps} global steps to go")
+    clock = CheckpointClock(nodes[0].state_dir / "checkpoints" / together["run"]["run_id"])
+    start_epoch, final_epoch = await_founder_epochs(nodes, clock, together["run"]["epoch"] + 1, num_steps, started)
+    peer_epochs_at_end = {peer["peer_id"]: peer["epoch"] for peer in (watcher.latest() or {}).get("peers", [])}
+    groups.kill_all()
+    return TinySwarmRun(
+        clock=clock,
+        created_at=float(together["run"]["created_at"]),
+        started=started,
+        start_epoch=start_epoch,
+        final_epoch=final_epoch,
+        peer_epochs_at_end=peer_epochs_at_end,
+    )
+
+
+def _training_together(nodes: list[Node], watcher: StatusWatcher, peer_ids: list[str]) -> dict[str, Any] | None:
+    """The status snapshot in which every daemon trains (samples/s > 0) at one and the same epoch, if any."""
+    for node in nodes:
+        node.check_alive()
+    snapshot = watcher.latest()
+    peers = {peer["peer_id"]: peer for peer in (snapshot or {}).get("peers", [])}
+    if snapshot is None or snapshot["run"].get("created_at") is None or not set(peer_ids) <= peers.keys():
+        return None
+    training = all(peers[peer_id]["samples_per_second"] > 0 for peer_id in peer_ids)
+    return snapshot if training and len({peers[peer_id]["epoch"] for peer_id in peer_ids}) == 1 else None
+
+
+def await_founder_epochs(
+    nodes: list[Node], clock: CheckpointClock, first_epoch: int, num_steps: int, started: float
+) -> tuple[int, int]:
+    """Wait, at most EPOCH_TIMEOUT_S per global step, until the founder checkpointed `num_steps` epochs past
+    `first_epoch`; returns the (start, final) checkpoints to compare: exact unless the founder skipped one."""
     reached = 0
-    while reached < num_steps:
+    while reached < first_epoch + num_steps:
 
         def newer_epoch(since: int = reached) -> int | None:
             for node in nodes:
@@ -528,8 +650,9 @@ def await_founder_epoch(nodes: list[Node], clock: CheckpointClock, num_steps: in
             return latest if latest > since else None
 
         reached = await_condition(newer_epoch, EPOCH_TIMEOUT_S, f"global epoch {reached + 1} of the tiny swarm")
-        say(f"convergence: swarm at epoch {reached} after {clock.times[reached] - started:.0f} s")
-    return reached
+        say(f"convergence: founder at epoch {reached} after {clock.times[reached] - started:.0f} s")
+    start = min(epoch for epoch in clock.times if epoch >= first_epoch)
+    return start, min(epoch for epoch in clock.times if epoch >= start + num_steps)
 
 
 def score_checkpoints(
@@ -557,55 +680,78 @@ def score_checkpoints(
 
 
 def train_reference(
-    manifest: RunManifest, sampler: WindowSampler, eval_batches: list[torch.Tensor], num_steps: int
+    manifest: RunManifest,
+    sampler: WindowSampler,
+    eval_batches: list[torch.Tensor],
+    final_epoch: int,
+    start: Checkpoint | None,
 ) -> dict[str, Any]:
-    trainer = LocalTrainer(manifest, sampler)
-    losses = [mean_eval_loss(trainer.model, eval_batches, trainer.kind)]
+    """Held-out loss after every step of a plain torch loop from `start` (or the initial weights) to `final_epoch`."""
+    trainer = LocalTrainer(manifest, sampler, start)
+    steps, losses = [trainer.step], [mean_eval_loss(trainer.model, eval_batches, trainer.kind)]
     started = time.monotonic()
-    while trainer.step < num_steps:
+    while trainer.step < final_epoch:
         trainer.train_micro_batch()
         if trainer.micro_step == 0:
+            steps.append(trainer.step)
             losses.append(mean_eval_loss(trainer.model, eval_batches, trainer.kind))
-    seconds = time.monotonic() - started
-    return {"steps": list(range(num_steps + 1)), "eval_loss": losses, "seconds": seconds}
+    return {"steps": steps, "eval_loss": losses, "seconds": time.monotonic() - started}
 
 
 def print_convergence(result: dict[str, Any]) -> None:
     swarm = dict(zip(result["swarm"]["steps"], result["swarm"]["eval_loss"], strict=True))
-    single = dict(enumerate(result["single_process"]["eval_loss"]))
+    single = dict(zip(result["single_process"]["steps"], result["single_process"]["eval_loss"], strict=True))
+    reference = result["single_process_from_initial_weights"]
+    from_initial = dict(zip(reference["steps"], reference["eval_loss"], strict=True))
     rows = [
-        [
-            step,
-            swarm.get(step),
-            single.get(step),
-            swarm[step] / single[step] if step in swarm and step in single else None,
-        ]
-        for step in sorted(swarm.keys() | single.keys())
+        [step, swarm.get(step), single[step], swarm[step] / single[step] if step in swarm else None, from_initial[step]]
+        for step in sorted(single)
     ]
     print_table(
         f"Convergence: held-out loss, {result['num_nodes']} daemons vs one process (B={result['target_batch_size']})",
-        ["global step", "swarm", "single process", "swarm / single"],
+        ["global step", "swarm", "single process", "swarm / single", "single from step 0"],
         rows,
     )
-    check = result["swarm"]["initial_weights_match_first_checkpoint"]
+    start = result["start_epoch"]
+    print(
+        f"Until epoch {start} the founder trained alone or with joiners still starting, so both runs above start\n"
+        f"from the founder's checkpoint of epoch {start} (weights and AdamW state). The last column is the plain\n"
+        f"loop from the run's initial weights (seed {result['seed']}), to compare the swarm's whole history with."
+    )
     print(f"final_loss_ratio = swarm_final / single_final = {result['final_loss_ratio']:.4f}")
-    print(f"same initial weights as the swarm (seed {result['seed']}): {'yes' if check['ok'] else 'NO'}")
+    print(
+        "  against the plain loop from the initial weights: "
+        f"{result['final_loss_ratio_vs_reference_from_initial_weights']:.4f}"
+    )
+    if result["epochs_the_founder_skipped"]:
+        print(
+            f"  the founder has no checkpoint of epochs {result['epochs_the_founder_skipped']}: it fell behind "
+            "and downloaded the others' state"
+        )
+    check = result["swarm"]["initial_weights_match_first_checkpoint"]
+    print(f"  the swarm started from the reference's initial weights: {'yes' if check['ok'] else 'NO'}")
 
 
 def plot_convergence(result: dict[str, Any], path: Path) -> bool:
-    """Both curves against the global step; False when matplotlib is not installed."""
+    """The curves against the global step; False when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         return False
     figure, axes = plt.subplots(figsize=(7, 4.5))
     swarm, single = result["swarm"], result["single_process"]
+    from_initial = result["single_process_from_initial_weights"]
     axes.plot(swarm["steps"], swarm["eval_loss"], marker="o", label=f"crowdtrain, {result['num_nodes']} daemons")
-    axes.plot(single["steps"], single["eval_loss"], marker="s", linestyle="--", label="single process")
+    axes.plot(single["steps"], single["eval_loss"], marker="s", linestyle="--", label="single process, from the swarm")
+    axes.plot(from_initial["steps"], from_initial["eval_loss"], linestyle=":", label="single process, from step 0")
+    start = result["start_epoch"]
+    axes.axvline(start, color="grey", linewidth=0.8, label=f"all daemons train together from step {start}")
     axes.set(xlabel="global step", ylabel="held-out loss", title=f"B = {result['target_batch_size']} samples/step")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
@@ -623,7 +769,7 @@ def bench_throughput(groups: ProcessGroups, root: Path, num_processes: int, dura
     standalone = measure_standalone(groups, root, cache_dir, num_processes, duration_s)
     swarm = measure_swarm(groups, root / "throughput", num_processes, duration_s)
     ratio = swarm["samples_per_second"] / standalone["samples_per_second"]
-    from_epochs = swarm["samples_per_second_from_epochs"]
+    from_progress = swarm["samples_per_second_from_progress"]
     return {
         "num_processes": num_processes,
         "duration_s": duration_s,
@@ -632,7 +778,9 @@ def bench_throughput(groups: ProcessGroups, root: Path, num_processes: int, dura
         "standalone": standalone,
         "swarm": swarm,
         "throughput_ratio": ratio,
-        "throughput_ratio_from_epochs": None if from_epochs is None else from_epochs / standalone["samples_per_second"],
+        "throughput_ratio_from_progress": (
+            None if from_progress is None else from_progress / standalone["samples_per_second"]
+        ),
         "target_ratio": THROUGHPUT_TARGET_RATIO,
     }
 
@@ -694,32 +842,37 @@ def measure_standalone(
 
 
 def measure_swarm(groups: ProcessGroups, root: Path, num_nodes: int, duration_s: float) -> dict[str, Any]:
-    env = child_env(CROWDTRAIN_MICRO_BATCH_SIZE=str(MICRO_BATCH_SIZE), CROWDTRAIN_NUM_THREADS="1")
+    env = child_env(
+        CROWDTRAIN_MICRO_BATCH_SIZE=str(MICRO_BATCH_SIZE),
+        CROWDTRAIN_NUM_THREADS="1",
+        CROWDTRAIN_STATUS_INTERVAL_S=f"{SWARM_STATUS_INTERVAL_S:g}",
+    )
     say(f"throughput: starting {num_nodes} daemons on the demo preset")
     nodes = start_swarm(groups, root, num_nodes, ["--run-file", "demo"], env)
     peer_ids = [node.node_info["peer_id"] for node in nodes]
     memory = MemoryPeaks([node.process.pid for node in nodes])
-    clock = CheckpointClock(nodes[0].state_dir / "checkpoints" / nodes[0].node_info["run_id"])
-    interval_s = min(max(duration_s / 10, 2.0), 10.0)
-    with Poller([memory.poll, clock.poll], period_s=1.0):
-        watcher = StatusWatcher(groups, nodes[0].address, interval_s, root / "status.log")
+    with Poller([memory.poll], period_s=1.0):
+        watcher = StatusWatcher(groups, nodes[0].address, SWARM_STATUS_INTERVAL_S, root / "status.log")
         await_condition(
             lambda: _all_training(nodes, watcher, peer_ids), TRAINING_TIMEOUT_S, "every daemon to report samples/s"
         )
         say(f"throughput: every daemon trains; measuring {duration_s:g} s")
-        window = (time.monotonic(), time.time())
-        deadline = window[0] + duration_s
-        while (left_s := deadline - time.monotonic()) > 0:  # the measured interval; fail fast if a node dies
+        pgids = [process.pid for process in (watcher.process, *(node.process for node in nodes))]
+        started, cpu_before = time.monotonic(), cpu_seconds_by_process(pgids)
+        while (left_s := started + duration_s - time.monotonic()) > 0:  # the measured interval; fail if a node dies
             for node in nodes:
                 node.check_alive()
             time.sleep(min(POLL_S, left_s))
-        snapshots = watcher.between(window[0], time.monotonic())
+        ended, cpu_after = time.monotonic(), cpu_seconds_by_process(pgids)
+        snapshots = watcher.between(started, ended)
     for process in [watcher.process, *(node.process for node in nodes)]:
         groups.kill(process)
     return {
-        **summarize_snapshots(snapshots, peer_ids),
-        "status_sample_interval_s": interval_s,
-        **epochs_throughput(clock.times, window[1], window[1] + duration_s, demo().target_batch_size),
+        **summarize_snapshots([snapshot for _, snapshot in snapshots], peer_ids),
+        "samples_per_second_from_progress": progress_rate(snapshots),
+        "status_interval_s": SWARM_STATUS_INTERVAL_S,
+        "cpu_per_node": [cpu_use(cpu_before, cpu_after, pgid, ended - started) for pgid in pgids[1:]],
+        "cpu_status_reader": cpu_use(cpu_before, cpu_after, pgids[0], ended - started)["cores"],
         "memory_per_node": [_memory_json(memory.groups[node.process.pid]) for node in nodes],
     }
 
@@ -736,7 +889,7 @@ def _all_training(nodes: list[Node], watcher: StatusWatcher, peer_ids: list[str]
 
 
 def summarize_snapshots(snapshots: list[dict[str, Any]], peer_ids: list[str]) -> dict[str, Any]:
-    """Per peer and in sum, the mean of the samples/s each status snapshot reported."""
+    """Per peer and in sum, the mean of the samples/s that the status snapshots reported."""
     per_peer: dict[str, list[float]] = {peer_id: [] for peer_id in peer_ids}
     sums: list[float] = []
     for snapshot in snapshots:
@@ -746,31 +899,42 @@ def summarize_snapshots(snapshots: list[dict[str, Any]], peer_ids: list[str]) ->
             for peer_id in peer_ids:
                 per_peer[peer_id].append(reported[peer_id])
     if not sums:
-        raise BenchError("crowdtrain status listed every peer in none of the snapshots of the measured interval")
+        raise BenchError("no status snapshot of the measured interval listed every peer")
     return {
         "num_status_samples": len(sums),
         "samples_per_second": sum(sums) / len(sums),
-        "samples_per_second_per_peer": {peer_id: sum(v) / len(v) for peer_id, v in per_peer.items()},
-        "samples_per_second_samples": sums,
-        "final_epoch": max(snapshot["run"]["epoch"] for snapshot in snapshots),
+        "samples_per_second_per_peer": {peer_id: sum(rates) / len(rates) for peer_id, rates in per_peer.items()},
+        "samples_per_second_sums": sums,
+        "epochs": [snapshot["run"]["epoch"] for snapshot in snapshots],
+        "num_global_steps_in_window": snapshots[-1]["run"]["epoch"] - snapshots[0]["run"]["epoch"],
     }
 
 
-def epochs_throughput(times: dict[int, float], start: float, end: float, target_batch_size: int) -> dict[str, Any]:
-    """Samples the swarm actually completed: global steps between the founder's checkpoints in the window."""
-    inside = sorted((epoch, written) for epoch, written in times.items() if start <= written <= end)
-    if len(inside) < 2:
-        return {"samples_per_second_from_epochs": None, "num_epochs_in_window": len(inside)}
-    (first_epoch, first_time), (last_epoch, last_time) = inside[0], inside[-1]
-    rate = (last_epoch - first_epoch) * target_batch_size / (last_time - first_time)
-    return {"samples_per_second_from_epochs": rate, "num_epochs_in_window": len(inside)}
+def progress_rate(snapshots: list[tuple[float, dict[str, Any]]]) -> float | None:
+    """Samples the swarm really processed per second: least-squares slope of epoch * B + accumulated over time.
+
+    A cross-check of the peers' own samples/s, an average of per-micro-batch rates that barely
+    feels the seconds a peer spends blocked in matchmaking and all-reduce at the end of each epoch.
+    """
+    points = [
+        (read_at, run["epoch"] * run["target_batch_size"] + run["samples_accumulated"])
+        for read_at, run in ((read_at, snapshot["run"]) for read_at, snapshot in snapshots)
+        if run["target_batch_size"]
+    ]
+    if len(points) < 3:
+        return None
+    mean_t = sum(t for t, _ in points) / len(points)
+    mean_p = sum(p for _, p in points) / len(points)
+    variance = sum((t - mean_t) ** 2 for t, _ in points)
+    return sum((t - mean_t) * (p - mean_p) for t, p in points) / variance if variance else None
 
 
 def _memory_json(memory: GroupMemory) -> dict[str, Any]:
     return {
         "peak_rss_mib": memory.peak_rss_bytes / MIB,
         "pss_at_peak_mib": memory.pss_at_peak_bytes / MIB,
-        "num_processes_at_peak": memory.num_processes_at_peak,
+        "num_processes_at_peak": len(memory.processes_at_peak),
+        "processes_at_peak": memory.processes_at_peak,
         "max_num_processes": memory.max_num_processes,
     }
 
@@ -778,23 +942,31 @@ def _memory_json(memory: GroupMemory) -> dict[str, Any]:
 def print_throughput(result: dict[str, Any]) -> None:
     standalone, swarm = result["standalone"], result["swarm"]
     rows: list[list[Any]] = [
-        [f"standalone {index}", item["samples_per_second"]] for index, item in enumerate(standalone["per_process"])
+        [f"standalone {index}", item["samples_per_second"], item["cpu_cores"], None, None]
+        for index, item in enumerate(standalone["per_process"])
     ]
-    rows.append(["standalone sum", standalone["samples_per_second"]])
-    rows += [[f"daemon …{peer_id[-8:]}", rate] for peer_id, rate in swarm["samples_per_second_per_peer"].items()]
+    rows.append(["standalone sum", standalone["samples_per_second"], None, None, None])
+    for (peer_id, rate), cpu in zip(swarm["samples_per_second_per_peer"].items(), swarm["cpu_per_node"], strict=True):
+        rows.append(
+            [f"daemon …{peer_id[-8:]}", rate, cpu["cores"], cpu["cores_daemon_process"], cpu["cores_other_processes"]]
+        )
     rows.append([f"swarm sum (mean of {swarm['num_status_samples']} status samples)", swarm["samples_per_second"]])
-    rows.append(
-        [f"swarm from global steps ({swarm['num_epochs_in_window']} epochs)", swarm["samples_per_second_from_epochs"]]
-    )
+    rows.append(["swarm, from its progress (epoch × B + accumulated)", swarm["samples_per_second_from_progress"]])
+    rows.append(["status reader (measurement overhead)", None, swarm["cpu_status_reader"], None, None])
     print_table(
-        f"Throughput: {result['num_processes']} processes for {result['duration_s']:g} s", ["", "samples/s"], rows
+        f"Throughput: {result['num_processes']} processes for {result['duration_s']:g} s (CPU in cores kept busy)",
+        ["", "samples/s", "CPU", "CPU daemon process", "CPU p2pd, DHT, averagers"],
+        [row + [None] * (5 - len(row)) for row in rows],
     )
     print(
         f"throughput_ratio = swarm / standalone_sum = {result['throughput_ratio']:.3f} "
         f"(target >= {THROUGHPUT_TARGET_RATIO}; a plain hivemind.Optimizer loop reached 0.34 on this machine)"
     )
-    if result["throughput_ratio_from_epochs"] is not None:
-        print(f"  from completed global steps instead of status: {result['throughput_ratio_from_epochs']:.3f}")
+    from_progress = result["throughput_ratio_from_progress"]
+    if from_progress is not None:
+        print(f"  the same from the swarm's progress instead of its peers' samples/s: {from_progress:.3f}")
+    if swarm["num_global_steps_in_window"] == 0:
+        print("  no global step (averaging round) fell in the measured interval: a longer --duration includes one")
 
 
 def memory_summary(throughput: dict[str, Any]) -> dict[str, Any]:
@@ -837,17 +1009,15 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]
 
     cells = [list(header), *([cell(value) for value in row] for row in rows)]
     widths = [max(len(row[column]) for row in cells) for column in range(len(header))]
-    print(f"\n{title}")
-    for index, row in enumerate(cells):
-        print(
-            "  "
-            + "  ".join(
-                text.ljust(width) if i == 0 else text.rjust(width)
-                for i, (text, width) in enumerate(zip(row, widths, strict=True))
-            )
-        )
-        if index == 0:
-            print("  " + "  ".join("-" * width for width in widths))
+
+    def line(texts: Sequence[str]) -> str:  # the first column left-aligned, numbers right-aligned
+        numbers = (text.rjust(width) for text, width in zip(texts[1:], widths[1:], strict=True))
+        aligned = [texts[0].ljust(widths[0]), *numbers]
+        return "  " + "  ".join(aligned)
+
+    print(f"\n{title}\n{line(cells[0])}\n{line(['-' * width for width in widths])}")
+    for row in cells[1:]:
+        print(line(row))
     print()
 
 
@@ -885,6 +1055,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--standalone-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.standalone_worker and args.cache_dir is None:
+        parser.error("--standalone-worker needs --cache-dir")
     args.epochs = args.epochs or (6 if args.quick else 12)
     args.batch = args.batch or (512 if args.quick else 1024)
     args.processes = args.processes or (3 if args.quick else 4)
@@ -925,11 +1097,24 @@ def run_phases(args: argparse.Namespace, groups: ProcessGroups, root: Path, resu
     return ok
 
 
+def save_logs(root: Path, destination: Path) -> None:
+    """Keep the daemons' and workers' logs: they explain a bad number (e.g. averaging rounds that failed)."""
+    shutil.rmtree(destination, ignore_errors=True)
+    for log in root.rglob("*.log"):
+        target = destination / log.relative_to(root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, target)
+    print(f"logs in {destination}/")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.standalone_worker:
         run_standalone_worker(args.cache_dir)
         return 0
+
+    # One torch thread for the in-process reference: on two busy cores more threads only spin (25x slower).
+    torch.set_num_threads(1)
 
     def on_sigterm(_signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
@@ -945,6 +1130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 0 if run_phases(args, groups, Path(directory), results) else 1
             finally:
                 groups.kill_all()  # before the state dirs go away
+                save_logs(Path(directory), args.out / "logs")
     except KeyboardInterrupt:
         print("interrupted; every child process was killed", file=sys.stderr)
         return 130
