@@ -212,6 +212,7 @@ def test_summary_of_each_peer() -> None:
         "last_seen": 995.0,
         "multiaddrs": [f"/ip4/127.0.0.1/tcp/31330/p2p/{PEER_A}", f"/ip4/8.8.8.8/tcp/31330/p2p/{PEER_A}"],
         "partial_averages": 0,
+        "local_steps": 0,
     }
     assert isinstance(second["roles"], list) and second["roles"] == ["trainer"]
     assert (second["loss"], second["upload_mbps"], second["download_mbps"]) == (None, None, None)

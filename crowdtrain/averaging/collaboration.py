@@ -43,7 +43,14 @@ class _Optimizer(hivemind.Optimizer):
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> Any:
         self.client_mode = self._requested_client_mode
+        self.num_local_gradient_steps = 0
         return super()._make_progress_tracker(target_batch_size, **kwargs)
+
+    def _load_local_gradients_into_optimizer(self) -> None:
+        # Reached when a gradient averaging round failed or found nobody: the step uses this peer's
+        # gradients alone. Counted so `status` shows a swarm whose averaging is not happening.
+        self.num_local_gradient_steps += 1
+        super()._load_local_gradients_into_optimizer()
 
 
 def make_optimizer(

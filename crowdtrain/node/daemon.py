@@ -185,6 +185,7 @@ class Heartbeat:
         self.status.epoch, self.status.samples_accumulated = progress.epoch, progress.samples_accumulated
         self.status.samples_per_second = progress.samples_per_second
         self.status.partial_averages = progress.num_partial_averages
+        self.status.local_steps = progress.num_local_steps
         if progress.loss is not None:
             self.status.loss = progress.loss
         self.status.last_seen = time.time()

@@ -135,6 +135,7 @@ def _peer_json(status: proto.PeerStatus) -> dict[str, Any]:
         "last_seen": status.last_seen,
         "multiaddrs": list(status.multiaddrs),
         "partial_averages": status.partial_averages,
+        "local_steps": status.local_steps,
     }
 
 
@@ -151,8 +152,9 @@ def render(snapshot: dict[str, Any], now: float) -> Group:
         (f"  {run['partial_averages']} partial averages rejected", "yellow") if run["partial_averages"] else "",
     )
     table = Table(box=None, header_style="bold")  # columns never wrap: a narrow terminal crops instead
-    for column in ("peer", "roles", "device", "samples/s", "epoch", "loss", "last seen", "address"):
-        table.add_column(column, justify="right" if column in ("samples/s", "epoch", "loss") else "left", no_wrap=True)
+    numeric = ("samples/s", "epoch", "loss", "solo steps")
+    for column in ("peer", "roles", "device", "samples/s", "epoch", "loss", "solo steps", "last seen", "address"):
+        table.add_column(column, justify="right" if column in numeric else "left", no_wrap=True)
     for peer in snapshot["peers"]:
         table.add_row(
             "…" + peer["peer_id"][-8:],
@@ -161,6 +163,7 @@ def render(snapshot: dict[str, Any], now: float) -> Group:
             f"{peer['samples_per_second']:.1f}",
             str(peer["epoch"]),
             "—" if peer["loss"] is None or math.isnan(peer["loss"]) else f"{peer['loss']:.3f}",
+            str(peer["local_steps"]),
             f"{max(now - peer['last_seen'], 0):.0f} s ago",
             shareable_address(peer["multiaddrs"]) if peer["multiaddrs"] else "—",
         )

@@ -39,6 +39,8 @@ class Progress:
     num_skipped_steps: int = 0
     num_partial_averages: int = 0
     """Averaging rounds rejected because some parts came back un-averaged."""
+    num_local_steps: int = 0
+    """Global steps taken with this node's gradients alone (averaging failed or found no peer)."""
 
     def observe(self, loss: float, num_samples: int, elapsed_s: float) -> None:
         """Fold one micro-step into the exponential moving averages."""
@@ -148,6 +150,7 @@ class Trainer:
                 progress.epoch = optimizer.local_epoch
                 progress.samples_accumulated = optimizer.tracker.local_progress.samples_accumulated
                 progress.num_partial_averages = self.partial_counter.value
+                progress.num_local_steps = getattr(optimizer, "num_local_gradient_steps", 0)
                 global_progress = optimizer.tracker.global_progress
                 bar.update(progress, global_progress.samples_accumulated, global_progress.num_peers)
                 if optimizer.local_epoch != last_epoch:

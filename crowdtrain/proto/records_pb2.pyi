@@ -90,7 +90,7 @@ class SignedManifest(_message.Message):
     def __init__(self, manifest: _Optional[bytes] = ..., founder_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("peer_id", "version", "state", "roles", "device", "samples_per_second", "epoch", "loss", "upload_mbps", "download_mbps", "reachable", "experts", "multiaddrs", "last_seen", "samples_accumulated", "run_id", "partial_averages")
+    __slots__ = ("peer_id", "version", "state", "roles", "device", "samples_per_second", "epoch", "loss", "upload_mbps", "download_mbps", "reachable", "experts", "multiaddrs", "last_seen", "samples_accumulated", "run_id", "partial_averages", "local_steps")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ONLINE: _ClassVar[PeerStatus.State]
@@ -114,6 +114,7 @@ class PeerStatus(_message.Message):
     SAMPLES_ACCUMULATED_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_AVERAGES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     version: str
     state: PeerStatus.State
@@ -131,4 +132,5 @@ class PeerStatus(_message.Message):
     samples_accumulated: int
     run_id: str
     partial_averages: int
-    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[PeerStatus.State, str]] = ..., roles: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., epoch: _Optional[int] = ..., loss: _Optional[float] = ..., upload_mbps: _Optional[float] = ..., download_mbps: _Optional[float] = ..., reachable: _Optional[bool] = ..., experts: _Optional[_Iterable[str]] = ..., multiaddrs: _Optional[_Iterable[str]] = ..., last_seen: _Optional[float] = ..., samples_accumulated: _Optional[int] = ..., run_id: _Optional[str] = ..., partial_averages: _Optional[int] = ...) -> None: ...
+    local_steps: int
+    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[PeerStatus.State, str]] = ..., roles: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., epoch: _Optional[int] = ..., loss: _Optional[float] = ..., upload_mbps: _Optional[float] = ..., download_mbps: _Optional[float] = ..., reachable: _Optional[bool] = ..., experts: _Optional[_Iterable[str]] = ..., multiaddrs: _Optional[_Iterable[str]] = ..., last_seen: _Optional[float] = ..., samples_accumulated: _Optional[int] = ..., run_id: _Optional[str] = ..., partial_averages: _Optional[int] = ..., local_steps: _Optional[int] = ...) -> None: ...
