@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import signal
 from pathlib import Path
 from typing import Any
@@ -152,8 +153,8 @@ def test_parameters_mode_trains_with_local_steps(tmp_path: Path) -> None:
     run_file.write_text(RUN_FILE.replace('run_id = "tiny"', 'run_id = "tiny-moshpit"') + 'mode = "parameters"\n')
     founder = start_daemon(tmp_path / "node0", "--run-file", str(run_file), env=TRAIN_ENV).await_ready()
     joiner = start_daemon(tmp_path / "node1", initial_peers=[founder.address], env=TRAIN_ENV).await_ready()
-    early = await_epoch(founder, [founder, joiner], 1, timeout_s=150)
     late = await_epoch(founder, [founder, joiner], 4, timeout_s=150)
     assert late["run"]["run_id"] == "tiny-moshpit"
-    for peer_id, peer in peers_by_id(late).items():
-        assert peer["loss"] < peers_by_id(early)[peer_id]["loss"]
+    for peer in late["peers"]:
+        # local steps learn fast and then plateau, so compare with the untrained loss ln(vocabulary)
+        assert peer["loss"] < math.log(260) - 1.0, f"{peer['peer_id']} has not learned: loss {peer['loss']}"
