@@ -26,6 +26,7 @@ from crowdtrain.node.progress_bar import GlobalBatchBar
 logger = logging.getLogger(__name__)
 
 THROUGHPUT_EMA_ALPHA = 0.1
+SOLO_EPOCHS_BEFORE_WARNING = 5
 
 
 @dataclass(slots=True)
@@ -89,6 +90,8 @@ class Trainer:
         self.dht, self.manifest, self.peer_id, self.private_key = dht, manifest, peer_id, private_key
         self.options, self.progress, self.known_peers = options, progress, known_peers
         self.partial_counter = new_partial_counter()
+        self._local_steps_seen = 0
+        self._solo_epochs_in_a_row = 0
 
     def run(self, stop: threading.Event) -> None:
         manifest = self.manifest
@@ -163,7 +166,20 @@ class Trainer:
             f"epoch {optimizer.local_epoch}: loss {loss}, {self.progress.samples_per_second:.1f} samples/s on this node"
         )
         self._checkpoint(model, optimizer)
-        refresh_moshpit_bits(optimizer, self.peer_id, self.known_peers(), self.manifest.averaging)
+        peers = self.known_peers()
+        refresh_moshpit_bits(optimizer, self.peer_id, peers, self.manifest.averaging)
+        self._watch_averaging(len(set(peers) | {self.peer_id}))
+
+    def _watch_averaging(self, num_peers: int) -> None:
+        """Warn when the swarm has peers but this node keeps stepping alone: the run is not training together."""
+        solo = self.progress.num_local_steps > self._local_steps_seen and num_peers > 1
+        self._local_steps_seen = self.progress.num_local_steps
+        self._solo_epochs_in_a_row = self._solo_epochs_in_a_row + 1 if solo else 0
+        if self._solo_epochs_in_a_row == SOLO_EPOCHS_BEFORE_WARNING:
+            logger.warning(
+                f"averaging failed {SOLO_EPOCHS_BEFORE_WARNING} global steps in a row with {num_peers} peers online: "
+                "this node is training alone (see 'solo steps' in crowdtrain status); restart it if this persists"
+            )
 
     def _checkpoint(self, model: torch.nn.Module, optimizer: hivemind.Optimizer) -> None:
         if optimizer.local_epoch == 0:

@@ -1,0 +1,60 @@
+"""Pure logic of the training loop: throughput/loss averages and the solo-training warning."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from crowdtrain.manifest import demo
+from crowdtrain.node.training import SOLO_EPOCHS_BEFORE_WARNING, Progress, Trainer
+
+
+def make_trainer(progress: Progress) -> Trainer:
+    return Trainer(
+        dht=None,  # type: ignore[arg-type]
+        manifest=demo(),
+        peer_id="me",
+        private_key=None,  # type: ignore[arg-type]
+        options=None,  # type: ignore[arg-type]
+        progress=progress,
+        known_peers=list,
+    )
+
+
+def test_progress_moving_averages() -> None:
+    progress = Progress()
+    progress.observe(loss=4.0, num_samples=8, elapsed_s=1.0)
+    assert progress.loss == 4.0 and progress.samples_per_second == 8.0
+    progress.observe(loss=2.0, num_samples=16, elapsed_s=1.0)
+    assert progress.loss == pytest.approx(3.8) and progress.samples_per_second == pytest.approx(8.8)
+
+
+def test_warns_once_after_consecutive_solo_steps_with_peers_online(caplog: pytest.LogCaptureFixture) -> None:
+    progress = Progress()
+    trainer = make_trainer(progress)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(SOLO_EPOCHS_BEFORE_WARNING - 1):
+            progress.num_local_steps += 1
+            trainer._watch_averaging(num_peers=3)
+        assert "training alone" not in caplog.text
+        progress.num_local_steps += 1
+        trainer._watch_averaging(num_peers=3)
+        assert caplog.text.count("training alone") == 1
+        progress.num_local_steps += 1
+        trainer._watch_averaging(num_peers=3)
+        assert caplog.text.count("training alone") == 1, "one warning per streak"
+
+
+def test_no_warning_alone_or_when_averaging_works(caplog: pytest.LogCaptureFixture) -> None:
+    progress = Progress()
+    trainer = make_trainer(progress)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3 * SOLO_EPOCHS_BEFORE_WARNING):
+            progress.num_local_steps += 1
+            trainer._watch_averaging(num_peers=1)  # a lone founder steps alone by design
+        for epoch in range(3 * SOLO_EPOCHS_BEFORE_WARNING):
+            if epoch % 2:
+                progress.num_local_steps += 1  # every other round fails: never a streak
+            trainer._watch_averaging(num_peers=4)
+    assert "training alone" not in caplog.text
