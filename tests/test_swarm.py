@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -100,3 +101,28 @@ def test_sigkill_leaves_status_when_record_expires(tmp_path: Path) -> None:
         timeout_s=40,
         what="the killed peer's record to expire",
     )
+
+
+def test_daemon_exits_1_when_its_dht_process_dies(tmp_path: Path) -> None:
+    (daemon,) = start_swarm(tmp_path, 1)
+    dht_pid = await_condition(lambda: _dht_process_of(daemon.process.pid), 30, "the daemon's DHT process")
+    os.kill(dht_pid, signal.SIGTERM)
+    assert daemon.wait(timeout_s=60) == 1, "exits within the leave deadline, even if hivemind blocks"
+    assert "the DHT process died unexpectedly" in daemon.log()
+    assert not (tmp_path / "node0" / "node.json").exists()
+    await_condition(lambda: not group_alive(daemon.process.pid), 15, "no process of the daemon left behind")
+
+
+def _dht_process_of(daemon_pid: int) -> int | None:
+    """The child of the daemon whose own child is p2pd."""
+    for child in _children(daemon_pid):
+        if any(b"p2pd" in Path(f"/proc/{grandchild}/cmdline").read_bytes() for grandchild in _children(child)):
+            return child
+    return None
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []

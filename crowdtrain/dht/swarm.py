@@ -62,12 +62,17 @@ class SupervisedDHT(hivemind.DHT):
 
 
 def _kill_children_and_exit(*_: object) -> None:
+    signal_children(signal.SIGKILL)
+    os._exit(0)
+
+
+def signal_children(signum: int) -> None:
+    """Send `signum` to every direct child of this process (p2pd, hivemind's DHT and averager processes)."""
     for pid in _child_pids(os.getpid()):
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signum)
         except ProcessLookupError:
             pass
-    os._exit(0)
 
 
 def _child_pids(parent_pid: int) -> list[int]:

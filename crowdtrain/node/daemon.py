@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import hivemind
 
 from crowdtrain import __version__, proto
 from crowdtrain.dht.records import owner_marker
 from crowdtrain.dht.registry import list_peer_statuses, list_runs, publish_manifest, publish_peer_status
-from crowdtrain.dht.swarm import SwarmOptions, join_swarm
+from crowdtrain.dht.swarm import SwarmOptions, join_swarm, signal_children
 from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
+from crowdtrain.errors import CrowdtrainError
 from crowdtrain.node.addresses import resolve_listen, shareable_address
 from crowdtrain.node.config import NodeConfig
 from crowdtrain.node.device import describe_device, resolve_device
@@ -35,6 +38,8 @@ MANIFEST_PUBLISHERS = 5
 """Members beyond this many don't republish the manifest: enough copies, less DHT traffic."""
 SWARM_LOG_INTERVAL_S = 60.0
 DHT_CALL_TIMEOUT_S = 10.0
+LEAVE_DEADLINE_S = 28.0
+"""A node leaves within 30 s of SIGINT/SIGTERM (the CLI contract), forcibly if it must."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +108,8 @@ class Daemon:
         )
         beating = threading.Thread(target=heartbeat.run, args=(self.stop,), name="heartbeat", daemon=True)
         beating.start()
+        left = threading.Event()
+        threading.Thread(target=_enforce_leave_deadline, args=(self.stop, left, state_path), daemon=True).start()
         try:
             self._trainer(dht, identity, membership, progress).run(self.stop)
         finally:
@@ -111,6 +118,9 @@ class Daemon:
             logger.info("leaving the swarm")
             heartbeat.withdraw()
             remove_node_file(state_path)
+            left.set()
+        if heartbeat.dht_died:
+            raise CrowdtrainError("The DHT process died unexpectedly; restart the daemon (see the log above).")
 
     def _trainer(self, dht: hivemind.DHT, identity: Identity, membership: Membership, progress: Progress) -> Trainer:
         run_id = membership.manifest.run_id
@@ -167,12 +177,14 @@ class Heartbeat:
         self.next_manifest_at = 0.0
         self.next_swarm_log_at = time.monotonic() + SWARM_LOG_INTERVAL_S
         self.failed_beats = 0
+        self.dht_died = False
 
     def run(self, stop: threading.Event) -> None:
         """Beat every status interval until `stop` is set; a DHT that died ends the daemon."""
         while not stop.wait(self.config.status_interval_s):
             if not self.dht.is_alive():
-                logger.error("the DHT process died unexpectedly; stopping (restart the daemon)")
+                logger.error("the DHT process died unexpectedly; stopping")
+                self.dht_died = True
                 stop.set()
                 return
             try:
@@ -212,10 +224,24 @@ class Heartbeat:
 
     def withdraw(self) -> None:
         """Replace our status with an OFFLINE one, so readers drop this node at once."""
+        if self.dht_died:
+            return  # nothing to write with; the record expires by itself
         self.status.state = proto.PeerStatus.OFFLINE
         self.status.last_seen = time.time()
         if not publish_peer_status(self.dht, self.status, self.owner, self.config.status_ttl_s, DHT_CALL_TIMEOUT_S):
             logger.warning("could not withdraw this node's status; it will expire by itself")
+
+
+def _enforce_leave_deadline(stop: threading.Event, left: threading.Event, state_path: Path) -> None:
+    """Once asked to stop, exit within LEAVE_DEADLINE_S even if hivemind blocks (e.g. on a dead DHT process)."""
+    stop.wait()
+    if left.wait(LEAVE_DEADLINE_S):
+        return
+    logger.error(f"could not leave the swarm cleanly within {LEAVE_DEADLINE_S:g} s; exiting now")
+    remove_node_file(state_path)
+    signal_children(signal.SIGTERM)  # the DHT process takes its p2pd down; averagers just end
+    logging.shutdown()
+    os._exit(1)
 
 
 def _roles(role: str) -> tuple[str, ...]:
