@@ -125,8 +125,9 @@ def peer_ids(snapshot: dict[str, Any]) -> set[str]:
     return {peer["peer_id"] for peer in snapshot["peers"]}
 
 
-def group_alive(pgid: int) -> bool:
-    """Whether any process of the process group `pgid` is still running (zombies don't count)."""
+def session_pids(session_id: int) -> list[int]:
+    """Live processes (zombies excluded) of the session `session_id`: a daemon and everything it started."""
+    pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -135,18 +136,24 @@ def group_alive(pgid: int) -> bool:
                 fields = stat.read().rsplit(b")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid and fields[0] != b"Z":
-            return True
-    return False
+        if int(fields[3]) == session_id and fields[0] != b"Z":
+            pids.append(int(entry))
+    return pids
+
+
+def group_alive(session_id: int) -> bool:
+    """Whether anything a daemon started in its own session still runs (its DHT process, p2pd, averagers)."""
+    return bool(session_pids(session_id))
 
 
 def kill_all_started() -> None:
-    """Kill every process group this test session started (daemons, their DHT processes, p2pd)."""
+    """Kill every process of every session this test started (daemons, their DHT processes, p2pd)."""
     for process in _started:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pid in session_pids(process.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:

@@ -86,7 +86,7 @@ def test_sigterm_leaves_status_at_once(tmp_path: Path) -> None:
     assert leaver.wait(timeout_s=30) == 0
     snapshot = status_json("--initial-peers", founder.address)
     assert peer_ids(snapshot) == {founder.peer_id}
-    assert not group_alive(leaver.process.pid), "p2pd and the DHT process exit with the daemon"
+    await_condition(lambda: not group_alive(leaver.process.pid), 10, "p2pd and the DHT process to exit too")
 
 
 def test_sigkill_leaves_status_when_record_expires(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import signal
 from collections.abc import Iterable
 from multiprocessing.sharedctypes import Synchronized
 from typing import Any
@@ -81,35 +82,41 @@ def make_optimizer(
             ExactGradientAverager, partial_counter=partial_counter, **averager_opts
         )
         extra["grad_compression"] = compression
-    return _Optimizer(
-        dht=dht,
-        run_id=f"crowdtrain-{manifest.run_id}",
-        target_batch_size=manifest.target_batch_size,
-        batch_size_per_step=micro_batch_size,
-        params=list(parameters),
-        optimizer=functools.partial(_torch_optimizer, spec=manifest.optimizer),
-        scheduler=functools.partial(_scheduler, spec=manifest.optimizer),
-        matchmaking_time=averaging.matchmaking_time_s,
-        averaging_timeout=averaging.timeout_s,
-        load_state_timeout=LOAD_STATE_TIMEOUT_S,
-        use_local_updates=use_local_updates,
-        # Gradient mode: every peer applies the same averaged gradient, so parameters only drift when a
-        # peer misses a round; average them every few epochs, in step, never in the background (hivemind's
-        # default), where a late result overwrites parameters that moved on and training diverges.
-        delay_state_averaging=use_local_updates,
-        average_state_every=1 if use_local_updates else STATE_AVERAGING_EVERY_EPOCHS,
-        offload_optimizer=False,
-        client_mode=client_mode,
-        # Parameters averaged every few epochs in gradient mode travel uncompressed, so rounding never
-        # erases small updates; a downloaded state always does: fp16 flushes Adam's tiny second moments
-        # to zero, and the next step divides by ~eps and blows the weights up.
-        state_averaging_compression=compression if use_local_updates else NoCompression(),
-        load_state_compression=NoCompression(),
-        averager_opts=averager_opts if use_local_updates else {"target_group_size": averaging.group_size},
-        tracker_opts={"private_key": private_key},
-        verbose=False,
-        **extra,
-    )
+    # Symptom worked around: hivemind's averagers set SIGINT to SIG_IGN in the *calling* process when
+    # they start (DecentralizedAverager.run_in_background), so Ctrl-C would no longer stop the daemon.
+    sigint_handler = signal.getsignal(signal.SIGINT)
+    try:
+        return _Optimizer(
+            dht=dht,
+            run_id=f"crowdtrain-{manifest.run_id}",
+            target_batch_size=manifest.target_batch_size,
+            batch_size_per_step=micro_batch_size,
+            params=list(parameters),
+            optimizer=functools.partial(_torch_optimizer, spec=manifest.optimizer),
+            scheduler=functools.partial(_scheduler, spec=manifest.optimizer),
+            matchmaking_time=averaging.matchmaking_time_s,
+            averaging_timeout=averaging.timeout_s,
+            load_state_timeout=LOAD_STATE_TIMEOUT_S,
+            use_local_updates=use_local_updates,
+            # Gradient mode: every peer applies the same averaged gradient, so parameters only drift when a
+            # peer misses a round; average them every few epochs, in step, never in the background (hivemind's
+            # default), where a late result overwrites parameters that moved on and training diverges.
+            delay_state_averaging=use_local_updates,
+            average_state_every=1 if use_local_updates else STATE_AVERAGING_EVERY_EPOCHS,
+            offload_optimizer=False,
+            client_mode=client_mode,
+            # Parameters averaged every few epochs in gradient mode travel uncompressed, so rounding never
+            # erases small updates; a downloaded state always does: fp16 flushes Adam's tiny second moments
+            # to zero, and the next step divides by ~eps and blows the weights up.
+            state_averaging_compression=compression if use_local_updates else NoCompression(),
+            load_state_compression=NoCompression(),
+            averager_opts=averager_opts if use_local_updates else {"target_group_size": averaging.group_size},
+            tracker_opts={"private_key": private_key},
+            verbose=False,
+            **extra,
+        )
+    finally:
+        signal.signal(signal.SIGINT, sigint_handler)
 
 
 def moshpit_bits(own_peer_id: str, peer_ids: Iterable[str], averaging: AveragingSpec) -> str:

@@ -46,13 +46,16 @@ class SwarmOptions:
 
 
 class SupervisedDHT(hivemind.DHT):
-    """hivemind.DHT whose background process, and the p2pd it started, die with their parent.
+    """hivemind.DHT whose background process, and the p2pd it started, die with their parent (only).
 
     Symptom worked around: when the daemon is SIGKILLed (OOM killer, `kill -9`), hivemind's DHT
     process and its p2pd live on as orphans that keep the port and answer for a dead node.
     """
 
     def run(self) -> None:
+        # Its own process group, so a terminal's Ctrl-C reaches only the daemon, which then leaves the
+        # swarm through this process and its p2pd (Go's p2pd would otherwise exit on the SIGINT at once).
+        os.setpgid(0, 0)
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         signal.signal(signal.SIGTERM, _kill_children_and_exit)
