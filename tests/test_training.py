@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.harness import Daemon, await_condition, start_daemon, status_json
+from tests.harness import Daemon, await_condition, group_alive, start_daemon, status_json
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
 
@@ -89,6 +89,8 @@ def test_three_peers_train_together_and_survive_a_killed_peer(tmp_path: Path) ->
 
     victim, survivors = daemons[2], daemons[:2]
     victim.signal(signal.SIGKILL)
+    # its DHT process, p2pd and hivemind's averager processes die with it, not as orphans
+    await_condition(lambda: not group_alive(victim.process.pid), 20, "every process of the killed daemon to exit")
     after_kill = max(peer["epoch"] for peer in snapshot["peers"])
     await_epoch(survivors[0], survivors, after_kill + 2, timeout_s=150)
 

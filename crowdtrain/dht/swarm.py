@@ -56,12 +56,26 @@ class SupervisedDHT(hivemind.DHT):
         # Its own process group, so a terminal's Ctrl-C reaches only the daemon, which then leaves the
         # swarm through this process and its p2pd (Go's p2pd would otherwise exit on the SIGINT at once).
         os.setpgid(0, 0)
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         signal.signal(signal.SIGTERM, _kill_children_and_exit)
-        if os.getppid() != self._parent_pid:  # the parent died before prctl took effect
-            _kill_children_and_exit()
+        die_with_parent(self._parent_pid, signal.SIGTERM)  # SIGTERM: the handler takes p2pd down too
         super().run()
+
+
+def die_with_parent(parent_pid: int, signum: int = signal.SIGKILL) -> None:
+    """Have the kernel send `signum` to this process when its parent dies (Linux PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signum)
+
+
+def make_forked_children_die_with_this_process() -> None:
+    """Every process this one forks from now on (hivemind's DHT and averagers) dies when it dies.
+
+    Symptom worked around: after `kill -9` or the OOM killer, hivemind's averager processes (about
+    370 MiB each) lived on as orphans. The hook is inherited, and uvloop runs it in p2pd's fork too, so
+    p2pd also dies with the DHT process that started it.
+    """
+    os.register_at_fork(after_in_child=lambda: die_with_parent(os.getppid()))
 
 
 def _kill_children_and_exit(*_: object) -> None:

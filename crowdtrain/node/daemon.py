@@ -17,7 +17,12 @@ import hivemind
 from crowdtrain import __version__, proto
 from crowdtrain.dht.records import owner_marker
 from crowdtrain.dht.registry import list_peer_statuses, list_runs, publish_manifest, publish_peer_status
-from crowdtrain.dht.swarm import SwarmOptions, join_swarm, signal_children
+from crowdtrain.dht.swarm import (
+    SwarmOptions,
+    join_swarm,
+    make_forked_children_die_with_this_process,
+    signal_children,
+)
 from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
 from crowdtrain.errors import CrowdtrainError
 from crowdtrain.node.addresses import resolve_listen, shareable_address
@@ -65,6 +70,7 @@ class Daemon:
         self.roles = _roles(config.role)
 
     def run(self) -> None:
+        make_forked_children_die_with_this_process()
         with exclusive_state_dir(self.config.state_path):
             identity = load_or_create_identity(self.config.identity_path)
             set_log_peer(identity.peer_id.to_base58())
