@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from crowdtrain.dht.swarm import process_stats
+
 T = TypeVar("T")
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -127,18 +129,7 @@ def peer_ids(snapshot: dict[str, Any]) -> set[str]:
 
 def session_pids(session_id: int) -> list[int]:
     """Live processes (zombies excluded) of the session `session_id`: a daemon and everything it started."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                fields = stat.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session_id and fields[0] != b"Z":
-            pids.append(int(entry))
-    return pids
+    return [pid for pid, fields in process_stats() if int(fields[3]) == session_id and fields[0] != b"Z"]
 
 
 def group_alive(session_id: int) -> bool:

@@ -93,18 +93,21 @@ def signal_children(signum: int) -> None:
 
 
 def _child_pids(parent_pid: int) -> list[int]:
-    children = []
+    return [pid for pid, fields in process_stats() if int(fields[1]) == parent_pid]
+
+
+def process_stats() -> list[tuple[int, list[bytes]]]:
+    """(pid, fields of /proc/<pid>/stat after the command name) of every process: state, ppid, pgrp, session..."""
+    stats = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat", "rb") as stat:
-                fields = stat.read().rsplit(b")", 1)[1].split()
+                stats.append((int(entry), stat.read().rsplit(b")", 1)[1].split()))
         except OSError:
             continue
-        if int(fields[1]) == parent_pid:
-            children.append(int(entry))
-    return children
+    return stats
 
 
 def join_swarm(options: SwarmOptions, validators: Sequence[RecordValidatorBase]) -> SupervisedDHT:
