@@ -68,13 +68,15 @@ class Daemon:
         self.stop = stop
         self.on_ready = on_ready
         self.roles = _roles(config.role)
+        self.device = "cpu"
 
     def run(self) -> None:
         make_forked_children_die_with_this_process()
         with exclusive_state_dir(self.config.state_path):
             identity = load_or_create_identity(self.config.identity_path)
             set_log_peer(identity.peer_id.to_base58())
-            device = describe_device(resolve_device(self.config.device))
+            self.device = resolve_device(self.config.device)
+            device = describe_device(self.device)
             dht = join_swarm(self._swarm_options(identity), make_validators(identity.private_key))
             try:
                 self._serve(dht, identity, device)
@@ -139,6 +141,7 @@ class Daemon:
             client_mode="client" in self.roles,
             show_bar=self.config.log_format == "text" and sys.stderr.isatty(),
             num_threads=self.config.num_threads,
+            device=self.device,
         )
 
         def known_peers() -> list[str]:

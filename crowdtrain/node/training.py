@@ -71,6 +71,8 @@ class TrainerOptions:
     """Draw a progress bar of the global batch in the terminal."""
     num_threads: int = 0
     """CPU threads for torch; 0 keeps torch's default."""
+    device: str = "cpu"
+    """The torch device the model trains on: cpu or cuda:N."""
 
 
 class Trainer:
@@ -98,7 +100,7 @@ class Trainer:
         if self.options.num_threads:
             torch.set_num_threads(self.options.num_threads)
         tokenizer = load_tokenizer(manifest.model)
-        model = build_model(manifest.model, tokenizer.vocab_size, seed=run_seed(manifest))
+        model = build_model(manifest.model, tokenizer.vocab_size, seed=run_seed(manifest)).to(self.options.device)
         kind = model_kind(manifest.model)
         tokens = load_token_stream(manifest.data, tokenizer, self.options.data_cache_dir)
         sampler = WindowSampler(tokens, manifest.data.sequence_length, peer_seed_from_peer_id(self.peer_id))
@@ -134,12 +136,12 @@ class Trainer:
         stop: threading.Event,
     ) -> None:
         micro_batch_size, progress = self.options.micro_batch_size, self.progress
-        generator = torch.Generator().manual_seed(peer_seed_from_peer_id(self.peer_id))
+        generator = torch.Generator(device=self.options.device).manual_seed(peer_seed_from_peer_id(self.peer_id))
         last_epoch, step = optimizer.local_epoch, 0
         with GlobalBatchBar(enabled=self.options.show_bar, target=self.manifest.target_batch_size) as bar:
             while not stop.is_set():
                 started = time.monotonic()
-                batch = sampler.batch(optimizer.local_epoch, micro_batch_size, step)
+                batch = sampler.batch(optimizer.local_epoch, micro_batch_size, step).to(self.options.device)
                 loss = training_loss(model, batch, kind, generator=generator)  # type: ignore[arg-type]
                 if not math.isfinite(loss.item()):
                     progress.num_skipped_steps += 1
