@@ -37,7 +37,6 @@ class Progress:
     samples_accumulated: int = 0
     samples_per_second: float = 0.0
     loss: float | None = None
-    num_skipped_steps: int = 0
     num_partial_averages: int = 0
     """Averaging rounds rejected because some parts came back un-averaged."""
     num_local_steps: int = 0
@@ -144,7 +143,6 @@ class Trainer:
                 batch = sampler.batch(optimizer.local_epoch, micro_batch_size, step).to(self.options.device)
                 loss = training_loss(model, batch, kind, generator=generator)  # type: ignore[arg-type]
                 if not math.isfinite(loss.item()):
-                    progress.num_skipped_steps += 1
                     optimizer.zero_grad()
                     continue
                 loss.backward()
