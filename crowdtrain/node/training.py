@@ -141,14 +141,15 @@ class Trainer:
             while not stop.is_set():
                 started = time.monotonic()
                 batch = sampler.batch(optimizer.local_epoch, micro_batch_size, step).to(self.options.device)
+                step += 1  # before the check below: a batch with a non-finite loss must not be drawn again
                 loss = training_loss(model, batch, kind, generator=generator)  # type: ignore[arg-type]
                 if not math.isfinite(loss.item()):
+                    logger.warning(f"skipped a micro-batch with a non-finite loss ({loss.item()})")
                     optimizer.zero_grad()
                     continue
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
-                step += 1
                 progress.observe(loss.item(), micro_batch_size, time.monotonic() - started)
                 progress.epoch = optimizer.local_epoch
                 progress.samples_accumulated = optimizer.tracker.local_progress.samples_accumulated
