@@ -443,6 +443,9 @@ class ProbeService(ServicerBase):
         `peer_multiaddrs` gives each peer's addresses (from its status record) so the p2p daemon can
         connect to peers it has not met; `own_multiaddrs` are the addresses peers are asked to dial back.
         Bandwidth is the best value over the peers; reachability is true if any peer could dial us.
+        Failed or refused probes land in `failures`, never in an exception; every call inside is bounded
+        by the deadline, so only a stuck event loop makes this raise TimeoutError. Call from any thread
+        but the service's own.
         """
         deadline = time.monotonic() + timeout_s
         coroutine = self._measure(list(peer_ids), peer_multiaddrs, list(own_multiaddrs), deadline)
@@ -450,11 +453,13 @@ class ProbeService(ServicerBase):
 
     def probe_upload(self, peer_id: str, num_bytes: int) -> BandwidthSample | proto.ProbeRefusal:
         """One upload probe of `num_bytes` to a connected peer: the sample, or the server's refusal."""
-        return self._run(self._upload(PeerID.from_base58(peer_id), num_bytes), self._call_timeout_s())
+        deadline = time.monotonic() + self._call_timeout_s()
+        return self._run(self._upload(PeerID.from_base58(peer_id), num_bytes, deadline), self._call_timeout_s() + 1)
 
     def probe_download(self, peer_id: str, num_bytes: int) -> BandwidthSample | proto.ProbeRefusal:
         """One download probe of `num_bytes` from a connected peer: the sample, or the server's refusal."""
-        return self._run(self._download(PeerID.from_base58(peer_id), num_bytes), self._call_timeout_s())
+        deadline = time.monotonic() + self._call_timeout_s()
+        return self._run(self._download(PeerID.from_base58(peer_id), num_bytes, deadline), self._call_timeout_s() + 1)
 
     def probe_dial_back(self, peer_id: str, multiaddrs: Sequence[str]) -> proto.DialBackResult:
         """Ask a connected peer to dial `multiaddrs`; its reply (with a refusal if it refused)."""
@@ -553,7 +558,7 @@ class ProbeService(ServicerBase):
             if _remaining(deadline) <= 0:
                 break
             try:
-                outcome = await self._with_retries(lambda size=size: probe(peer, size), deadline)  # type: ignore[misc]
+                outcome = await self._with_retries(lambda size=size: probe(peer, size, deadline), deadline)  # type: ignore[misc]
             except Exception as e:
                 failures.append(f"{direction} probe with peer {_short(peer.to_base58())} failed ({_one_line(e)})")
                 break
@@ -581,14 +586,14 @@ class ProbeService(ServicerBase):
             await asyncio.sleep(wait_s)  # the server said when it will accept
         return outcome
 
-    async def _upload(self, peer: PeerID, num_bytes: int) -> BandwidthSample | proto.ProbeRefusal:
+    async def _upload(self, peer: PeerID, num_bytes: int, deadline: float) -> BandwidthSample | proto.ProbeRefusal:
         async def chunks() -> AsyncIterator[proto.UploadChunk]:
             yield proto.UploadChunk(total_bytes=num_bytes)
             for offset in range(0, num_bytes, CHUNK_BYTES):
                 yield proto.UploadChunk(payload=_FILLER[: min(CHUNK_BYTES, num_bytes - offset)])
 
         stub: Any = self.get_stub(self._require_p2p(), peer, namespace=NAMESPACE)
-        async with asyncio.timeout(self._call_timeout_s()):
+        async with asyncio.timeout(min(self._call_timeout_s(), _remaining(deadline))):
             responses = await stub.rpc_upload_probe(chunks())
             try:
                 result = await anext(responses)
@@ -600,13 +605,13 @@ class ProbeService(ServicerBase):
             measured_bytes=result.measured_bytes, duration_s=result.duration_s, truncated=result.truncated
         )
 
-    async def _download(self, peer: PeerID, num_bytes: int) -> BandwidthSample | proto.ProbeRefusal:
+    async def _download(self, peer: PeerID, num_bytes: int, deadline: float) -> BandwidthSample | proto.ProbeRefusal:
         stub: Any = self.get_stub(self._require_p2p(), peer, namespace=NAMESPACE)
         received = measured = 0
         first_at = last_at = 0.0
         truncated = False
         try:
-            async with asyncio.timeout(self._call_timeout_s()):
+            async with asyncio.timeout(min(self._call_timeout_s(), _remaining(deadline))):
                 responses = await stub.rpc_download_probe(proto.DownloadRequest(num_bytes=num_bytes))
                 try:
                     async for chunk in responses:
