@@ -15,6 +15,7 @@ from pathlib import Path
 import hivemind
 
 from crowdtrain import __version__, proto
+from crowdtrain.averaging.planner import plan_problem
 from crowdtrain.dht.records import owner_marker
 from crowdtrain.dht.registry import list_peer_statuses, list_runs, publish_manifest, publish_peer_status
 from crowdtrain.dht.swarm import (
@@ -25,13 +26,19 @@ from crowdtrain.dht.swarm import (
 )
 from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
 from crowdtrain.errors import CrowdtrainError
+from crowdtrain.manifest import RunManifest
+from crowdtrain.models import load_tokenizer, spec_parameter_count
 from crowdtrain.node.addresses import resolve_listen, shareable_address
 from crowdtrain.node.config import NodeConfig
 from crowdtrain.node.device import describe_device, resolve_device
 from crowdtrain.node.identity import Identity, load_or_create_identity
 from crowdtrain.node.logs import set_log_peer
 from crowdtrain.node.membership import Membership, resolve_membership
+from crowdtrain.node.probes import ProbeService
+from crowdtrain.node.roles import LinkProber, NodeRoles
 from crowdtrain.node.statedir import exclusive_state_dir, remove_node_file, write_node_file
+from crowdtrain.node.throughput import CACHE_FILE as THROUGHPUT_CACHE_FILE
+from crowdtrain.node.throughput import measure_throughput
 from crowdtrain.node.training import Progress, Trainer, TrainerOptions
 
 logger = logging.getLogger(__name__)
@@ -67,8 +74,8 @@ class Daemon:
         self.config = config
         self.stop = stop
         self.on_ready = on_ready
-        self.roles = _roles(config.role)
         self.device = "cpu"
+        self.probes: ProbeService | None = None
 
     def run(self) -> None:
         make_forked_children_die_with_this_process()
@@ -89,7 +96,7 @@ class Daemon:
             listen=resolve_listen(self.config.listen),
             announce=self.config.announce,
             identity_path=str(identity.path),
-            client_mode="client" in self.roles,
+            client_mode=self.config.role == "client",
             bootstrap_timeout_s=self.config.bootstrap_timeout_s,
         )
 
@@ -98,8 +105,9 @@ class Daemon:
         run_id = membership.manifest.run_id
         dht.add_validators([CrowdtrainRecordValidator([run_id])])
         multiaddrs = tuple(str(address) for address in dht.get_visible_maddrs())
+        roles = self._measure(dht, identity, membership.manifest, multiaddrs)
         progress = Progress()
-        heartbeat = Heartbeat(dht, identity, membership, self.config, self.roles, device, multiaddrs, progress)
+        heartbeat = Heartbeat(dht, identity, membership, self.config, roles, device, multiaddrs, progress)
         heartbeat.beat()
         state_path = self.config.state_path
         write_node_file(state_path, _node_info(identity, multiaddrs, run_id))
@@ -110,7 +118,7 @@ class Daemon:
                 founded=membership.founded,
                 multiaddrs=multiaddrs,
                 join_address=shareable_address(list(multiaddrs)),
-                roles=self.roles,
+                roles=roles.roles(),
                 device=device,
             )
         )
@@ -119,10 +127,12 @@ class Daemon:
         left = threading.Event()
         threading.Thread(target=_enforce_leave_deadline, args=(self.stop, left, state_path), daemon=True).start()
         try:
-            self._trainer(dht, identity, membership, progress).run(self.stop)
+            self._trainer(dht, identity, membership, progress, roles).run(self.stop)
         finally:
             self.stop.set()
             beating.join(timeout=DHT_CALL_TIMEOUT_S + 1)
+            if self.probes is not None:
+                self.probes.close()
             logger.info("leaving the swarm")
             heartbeat.withdraw()
             remove_node_file(state_path)
@@ -130,15 +140,53 @@ class Daemon:
         if heartbeat.dht_died:
             raise CrowdtrainError("The DHT process died unexpectedly; restart the daemon (see the log above).")
 
-    def _trainer(self, dht: hivemind.DHT, identity: Identity, membership: Membership, progress: Progress) -> Trainer:
+    def _measure(
+        self, dht: hivemind.DHT, identity: Identity, manifest: RunManifest, multiaddrs: tuple[str, ...]
+    ) -> NodeRoles:
+        """Measure throughput, links and reachability, serve peers' probes, and make the first plan."""
+        peer_id, run_id = identity.peer_id.to_base58(), manifest.run_id
+
+        def statuses() -> list[proto.PeerStatus]:
+            return list_peer_statuses(dht, run_id, DHT_CALL_TIMEOUT_S)
+
+        samples_per_second = measure_throughput(
+            manifest,
+            self.device,
+            self.config.micro_batch_size,
+            self.config.num_threads,
+            self.config.state_path / THROUGHPUT_CACHE_FILE,
+        )
+        num_parameters = spec_parameter_count(manifest.model, load_tokenizer(manifest.model).vocab_size)
+        roles = NodeRoles(
+            peer_id=peer_id,
+            problem=plan_problem(manifest, num_parameters),
+            role=self.config.role,
+            list_statuses=statuses,
+        )
+        roles.record_throughput(samples_per_second)
+        if self.config.role != "client":
+            self.probes = ProbeService(dht)
+            self.probes.start()
+            prober = LinkProber(self.probes, roles, statuses, peer_id, multiaddrs)
+            prober.probe_once()  # before the optimizer is built: a node nobody can dial must be a client
+            interval_s = self.config.bandwidth_probe_interval_s
+            threading.Thread(target=prober.run, args=(self.stop, interval_s), name="probes", daemon=True).start()
+        roles.replan()
+        return roles
+
+    def _trainer(
+        self, dht: hivemind.DHT, identity: Identity, membership: Membership, progress: Progress, roles: NodeRoles
+    ) -> Trainer:
         run_id = membership.manifest.run_id
         state = self.config.state_path
+        roles.running_auxiliary = _is_auxiliary(roles, membership.manifest)
         options = TrainerOptions(
             micro_batch_size=self.config.micro_batch_size,
             checkpoint_dir=state / "checkpoints" / run_id,
             checkpoint_keep=self.config.checkpoint_keep,
             data_cache_dir=state / "data-cache",
-            client_mode="client" in self.roles,
+            client_mode=roles.is_client,
+            auxiliary=roles.running_auxiliary,
             show_bar=self.config.log_format == "text" and sys.stderr.isatty(),
             num_threads=self.config.num_threads,
             device=self.device,
@@ -155,6 +203,7 @@ class Daemon:
             options=options,
             progress=progress,
             known_peers=known_peers,
+            plan_share=roles.replan,
         )
 
 
@@ -167,19 +216,18 @@ class Heartbeat:
         identity: Identity,
         membership: Membership,
         config: NodeConfig,
-        roles: tuple[str, ...],
+        roles: NodeRoles,
         device: str,
         multiaddrs: tuple[str, ...],
         progress: Progress,
     ):
         self.dht, self.membership, self.config, self.progress = dht, membership, config, progress
+        self.roles = roles
         self.owner = owner_marker(identity.private_key)
         self.status = proto.PeerStatus(
             peer_id=identity.peer_id.to_base58(),
             version=__version__,
-            roles=roles,
             device=device,
-            reachable="client" not in roles,
             multiaddrs=multiaddrs,
             run_id=membership.manifest.run_id,
         )
@@ -203,6 +251,7 @@ class Heartbeat:
 
     def beat(self) -> None:
         progress = self.progress
+        self.roles.fill_status(self.status)
         self.status.epoch, self.status.samples_accumulated = progress.epoch, progress.samples_accumulated
         self.status.samples_per_second = progress.samples_per_second
         self.status.partial_averages = progress.num_partial_averages
@@ -253,9 +302,14 @@ def _enforce_leave_deadline(stop: threading.Event, left: threading.Event, state_
     os._exit(1)
 
 
-def _roles(role: str) -> tuple[str, ...]:
-    # Until the DeDLOC plan assigns roles from measurements, `auto` means a trainer.
-    return ("trainer",) if role == "auto" else (role,)
+def _is_auxiliary(roles: NodeRoles, manifest: RunManifest) -> bool:
+    """The plan has this reachable node aggregate without computing (gradients mode only)."""
+    if roles.computes or roles.is_client:
+        return False
+    if manifest.averaging.mode != "gradients":
+        logger.info("the plan would have this node only aggregate, but parameters-mode runs have no such role")
+        return False
+    return True
 
 
 def _node_info(identity: Identity, multiaddrs: tuple[str, ...], run_id: str) -> dict[str, object]:

@@ -58,6 +58,8 @@ class NodeRoles:
             role_override=override,
         )
         self.reachability_measured = False
+        self.running_auxiliary: bool | None = None
+        """Whether the trainer runs as an auxiliary aggregator (set once it is built)."""
         self._lock = threading.Lock()
 
     def record_throughput(self, samples_per_second: float) -> None:
@@ -88,7 +90,15 @@ class NodeRoles:
         statuses = self.list_statuses()
         with self._lock:
             own = self.own
-        self.planner.update(own, statuses)
+        before = self.planner.plan
+        plan = self.planner.update(own, statuses)
+        if before is not None and plan is not before and self.running_auxiliary is not None:
+            if self.running_auxiliary == plan.computes.get(self.peer_id, True):
+                wanted = "compute gradients" if self.running_auxiliary else "only aggregate"
+                logger.info(
+                    f"the plan now has this node {wanted}; "
+                    "its mode is chosen at start, so this takes effect when it restarts (shares apply now)"
+                )
         return self.planner.own_share()
 
     @property
