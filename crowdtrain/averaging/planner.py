@@ -52,12 +52,13 @@ def plan_problem(manifest: RunManifest, num_parameters: int) -> PlanProblem:
 
 
 def swarm_capabilities(
-    own_peer_id: str, own: OwnCapabilities, statuses: Sequence[proto.PeerStatus]
+    own_peer_id: str, own: OwnCapabilities, statuses: Sequence[proto.PeerStatus], *, aggregate_only: bool = True
 ) -> list[PeerCapabilities]:
     """Every online peer's capabilities for the plan, this node's from its own measurements.
 
     A peer that has not measured something yet is given the median of those who have (hivemind does
-    the same for undeclared bandwidths), so one newcomer doesn't swing the plan.
+    the same for undeclared bandwidths), so one newcomer doesn't swing the plan. Without
+    `aggregate_only` (parameters-mode runs, where every replica steps), no peer is left out of computing.
     """
     others = [status for status in statuses if status.peer_id != own_peer_id]
     measured = [_measured(status) for status in others] + [own]
@@ -72,7 +73,7 @@ def swarm_capabilities(
             upload_mbps=upload if m.upload_mbps is None else m.upload_mbps,
             download_mbps=download if m.download_mbps is None else m.download_mbps,
             reachable=m.reachable,
-            forced_role=_forced_role(m),
+            forced_role=_forced_role(m) or (None if aggregate_only or not m.reachable else "trainer"),
         )
     return list(peers.values())
 
@@ -105,13 +106,22 @@ def _median(values: Sequence[float | None], default: float) -> float:
 class Planner:
     """Keeps the current plan; replaces it when membership changes or a new plan differs enough."""
 
-    def __init__(self, own_peer_id: str, problem: PlanProblem, threshold: float = REPLAN_THRESHOLD):
+    def __init__(
+        self,
+        own_peer_id: str,
+        problem: PlanProblem,
+        threshold: float = REPLAN_THRESHOLD,
+        *,
+        aggregate_only: bool = True,
+    ):
+        """`aggregate_only`: whether the plan may have a peer aggregate without computing (gradients mode)."""
         self.own_peer_id, self.problem, self.threshold = own_peer_id, problem, threshold
+        self.aggregate_only = aggregate_only
         self.plan: Plan | None = None
 
     def update(self, own: OwnCapabilities, statuses: Sequence[proto.PeerStatus]) -> Plan:
         """The plan to follow now, from this node's measurements and the peers' latest statuses."""
-        peers = swarm_capabilities(self.own_peer_id, own, statuses)
+        peers = swarm_capabilities(self.own_peer_id, own, statuses, aggregate_only=self.aggregate_only)
         candidate = compute_plan(peers, self.problem)
         current = self.plan
         if current is not None and current.roles.keys() == candidate.roles.keys():
@@ -140,6 +150,11 @@ class Planner:
 
     def _log_change(self, old: Plan | None, new: Plan) -> None:
         roles, share = self.own_roles(), self.own_share() or 0.0
+        if not roles:
+            logger.warning(
+                "the plan leaves this node idle: averaging the run's gradients over these links costs more time "
+                "than its compute saves (a larger target batch would put it to work); it stands by"
+            )
         before = "" if old is None else f" (was {', '.join(old.roles.get(self.own_peer_id, ())) or 'none'})"
         logger.info(
             f"plan for {len(new.roles)} peers ({new.solver}): this node is {', '.join(roles) or 'idle'}{before}, "

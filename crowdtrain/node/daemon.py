@@ -25,7 +25,7 @@ from crowdtrain.dht.swarm import (
     signal_children,
 )
 from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
-from crowdtrain.errors import CrowdtrainError
+from crowdtrain.errors import BadInputError, CrowdtrainError
 from crowdtrain.manifest import RunManifest
 from crowdtrain.models import load_tokenizer, spec_parameter_count
 from crowdtrain.node.addresses import resolve_listen, shareable_address
@@ -145,6 +145,12 @@ class Daemon:
     ) -> NodeRoles:
         """Measure throughput, links and reachability, serve peers' probes, and make the first plan."""
         peer_id, run_id = identity.peer_id.to_base58(), manifest.run_id
+        gradients_mode = manifest.averaging.mode == "gradients"
+        if self.config.role == "aggregator" and not gradients_mode:
+            raise BadInputError(
+                f"Run {run_id!r} averages parameters, where every peer steps its own replica, so --role aggregator "
+                "has nothing to aggregate; use --role auto or trainer."
+            )
 
         def statuses() -> list[proto.PeerStatus]:
             return list_peer_statuses(dht, run_id, DHT_CALL_TIMEOUT_S)
@@ -162,6 +168,7 @@ class Daemon:
             problem=plan_problem(manifest, num_parameters),
             role=self.config.role,
             list_statuses=statuses,
+            aggregate_only=gradients_mode,
         )
         roles.record_throughput(samples_per_second)
         if self.config.role != "client":
@@ -303,13 +310,8 @@ def _enforce_leave_deadline(stop: threading.Event, left: threading.Event, state_
 
 
 def _is_auxiliary(roles: NodeRoles, manifest: RunManifest) -> bool:
-    """The plan has this reachable node aggregate without computing (gradients mode only)."""
-    if roles.computes or roles.is_client:
-        return False
-    if manifest.averaging.mode != "gradients":
-        logger.info("the plan would have this node only aggregate, but parameters-mode runs have no such role")
-        return False
-    return True
+    """The plan has this reachable node aggregate without computing (never in parameters mode)."""
+    return not roles.computes and not roles.is_client and manifest.averaging.mode == "gradients"
 
 
 def _node_info(identity: Identity, multiaddrs: tuple[str, ...], run_id: str) -> dict[str, object]:

@@ -46,9 +46,11 @@ class NodeRoles:
         problem: PlanProblem,
         role: str,
         list_statuses: Callable[[], Sequence[proto.PeerStatus]],
+        aggregate_only: bool = True,
     ):
+        """`aggregate_only`: whether the run lets a peer aggregate without computing (gradients mode)."""
         self.peer_id, self.list_statuses = peer_id, list_statuses
-        self.planner = Planner(peer_id, problem)
+        self.planner = Planner(peer_id, problem, aggregate_only=aggregate_only)
         override = role if role in PLAN_ROLES else ""
         self.own = OwnCapabilities(
             samples_per_second=None,
