@@ -11,7 +11,6 @@ import ipaddress
 import json
 import logging
 import random
-import statistics
 from dataclasses import asdict
 from typing import Any
 
@@ -23,7 +22,8 @@ from rich.table import Table
 from rich.text import Text
 
 from crowdtrain import __version__, proto
-from crowdtrain.averaging.plan import PeerCapabilities, PlanProblem, compute_plan
+from crowdtrain.averaging.plan import compute_plan
+from crowdtrain.averaging.planner import OwnCapabilities, plan_problem, swarm_capabilities
 from crowdtrain.dht.registry import RunListing, list_peer_statuses, list_runs
 from crowdtrain.dht.swarm import SwarmOptions, join_swarm
 from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
@@ -208,15 +208,17 @@ def _plan(manifest: RunManifest, result: dict[str, Any], statuses: list[proto.Pe
         return {"roles": None, "reason": "not planned: no peers given"}
     if result["upload_mbps"] is None or result["download_mbps"] is None:
         return {"roles": None, "reason": "not planned: this machine's bandwidth was not measured"}
-    peers, assumptions = _capabilities(result, statuses)
-    bytes_per_parameter = 2 if manifest.averaging.compression == "fp16" else 4
-    problem = PlanProblem(
-        vector_size_bytes=spec_parameter_count(manifest.model, load_tokenizer(manifest.model).vocab_size)
-        * bytes_per_parameter,
-        target_batch_size=manifest.target_batch_size,
-    )
-    plan = compute_plan(peers, problem)
     me = result["peer_id"]
+    own = OwnCapabilities(
+        samples_per_second=result["samples_per_second"],
+        upload_mbps=result["upload_mbps"],
+        download_mbps=result["download_mbps"],
+        reachable=bool(result["reachable"]),
+    )
+    # The daemons' own planning code, so the role shown is the one the node would take.
+    peers = swarm_capabilities(me, own, statuses, aggregate_only=manifest.averaging.mode == "gradients")
+    num_parameters = spec_parameter_count(manifest.model, load_tokenizer(manifest.model).vocab_size)
+    plan = compute_plan(peers, plan_problem(manifest, num_parameters))
     return {
         "roles": list(plan.roles[me]),
         "aggregation_share": plan.shares.get(me, 0.0),
@@ -225,44 +227,22 @@ def _plan(manifest: RunManifest, result: dict[str, Any], statuses: list[proto.Pe
         "swarm_samples_per_second": plan.samples_per_second,
         "averaging_time_s": plan.averaging_time_s,
         "solver": plan.solver,
-        "assumptions": assumptions,
+        "assumptions": _assumptions(me, statuses),
     }
 
 
-def _capabilities(result: dict[str, Any], statuses: list[proto.PeerStatus]) -> tuple[list[PeerCapabilities], list[str]]:
-    """Every peer's published capabilities plus this machine's; missing bandwidths are the median of the known."""
-    known = [result["upload_mbps"], result["download_mbps"]]
-    known += [getattr(s, name) for s in statuses for name in ("upload_mbps", "download_mbps") if s.HasField(name)]
-    median_mbps = statistics.median(known)
+def _assumptions(me: str, statuses: list[proto.PeerStatus]) -> list[str]:
+    """What the plan had to assume for peers that have not measured everything yet."""
     assumptions = []
-    peers = [
-        PeerCapabilities(
-            peer_id=result["peer_id"],
-            samples_per_second=result["samples_per_second"],
-            upload_mbps=result["upload_mbps"],
-            download_mbps=result["download_mbps"],
-            reachable=bool(result["reachable"]),
-        )
-    ]
     for status in statuses:
-        if status.peer_id == result["peer_id"]:
+        if status.peer_id == me:
             continue
-        throughput = status.measured_samples_per_second or status.samples_per_second
         missing = [name for name in ("upload_mbps", "download_mbps") if not status.HasField(name)]
         if missing:
-            assumptions.append(f"peer …{status.peer_id[-8:]} published no {' or '.join(missing)}: {median_mbps:.1f}")
+            assumptions.append(f"peer …{status.peer_id[-8:]} published no {' or '.join(missing)}: the peers' median")
         if not status.measured_samples_per_second:
             assumptions.append(f"peer …{status.peer_id[-8:]} published no measured throughput: its training rate")
-        peers.append(
-            PeerCapabilities(
-                peer_id=status.peer_id,
-                samples_per_second=max(throughput, 0.0),
-                upload_mbps=status.upload_mbps if status.HasField("upload_mbps") else median_mbps,
-                download_mbps=status.download_mbps if status.HasField("download_mbps") else median_mbps,
-                reachable=status.reachable,
-            )
-        )
-    return peers, assumptions
+    return assumptions
 
 
 def print_check(result: dict[str, Any], as_json: bool, console: Console) -> None:
