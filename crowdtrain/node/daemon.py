@@ -103,11 +103,11 @@ class Daemon:
     def _serve(self, dht: hivemind.DHT, identity: Identity, device: str) -> None:
         membership = resolve_membership(dht, self.config, identity)
         run_id = membership.manifest.run_id
+        _check_role_fits(self.config.role, membership.manifest)
         dht.add_validators([CrowdtrainRecordValidator([run_id])])
         multiaddrs = tuple(str(address) for address in dht.get_visible_maddrs())
-        roles = self._measure(dht, identity, membership.manifest, multiaddrs)
         progress = Progress()
-        heartbeat = Heartbeat(dht, identity, membership, self.config, roles, device, multiaddrs, progress)
+        heartbeat = Heartbeat(dht, identity, membership, self.config, device, multiaddrs, progress)
         heartbeat.beat()
         state_path = self.config.state_path
         write_node_file(state_path, _node_info(identity, multiaddrs, run_id))
@@ -118,7 +118,7 @@ class Daemon:
                 founded=membership.founded,
                 multiaddrs=multiaddrs,
                 join_address=shareable_address(list(multiaddrs)),
-                roles=roles.roles(),
+                roles=(self.config.role,),
                 device=device,
             )
         )
@@ -127,7 +127,10 @@ class Daemon:
         left = threading.Event()
         threading.Thread(target=_enforce_leave_deadline, args=(self.stop, left, state_path), daemon=True).start()
         try:
-            self._trainer(dht, identity, membership, progress, roles).run(self.stop)
+            # Measured after the node is up and visible: the model's first import and the probes take a while.
+            roles = heartbeat.roles = self._measure(dht, identity, membership.manifest, multiaddrs)
+            if not self.stop.is_set():
+                self._trainer(dht, identity, membership, progress, roles).run(self.stop)
         finally:
             self.stop.set()
             beating.join(timeout=DHT_CALL_TIMEOUT_S + 1)
@@ -146,11 +149,6 @@ class Daemon:
         """Measure throughput, links and reachability, serve peers' probes, and make the first plan."""
         peer_id, run_id = identity.peer_id.to_base58(), manifest.run_id
         gradients_mode = manifest.averaging.mode == "gradients"
-        if self.config.role == "aggregator" and not gradients_mode:
-            raise BadInputError(
-                f"Run {run_id!r} averages parameters, where every peer steps its own replica, so --role aggregator "
-                "has nothing to aggregate; use --role auto or trainer."
-            )
 
         def statuses() -> list[proto.PeerStatus]:
             return list_peer_statuses(dht, run_id, DHT_CALL_TIMEOUT_S)
@@ -223,13 +221,13 @@ class Heartbeat:
         identity: Identity,
         membership: Membership,
         config: NodeConfig,
-        roles: NodeRoles,
         device: str,
         multiaddrs: tuple[str, ...],
         progress: Progress,
     ):
         self.dht, self.membership, self.config, self.progress = dht, membership, config, progress
-        self.roles = roles
+        self.roles: NodeRoles | None = None
+        """Set once the node has measured itself; until then its status carries the defaults."""
         self.owner = owner_marker(identity.private_key)
         self.status = proto.PeerStatus(
             peer_id=identity.peer_id.to_base58(),
@@ -237,6 +235,10 @@ class Heartbeat:
             device=device,
             multiaddrs=multiaddrs,
             run_id=membership.manifest.run_id,
+            # until measured: what the node was told, and reachable unless it said otherwise
+            roles=["trainer" if config.role == "auto" else config.role],
+            reachable=config.role != "client",
+            role_override="" if config.role == "auto" else config.role,
         )
         self.next_manifest_at = 0.0
         self.next_swarm_log_at = time.monotonic() + SWARM_LOG_INTERVAL_S
@@ -258,7 +260,8 @@ class Heartbeat:
 
     def beat(self) -> None:
         progress = self.progress
-        self.roles.fill_status(self.status)
+        if self.roles is not None:
+            self.roles.fill_status(self.status)
         self.status.epoch, self.status.samples_accumulated = progress.epoch, progress.samples_accumulated
         self.status.samples_per_second = progress.samples_per_second
         self.status.partial_averages = progress.num_partial_averages
@@ -307,6 +310,14 @@ def _enforce_leave_deadline(stop: threading.Event, left: threading.Event, state_
     signal_children(signal.SIGTERM)  # the DHT process takes its p2pd down; averagers just end
     logging.shutdown()
     os._exit(1)
+
+
+def _check_role_fits(role: str, manifest: RunManifest) -> None:
+    if role == "aggregator" and manifest.averaging.mode != "gradients":
+        raise BadInputError(
+            f"Run {manifest.run_id!r} averages parameters, where every peer steps its own replica, so "
+            "--role aggregator has nothing to aggregate; use --role auto or trainer."
+        )
 
 
 def _is_auxiliary(roles: NodeRoles, manifest: RunManifest) -> bool:
