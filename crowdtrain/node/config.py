@@ -56,6 +56,8 @@ class NodeConfig:
     """Samples per forward/backward pass on this node (lower it when memory is short)."""
     num_threads: int = 0
     """CPU threads torch may use for training; 0 leaves torch's default (one per core)."""
+    max_experts: int = 16
+    """As an expert-host: the most DMoE experts this node serves."""
     checkpoint_keep: int = 3
     """How many checkpoints of the run to keep in the state dir."""
     log_format: str = "text"
@@ -72,13 +74,13 @@ class NodeConfig:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         _check_positive(self, "bootstrap_timeout_s", "status_interval_s", "status_ttl_s", "micro_batch_size")
-        _check_positive(self, "checkpoint_keep")
+        _check_positive(self, "checkpoint_keep", "max_experts")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must not be negative, got {self.num_threads}")
-        if self.role in ("aggregator", "expert-host"):
+        if self.role == "aggregator":
             raise ValueError(
-                f"role {self.role} is not available in this version yet (adaptive roles and DMoE hosting are "
-                "coming); use auto, trainer or client"
+                f"role {self.role} is not available in this version yet (adaptive roles are coming); "
+                "use auto, trainer, expert-host or client"
             )
         if self.status_ttl_s <= self.status_interval_s:
             raise ValueError("status_ttl_s must be longer than status_interval_s, or records expire between refreshes")

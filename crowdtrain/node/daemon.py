@@ -24,10 +24,12 @@ from crowdtrain.dht.swarm import (
     signal_children,
 )
 from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
-from crowdtrain.errors import CrowdtrainError
+from crowdtrain.errors import BadInputError, CrowdtrainError
+from crowdtrain.moe import ExpertSupervisor
 from crowdtrain.node.addresses import resolve_listen, shareable_address
 from crowdtrain.node.config import NodeConfig
 from crowdtrain.node.device import describe_device, resolve_device
+from crowdtrain.node.expert_host import make_expert_supervisor
 from crowdtrain.node.identity import Identity, load_or_create_identity
 from crowdtrain.node.logs import set_log_peer
 from crowdtrain.node.membership import Membership, resolve_membership
@@ -96,6 +98,11 @@ class Daemon:
     def _serve(self, dht: hivemind.DHT, identity: Identity, device: str) -> None:
         membership = resolve_membership(dht, self.config, identity)
         run_id = membership.manifest.run_id
+        if "expert-host" in self.roles and membership.manifest.moe is None:
+            raise BadInputError(
+                f"Run {run_id!r} is a dense run with no experts to host; use --role trainer, or found a DMoE run "
+                "(e.g. --run-file demo-moe)."
+            )
         dht.add_validators([CrowdtrainRecordValidator([run_id])])
         multiaddrs = tuple(str(address) for address in dht.get_visible_maddrs())
         progress = Progress()
@@ -119,7 +126,10 @@ class Daemon:
         left = threading.Event()
         threading.Thread(target=_enforce_leave_deadline, args=(self.stop, left, state_path), daemon=True).start()
         try:
-            self._trainer(dht, identity, membership, progress).run(self.stop)
+            if "expert-host" in self.roles:
+                self._expert_host(dht, identity, membership, heartbeat).run(self.stop)
+            else:
+                self._trainer(dht, identity, membership, progress).run(self.stop)
         finally:
             self.stop.set()
             beating.join(timeout=DHT_CALL_TIMEOUT_S + 1)
@@ -129,6 +139,18 @@ class Daemon:
             left.set()
         if heartbeat.dht_died:
             raise CrowdtrainError("The DHT process died unexpectedly; restart the daemon (see the log above).")
+
+    def _expert_host(
+        self, dht: hivemind.DHT, identity: Identity, membership: Membership, heartbeat: Heartbeat
+    ) -> ExpertSupervisor:
+        return make_expert_supervisor(
+            dht=dht,
+            manifest=membership.manifest,
+            peer_id=identity.peer_id.to_base58(),
+            config=self.config,
+            device=self.device,
+            on_change=heartbeat.set_experts,
+        )
 
     def _trainer(self, dht: hivemind.DHT, identity: Identity, membership: Membership, progress: Progress) -> Trainer:
         run_id = membership.manifest.run_id
@@ -145,7 +167,9 @@ class Daemon:
         )
 
         def known_peers() -> list[str]:
-            return [status.peer_id for status in list_peer_statuses(dht, run_id, DHT_CALL_TIMEOUT_S)]
+            statuses = list_peer_statuses(dht, run_id, DHT_CALL_TIMEOUT_S)
+            # Pure expert hosts never average: counting them would misplace Moshpit keys and raise false alarms.
+            return [status.peer_id for status in statuses if set(status.roles) != {"expert-host"}]
 
         return Trainer(
             dht=dht,
@@ -184,6 +208,7 @@ class Heartbeat:
             run_id=membership.manifest.run_id,
         )
         self.next_manifest_at = 0.0
+        self.experts: tuple[str, ...] = ()
         self.next_swarm_log_at = time.monotonic() + SWARM_LOG_INTERVAL_S
         self.failed_beats = 0
         self.dht_died = False
@@ -201,8 +226,15 @@ class Heartbeat:
             except Exception:
                 logger.exception("heartbeat failed; retrying at the next interval")
 
+    def set_experts(self, uids: tuple[str, ...]) -> None:
+        """The DMoE experts this node now serves; the next beat publishes them (called from another thread)."""
+        self.experts = uids
+
     def beat(self) -> None:
         progress = self.progress
+        if tuple(self.status.experts) != self.experts:
+            del self.status.experts[:]
+            self.status.experts.extend(self.experts)
         self.status.epoch, self.status.samples_accumulated = progress.epoch, progress.samples_accumulated
         self.status.samples_per_second = progress.samples_per_second
         self.status.partial_averages = progress.num_partial_averages
