@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,28 @@ class _ExpertServer(Server):
             self.runtime.shutdown()
 
 
+_children_reset = False
+
+
+def _make_forked_children_obey_terminate() -> None:
+    """Children forked from now on (hivemind's task pools, connection handlers) die on SIGTERM, ignore SIGINT.
+
+    Symptom worked around: forked children inherit the CLI's Python signal handlers, so when hivemind
+    stops a task pool with `terminate()` (SIGTERM), the pool logs "leaving the swarm" instead of
+    exiting, and the Runtime's `join()` hangs the daemon's shutdown until the forced exit. SIGINT is
+    ignored because a terminal's Ctrl-C reaches the whole process group: the daemon stops them itself.
+    """
+    global _children_reset
+    if not _children_reset:
+        _children_reset = True
+        os.register_at_fork(after_in_child=_default_signals)
+
+
+def _default_signals() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HostOptions:
     """Node-local settings of an expert host."""
@@ -74,6 +97,7 @@ class ExpertHost:
         self._experts: dict[str, _Expert] = {}
         self._server: _ExpertServer | None = None
         options.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        _make_forked_children_obey_terminate()
 
     @property
     def hosted(self) -> tuple[str, ...]:
