@@ -19,6 +19,17 @@ def test_hosts_choosing_at_once_spread_by_their_peer_id() -> None:
     assert len({frozenset(chosen) for chosen in choices.values()}) == 3
 
 
+def test_a_host_takes_the_same_cells_in_every_layer_so_losing_it_empties_no_layer() -> None:
+    layers = [[f"run-ffn{layer}.{i}.{j}" for i in range(2) for j in range(2)] for layer in range(3)]
+    grid = [uid for layer in layers for uid in layer]
+    for peer in ("peer-a", "peer-b", "peer-c"):
+        chosen = choose_experts(grid, {}, peer, 6)
+        cells = [{uid.split(".", 1)[1] for uid in chosen if uid in layer} for layer in layers]
+        assert cells[0] == cells[1] == cells[2] and len(cells[0]) == 2
+        rest = choose_experts(grid, {peer: chosen}, "peer-z", 6)
+        assert all(set(layer) - set(chosen) - set(rest) == set() for layer in layers)
+
+
 def test_uncovered_experts_come_first() -> None:
     others = {"peer-a": GRID[:10]}
     assert set(choose_experts(GRID, others, "peer-b", 6)) == set(GRID[10:])

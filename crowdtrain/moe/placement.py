@@ -11,6 +11,8 @@ from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from hivemind.moe.expert_uid import UID_DELIMITER
+
 
 def choose_experts(
     grid: Sequence[str],
@@ -25,8 +27,10 @@ def choose_experts(
 
     `others` maps every other live host's peer ID to the experts it serves. Experts are ranked by
     how many other hosts serve them (none first), then this host keeps what it serves (no churn),
-    then prefers what it holds a checkpoint of, then a per-host hash breaks ties so hosts that
-    choose at the same moment spread over the grid. Of several hosts serving one expert, the one
+    then prefers what it holds a checkpoint of, then a per-host hash of the expert's grid cell
+    breaks ties, so hosts that choose at the same moment spread over the grid. The hash leaves out
+    the layer: a host takes the same cells in every DMoE layer, so losing it thins every layer
+    instead of emptying one (which would stop training). Of several hosts serving one expert, the one
     whose hash is lowest keeps it as if alone, so the others move on to uncovered experts instead
     of all leaving it at once.
     """
@@ -53,7 +57,8 @@ def _is_keeper(own_peer_id: str, uid: str, other_holders: Collection[str]) -> bo
 
 
 def _tie_break(peer_id: str, uid: str) -> bytes:
-    return hashlib.blake2b(f"{peer_id}/{uid}".encode(), digest_size=8).digest()
+    cell = uid.split(UID_DELIMITER, 1)[-1]  # "run-ffn3.1.2" -> "1.2"
+    return hashlib.blake2b(f"{peer_id}/{cell}".encode(), digest_size=8).digest()
 
 
 @dataclass(frozen=True, slots=True)
