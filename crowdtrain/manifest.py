@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
+import math
 import re
 import tomllib
 from collections.abc import Callable, Mapping
@@ -135,6 +137,63 @@ class AveragingSpec:
             raise ValueError(f"group_size must be a power of two (Moshpit grid keys are bits), got {self.group_size}")
 
 
+EXPERT_ARCHITECTURES = ("ffn",)
+UID_PREFIX_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
+MAX_EXPERTS_PER_LAYER = 65536
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MoESpec:
+    """Decentralized Mixture-of-Experts: chosen FFNs become a gate over a grid of experts hosted by peers."""
+
+    grid: tuple[int, ...] = (4, 4)
+    """The expert grid's size per dimension; each DMoE layer has its own grid of prod(grid) experts."""
+    layers: tuple[int, ...] = ()
+    """Decoder layers (0-based) whose FFN becomes a DMoE layer; empty: every layer."""
+    expert: str = "ffn"
+    """Expert architecture: `ffn` (Linear, GELU, Linear on each token)."""
+    expert_hidden_size: int = 128
+    """Hidden units inside one expert."""
+    k: int = 2
+    """Experts each sequence is sent to: the k best live ones by the gate's scores."""
+    k_min: int = 1
+    """A forward pass fails unless at least this many experts answer."""
+    forward_timeout_s: float = 10.0
+    """An expert's forward answer later than this many seconds is dropped from the mixture."""
+    backward_timeout_s: float = 10.0
+    """An expert's backward answer later than this many seconds is dropped (its gradient counts as zero)."""
+    timeout_after_k_min_s: float = 1.0
+    """Once k_min experts answered, wait at most this many seconds for the others."""
+    uid_prefix: str = "ffn"
+    """Names the experts' kind in their uids `<run>-<uid_prefix><layer>.<i>.<j>`."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.grid) <= 4 or not all(1 <= size <= 256 for size in self.grid):
+            raise ValueError(f"grid must have 1 to 4 dimensions of 1 to 256 experts each, got {list(self.grid)}")
+        if math.prod(self.grid) > MAX_EXPERTS_PER_LAYER:
+            raise ValueError(f"grid must hold at most {MAX_EXPERTS_PER_LAYER} experts, got {math.prod(self.grid)}")
+        if len(set(self.layers)) != len(self.layers) or any(layer < 0 or layer > 1023 for layer in self.layers):
+            raise ValueError(f"layers must be distinct layer indices from 0 to 1023, got {list(self.layers)}")
+        if self.expert not in EXPERT_ARCHITECTURES:
+            raise ValueError(f"expert must be one of {', '.join(EXPERT_ARCHITECTURES)}, got {self.expert!r}")
+        if not 1 <= self.expert_hidden_size <= 65536:
+            raise ValueError(f"expert_hidden_size must be between 1 and 65536, got {self.expert_hidden_size}")
+        if not 1 <= self.k <= math.prod(self.grid):
+            raise ValueError(f"k must be between 1 and the grid's {math.prod(self.grid)} experts, got {self.k}")
+        if not 1 <= self.k_min <= self.k:
+            raise ValueError(f"k_min must be between 1 and k ({self.k}), got {self.k_min}")
+        timeouts = (self.forward_timeout_s, self.backward_timeout_s, self.timeout_after_k_min_s)
+        if not all(timeout > 0 for timeout in timeouts):
+            raise ValueError(
+                "forward_timeout_s, backward_timeout_s and timeout_after_k_min_s must be positive, "
+                f"got {', '.join(f'{timeout:g}' for timeout in timeouts)}"
+            )
+        if not UID_PREFIX_PATTERN.fullmatch(self.uid_prefix):
+            raise ValueError(
+                f"uid_prefix must be a letter then up to 31 letters, digits, '_' or '-', got {self.uid_prefix!r}"
+            )
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunManifest:
     """Everything a joiner needs to train with the run; published by the founder, signed."""
@@ -151,6 +210,8 @@ class RunManifest:
     target_batch_size: int = 256
     """Samples the whole swarm accumulates per global step."""
     averaging: AveragingSpec = field(default_factory=AveragingSpec)
+    moe: MoESpec | None = None
+    """DMoE runs only: the expert grid that replaces the model's FFNs; None for a dense run."""
 
     def __post_init__(self) -> None:
         if not RUN_ID_PATTERN.fullmatch(self.run_id):
@@ -162,6 +223,8 @@ class RunManifest:
             )
         if self.target_batch_size < 1:
             raise ValueError(f"target_batch_size must be positive, got {self.target_batch_size}")
+        if self.moe is not None:
+            _check_moe_layers(self.moe, self.model)
 
     def to_bytes(self) -> bytes:
         """Serialize as a `proto.RunManifest` message."""
@@ -175,6 +238,39 @@ class RunManifest:
         except DecodeError as e:
             raise FieldError(f"not a RunManifest message: {e}") from None
         return from_message(cls, message)
+
+
+def _check_moe_layers(moe: MoESpec, model: ModelSpec) -> None:
+    for name in ("num_hidden_layers", "hidden_size"):
+        value = model.config.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"a DMoE run needs a positive model.config.{name}, to lay out its experts")
+    num_layers = model.config["num_hidden_layers"]
+    beyond = [layer for layer in moe.layers if layer >= num_layers]
+    if beyond:
+        raise ValueError(f"moe.layers names layer {beyond[0]}, but the model has {num_layers} layers")
+
+
+def moe_layers(manifest: RunManifest) -> tuple[int, ...]:
+    """The decoder layers of a DMoE run whose FFN is a DMoE layer; () for a dense run."""
+    if manifest.moe is None:
+        return ()
+    return tuple(sorted(manifest.moe.layers)) or tuple(range(int(manifest.model.config["num_hidden_layers"])))
+
+
+def expert_uid_prefix(manifest: RunManifest, layer: int) -> str:
+    """The uid prefix of one layer's grid, ending in '.': hivemind's uids allow no '.' before the grid indices."""
+    assert manifest.moe is not None
+    return f"{manifest.run_id.replace('.', '_')}-{manifest.moe.uid_prefix}{layer}."
+
+
+def expert_uids(manifest: RunManifest) -> list[str]:
+    """Every expert uid of a DMoE run, layer by layer in grid order; [] for a dense run."""
+    if manifest.moe is None:
+        return []
+    cells = itertools.product(*(range(size) for size in manifest.moe.grid))
+    suffixes = [".".join(map(str, cell)) for cell in cells]
+    return [expert_uid_prefix(manifest, layer) + suffix for layer in moe_layers(manifest) for suffix in suffixes]
 
 
 def demo() -> RunManifest:
@@ -202,7 +298,16 @@ def demo() -> RunManifest:
     )
 
 
-PRESETS: dict[str, Callable[[], RunManifest]] = {"demo": demo}
+def demo_moe() -> RunManifest:
+    """The demo LM with every FFN replaced by a DMoE layer over a 4x4 grid of tiny experts, CPU-friendly."""
+    return dataclasses.replace(
+        demo(),
+        run_id="demo-moe",
+        moe=MoESpec(grid=(4, 4), expert="ffn", expert_hidden_size=128, k=2, k_min=1, uid_prefix="ffn"),
+    )
+
+
+PRESETS: dict[str, Callable[[], RunManifest]] = {"demo": demo, "demo-moe": demo_moe}
 
 
 def load_run_file(name_or_path: str, *, run_id: str | None = None) -> RunManifest:

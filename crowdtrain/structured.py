@@ -102,7 +102,11 @@ def from_message(cls: type[T], message: Message) -> T:
     data: dict[str, Any] = {}
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]
         hint = hints[field.name]
-        if dataclasses.is_dataclass(hint):
+        optional = _optional_dataclass(hint)
+        if optional is not None:
+            has = message.HasField(field.name)  # type: ignore[attr-defined]
+            data[field.name] = from_message(optional, getattr(message, field.name)) if has else None
+        elif dataclasses.is_dataclass(hint):
             data[field.name] = from_message(hint, getattr(message, field.name))  # type: ignore[arg-type]
         elif typing.get_origin(hint) is dict or hint is dict:
             data[field.name] = _parse_json_object(getattr(message, f"{field.name}_json"), field.name)
@@ -111,6 +115,14 @@ def from_message(cls: type[T], message: Message) -> T:
         else:
             data[field.name] = getattr(message, field.name)
     return from_mapping(cls, data)
+
+
+def _optional_dataclass(hint: Any) -> Any:
+    """The dataclass of a `Spec | None` hint (an `optional` message field in protobuf), else None."""
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        return None
+    options = [option for option in typing.get_args(hint) if option is not type(None)]
+    return options[0] if len(options) == 1 and dataclasses.is_dataclass(options[0]) else None
 
 
 def _parse_json_object(text: str, name: str) -> dict[str, Any]:

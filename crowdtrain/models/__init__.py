@@ -3,6 +3,7 @@
 tokenizer  the built-in byte tokenizer, or a saved tokenizer directory, behind one interface
 build      build a transformers model from a ModelSpec with identical initial weights on every peer;
            its parameter count, its kind (causal or masked) and its training loss
+dmoe       the DMoE variant: chosen FFNs replaced by hivemind's RemoteMixtureOfExperts over the run's grid
 """
 
 from crowdtrain.models.build import (
@@ -13,12 +14,16 @@ from crowdtrain.models.build import (
     spec_parameter_count,
     training_loss,
 )
+from crowdtrain.models.dmoe import DMoEFeedForward, ExpertsUnavailableError, build_dmoe_model
 from crowdtrain.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "ByteTokenizer",
+    "DMoEFeedForward",
+    "ExpertsUnavailableError",
     "HFTokenizer",
     "Tokenizer",
+    "build_dmoe_model",
     "build_model",
     "check_model_spec",
     "count_parameters",

@@ -58,6 +58,8 @@ class NodeConfig:
     """CPU threads torch may use for training; 0 leaves torch's default (one per core)."""
     bandwidth_probe_interval_s: float = 600.0
     """Seconds between two measurements of this node's links against peers (the first comes at start)."""
+    max_experts: int = 16
+    """As an expert-host: the most DMoE experts this node serves."""
     checkpoint_keep: int = 3
     """How many checkpoints of the run to keep in the state dir."""
     log_format: str = "text"
@@ -74,14 +76,9 @@ class NodeConfig:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         _check_positive(self, "bootstrap_timeout_s", "status_interval_s", "status_ttl_s", "micro_batch_size")
-        _check_positive(self, "checkpoint_keep", "bandwidth_probe_interval_s")
+        _check_positive(self, "checkpoint_keep", "bandwidth_probe_interval_s", "max_experts")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must not be negative, got {self.num_threads}")
-        if self.role == "expert-host":
-            raise ValueError(
-                "role expert-host is not available in this version yet (DMoE hosting is coming); "
-                "use auto, trainer, aggregator or client"
-            )
         if self.status_ttl_s <= self.status_interval_s:
             raise ValueError("status_ttl_s must be longer than status_interval_s, or records expire between refreshes")
         _check_log_options(self.log_format, self.verbose)

@@ -28,9 +28,11 @@ from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
 from crowdtrain.errors import BadInputError, CrowdtrainError
 from crowdtrain.manifest import RunManifest
 from crowdtrain.models import load_tokenizer, spec_parameter_count
+from crowdtrain.moe import ExpertSupervisor
 from crowdtrain.node.addresses import resolve_listen, shareable_address
 from crowdtrain.node.config import NodeConfig
 from crowdtrain.node.device import describe_device, resolve_device
+from crowdtrain.node.expert_host import make_expert_supervisor
 from crowdtrain.node.identity import Identity, load_or_create_identity
 from crowdtrain.node.logs import set_log_peer
 from crowdtrain.node.membership import Membership, resolve_membership
@@ -127,10 +129,13 @@ class Daemon:
         left = threading.Event()
         threading.Thread(target=_enforce_leave_deadline, args=(self.stop, left, state_path), daemon=True).start()
         try:
-            # Measured after the node is up and visible: the model's first import and the probes take a while.
-            roles = heartbeat.roles = self._measure(dht, identity, membership.manifest, multiaddrs)
-            if not self.stop.is_set():
-                self._trainer(dht, identity, membership, progress, roles).run(self.stop)
+            if self.config.role == "expert-host":
+                self._expert_host(dht, identity, membership, heartbeat).run(self.stop)
+            else:
+                # Measured after the node is up and visible: the model's first import and the probes take a while.
+                roles = heartbeat.roles = self._measure(dht, identity, membership.manifest, multiaddrs)
+                if not self.stop.is_set():
+                    self._trainer(dht, identity, membership, progress, roles).run(self.stop)
         finally:
             self.stop.set()
             beating.join(timeout=DHT_CALL_TIMEOUT_S + 1)
@@ -142,6 +147,18 @@ class Daemon:
             left.set()
         if heartbeat.dht_died:
             raise CrowdtrainError("The DHT process died unexpectedly; restart the daemon (see the log above).")
+
+    def _expert_host(
+        self, dht: hivemind.DHT, identity: Identity, membership: Membership, heartbeat: Heartbeat
+    ) -> ExpertSupervisor:
+        return make_expert_supervisor(
+            dht=dht,
+            manifest=membership.manifest,
+            peer_id=identity.peer_id.to_base58(),
+            config=self.config,
+            device=self.device,
+            on_change=heartbeat.set_experts,
+        )
 
     def _measure(
         self, dht: hivemind.DHT, identity: Identity, manifest: RunManifest, multiaddrs: tuple[str, ...]
@@ -198,7 +215,9 @@ class Daemon:
         )
 
         def known_peers() -> list[str]:
-            return [status.peer_id for status in list_peer_statuses(dht, run_id, DHT_CALL_TIMEOUT_S)]
+            statuses = list_peer_statuses(dht, run_id, DHT_CALL_TIMEOUT_S)
+            # Pure expert hosts never average: counting them would misplace Moshpit keys and raise false alarms.
+            return [status.peer_id for status in statuses if set(status.roles) != {"expert-host"}]
 
         return Trainer(
             dht=dht,
@@ -241,6 +260,7 @@ class Heartbeat:
             role_override="" if config.role == "auto" else config.role,
         )
         self.next_manifest_at = 0.0
+        self.experts: tuple[str, ...] = ()
         self.next_swarm_log_at = time.monotonic() + SWARM_LOG_INTERVAL_S
         self.failed_beats = 0
         self.dht_died = False
@@ -258,10 +278,17 @@ class Heartbeat:
             except Exception:
                 logger.exception("heartbeat failed; retrying at the next interval")
 
+    def set_experts(self, uids: tuple[str, ...]) -> None:
+        """The DMoE experts this node now serves; the next beat publishes them (called from another thread)."""
+        self.experts = uids
+
     def beat(self) -> None:
         progress = self.progress
         if self.roles is not None:
             self.roles.fill_status(self.status)
+        if tuple(self.status.experts) != self.experts:
+            del self.status.experts[:]
+            self.status.experts.extend(self.experts)
         self.status.epoch, self.status.samples_accumulated = progress.epoch, progress.samples_accumulated
         self.status.samples_per_second = progress.samples_per_second
         self.status.partial_averages = progress.num_partial_averages
@@ -313,6 +340,12 @@ def _enforce_leave_deadline(stop: threading.Event, left: threading.Event, state_
 
 
 def _check_role_fits(role: str, manifest: RunManifest) -> None:
+    """Refuse, with a sentence, a --role this run has no use for."""
+    if role == "expert-host" and manifest.moe is None:
+        raise BadInputError(
+            f"Run {manifest.run_id!r} is a dense run with no experts to host; use --role trainer, or found a DMoE "
+            "run (e.g. --run-file demo-moe)."
+        )
     if role == "aggregator" and manifest.averaging.mode != "gradients":
         raise BadInputError(
             f"Run {manifest.run_id!r} averages parameters, where every peer steps its own replica, so "

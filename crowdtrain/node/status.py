@@ -20,6 +20,8 @@ from crowdtrain.dht.registry import RunListing, list_peer_statuses, list_runs
 from crowdtrain.dht.swarm import SwarmOptions, join_swarm
 from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
 from crowdtrain.errors import BadInputError, CrowdtrainError
+from crowdtrain.manifest import RunManifest, expert_uids
+from crowdtrain.moe.placement import grid_coverage
 from crowdtrain.node.addresses import shareable_address
 from crowdtrain.node.config import StatusConfig
 from crowdtrain.node.statedir import find_local_daemon
@@ -106,8 +108,16 @@ def summarize(run_id: str, listing: RunListing | None, statuses: list[proto.Peer
         "model": manifest.model.architecture if manifest else None,
         "founder": listing.published.founder_peer_id if listing else None,
         "created_at": manifest.created_at if manifest else None,
+        "expert_grid": _expert_grid(manifest, peers),
     }
     return {"run": run, "peers": peers}
+
+
+def _expert_grid(manifest: RunManifest | None, peers: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A DMoE run's coverage: experts served by a live host out of the grid, and replicas per expert."""
+    if manifest is None or manifest.moe is None:
+        return None
+    return grid_coverage(expert_uids(manifest), [peer["experts"] for peer in peers]).to_json()
 
 
 def _eta_s(accumulated: int, target: int | None, samples_per_second: float) -> float | None:
@@ -155,6 +165,7 @@ def render(snapshot: dict[str, Any], now: float) -> Group:
         f"  epoch {run['epoch']}  samples {run['samples_accumulated']}/{target}",
         f"  {run['samples_per_second']:.1f} samples/s  ETA {eta}  {run['num_peers']} peers",
         (f"  {run['partial_averages']} partial averages rejected", "yellow") if run["partial_averages"] else "",
+        _describe_expert_grid(run.get("expert_grid")),
     )
     table = Table(box=None, header_style="bold")  # columns never wrap: a narrow terminal crops instead
     numeric = ("samples/s", "epoch", "loss", "solo steps", "up/dn Mbit/s", "share")
@@ -187,6 +198,16 @@ def _reachability(peer: dict[str, Any]) -> str:
     if not peer["reachable"]:
         return "no"
     return "yes" if peer["reachability_measured"] else "assumed"
+
+
+def _describe_expert_grid(grid: dict[str, Any] | None) -> tuple[str, str] | str:
+    if grid is None:
+        return ""
+    style = "" if grid["live"] == grid["total"] else "yellow"
+    return (
+        f"  experts {grid['live']}/{grid['total']} live, replicas {grid['min_replicas']}-{grid['max_replicas']}",
+        style,
+    )
 
 
 def _print_once(dht: hivemind.DHT, run_id: str, as_json: bool, console: Console) -> None:

@@ -20,7 +20,14 @@ from crowdtrain.averaging.collaboration import make_optimizer, moshpit_bits, ref
 from crowdtrain.averaging.exact import new_partial_counter
 from crowdtrain.data import WindowSampler, load_token_stream, peer_seed_from_peer_id
 from crowdtrain.manifest import RunManifest
-from crowdtrain.models import build_model, load_tokenizer, model_kind, training_loss
+from crowdtrain.models import (
+    ExpertsUnavailableError,
+    build_dmoe_model,
+    build_model,
+    load_tokenizer,
+    model_kind,
+    training_loss,
+)
 from crowdtrain.node.progress_bar import GlobalBatchBar
 
 logger = logging.getLogger(__name__)
@@ -29,6 +36,8 @@ THROUGHPUT_EMA_ALPHA = 0.1
 SOLO_EPOCHS_BEFORE_WARNING = 5
 AUXILIARY_STEP_INTERVAL_S = 0.5
 """How often an auxiliary peer steps its optimizer, which joins an averaging round once one is due."""
+EXPERT_RETRY_S = 1.0
+EXPERT_WARNING_INTERVAL_S = 60.0
 
 
 @dataclass(slots=True)
@@ -100,13 +109,18 @@ class Trainer:
         self.partial_counter = new_partial_counter()
         self._local_steps_seen = 0
         self._solo_epochs_in_a_row = 0
+        self._next_expert_warning_at = 0.0
 
     def run(self, stop: threading.Event) -> None:
         manifest = self.manifest
         if self.options.num_threads:
             torch.set_num_threads(self.options.num_threads)
         tokenizer = load_tokenizer(manifest.model)
-        model = build_model(manifest.model, tokenizer.vocab_size, seed=run_seed(manifest)).to(self.options.device)
+        if manifest.moe is None:
+            model = build_model(manifest.model, tokenizer.vocab_size, seed=run_seed(manifest))
+        else:
+            model = build_dmoe_model(manifest, tokenizer.vocab_size, self.dht, seed=run_seed(manifest))
+        model = model.to(self.options.device)
         kind = model_kind(manifest.model)
         tokens = load_token_stream(manifest.data, tokenizer, self.options.data_cache_dir)
         sampler = WindowSampler(tokens, manifest.data.sequence_length, peer_seed_from_peer_id(self.peer_id))
@@ -155,7 +169,12 @@ class Trainer:
                 started = time.monotonic()
                 batch = sampler.batch(optimizer.local_epoch, micro_batch_size, step).to(self.options.device)
                 step += 1  # before the check below: a batch with a non-finite loss must not be drawn again
-                loss = training_loss(model, batch, kind, generator=generator)  # type: ignore[arg-type]
+                try:
+                    loss = training_loss(model, batch, kind, generator=generator)  # type: ignore[arg-type]
+                except ExpertsUnavailableError as e:
+                    self._wait_for_experts(e, stop)
+                    optimizer.zero_grad()
+                    continue
                 if not math.isfinite(loss.item()):
                     logger.warning(f"skipped a micro-batch with a non-finite loss ({loss.item()})")
                     optimizer.zero_grad()
@@ -185,6 +204,13 @@ class Trainer:
                 last_epoch = optimizer.local_epoch
                 logger.info(f"epoch {optimizer.local_epoch}: aggregated for the swarm")
                 self._replan(optimizer)
+
+    def _wait_for_experts(self, error: ExpertsUnavailableError, stop: threading.Event) -> None:
+        """A DMoE step found no expert: say so (once a minute at most) and retry shortly, not in a hot loop."""
+        if time.monotonic() >= self._next_expert_warning_at:
+            self._next_expert_warning_at = time.monotonic() + EXPERT_WARNING_INTERVAL_S
+            logger.warning(f"skipped a micro-batch: {error}; waiting for expert hosts")
+        stop.wait(EXPERT_RETRY_S)
 
     def _on_new_epoch(self, model: torch.nn.Module, optimizer: hivemind.Optimizer) -> None:
         loss = "?" if self.progress.loss is None else f"{self.progress.loss:.3f}"

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunManifest(_message.Message):
-    __slots__ = ("run_id", "protocol_version", "created_at", "model", "data", "optimizer", "target_batch_size", "averaging")
+    __slots__ = ("run_id", "protocol_version", "created_at", "model", "data", "optimizer", "target_batch_size", "averaging", "moe")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class RunManifest(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     TARGET_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     AVERAGING_FIELD_NUMBER: _ClassVar[int]
+    MOE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     protocol_version: int
     created_at: float
@@ -25,7 +26,8 @@ class RunManifest(_message.Message):
     optimizer: OptimizerSpec
     target_batch_size: int
     averaging: AveragingSpec
-    def __init__(self, run_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., created_at: _Optional[float] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., target_batch_size: _Optional[int] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ...) -> None: ...
+    moe: MoESpec
+    def __init__(self, run_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., created_at: _Optional[float] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., target_batch_size: _Optional[int] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., moe: _Optional[_Union[MoESpec, _Mapping]] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
     __slots__ = ("architecture", "config_json", "tokenizer")
@@ -78,6 +80,30 @@ class AveragingSpec(_message.Message):
     timeout_s: float
     matchmaking_time_s: float
     def __init__(self, mode: _Optional[str] = ..., group_size: _Optional[int] = ..., grid_dims: _Optional[int] = ..., compression: _Optional[str] = ..., timeout_s: _Optional[float] = ..., matchmaking_time_s: _Optional[float] = ...) -> None: ...
+
+class MoESpec(_message.Message):
+    __slots__ = ("grid", "layers", "expert", "expert_hidden_size", "k", "k_min", "forward_timeout_s", "backward_timeout_s", "timeout_after_k_min_s", "uid_prefix")
+    GRID_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    K_MIN_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_AFTER_K_MIN_S_FIELD_NUMBER: _ClassVar[int]
+    UID_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    grid: _containers.RepeatedScalarFieldContainer[int]
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    expert: str
+    expert_hidden_size: int
+    k: int
+    k_min: int
+    forward_timeout_s: float
+    backward_timeout_s: float
+    timeout_after_k_min_s: float
+    uid_prefix: str
+    def __init__(self, grid: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ..., expert: _Optional[str] = ..., expert_hidden_size: _Optional[int] = ..., k: _Optional[int] = ..., k_min: _Optional[int] = ..., forward_timeout_s: _Optional[float] = ..., backward_timeout_s: _Optional[float] = ..., timeout_after_k_min_s: _Optional[float] = ..., uid_prefix: _Optional[str] = ...) -> None: ...
 
 class SignedManifest(_message.Message):
     __slots__ = ("manifest", "founder_public_key", "signature")

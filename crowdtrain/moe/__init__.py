@@ -1,0 +1,24 @@
+"""Decentralized Mixture-of-Experts: host a run's experts on volunteers and keep its grid covered.
+
+placement   pure: which experts a host serves (uncovered first, then fewest replicas) and the grid's coverage
+experts     the expert architecture, its deterministic initial weights, optimizer and hivemind backend
+hosting     ExpertHost: hivemind's MoE Server over a changeable set of experts, with checkpoints
+supervisor  ExpertSupervisor: the host's loop that re-places, takes over vanished experts, restarts crashes
+
+The trainer's side, the DMoE layer, lives in `crowdtrain.models.dmoe`.
+"""
+
+from crowdtrain.moe.hosting import ExpertHost, HostOptions
+from crowdtrain.moe.placement import GridCoverage, choose_experts, grid_coverage
+from crowdtrain.moe.supervisor import EXPERT_HOST_ROLE, ExpertSupervisor, SupervisorOptions
+
+__all__ = [
+    "EXPERT_HOST_ROLE",
+    "ExpertHost",
+    "ExpertSupervisor",
+    "GridCoverage",
+    "HostOptions",
+    "SupervisorOptions",
+    "choose_experts",
+    "grid_coverage",
+]
