@@ -96,3 +96,10 @@ def test_parameters_mode_leaves_no_reachable_peer_out_of_computing() -> None:
     parameters = Planner("me", problem, aggregate_only=False).update(weak, slow)
     assert all(parameters.computes.values())
     assert sum(parameters.shares.values()) == pytest.approx(1.0)
+
+
+def test_expert_hosts_are_not_in_the_averaging_plan() -> None:
+    host = _status("h")
+    host.roles.append("expert-host")
+    plan = Planner("a", PROBLEM).update(ME, [_status("b"), host])
+    assert set(plan.roles) == {"a", "b"}

@@ -60,7 +60,7 @@ def swarm_capabilities(
     the same for undeclared bandwidths), so one newcomer doesn't swing the plan. Without
     `aggregate_only` (parameters-mode runs, where every replica steps), no peer is left out of computing.
     """
-    others = [status for status in statuses if status.peer_id != own_peer_id]
+    others = [status for status in statuses if status.peer_id != own_peer_id and takes_part_in_averaging(status)]
     measured = [_measured(status) for status in others] + [own]
     compute = _median([m.samples_per_second for m in measured], default=1.0)
     upload = _median([m.upload_mbps for m in measured], default=DEFAULT_BANDWIDTH_MBPS)
@@ -76,6 +76,11 @@ def swarm_capabilities(
             forced_role=_forced_role(m) or (None if aggregate_only or not m.reachable else "trainer"),
         )
     return list(peers.values())
+
+
+def takes_part_in_averaging(status: proto.PeerStatus) -> bool:
+    """Whether a peer trains or aggregates the dense model (expert hosts only serve DMoE experts)."""
+    return "expert-host" not in status.roles
 
 
 def _measured(status: proto.PeerStatus) -> OwnCapabilities:

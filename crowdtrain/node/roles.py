@@ -16,7 +16,7 @@ from typing import Protocol
 
 from crowdtrain import proto
 from crowdtrain.averaging.plan import PlanProblem
-from crowdtrain.averaging.planner import OwnCapabilities, Planner
+from crowdtrain.averaging.planner import OwnCapabilities, Planner, takes_part_in_averaging
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,11 @@ class LinkProber:
 
     def probe_once(self) -> bool:
         """One round against up to 3 reachable peers (random, to spread the load); False if there were none."""
-        peers = [s for s in self.list_statuses() if s.peer_id != self.peer_id and s.reachable and s.multiaddrs]
+        peers = [
+            s
+            for s in self.list_statuses()
+            if s.peer_id != self.peer_id and s.reachable and s.multiaddrs and takes_part_in_averaging(s)
+        ]
         if not peers:
             return False
         random.shuffle(peers)
