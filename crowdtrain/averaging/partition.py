@@ -1,0 +1,110 @@
+"""The all-reduce partition from the DeDLOC plan: each group member aggregates its plan share of the vector.
+
+hivemind splits a group's vector by `load_balance_peers` over *declared* bandwidths. Here every peer
+sends its plan share at matchmaking instead (in the slot hivemind gathers the bandwidth in), and every
+member of the assembled group turns the gathered shares into the same fractions: the shares
+renormalised over the group, since a Moshpit group holds only some of the plan's aggregators.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.utils.asyncio import enter_asynchronously
+
+logger = logging.getLogger(__name__)
+
+
+def group_fractions(
+    shares: Sequence[float | None], modes: Sequence[AveragingMode], total_size: int, min_vector_size: int = 0
+) -> tuple[float, ...]:
+    """Each member's fraction of the vector: its share renormalised over the group's aggregating members.
+
+    A client-mode member gets nothing. When no member sent a positive share (no plan yet, or a group of
+    peers the plan gave no share), the non-client members split the vector equally. As in hivemind's
+    `min_size`, a member whose part would hold fewer than `min_vector_size` elements gets nothing, unless
+    that would leave nobody to aggregate.
+    """
+    if len(shares) != len(modes):
+        raise ValueError(f"{len(shares)} shares for {len(modes)} group members")
+    can_aggregate = [mode != AveragingMode.CLIENT for mode in modes]
+    if not any(can_aggregate):
+        raise ValueError("no member of the group can aggregate: every one is a client")
+    weights = [_valid_share(share) if able else 0.0 for share, able in zip(shares, can_aggregate, strict=True)]
+    if sum(weights) <= 0:
+        weights = [1.0 if able else 0.0 for able in can_aggregate]
+    fractions = _normalized(weights)
+    if min_vector_size > 0:
+        kept = [fraction if fraction * total_size >= min_vector_size else 0.0 for fraction in fractions]
+        if sum(kept) > 0:
+            fractions = _normalized(kept)
+    return fractions
+
+
+def _valid_share(share: float | None) -> float:
+    # Gathered values come from peers: anything but a finite non-negative number counts as no share.
+    if isinstance(share, int | float) and math.isfinite(share) and share > 0:
+        return float(share)
+    return 0.0
+
+
+def _check_share(share: float | None) -> None:
+    if share is not None and not (math.isfinite(share) and 0.0 <= share <= 1.0):
+        raise ValueError(f"a plan share must be within [0, 1], got {share}")
+
+
+def _normalized(weights: Sequence[float]) -> tuple[float, ...]:
+    total = sum(weights)
+    return tuple(weight / total for weight in weights)
+
+
+class PlanSharesMixin:
+    """Partition each all-reduce by the plan shares the group's members sent at matchmaking.
+
+    Mixed into a hivemind `DecentralizedAverager` (or subclass); the share travels in the slot hivemind
+    gathers `bandwidth` in, so peers running this class must all be crowdtrain peers of one run.
+    """
+
+    bandwidth: float | None
+    serializer: Any
+    total_size: int
+
+    def set_share(self, share: float | None) -> None:
+        """The fraction of the vector this peer aggregates from the next round on; None: no plan yet."""
+        _check_share(share)
+        # Read by `step()` in this process when it builds the data gathered at matchmaking.
+        self.bandwidth = share
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+        # hivemind's DecentralizedAverager._aggregate_with_group with its load balancing replaced.
+        try:
+            shares, mode_ids, user_gathered_bytes = zip(*map(self.serializer.loads, group_info.gathered), strict=True)
+            user_gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_gathered_bytes), strict=True))
+            modes = tuple(map(AveragingMode, mode_ids))
+            fractions = group_fractions(shares, modes, self.total_size, min_vector_size)
+            async with enter_asynchronously(self.get_tensors()) as local_tensors:  # type: ignore[attr-defined]
+                await self._run_allreduce_inplace_(  # type: ignore[attr-defined]
+                    local_tensors, group_info, peer_fractions=fractions, **kwargs
+                )
+                return user_gathered
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.exception(e)
+            raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
+
+
+class PlannedAverager(PlanSharesMixin, DecentralizedAverager):
+    """A DecentralizedAverager whose all-reduce partition follows the DeDLOC plan's shares."""
+
+    def __init__(self, *args: Any, share: float | None = None, **kwargs: Any):
+        if "bandwidth" in kwargs:
+            raise TypeError("PlannedAverager takes `share`, not `bandwidth`")
+        _check_share(share)
+        super().__init__(*args, bandwidth=share, **kwargs)
