@@ -187,13 +187,29 @@ def start_node(
 
 
 def start_swarm(
-    groups: ProcessGroups, root: Path, num_nodes: int, founder_args: Sequence[str], env: dict[str, str]
+    groups: ProcessGroups,
+    root: Path,
+    num_nodes: int,
+    founder_args: Sequence[str],
+    env: dict[str, str],
+    placements: Sequence[tuple[str, Sequence[str]]] | None = None,
 ) -> list[Node]:
-    """A founder, then `num_nodes - 1` joiners dialling it; returns once every node wrote node.json."""
-    founder = start_node(groups, root / "node0", founder_args, env)
+    """A founder, then `num_nodes - 1` joiners dialling it; returns once every node wrote node.json.
+
+    `placements` gives each node's (listen multiaddr, launcher), e.g. one WAN-lab host each; default loopback.
+    """
+    where = list(placements or [(LOOPBACK, ())] * num_nodes)
+    founder = start_node(groups, root / "node0", founder_args, env, listen=where[0][0], launcher=where[0][1])
     await_condition(founder.ready, START_TIMEOUT_S, "the founder to start")
     joiners = [
-        start_node(groups, root / f"node{index}", ["--initial-peers", founder.address], env)
+        start_node(
+            groups,
+            root / f"node{index}",
+            ["--initial-peers", founder.address],
+            env,
+            listen=where[index][0],
+            launcher=where[index][1],
+        )
         for index in range(1, num_nodes)
     ]
     for joiner in joiners:
@@ -204,8 +220,10 @@ def start_swarm(
 class StatusWatcher:
     """One long-lived `crowdtrain status --json --watch` reader, instead of a new DHT client per sample."""
 
-    def __init__(self, groups: ProcessGroups, address: str, interval_s: float, log_path: Path) -> None:
-        command = [sys.executable, "-m", "crowdtrain", "status", "--json", "--initial-peers", address]
+    def __init__(
+        self, groups: ProcessGroups, address: str, interval_s: float, log_path: Path, launcher: Sequence[str] = ()
+    ) -> None:
+        command = [*launcher, sys.executable, "-m", "crowdtrain", "status", "--json", "--initial-peers", address]
         with open(log_path, "ab") as log:
             self.process = groups.start(
                 [*command, "--watch", f"{interval_s:g}"],
