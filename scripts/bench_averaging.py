@@ -580,7 +580,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mbps", type=float, help="uniform: link cap B in Mbit/s (default 100)")
     parser.add_argument("--hetero-size-mb", type=float, help="hetero: S in MB (default 40, quick 10)")
     parser.add_argument("--scenario", type=Path, default=HETERO_SCENARIO, help="hetero: the scenario TOML")
-    parser.add_argument("--rounds", type=int, help="rounds per variant (default 5, quick 3)")
+    parser.add_argument("--rounds", type=int, help="rounds per variant (default 5, quick 2)")
     worker = parser.add_argument_group("worker (hidden)")
     for name in ("--kind", "--settings", "--compression", "--partition", "--address", "--initial-peer", "--master"):
         worker.add_argument(name, help=argparse.SUPPRESS)
@@ -596,7 +596,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.size_mb = args.size_mb or (20.0 if args.quick else 100.0)
     args.mbps = args.mbps or 100.0
     args.hetero_size_mb = args.hetero_size_mb or (10.0 if args.quick else 40.0)
-    args.rounds = args.rounds or (3 if args.quick else 5)
+    args.rounds = args.rounds or (2 if args.quick else 5)
     return args
 
 

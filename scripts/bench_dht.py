@@ -27,6 +27,7 @@ from typing import Any
 from benchlib import (
     KILL_TIMEOUT_S,
     NOISE_CAVEAT,
+    PGRP,
     MemoryPeaks,
     await_condition,
     environment_json,
@@ -147,7 +148,7 @@ def bench_dht(num_nodes: int, num_keys: int) -> dict[str, Any]:
     try:
         say(f"dht: starting {num_nodes} nodes (join_swarm, crowdtrain's validators) on loopback")
         startup_s = start_nodes(num_nodes, nodes)
-        memory = MemoryPeaks([node.pid for node in nodes])
+        memory = MemoryPeaks([node.pid for node in nodes], by=PGRP)  # each node leads a group of its own
         memory.poll()
         keys = [(f"bench-dht-{index}", f"value-{index}-{rng.getrandbits(64):x}") for index in range(num_keys)]
         writers = [rng.randrange(num_nodes) for _ in keys]

@@ -5,7 +5,7 @@ Runs one after another, printing a table for each:
                 together, E more global steps are scored on held-out windows against a plain in-process torch
                 loop with the same global batch resumed from that checkpoint (and one from the initial weights)
 2. throughput   N standalone torch loops (one thread each) against N daemons of the demo preset
-3. memory       each daemon's peak RSS summed over its process group (p2pd, DHT, averagers), during (2)
+3. memory       each daemon's peak RSS summed over its session (p2pd, DHT, averagers), during (2)
 Writes <out>/training.json, <out>/convergence.png when matplotlib is installed (`pip install -e '.[bench]'`), and
 the daemons' logs to <out>/logs/.
 """
@@ -609,7 +609,7 @@ def print_memory(memory: dict[str, Any]) -> None:
     ]
     rows += [[f"standalone {i}", rss, None, 1] for i, rss in enumerate(memory["standalone_peak_rss_mib_per_process"])]
     print_table(
-        "Memory: peak RSS per process group during the throughput run",
+        "Memory: peak RSS per daemon session (all its processes) during the throughput run",
         ["", "peak RSS MiB", "PSS at peak MiB", "processes"],
         rows,
     )

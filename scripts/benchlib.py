@@ -62,11 +62,15 @@ def await_condition(check: Callable[[], T | None], timeout_s: float, what: str, 
         time.sleep(poll_s)
 
 
-# --- Children: every one in its own session, killed by process group ---------------------------------------
+# --- Children: every one in its own session, killed with everything in it ---------------------------------
 
 
 class ProcessGroups:
-    """The children this benchmark starts; each leads its own session, so killpg also ends what it spawned."""
+    """The children this benchmark starts; each leads its own session, and everything it spawned stays in it.
+
+    A daemon's hivemind DHT process moves to a process group of its own (SupervisedDHT), taking p2pd with
+    it, so killing, measuring and waiting go by session, not by process group.
+    """
 
     def __init__(self) -> None:
         self.processes: list[subprocess.Popen] = []
@@ -77,11 +81,12 @@ class ProcessGroups:
         return process
 
     def kill(self, process: subprocess.Popen) -> None:
-        """SIGKILL the process's whole group and wait until no member of it is left running."""
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        """SIGKILL every process of the child's session and wait until none is left running."""
+        for pid in [process.pid, *session_members(process.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             process.wait(timeout=KILL_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -89,7 +94,7 @@ class ProcessGroups:
         if process in self.processes:
             self.processes.remove(process)
         try:
-            await_condition(lambda: not group_alive(process.pid), KILL_TIMEOUT_S, f"process group {process.pid} to end")
+            await_condition(lambda: not session_members(process.pid), KILL_TIMEOUT_S, f"session {process.pid} to end")
         except BenchError as e:
             print(f"warning: {e}", file=sys.stderr)
 
@@ -98,22 +103,36 @@ class ProcessGroups:
             self.kill(process)
 
 
-def read_proc_stat(pid: str) -> tuple[str, int] | None:
-    """(state, process group) of a pid from /proc/<pid>/stat, or None when it is gone."""
+PGRP, SESSION = 1, 2
+"""Indexes into read_proc_stat's tuple: which processes count as one unit."""
+
+
+def read_proc_stat(pid: str) -> tuple[str, int, int] | None:
+    """(state, process group, session) of a pid from /proc/<pid>/stat, or None when it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return fields[0].decode(), int(fields[2])  # fields 3 and 5 of stat: state and pgrp
+    return fields[0].decode(), int(fields[2]), int(fields[3])  # fields 3, 5 and 6 of stat
+
+
+def live_members(unit_id: int, by: int) -> list[int]:
+    """Pids of the running processes (not zombies) whose group (by=PGRP) or session (by=SESSION) is `unit_id`."""
+    members = []
+    for pid in os.listdir("/proc"):
+        stat = read_proc_stat(pid) if pid.isdigit() else None
+        if stat is not None and stat[by] == unit_id and stat[0] != "Z":
+            members.append(int(pid))
+    return members
+
+
+def session_members(sid: int) -> list[int]:
+    return live_members(sid, SESSION)
 
 
 def group_alive(pgid: int) -> bool:
     """Whether any process of group `pgid` still runs (zombies don't count)."""
-    for pid in os.listdir("/proc"):
-        stat = read_proc_stat(pid) if pid.isdigit() else None
-        if stat is not None and stat[1] == pgid and stat[0] != "Z":
-            return True
-    return False
+    return bool(live_members(pgid, PGRP))
 
 
 def child_env(**settings: str) -> dict[str, str]:
@@ -264,7 +283,7 @@ class StatusWatcher:
 
 @dataclass
 class GroupMemory:
-    """Peak memory of one process group."""
+    """Peak memory of one session (or process group)."""
 
     peak_rss_bytes: int = 0
     pss_at_peak_bytes: int = 0
@@ -274,17 +293,18 @@ class GroupMemory:
 
 
 class MemoryPeaks:
-    """Samples RSS per process group, and PSS, which splits the pages forked children share instead of
-    counting them once in every child."""
+    """Samples RSS per session (by=PGRP: per process group), and PSS, which splits the pages forked
+    children share instead of counting them once in every child."""
 
-    def __init__(self, pgids: Sequence[int]) -> None:
-        self.groups = {pgid: GroupMemory() for pgid in pgids}
+    def __init__(self, unit_ids: Sequence[int], by: int = SESSION) -> None:
+        self.groups = {unit_id: GroupMemory() for unit_id in unit_ids}
+        self.by = by
 
     def poll(self) -> None:
         members: dict[int, list[dict[str, Any]]] = {pgid: [] for pgid in self.groups}
         for pid in os.listdir("/proc"):
             stat = read_proc_stat(pid) if pid.isdigit() else None
-            if stat is None or stat[1] not in members or stat[0] == "Z":
+            if stat is None or stat[self.by] not in members or stat[0] == "Z":
                 continue
             try:
                 name = Path(f"/proc/{pid}/comm").read_text().strip()
@@ -292,7 +312,7 @@ class MemoryPeaks:
                 continue
             rss_kib = _proc_field_kib(f"/proc/{pid}/status", "VmRSS:")
             pss_kib = _proc_field_kib(f"/proc/{pid}/smaps_rollup", "Pss:")
-            members[stat[1]].append({"name": name, "rss_mib": rss_kib / 1024, "pss_mib": pss_kib / 1024})
+            members[stat[self.by]].append({"name": name, "rss_mib": rss_kib / 1024, "pss_mib": pss_kib / 1024})
         for pgid, processes in members.items():
             memory = self.groups[pgid]
             memory.max_num_processes = max(memory.max_num_processes, len(processes))
@@ -314,8 +334,8 @@ def _proc_field_kib(path: str, name: str) -> int:
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds_by_process(pgids: Sequence[int]) -> dict[tuple[int, int], tuple[str, float]]:
-    """User + system CPU seconds so far (all threads) of every process of the groups, by (pgid, pid)."""
+def cpu_seconds_by_process(sids: Sequence[int]) -> dict[tuple[int, int], tuple[str, float]]:
+    """User + system CPU seconds so far (all threads) of every process of the sessions, by (sid, pid)."""
     found: dict[tuple[int, int], tuple[str, float]] = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -325,8 +345,8 @@ def cpu_seconds_by_process(pgids: Sequence[int]) -> dict[tuple[int, int], tuple[
             name = Path(f"/proc/{pid}/comm").read_text().strip()
         except (OSError, IndexError):
             continue
-        if int(fields[2]) in pgids:  # fields 5, 14 and 15 of stat: pgrp, utime, stime
-            found[int(fields[2]), int(pid)] = (name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_PER_S)
+        if int(fields[3]) in sids:  # fields 6, 14 and 15 of stat: session, utime, stime
+            found[int(fields[3]), int(pid)] = (name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_PER_S)
     return found
 
 
@@ -336,7 +356,7 @@ def cpu_use(
     pgid: int,
     elapsed_s: float,
 ) -> dict[str, Any]:
-    """Cores each process of group `pgid` kept busy between two samples; the group leader is the daemon itself."""
+    """Cores each process of session `pgid` kept busy between two samples; the session leader is the daemon itself."""
     processes: list[dict[str, Any]] = [
         {"name": name, "leader": pid == pgid, "cores": (seconds - before[group, pid][1]) / elapsed_s}
         for (group, pid), (name, seconds) in after.items()
