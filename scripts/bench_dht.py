@@ -28,6 +28,7 @@ from benchlib import (
     KILL_TIMEOUT_S,
     NOISE_CAVEAT,
     PGRP,
+    START_TIMEOUT_S,
     MemoryPeaks,
     await_condition,
     environment_json,
@@ -46,7 +47,7 @@ from crowdtrain.dht.validator import make_validators
 
 OPERATION_TIMEOUT_S = 30.0
 """One store or get that has not finished after this long counts as failed."""
-NUM_THREADS = 8
+NUM_THREADS = 4
 """Operations in flight at once; each thread drives its own nodes, so no node's pipe is shared between threads."""
 KILL_FRACTION = 0.25
 STARTING_AT_ONCE = 4
@@ -54,23 +55,39 @@ RECORD_TTL_S = 600.0
 SEED = 0
 
 
-def start_nodes(num_nodes: int, started: list[SupervisedDHT]) -> float:
+def start_nodes(num_nodes: int, started: list[SupervisedDHT], release: threading.Event) -> float:
     """Start `num_nodes` DHT nodes into `started` (so a failure still kills those up), a few at a time; seconds.
 
     The first node is every other node's initial peer. Start-up is mostly waiting for p2pd and the bootstrap,
-    so STARTING_AT_ONCE nodes start in parallel threads: 32 nodes one by one took minutes on 2 busy cores.
+    so STARTING_AT_ONCE threads start nodes in parallel (32 one by one took minutes on 2 busy cores). Each
+    thread then waits for `release`: a node dies with the *thread* that forked it (SupervisedDHT sets
+    PR_SET_PDEATHSIG, which fires when the forking thread exits), so those threads outlive the benchmark.
     """
     began = time.monotonic()
     started.append(join_swarm(SwarmOptions(), make_validators(RSAPrivateKey())))
     options = SwarmOptions(initial_peers=(str(started[0].get_visible_maddrs()[0]),))
+    errors: list[BaseException] = []
 
-    def start_one(_: int) -> None:
-        started.append(join_swarm(options, make_validators(RSAPrivateKey())))
-        if len(started) % 8 == 0:
-            say(f"dht: {len(started)}/{num_nodes} nodes up")
+    def start_some(count: int) -> None:
+        try:
+            for _ in range(count):
+                started.append(join_swarm(options, make_validators(RSAPrivateKey())))
+                if len(started) % 8 == 0:
+                    say(f"dht: {len(started)}/{num_nodes} nodes up")
+        except BaseException as e:  # reported by the main thread, which stops waiting
+            errors.append(e)
+        release.wait()
 
-    with ThreadPoolExecutor(STARTING_AT_ONCE) as pool:
-        list(pool.map(start_one, range(num_nodes - 1)))
+    counts = [len(range(i, num_nodes - 1, STARTING_AT_ONCE)) for i in range(STARTING_AT_ONCE)]
+    for count in counts:
+        threading.Thread(target=start_some, args=(count,), name="dht-starter", daemon=True).start()
+
+    def all_started() -> bool:
+        if errors:
+            raise errors[0]
+        return len(started) == num_nodes
+
+    await_condition(all_started, START_TIMEOUT_S * 2, f"{num_nodes} DHT nodes to start")
     return time.monotonic() - began
 
 
@@ -113,17 +130,21 @@ def run_operations(
 
 def store_job(key: str, value: str) -> Callable[[SupervisedDHT], tuple[float, bool]]:
     def job(node: SupervisedDHT) -> tuple[float, bool]:
-        expiration = get_dht_time() + RECORD_TTL_S
-        future = node.store(key, value, expiration_time=expiration, return_future=True)
-        return timed(lambda: future.result(timeout=OPERATION_TIMEOUT_S), bool)
+        def store() -> Any:
+            future = node.store(key, value, expiration_time=get_dht_time() + RECORD_TTL_S, return_future=True)
+            return future.result(timeout=OPERATION_TIMEOUT_S)
+
+        return timed(store, bool)
 
     return job
 
 
 def get_job(key: str, value: str) -> Callable[[SupervisedDHT], tuple[float, bool]]:
     def job(node: SupervisedDHT) -> tuple[float, bool]:
-        future = node.get(key, latest=True, return_future=True)
-        return timed(lambda: future.result(timeout=OPERATION_TIMEOUT_S), lambda found: found and found.value == value)
+        def get() -> Any:
+            return node.get(key, latest=True, return_future=True).result(timeout=OPERATION_TIMEOUT_S)
+
+        return timed(get, lambda found: found is not None and found.value == value)
 
     return job
 
@@ -144,10 +165,11 @@ def latency_stats(results: Sequence[tuple[float, bool]]) -> dict[str, Any]:
 def bench_dht(num_nodes: int, num_keys: int) -> dict[str, Any]:
     rng = random.Random(SEED)
     nodes: list[SupervisedDHT] = []
+    release = threading.Event()
     memory = MemoryPeaks([])
     try:
         say(f"dht: starting {num_nodes} nodes (join_swarm, crowdtrain's validators) on loopback")
-        startup_s = start_nodes(num_nodes, nodes)
+        startup_s = start_nodes(num_nodes, nodes, release)
         memory = MemoryPeaks([node.pid for node in nodes], by=PGRP)  # each node leads a group of its own
         memory.poll()
         keys = [(f"bench-dht-{index}", f"value-{index}-{rng.getrandbits(64):x}") for index in range(num_keys)]
@@ -169,6 +191,7 @@ def bench_dht(num_nodes: int, num_keys: int) -> dict[str, Any]:
             killer.start()
         for killer in killers:
             killer.join()
+        release.set()
     per_node = [memory_json(memory.groups[node.pid]) for node in nodes]
     return {
         "num_nodes": num_nodes,

@@ -229,7 +229,8 @@ def measure_crowdtrain(
         "samples_per_second": rate,
         "num_status_samples": len(snapshots),
         "num_global_steps_in_window": (epochs[-1] - epochs[0]) if epochs else 0,
-        "local_steps_per_peer_at_end": {p["peer_id"]: p.get("num_local_steps") for p in last["peers"]},
+        "local_steps_per_peer_at_end": {p["peer_id"]: p.get("local_steps") for p in last["peers"]},
+        "partial_averages_at_end": last.get("run", {}).get("partial_averages"),
         "cpu_cores_per_host": [cpu_use(cpu_before, cpu_after, pgid, ended - started)["cores"] for pgid in pgids],
         "memory_per_host": [memory_json(memory.groups[pgid]) for pgid in pgids],
     }
