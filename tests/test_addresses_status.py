@@ -213,6 +213,10 @@ def test_summary_of_each_peer() -> None:
         "multiaddrs": [f"/ip4/127.0.0.1/tcp/31330/p2p/{PEER_A}", f"/ip4/8.8.8.8/tcp/31330/p2p/{PEER_A}"],
         "partial_averages": 0,
         "local_steps": 0,
+        "reachability_measured": False,
+        "aggregation_share": 0.0,
+        "measured_samples_per_second": 0.0,
+        "role_override": None,
     }
     assert isinstance(second["roles"], list) and second["roles"] == ["trainer"]
     assert (second["loss"], second["upload_mbps"], second["download_mbps"]) == (None, None, None)
@@ -250,7 +254,7 @@ def test_summary_without_manifest_or_peers() -> None:
 def rendered(snapshot: dict, now: float) -> str:
     group = render(snapshot, now)
     assert isinstance(group, Group)
-    console = Console(record=True, width=200, color_system=None)
+    console = Console(record=True, width=240, color_system=None)  # as `status` piped
     console.print(group)
     return console.export_text()
 
@@ -267,6 +271,8 @@ def test_render_shows_the_run_and_short_peer_ids() -> None:
     assert "trainer,aggregator" in text and "cuda:0 (NVIDIA A100)" in text
     assert "2.500" in text
     assert "5 s ago" in text and "10 s ago" in text
+    assert "100/250" in text and "?/?" in text  # measured links, and none yet
+    assert "assumed" in text  # reachable, but nobody dialed it back yet
     assert f"/ip4/8.8.8.8/tcp/31330/p2p/{PEER_A}" in text  # the shareable (public) address
 
 

@@ -17,10 +17,12 @@ from typing import Any
 import hivemind
 import torch
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
+from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain.averaging.exact import ExactGradientAverager
 from crowdtrain.averaging.grid import initial_group_bits
+from crowdtrain.averaging.partition import PlanSharesMixin
 from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.manifest import AveragingSpec, OptimizerSpec, RunManifest
 
@@ -28,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 LOAD_STATE_TIMEOUT_S = 120.0
 STATE_AVERAGING_EVERY_EPOCHS = 5
+
+
+class PlannedStateAverager(PlanSharesMixin, TrainingStateAverager):
+    """hivemind's TrainingStateAverager whose all-reduce partition follows the plan's shares."""
 
 
 class _Optimizer(hivemind.Optimizer):
@@ -41,6 +47,24 @@ class _Optimizer(hivemind.Optimizer):
     def __init__(self, *, client_mode: bool, **kwargs: Any):
         self._requested_client_mode = client_mode
         super().__init__(client_mode=client_mode, **kwargs)
+
+    def _make_state_averager(self, **kwargs: Any) -> Any:
+        # hivemind's own construction (Optimizer._make_state_averager), with the plan-driven partition.
+        return PlannedStateAverager(
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> Any:
         self.client_mode = self._requested_client_mode
@@ -61,6 +85,7 @@ def make_optimizer(
     parameters: Iterable[torch.nn.Parameter],
     micro_batch_size: int,
     client_mode: bool,
+    auxiliary: bool = False,
     group_bits: str,
     private_key: RSAPrivateKey,
     partial_counter: Synchronized,
@@ -71,7 +96,10 @@ def make_optimizer(
     RSASignatureValidator added to a DHT into the first one, so progress records signed with any
     other key (hivemind's default, a process-wide random key) go out unsigned and every peer
     rejects them: peers then never see each other's epoch and never resynchronise.
+    `auxiliary` (gradients mode only): this peer computes nothing and only aggregates its plan share.
     """
+    if auxiliary and (client_mode or manifest.averaging.mode != "gradients"):
+        raise ValueError("only a reachable peer of a gradients-mode run can be an auxiliary aggregator")
     averaging = manifest.averaging
     compression = _compression(averaging)
     use_local_updates = averaging.mode == "parameters"
@@ -90,7 +118,9 @@ def make_optimizer(
             dht=dht,
             run_id=f"crowdtrain-{manifest.run_id}",
             target_batch_size=manifest.target_batch_size,
-            batch_size_per_step=micro_batch_size,
+            # An auxiliary peer (the plan's aggregator that computes nothing) only helps average.
+            batch_size_per_step=None if auxiliary else micro_batch_size,
+            auxiliary=auxiliary,
             params=list(parameters),
             optimizer=functools.partial(_torch_optimizer, spec=manifest.optimizer),
             scheduler=functools.partial(_scheduler, spec=manifest.optimizer),
@@ -117,6 +147,13 @@ def make_optimizer(
         )
     finally:
         signal.signal(signal.SIGINT, sigint_handler)
+
+
+def set_plan_share(optimizer: hivemind.Optimizer, share: float | None) -> None:
+    """Aggregate `share` of every later averaging round (gradients and state); None: no plan, equal split."""
+    for averager in (getattr(optimizer, "grad_averager", None), optimizer.state_averager):
+        if isinstance(averager, PlanSharesMixin):
+            averager.set_share(share)
 
 
 def moshpit_bits(own_peer_id: str, peer_ids: Iterable[str], averaging: AveragingSpec) -> str:

@@ -18,6 +18,8 @@ import torch
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.optim.grad_averager import GradientAverager
 
+from crowdtrain.averaging.partition import PlanSharesMixin
+
 
 class PartialAverageError(RuntimeError):
     """An all-reduce round in which some parts of the vector were never averaged."""
@@ -36,8 +38,9 @@ def require_complete(num_missing: int, num_total: int) -> None:
         )
 
 
-class ExactGradientAverager(GradientAverager):
-    """hivemind's GradientAverager that fails a round instead of returning a partial average."""
+class ExactGradientAverager(PlanSharesMixin, GradientAverager):
+    """hivemind's GradientAverager that fails a round instead of returning a partial average, and splits
+    each round by the plan's shares."""
 
     def __init__(self, *args: Any, partial_counter: Synchronized, **kwargs: Any):
         self.partial_counter = partial_counter

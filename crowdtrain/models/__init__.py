@@ -5,7 +5,14 @@ build      build a transformers model from a ModelSpec with identical initial we
            its parameter count, its kind (causal or masked) and its training loss
 """
 
-from crowdtrain.models.build import build_model, check_model_spec, count_parameters, model_kind, training_loss
+from crowdtrain.models.build import (
+    build_model,
+    check_model_spec,
+    count_parameters,
+    model_kind,
+    spec_parameter_count,
+    training_loss,
+)
 from crowdtrain.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
@@ -17,5 +24,6 @@ __all__ = [
     "count_parameters",
     "load_tokenizer",
     "model_kind",
+    "spec_parameter_count",
     "training_loss",
 ]

@@ -66,6 +66,12 @@ def _check_vocab_size(config: Any, tokenizer_vocab_size: int) -> None:
         )
 
 
+def spec_parameter_count(spec: ModelSpec, tokenizer_vocab_size: int) -> int:
+    """Number of trainable scalars of the model `spec` describes, without allocating its weights."""
+    with torch.device("meta"):
+        return count_parameters(build_model(spec, tokenizer_vocab_size))
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     """Number of trainable scalars; tied weights count once."""
     return sum(parameter.numel() for parameter in model.parameters())

@@ -1,4 +1,4 @@
-"""The `crowdtrain` command: parse the edge, run the node or the status reader, map errors to exit codes."""
+"""The `crowdtrain` command: parse the edge, run the node, the status reader or the check, map errors to exit codes."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ EXIT_INTERRUPTED = 130
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="crowdtrain", description="Lend this machine to a shared training run.")
     parser.add_argument("--version", action="version", version=f"crowdtrain {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,status}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,status,check}")
 
     run = commands.add_parser("run", help="start a node: found a run, or join one with --initial-peers")
     _add_swarm_flags(run)
@@ -44,6 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--watch", type=float, metavar="SECONDS", dest="watch_s", help="refresh every SECONDS until Ctrl-C"
     )
+
+    check = commands.add_parser(
+        "check", help="pre-flight: device, throughput, bandwidth and reachability, and the role to expect"
+    )
+    _add_swarm_flags(check)
+    check.add_argument("--listen", nargs="+", metavar="MADDR", help="addresses to listen on (default: as run)")
+    check.add_argument("--announce", nargs="+", metavar="MADDR", help="addresses peers should dial back (as run)")
+    check.add_argument("--device", metavar="auto|cpu|cuda[:N]", help="device to measure (default: auto)")
+    check.add_argument("--json", action="store_const", const=True, help="print one JSON object")
     return parser
 
 
@@ -70,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if command == "run":
             return _run(args)
+        if command == "check":
+            return _check(args)
         return _status(args)
     except CrowdtrainError as e:
         print(f"crowdtrain: {e}", file=sys.stderr)
@@ -120,10 +131,8 @@ def _run(args: dict[str, Any]) -> int:
 
 def _print_ready(info: Any, state_dir: str) -> None:
     role = "founded" if info.founded else "joined"
-    print(
-        f"crowdtrain {__version__}: peer {info.peer_id} {role} run '{info.run_id}' "
-        f"as {', '.join(info.roles)} on {info.device}"
-    )
+    roles = "its role chosen by measurement" if info.roles == ("auto",) else f"as {', '.join(info.roles)}"
+    print(f"crowdtrain {__version__}: peer {info.peer_id} {role} run '{info.run_id}', {roles}, on {info.device}")
     print("Visible addresses:")
     for address in info.multiaddrs:
         print(f"  {address}")
@@ -154,6 +163,26 @@ def _status(args: dict[str, Any]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     # Piped output (scripts, `watch`) gets full rows instead of rich's 80-column default.
     show_status(config, stop, Console() if sys.stdout.isatty() else Console(width=240))
+    return 0
+
+
+def _check(args: dict[str, Any]) -> int:
+    from rich.console import Console
+
+    from crowdtrain.node.check import print_check, run_check
+    from crowdtrain.node.config import CheckConfig, environment, resolve_config
+    from crowdtrain.node.logs import setup_logging
+
+    config = resolve_config(CheckConfig, _tuples(args), env=environment())
+    setup_logging(config.log_format, config.verbose, quiet=True)
+
+    def on_signal(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    result = run_check(config)
+    print_check(result, config.json, Console() if sys.stdout.isatty() else Console(width=240))
     return 0
 
 

@@ -56,6 +56,8 @@ class NodeConfig:
     """Samples per forward/backward pass on this node (lower it when memory is short)."""
     num_threads: int = 0
     """CPU threads torch may use for training; 0 leaves torch's default (one per core)."""
+    bandwidth_probe_interval_s: float = 600.0
+    """Seconds between two measurements of this node's links against peers (the first comes at start)."""
     checkpoint_keep: int = 3
     """How many checkpoints of the run to keep in the state dir."""
     log_format: str = "text"
@@ -72,13 +74,13 @@ class NodeConfig:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         _check_positive(self, "bootstrap_timeout_s", "status_interval_s", "status_ttl_s", "micro_batch_size")
-        _check_positive(self, "checkpoint_keep")
+        _check_positive(self, "checkpoint_keep", "bandwidth_probe_interval_s")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must not be negative, got {self.num_threads}")
-        if self.role in ("aggregator", "expert-host"):
+        if self.role == "expert-host":
             raise ValueError(
-                f"role {self.role} is not available in this version yet (adaptive roles and DMoE hosting are "
-                "coming); use auto, trainer or client"
+                "role expert-host is not available in this version yet (DMoE hosting is coming); "
+                "use auto, trainer, aggregator or client"
             )
         if self.status_ttl_s <= self.status_interval_s:
             raise ValueError("status_ttl_s must be longer than status_interval_s, or records expire between refreshes")
@@ -205,3 +207,52 @@ def _parse_env_value(hint: Any, text: str, variable: str) -> Any:
 def environment() -> dict[str, str]:
     """The process environment, read only here at the edge."""
     return dict(os.environ)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckConfig:
+    """Everything `crowdtrain check` needs: the pre-flight of a volunteer's machine."""
+
+    initial_peers: tuple[str, ...] = ()
+    """Peers of the swarm to measure against; empty measures this machine alone (the demo model)."""
+    listen: tuple[str, ...] = ()
+    """Multiaddrs to listen on while checking; empty: as `run` (all interfaces, the default port)."""
+    announce: tuple[str, ...] = ()
+    """Multiaddrs peers are asked to dial back (as `run --announce`); empty: the listen addresses."""
+    state_dir: str = DEFAULT_STATE_DIR
+    """Where the throughput measurement is cached (shared with the daemon)."""
+    run_id: str = ""
+    """The run whose model is measured when the swarm holds several."""
+    device: str = "auto"
+    """auto, cpu, cuda or cuda:N."""
+    json: bool = False
+    """Print one JSON object instead of a table."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward pass in the throughput probe (as the daemon's)."""
+    num_threads: int = 0
+    """CPU threads torch may use; 0 leaves torch's default."""
+    throughput_s: float = 3.0
+    """Seconds of timed training steps in the throughput probe (when not cached)."""
+    probe_timeout_s: float = 60.0
+    """Bound on the bandwidth and dial-back probes against all peers together."""
+    bootstrap_timeout_s: float = 20.0
+    """Give up when no initial peer answers within this many seconds."""
+    log_format: str = "text"
+    """text or json (for the log lines; the output format is chosen by `json`)."""
+    verbose: int = 0
+    """0: warnings only; 1: info; 2: debug."""
+
+    def __post_init__(self) -> None:
+        check_multiaddrs(self.initial_peers, "initial_peers", need_peer_id=True)
+        check_multiaddrs(self.listen, "listen")
+        check_multiaddrs(self.announce, "announce")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        _check_positive(self, "micro_batch_size", "throughput_s", "probe_timeout_s", "bootstrap_timeout_s")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must not be negative, got {self.num_threads}")
+        _check_log_options(self.log_format, self.verbose)
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_dir).expanduser()

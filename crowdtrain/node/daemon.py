@@ -15,6 +15,7 @@ from pathlib import Path
 import hivemind
 
 from crowdtrain import __version__, proto
+from crowdtrain.averaging.planner import plan_problem
 from crowdtrain.dht.records import owner_marker
 from crowdtrain.dht.registry import list_peer_statuses, list_runs, publish_manifest, publish_peer_status
 from crowdtrain.dht.swarm import (
@@ -24,14 +25,20 @@ from crowdtrain.dht.swarm import (
     signal_children,
 )
 from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
-from crowdtrain.errors import CrowdtrainError
+from crowdtrain.errors import BadInputError, CrowdtrainError
+from crowdtrain.manifest import RunManifest
+from crowdtrain.models import load_tokenizer, spec_parameter_count
 from crowdtrain.node.addresses import resolve_listen, shareable_address
 from crowdtrain.node.config import NodeConfig
 from crowdtrain.node.device import describe_device, resolve_device
 from crowdtrain.node.identity import Identity, load_or_create_identity
 from crowdtrain.node.logs import set_log_peer
 from crowdtrain.node.membership import Membership, resolve_membership
+from crowdtrain.node.probes import ProbeService
+from crowdtrain.node.roles import LinkProber, NodeRoles
 from crowdtrain.node.statedir import exclusive_state_dir, remove_node_file, write_node_file
+from crowdtrain.node.throughput import CACHE_FILE as THROUGHPUT_CACHE_FILE
+from crowdtrain.node.throughput import measure_throughput
 from crowdtrain.node.training import Progress, Trainer, TrainerOptions
 
 logger = logging.getLogger(__name__)
@@ -67,8 +74,8 @@ class Daemon:
         self.config = config
         self.stop = stop
         self.on_ready = on_ready
-        self.roles = _roles(config.role)
         self.device = "cpu"
+        self.probes: ProbeService | None = None
 
     def run(self) -> None:
         make_forked_children_die_with_this_process()
@@ -89,17 +96,18 @@ class Daemon:
             listen=resolve_listen(self.config.listen),
             announce=self.config.announce,
             identity_path=str(identity.path),
-            client_mode="client" in self.roles,
+            client_mode=self.config.role == "client",
             bootstrap_timeout_s=self.config.bootstrap_timeout_s,
         )
 
     def _serve(self, dht: hivemind.DHT, identity: Identity, device: str) -> None:
         membership = resolve_membership(dht, self.config, identity)
         run_id = membership.manifest.run_id
+        _check_role_fits(self.config.role, membership.manifest)
         dht.add_validators([CrowdtrainRecordValidator([run_id])])
         multiaddrs = tuple(str(address) for address in dht.get_visible_maddrs())
         progress = Progress()
-        heartbeat = Heartbeat(dht, identity, membership, self.config, self.roles, device, multiaddrs, progress)
+        heartbeat = Heartbeat(dht, identity, membership, self.config, device, multiaddrs, progress)
         heartbeat.beat()
         state_path = self.config.state_path
         write_node_file(state_path, _node_info(identity, multiaddrs, run_id))
@@ -110,7 +118,7 @@ class Daemon:
                 founded=membership.founded,
                 multiaddrs=multiaddrs,
                 join_address=shareable_address(list(multiaddrs)),
-                roles=self.roles,
+                roles=(self.config.role,),
                 device=device,
             )
         )
@@ -119,10 +127,15 @@ class Daemon:
         left = threading.Event()
         threading.Thread(target=_enforce_leave_deadline, args=(self.stop, left, state_path), daemon=True).start()
         try:
-            self._trainer(dht, identity, membership, progress).run(self.stop)
+            # Measured after the node is up and visible: the model's first import and the probes take a while.
+            roles = heartbeat.roles = self._measure(dht, identity, membership.manifest, multiaddrs)
+            if not self.stop.is_set():
+                self._trainer(dht, identity, membership, progress, roles).run(self.stop)
         finally:
             self.stop.set()
             beating.join(timeout=DHT_CALL_TIMEOUT_S + 1)
+            if self.probes is not None:
+                self.probes.close()
             logger.info("leaving the swarm")
             heartbeat.withdraw()
             remove_node_file(state_path)
@@ -130,15 +143,55 @@ class Daemon:
         if heartbeat.dht_died:
             raise CrowdtrainError("The DHT process died unexpectedly; restart the daemon (see the log above).")
 
-    def _trainer(self, dht: hivemind.DHT, identity: Identity, membership: Membership, progress: Progress) -> Trainer:
+    def _measure(
+        self, dht: hivemind.DHT, identity: Identity, manifest: RunManifest, multiaddrs: tuple[str, ...]
+    ) -> NodeRoles:
+        """Measure throughput, links and reachability, serve peers' probes, and make the first plan."""
+        peer_id, run_id = identity.peer_id.to_base58(), manifest.run_id
+        gradients_mode = manifest.averaging.mode == "gradients"
+
+        def statuses() -> list[proto.PeerStatus]:
+            return list_peer_statuses(dht, run_id, DHT_CALL_TIMEOUT_S)
+
+        samples_per_second = measure_throughput(
+            manifest,
+            self.device,
+            self.config.micro_batch_size,
+            self.config.num_threads,
+            self.config.state_path / THROUGHPUT_CACHE_FILE,
+        )
+        num_parameters = spec_parameter_count(manifest.model, load_tokenizer(manifest.model).vocab_size)
+        roles = NodeRoles(
+            peer_id=peer_id,
+            problem=plan_problem(manifest, num_parameters),
+            role=self.config.role,
+            list_statuses=statuses,
+            aggregate_only=gradients_mode,
+        )
+        roles.record_throughput(samples_per_second)
+        if self.config.role != "client":
+            self.probes = ProbeService(dht)
+            self.probes.start()
+            prober = LinkProber(self.probes, roles, statuses, peer_id, multiaddrs)
+            prober.probe_once()  # before the optimizer is built: a node nobody can dial must be a client
+            interval_s = self.config.bandwidth_probe_interval_s
+            threading.Thread(target=prober.run, args=(self.stop, interval_s), name="probes", daemon=True).start()
+        roles.replan()
+        return roles
+
+    def _trainer(
+        self, dht: hivemind.DHT, identity: Identity, membership: Membership, progress: Progress, roles: NodeRoles
+    ) -> Trainer:
         run_id = membership.manifest.run_id
         state = self.config.state_path
+        roles.running_auxiliary = _is_auxiliary(roles, membership.manifest)
         options = TrainerOptions(
             micro_batch_size=self.config.micro_batch_size,
             checkpoint_dir=state / "checkpoints" / run_id,
             checkpoint_keep=self.config.checkpoint_keep,
             data_cache_dir=state / "data-cache",
-            client_mode="client" in self.roles,
+            client_mode=roles.is_client,
+            auxiliary=roles.running_auxiliary,
             show_bar=self.config.log_format == "text" and sys.stderr.isatty(),
             num_threads=self.config.num_threads,
             device=self.device,
@@ -155,6 +208,7 @@ class Daemon:
             options=options,
             progress=progress,
             known_peers=known_peers,
+            plan_share=roles.replan,
         )
 
 
@@ -167,21 +221,24 @@ class Heartbeat:
         identity: Identity,
         membership: Membership,
         config: NodeConfig,
-        roles: tuple[str, ...],
         device: str,
         multiaddrs: tuple[str, ...],
         progress: Progress,
     ):
         self.dht, self.membership, self.config, self.progress = dht, membership, config, progress
+        self.roles: NodeRoles | None = None
+        """Set once the node has measured itself; until then its status carries the defaults."""
         self.owner = owner_marker(identity.private_key)
         self.status = proto.PeerStatus(
             peer_id=identity.peer_id.to_base58(),
             version=__version__,
-            roles=roles,
             device=device,
-            reachable="client" not in roles,
             multiaddrs=multiaddrs,
             run_id=membership.manifest.run_id,
+            # until measured: what the node was told, and reachable unless it said otherwise
+            roles=["trainer" if config.role == "auto" else config.role],
+            reachable=config.role != "client",
+            role_override="" if config.role == "auto" else config.role,
         )
         self.next_manifest_at = 0.0
         self.next_swarm_log_at = time.monotonic() + SWARM_LOG_INTERVAL_S
@@ -203,6 +260,8 @@ class Heartbeat:
 
     def beat(self) -> None:
         progress = self.progress
+        if self.roles is not None:
+            self.roles.fill_status(self.status)
         self.status.epoch, self.status.samples_accumulated = progress.epoch, progress.samples_accumulated
         self.status.samples_per_second = progress.samples_per_second
         self.status.partial_averages = progress.num_partial_averages
@@ -253,9 +312,17 @@ def _enforce_leave_deadline(stop: threading.Event, left: threading.Event, state_
     os._exit(1)
 
 
-def _roles(role: str) -> tuple[str, ...]:
-    # Until the DeDLOC plan assigns roles from measurements, `auto` means a trainer.
-    return ("trainer",) if role == "auto" else (role,)
+def _check_role_fits(role: str, manifest: RunManifest) -> None:
+    if role == "aggregator" and manifest.averaging.mode != "gradients":
+        raise BadInputError(
+            f"Run {manifest.run_id!r} averages parameters, where every peer steps its own replica, so "
+            "--role aggregator has nothing to aggregate; use --role auto or trainer."
+        )
+
+
+def _is_auxiliary(roles: NodeRoles, manifest: RunManifest) -> bool:
+    """The plan has this reachable node aggregate without computing (never in parameters mode)."""
+    return not roles.computes and not roles.is_client and manifest.averaging.mode == "gradients"
 
 
 def _node_info(identity: Identity, multiaddrs: tuple[str, ...], run_id: str) -> dict[str, object]:

@@ -102,6 +102,7 @@ def summarize(run_id: str, listing: RunListing | None, statuses: list[proto.Peer
         "eta_s": _eta_s(accumulated, target, samples_per_second),
         "num_peers": len(peers),
         "partial_averages": sum(peer["partial_averages"] for peer in peers),
+        "num_aggregators": sum(1 for peer in peers if peer["aggregation_share"] > 0),
         "model": manifest.model.architecture if manifest else None,
         "founder": listing.published.founder_peer_id if listing else None,
         "created_at": manifest.created_at if manifest else None,
@@ -130,6 +131,10 @@ def _peer_json(status: proto.PeerStatus) -> dict[str, Any]:
         "upload_mbps": optional("upload_mbps"),
         "download_mbps": optional("download_mbps"),
         "reachable": status.reachable,
+        "reachability_measured": status.reachability_measured,
+        "aggregation_share": status.aggregation_share,
+        "measured_samples_per_second": status.measured_samples_per_second,
+        "role_override": status.role_override or None,
         "experts": list(status.experts),
         "version": status.version,
         "last_seen": status.last_seen,
@@ -152,8 +157,9 @@ def render(snapshot: dict[str, Any], now: float) -> Group:
         (f"  {run['partial_averages']} partial averages rejected", "yellow") if run["partial_averages"] else "",
     )
     table = Table(box=None, header_style="bold")  # columns never wrap: a narrow terminal crops instead
-    numeric = ("samples/s", "epoch", "loss", "solo steps")
-    for column in ("peer", "roles", "device", "samples/s", "epoch", "loss", "solo steps", "last seen", "address"):
+    numeric = ("samples/s", "epoch", "loss", "solo steps", "up/dn Mbit/s", "share")
+    columns = ("peer", "roles", "device", "samples/s", "epoch", "loss", "solo steps", "up/dn Mbit/s", "reach")
+    for column in (*columns, "share", "last seen", "address"):
         table.add_column(column, justify="right" if column in numeric else "left", no_wrap=True)
     for peer in snapshot["peers"]:
         table.add_row(
@@ -164,10 +170,23 @@ def render(snapshot: dict[str, Any], now: float) -> Group:
             str(peer["epoch"]),
             "—" if peer["loss"] is None or math.isnan(peer["loss"]) else f"{peer['loss']:.3f}",
             str(peer["local_steps"]),
+            f"{_mbps(peer['upload_mbps'])}/{_mbps(peer['download_mbps'])}",
+            _reachability(peer),
+            f"{peer['aggregation_share']:.0%}" if peer["aggregation_share"] else "—",
             f"{max(now - peer['last_seen'], 0):.0f} s ago",
             shareable_address(peer["multiaddrs"]) if peer["multiaddrs"] else "—",
         )
     return Group(summary, table)
+
+
+def _mbps(value: float | None) -> str:
+    return "?" if value is None else f"{value:.0f}"
+
+
+def _reachability(peer: dict[str, Any]) -> str:
+    if not peer["reachable"]:
+        return "no"
+    return "yes" if peer["reachability_measured"] else "assumed"
 
 
 def _print_once(dht: hivemind.DHT, run_id: str, as_json: bool, console: Console) -> None:

@@ -16,7 +16,7 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain.averaging.checkpoint import load_latest_checkpoint, save_checkpoint
-from crowdtrain.averaging.collaboration import make_optimizer, moshpit_bits, refresh_moshpit_bits
+from crowdtrain.averaging.collaboration import make_optimizer, moshpit_bits, refresh_moshpit_bits, set_plan_share
 from crowdtrain.averaging.exact import new_partial_counter
 from crowdtrain.data import WindowSampler, load_token_stream, peer_seed_from_peer_id
 from crowdtrain.manifest import RunManifest
@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 THROUGHPUT_EMA_ALPHA = 0.1
 SOLO_EPOCHS_BEFORE_WARNING = 5
+AUXILIARY_STEP_INTERVAL_S = 0.5
+"""How often an auxiliary peer steps its optimizer, which joins an averaging round once one is due."""
 
 
 @dataclass(slots=True)
@@ -72,6 +74,8 @@ class TrainerOptions:
     """CPU threads for torch; 0 keeps torch's default."""
     device: str = "cpu"
     """The torch device the model trains on: cpu or cuda:N."""
+    auxiliary: bool = False
+    """True when the plan makes this node an aggregator that computes nothing: it only helps average."""
 
 
 class Trainer:
@@ -87,9 +91,12 @@ class Trainer:
         options: TrainerOptions,
         progress: Progress,
         known_peers: Callable[[], list[str]],
+        plan_share: Callable[[], float | None] = lambda: None,
     ):
+        """`plan_share` is asked at the start and at every new epoch for this node's share of each round."""
         self.dht, self.manifest, self.peer_id, self.private_key = dht, manifest, peer_id, private_key
         self.options, self.progress, self.known_peers = options, progress, known_peers
+        self.plan_share = plan_share
         self.partial_counter = new_partial_counter()
         self._local_steps_seen = 0
         self._solo_epochs_in_a_row = 0
@@ -113,6 +120,7 @@ class Trainer:
             parameters=model.parameters(),
             micro_batch_size=self.options.micro_batch_size,
             client_mode=self.options.client_mode,
+            auxiliary=self.options.auxiliary,
             group_bits=moshpit_bits(self.peer_id, self.known_peers(), manifest.averaging),
             private_key=self.private_key,
             partial_counter=self.partial_counter,
@@ -121,9 +129,14 @@ class Trainer:
             if restored is not None:
                 optimizer.load_state_dict(restored.optimizer_state)
             self.progress.epoch = optimizer.local_epoch
-            self._train(model, kind, sampler, optimizer, stop)
+            set_plan_share(optimizer, self.plan_share())
+            if self.options.auxiliary:
+                self._assist(optimizer, stop)
+            else:
+                self._train(model, kind, sampler, optimizer, stop)
         finally:
-            self._checkpoint(model, optimizer)
+            if not self.options.auxiliary:  # an auxiliary peer's weights never train: nothing worth resuming
+                self._checkpoint(model, optimizer)
             optimizer.shutdown()
 
     def _train(
@@ -161,12 +174,28 @@ class Trainer:
                     last_epoch = optimizer.local_epoch
                     self._on_new_epoch(model, optimizer)
 
+    def _assist(self, optimizer: hivemind.Optimizer, stop: threading.Event) -> None:
+        """Aggregate for the swarm without computing: each auxiliary step joins the round when one is due."""
+        last_epoch = optimizer.local_epoch
+        while not stop.wait(AUXILIARY_STEP_INTERVAL_S):
+            optimizer.step()
+            self.progress.epoch = optimizer.local_epoch
+            self.progress.num_partial_averages = self.partial_counter.value
+            if optimizer.local_epoch != last_epoch:
+                last_epoch = optimizer.local_epoch
+                logger.info(f"epoch {optimizer.local_epoch}: aggregated for the swarm")
+                self._replan(optimizer)
+
     def _on_new_epoch(self, model: torch.nn.Module, optimizer: hivemind.Optimizer) -> None:
         loss = "?" if self.progress.loss is None else f"{self.progress.loss:.3f}"
         logger.info(
             f"epoch {optimizer.local_epoch}: loss {loss}, {self.progress.samples_per_second:.1f} samples/s on this node"
         )
         self._checkpoint(model, optimizer)
+        self._replan(optimizer)
+
+    def _replan(self, optimizer: hivemind.Optimizer) -> None:
+        set_plan_share(optimizer, self.plan_share())
         peers = self.known_peers()
         refresh_moshpit_bits(optimizer, self.peer_id, peers, self.manifest.averaging)
         self._watch_averaging(len(set(peers) | {self.peer_id}))

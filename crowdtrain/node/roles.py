@@ -1,0 +1,199 @@
+"""This node's roles: what it measured about itself, the swarm's plan, and re-measuring as time goes on.
+
+At start the node measures its training throughput and, when it has peers, its links and whether they
+can dial it back; the plan over every peer's published capabilities then decides whether it computes,
+what share it aggregates, and whether it is a client. The trainer asks for a new plan at every epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Protocol
+
+from crowdtrain import proto
+from crowdtrain.averaging.plan import PlanProblem
+from crowdtrain.averaging.planner import OwnCapabilities, Planner
+
+logger = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 30.0
+"""Bound on one round of link probes against up to 3 peers."""
+NO_PEERS_RETRY_S = 30.0
+"""How soon a node with no peers to probe against looks again."""
+PLAN_ROLES = ("trainer", "aggregator", "client")
+"""`--role` values the plan honours as overrides; `auto` leaves the choice to the plan."""
+
+
+class LinkReport(Protocol):
+    """What a round of bandwidth and dial-back probes against peers found (node/probes.py's ProbeReport)."""
+
+    upload_mbps: float | None
+    download_mbps: float | None
+    reachable: bool | None
+
+
+class NodeRoles:
+    """This node's measured capabilities and its part of the current plan; thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        peer_id: str,
+        problem: PlanProblem,
+        role: str,
+        list_statuses: Callable[[], Sequence[proto.PeerStatus]],
+        aggregate_only: bool = True,
+    ):
+        """`aggregate_only`: whether the run lets a peer aggregate without computing (gradients mode)."""
+        self.peer_id, self.list_statuses = peer_id, list_statuses
+        self.planner = Planner(peer_id, problem, aggregate_only=aggregate_only)
+        override = role if role in PLAN_ROLES else ""
+        self.own = OwnCapabilities(
+            samples_per_second=None,
+            upload_mbps=None,
+            download_mbps=None,
+            reachable=override != "client",
+            role_override=override,
+        )
+        self.reachability_measured = False
+        self.running_auxiliary: bool | None = None
+        """Whether the trainer runs as an auxiliary aggregator (set once it is built)."""
+        self._lock = threading.Lock()
+
+    def record_throughput(self, samples_per_second: float) -> None:
+        """The throughput probe's result for the run's model on this device."""
+        with self._lock:
+            self.own = replace(self.own, samples_per_second=samples_per_second)
+
+    def record_links(self, report: LinkReport) -> None:
+        """A round of link probes; what nobody could measure keeps its previous value."""
+        with self._lock:
+            own = self.own
+            if report.upload_mbps is not None:
+                own = replace(own, upload_mbps=report.upload_mbps)
+            if report.download_mbps is not None:
+                own = replace(own, download_mbps=report.download_mbps)
+            if report.reachable is not None and own.role_override != "client":
+                if self.reachability_measured and report.reachable != own.reachable:
+                    logger.warning(
+                        f"peers {'can' if report.reachable else 'can no longer'} dial this node; its averaging "
+                        "mode is fixed at start, so restart it to act on this (see `crowdtrain check`)"
+                    )
+                own = replace(own, reachable=report.reachable)
+                self.reachability_measured = True
+            self.own = own
+
+    def replan(self) -> float | None:
+        """Update the plan from the peers' latest statuses; this node's share of each round (None: no plan)."""
+        statuses = self.list_statuses()
+        with self._lock:
+            own = self.own
+        before = self.planner.plan
+        plan = self.planner.update(own, statuses)
+        if before is not None and plan is not before and self.running_auxiliary is not None:
+            if self.running_auxiliary == plan.computes.get(self.peer_id, True):
+                wanted = "compute gradients" if self.running_auxiliary else "only aggregate"
+                logger.info(
+                    f"the plan now has this node {wanted}; "
+                    "its mode is chosen at start, so this takes effect when it restarts (shares apply now)"
+                )
+        return self.planner.own_share()
+
+    @property
+    def is_client(self) -> bool:
+        """Peers can't dial this node (measured or declared): it trains but never aggregates."""
+        return not self.own.reachable
+
+    @property
+    def computes(self) -> bool:
+        """Whether the plan has this node compute gradients (True before any plan)."""
+        plan = self.planner.plan
+        return True if plan is None else plan.computes.get(self.peer_id, True)
+
+    def roles(self) -> tuple[str, ...]:
+        """This node's roles as published: the plan's, or the override's before any plan."""
+        roles = self.planner.own_roles()
+        if roles:
+            return roles
+        return (self.own.role_override,) if self.own.role_override else ("trainer",)
+
+    def fill_status(self, status: proto.PeerStatus) -> None:
+        """Write this node's capabilities, roles and share into its status record."""
+        with self._lock:
+            own, measured = self.own, self.reachability_measured
+        status.ClearField("roles")
+        status.roles.extend(self.roles())
+        status.aggregation_share = self.planner.own_share() or 0.0
+        status.measured_samples_per_second = own.samples_per_second or 0.0
+        if own.upload_mbps is not None:
+            status.upload_mbps = own.upload_mbps
+        if own.download_mbps is not None:
+            status.download_mbps = own.download_mbps
+        status.reachable, status.reachability_measured = own.reachable, measured
+        status.role_override = own.role_override
+
+
+class LinkService(Protocol):
+    """The requester side of the probe RPCs (node/probes.py's ProbeService)."""
+
+    def measure(
+        self,
+        peer_ids: Sequence[str],
+        peer_multiaddrs: Mapping[str, Sequence[str]],
+        own_multiaddrs: Sequence[str],
+        timeout_s: float,
+    ) -> LinkReport: ...
+
+
+class LinkProber:
+    """Measures this node's links and reachability against a few peers: at start, then every interval."""
+
+    def __init__(
+        self,
+        service: LinkService,
+        roles: NodeRoles,
+        list_statuses: Callable[[], Sequence[proto.PeerStatus]],
+        peer_id: str,
+        own_multiaddrs: Sequence[str],
+        timeout_s: float = PROBE_TIMEOUT_S,
+    ):
+        self.service, self.roles, self.list_statuses = service, roles, list_statuses
+        self.peer_id, self.own_multiaddrs, self.timeout_s = peer_id, tuple(own_multiaddrs), timeout_s
+        self.measured = False
+
+    def probe_once(self) -> bool:
+        """One round against up to 3 reachable peers (random, to spread the load); False if there were none."""
+        peers = [s for s in self.list_statuses() if s.peer_id != self.peer_id and s.reachable and s.multiaddrs]
+        if not peers:
+            return False
+        random.shuffle(peers)
+        addresses = {status.peer_id: list(status.multiaddrs) for status in peers}
+        report = self.service.measure(list(addresses), addresses, self.own_multiaddrs, self.timeout_s)
+        self.roles.record_links(report)
+        logger.info(
+            f"link probes: upload {_mbps(report.upload_mbps)}, download {_mbps(report.download_mbps)}, "
+            f"reachable by peers: {'unknown' if report.reachable is None else 'yes' if report.reachable else 'NO'}"
+        )
+        if report.reachable is False:
+            logger.warning(
+                "peers could not dial this node on its announced addresses: it trains as a client and never "
+                "aggregates; run `crowdtrain check` for how to open a port"
+            )
+        self.measured = self.measured or report.upload_mbps is not None
+        return True
+
+    def run(self, stop: threading.Event, interval_s: float) -> None:
+        """Re-measure every `interval_s` seconds (sooner while nothing is measured) until `stop` is set."""
+        while not stop.wait(interval_s if self.measured else NO_PEERS_RETRY_S):
+            try:
+                self.probe_once()
+            except Exception as e:
+                logger.warning(f"link probes failed: {e}; retrying later")
+
+
+def _mbps(value: float | None) -> str:
+    return "not measured" if value is None else f"{value:.1f} Mbit/s"
