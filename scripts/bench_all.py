@@ -77,6 +77,8 @@ def summarize(out: Path, runs: dict[str, dict[str, Any]], quick: bool) -> dict[s
         "plan_speedup_vs_hivemind_load_balancing": hetero.get("plan_speedup_vs_hivemind_load_balancing"),
         "scaling_efficiency": throughput.get("scaling_efficiency"),
         "throughput_speedup_vs_hivemind": throughput.get("throughput_speedup_vs_hivemind"),
+        "scaling_efficiency_per_core": throughput.get("scaling_efficiency_per_core"),
+        "throughput_speedup_vs_hivemind_per_core": throughput.get("throughput_speedup_vs_hivemind_per_core"),
         "dht_get_p50_ms": dht.get("dht_get_p50_ms"),
         "dht_get_p99_ms": dht.get("get", {}).get("p99_ms"),
         "dht_get_success_after_kill": dht.get("dht_get_success_after_kill"),

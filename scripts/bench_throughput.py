@@ -263,6 +263,14 @@ def bench_throughput(groups: ProcessGroups, args: argparse.Namespace, root: Path
             finally:
                 groups.kill_all()
     crowdtrain, hivemind = results["crowdtrain"]["samples_per_second"], results["hivemind"]["samples_per_second"]
+    # Other users' load moves between the three phases on a shared machine: samples per CPU-second of the
+    # processes measured is the steadier comparison (it still charges p2pd, DHT and averagers to the swarms).
+    cores = {
+        "standalone": sum(item["cpu_cores"] for item in standalone["per_process"]),
+        "crowdtrain": sum(results["crowdtrain"].get("cpu_cores_per_host", [])),
+        "hivemind": sum(results["hivemind"].get("cpu_cores_per_host", [])),
+    }
+    per_core = {name: _ratio(results[name]["samples_per_second"], cores[name]) for name in cores}
     return {
         "scenario": args.scenario.name,
         "hosts": hosts,
@@ -274,6 +282,10 @@ def bench_throughput(groups: ProcessGroups, args: argparse.Namespace, root: Path
         "scaling_efficiency": _ratio(crowdtrain, standalone["samples_per_second"]),
         "hivemind_scaling_efficiency": _ratio(hivemind, standalone["samples_per_second"]),
         "throughput_speedup_vs_hivemind": _ratio(crowdtrain, hivemind),
+        "cpu_cores": cores,
+        "samples_per_core_second": per_core,
+        "scaling_efficiency_per_core": _ratio(per_core["crowdtrain"], per_core["standalone"]),
+        "throughput_speedup_vs_hivemind_per_core": _ratio(per_core["crowdtrain"], per_core["hivemind"]),
     }
 
 
@@ -298,7 +310,13 @@ def print_throughput(result: dict[str, Any]) -> None:
         ["", "global samples/s", "global steps in window", "CPU cores"],
         rows,
     )
-    for key in ("scaling_efficiency", "hivemind_scaling_efficiency", "throughput_speedup_vs_hivemind"):
+    for key in (
+        "scaling_efficiency",
+        "hivemind_scaling_efficiency",
+        "throughput_speedup_vs_hivemind",
+        "scaling_efficiency_per_core",
+        "throughput_speedup_vs_hivemind_per_core",
+    ):
         value = result[key]
         print(f"{key} = {'—' if value is None else f'{value:.3f}'}")
 
