@@ -1,14 +1,13 @@
 """Benchmark a daemon's footprint: peak RSS, PSS and CPU of every process of its session, idle and training.
 
-`crowdtrain run` has no idle state of its own yet: every node trains from the moment it is up (until the
-DeDLOC plan assigns non-training roles). So, on loopback:
-1. idle      a crowdtrain DHT node as the daemon holds one (join_swarm with crowdtrain's validators: a
-             DHT process and its p2pd) plus its heartbeat-sized traffic, measured in a process of its own:
-             what a daemon costs when it computes nothing
-2. training  one `crowdtrain run` daemon of the demo preset training alone (one torch thread): the daemon
-             process, its DHT process, p2pd and hivemind's averager processes, sampled every second; CPU is
-             also split into the daemon's own process (training) and the others (networking, averagers)
-Writes <out>/footprint.json and <out>/footprint.png.
+On loopback, one daemon at a time, each measured for the same window after it settled:
+1. idle      `crowdtrain run --role aggregator` alone: it computes nothing and, with no trainer in the
+             run, has nothing to aggregate; measured after its start-up throughput probe finished
+2. training  `crowdtrain run` of the demo preset training alone (one torch thread)
+3. dht node  for reference, a bare crowdtrain DHT node (join_swarm with crowdtrain's validators, a record
+             stored every 5 s) in a process of its own: the floor a daemon's networking side costs
+Every process of the session counts: the daemon, its DHT process, p2pd and hivemind's averager processes;
+CPU is also split into the daemon's own process and the others. Writes <out>/footprint.json and .png.
 """
 
 from __future__ import annotations
@@ -79,8 +78,8 @@ def measure(groups: ProcessGroups, pgid: int, duration_s: float, check_alive: An
     return {"duration_s": duration_s, "memory": memory_json(memory.groups[pgid]), "cpu": cpu}
 
 
-def measure_idle(groups: ProcessGroups, duration_s: float) -> dict[str, Any]:
-    say(f"footprint: an idle crowdtrain DHT node for {duration_s:g} s")
+def measure_dht_node(groups: ProcessGroups, duration_s: float) -> dict[str, Any]:
+    say(f"footprint: a bare crowdtrain DHT node for {duration_s:g} s")
     command = [sys.executable, "-c", IDLE_NODE, str(HEARTBEAT_INTERVAL_S)]
     process = groups.start(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=child_env(), text=True)
     LineReader(process.stdout).next_line(START_TIMEOUT_S, "the idle DHT node to start")  # type: ignore[arg-type]
@@ -94,30 +93,32 @@ def measure_idle(groups: ProcessGroups, duration_s: float) -> dict[str, Any]:
     return {"what": "join_swarm + crowdtrain validators, a 512-byte store every 5 s (DHT process + p2pd)", **result}
 
 
-def measure_training(groups: ProcessGroups, root: Path, duration_s: float) -> dict[str, Any]:
-    say(f"footprint: one training daemon (demo preset) for {duration_s:g} s")
+def measure_daemon(groups: ProcessGroups, root: Path, duration_s: float, role: str) -> dict[str, Any]:
+    """One daemon of the demo preset alone with `--role role`, measured once its status shows it settled."""
+    say(f"footprint: one daemon (demo preset, --role {role}) for {duration_s:g} s")
     env = child_env(
         CROWDTRAIN_MICRO_BATCH_SIZE=str(MICRO_BATCH_SIZE), CROWDTRAIN_NUM_THREADS="1", CROWDTRAIN_STATUS_INTERVAL_S="2"
     )
-    node = start_node(groups, root / "node0", ["--run-file", "demo"], env)
+    node = start_node(groups, root / role, ["--run-file", "demo", "--role", role], env)
     await_condition(node.ready, START_TIMEOUT_S, "the daemon to start")
-    watcher = StatusWatcher(groups, node.address, 2.0, root / "status.log")
+    watcher = StatusWatcher(groups, node.address, 2.0, root / f"status-{role}.log")
 
-    def training() -> bool:
+    def settled() -> bool:
+        # A trainer reports samples/s; an aggregator has run its start-up throughput probe once it reports one.
         node.check_alive()
-        peers = (watcher.latest() or {}).get("peers", [])
-        return any(peer["samples_per_second"] > 0 for peer in peers)
+        field = "samples_per_second" if role == "trainer" else "measured_samples_per_second"
+        return any((peer.get(field) or 0) > 0 for peer in (watcher.latest() or {}).get("peers", []))
 
-    await_condition(training, TRAINING_TIMEOUT_S, "the daemon to train")
+    await_condition(settled, TRAINING_TIMEOUT_S, f"the --role {role} daemon to settle")
     groups.kill(watcher.process)  # its own DHT client is not the daemon's footprint
     result = measure(groups, node.process.pid, duration_s, node.check_alive)
     groups.kill(node.process)
-    return {"what": "crowdtrain run --run-file demo, alone, 1 torch thread, micro-batch 8", **result}
+    return {"what": f"crowdtrain run --run-file demo --role {role}, alone, 1 torch thread", **result}
 
 
 def print_footprint(result: dict[str, Any]) -> None:
     rows = []
-    for name in ("idle", "training"):
+    for name in ("idle", "training", "dht_node"):
         item = result[name]
         memory, cpu = item["memory"], item["cpu"]
         names = sorted({process["name"] for process in memory["processes_at_peak"]})
@@ -134,8 +135,8 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     plt = pyplot()
     if plt is None:
         return False
-    figure, (left, right) = plt.subplots(1, 2, figsize=(9, 4))
-    names = ["idle", "training"]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    names = ["idle", "training", "dht_node"]
     left.bar(names, [result[n]["memory"]["peak_rss_mib"] for n in names], label="peak RSS")
     left.bar(names, [result[n]["memory"]["pss_at_peak_mib"] for n in names], width=0.5, label="PSS at peak")
     left.set(ylabel="MiB", title="memory, all processes")
@@ -162,8 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="crowdtrain-bench-footprint-") as directory:
             try:
                 results["footprint"] = {
-                    "idle": measure_idle(groups, duration_s),
-                    "training": measure_training(groups, Path(directory), duration_s),
+                    "idle": measure_daemon(groups, Path(directory), duration_s, "aggregator"),
+                    "training": measure_daemon(groups, Path(directory), duration_s, "trainer"),
+                    "dht_node": measure_dht_node(groups, duration_s),
                 }
             finally:
                 groups.kill_all()

@@ -201,17 +201,23 @@ def measure_crowdtrain(
     peer_ids = [node.node_info["peer_id"] for node in nodes]
     watcher = StatusWatcher(groups, nodes[0].address, STATUS_INTERVAL_S, root / "status.log", launchers[0])
 
-    def all_training() -> bool:
+    def all_settled() -> bool:
+        # Every daemon ran its throughput probe, and each one the plan has compute reports samples/s (the
+        # plan may leave a slow host out of computing: it then only aggregates, which is crowdtrain's choice).
         for node in nodes:
             node.check_alive()
         peers = {peer["peer_id"]: peer for peer in (watcher.latest() or {}).get("peers", [])}
-        return all(peer_id in peers and peers[peer_id]["samples_per_second"] > 0 for peer_id in peer_ids)
+        if not set(peer_ids) <= peers.keys():
+            return False
+        probed = all((peers[peer_id].get("measured_samples_per_second") or 0) > 0 for peer_id in peer_ids)
+        trainers = [peer for peer in peers.values() if "trainer" in peer["roles"]]
+        return probed and bool(trainers) and all(peer["samples_per_second"] > 0 for peer in trainers)
 
     pgids = [node.process.pid for node in nodes]
     memory = MemoryPeaks(pgids)
     with Poller([memory.poll], period_s=1.0):
-        await_condition(all_training, TRAINING_TIMEOUT_S, "every daemon to report samples/s")
-        say(f"throughput: every daemon trains; {WARMUP_S:g} s warm-up, then measuring {duration_s:g} s")
+        await_condition(all_settled, TRAINING_TIMEOUT_S, "every daemon to probe and every trainer to train")
+        say(f"throughput: the swarm trains; {WARMUP_S:g} s warm-up, then measuring {duration_s:g} s")
         time.sleep(WARMUP_S)  # a warm-up interval, not a synchronisation: the same one the other loops get
         started, cpu_before = time.monotonic(), cpu_seconds_by_process(pgids)
         while (left_s := started + duration_s - time.monotonic()) > 0:  # fail if a node dies
@@ -230,6 +236,9 @@ def measure_crowdtrain(
         "num_status_samples": len(snapshots),
         "num_global_steps_in_window": (epochs[-1] - epochs[0]) if epochs else 0,
         "local_steps_per_peer_at_end": {p["peer_id"]: p.get("local_steps") for p in last["peers"]},
+        "roles_at_end": {p["peer_id"]: p.get("roles") for p in last["peers"]},
+        "aggregation_shares_at_end": {p["peer_id"]: p.get("aggregation_share") for p in last["peers"]},
+        "links_at_end_mbps": {p["peer_id"]: [p.get("upload_mbps"), p.get("download_mbps")] for p in last["peers"]},
         "partial_averages_at_end": last.get("run", {}).get("partial_averages"),
         "cpu_cores_per_host": [cpu_use(cpu_before, cpu_after, pgid, ended - started)["cores"] for pgid in pgids],
         "memory_per_host": [memory_json(memory.groups[pgid]) for pgid in pgids],
