@@ -4,8 +4,8 @@ On loopback, one daemon at a time, each measured for the same window after it se
 1. idle      `crowdtrain run --role aggregator` alone: it computes nothing and, with no trainer in the
              run, has nothing to aggregate; measured after its start-up throughput probe finished
 2. training  `crowdtrain run` of the demo preset training alone (one torch thread)
-3. dht node  for reference, a bare crowdtrain DHT node (join_swarm with crowdtrain's validators, a record
-             stored every 5 s) in a process of its own: the floor a daemon's networking side costs
+3. dht node  (full run only) for reference, a bare crowdtrain DHT node (join_swarm with crowdtrain's
+             validators, a record stored every 5 s) in a process of its own: the floor of a daemon's networking side
 Every process of the session counts: the daemon, its DHT process, p2pd and hivemind's averager processes;
 CPU is also split into the daemon's own process and the others. Writes <out>/footprint.json and .png.
 """
@@ -118,7 +118,7 @@ def measure_daemon(groups: ProcessGroups, root: Path, duration_s: float, role: s
 
 def print_footprint(result: dict[str, Any]) -> None:
     rows = []
-    for name in ("idle", "training", "dht_node"):
+    for name in [name for name in ("idle", "training", "dht_node") if name in result]:
         item = result[name]
         memory, cpu = item["memory"], item["cpu"]
         names = sorted({process["name"] for process in memory["processes_at_peak"]})
@@ -136,7 +136,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     if plt is None:
         return False
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    names = ["idle", "training", "dht_node"]
+    names = [name for name in ("idle", "training", "dht_node") if name in result]
     left.bar(names, [result[n]["memory"]["peak_rss_mib"] for n in names], label="peak RSS")
     left.bar(names, [result[n]["memory"]["pss_at_peak_mib"] for n in names], width=0.5, label="PSS at peak")
     left.set(ylabel="MiB", title="memory, all processes")
@@ -165,8 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results["footprint"] = {
                     "idle": measure_daemon(groups, Path(directory), duration_s, "aggregator"),
                     "training": measure_daemon(groups, Path(directory), duration_s, "trainer"),
-                    "dht_node": measure_dht_node(groups, duration_s),
                 }
+                if not args.quick:  # a reference row: left out of the 10-minute quick run
+                    results["footprint"]["dht_node"] = measure_dht_node(groups, duration_s)
             finally:
                 groups.kill_all()
                 save_logs(Path(directory), args.out / "logs" / "footprint")
