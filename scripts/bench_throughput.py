@@ -351,7 +351,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (bench-results/)")
     parser.add_argument("--scenario", type=Path, default=HETERO_SCENARIO, help="the scenario TOML")
     parser.add_argument("--batch", type=int, help="global batch B (default 512, quick 256)")
-    parser.add_argument("--duration", type=float, help="measured seconds (default 120, quick 20)")
+    parser.add_argument("--duration", type=float, help="measured seconds (default 120, quick 40)")
     parser.add_argument("--hivemind-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--run-file", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", type=Path, help=argparse.SUPPRESS)
@@ -359,7 +359,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--initial-peer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.batch = args.batch or (256 if args.quick else 512)
-    args.duration = args.duration or (20.0 if args.quick else 120.0)
+    # The window must hold whole global steps of the slowest swarm: hivemind's defaults spend ~20 s of each one
+    # matchmaking and averaging the whole state, and a 20 s window could fall entirely inside one.
+    args.duration = args.duration or (40.0 if args.quick else 120.0)
     return args
 
 
