@@ -1,0 +1,197 @@
+"""Benchmark a daemon's footprint: peak RSS, PSS and CPU of every process of its session, idle and training.
+
+On loopback, one daemon at a time, each measured for the same window after it settled:
+1. idle      `crowdtrain run --role aggregator` alone: it computes nothing and, with no trainer in the
+             run, has nothing to aggregate; measured after its start-up throughput probe finished
+2. training  `crowdtrain run` of the demo preset training alone (one torch thread)
+3. dht node  (full run only) for reference, a bare crowdtrain DHT node (join_swarm with crowdtrain's
+             validators, a record stored every 5 s) in a process of its own: the floor of a daemon's networking side
+Every process of the session counts: the daemon, its DHT process, p2pd and hivemind's averager processes;
+CPU is also split into the daemon's own process and the others. Writes <out>/footprint.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench_training import MICRO_BATCH_SIZE
+from benchlib import (
+    NOISE_CAVEAT,
+    POLL_S,
+    START_TIMEOUT_S,
+    LineReader,
+    MemoryPeaks,
+    Poller,
+    ProcessGroups,
+    StatusWatcher,
+    await_condition,
+    child_env,
+    cpu_seconds_by_process,
+    cpu_use,
+    environment_json,
+    memory_json,
+    print_table,
+    pyplot,
+    save_logs,
+    say,
+    start_node,
+    write_json,
+)
+
+TRAINING_TIMEOUT_S = 300.0
+HEARTBEAT_INTERVAL_S = 5.0
+"""The daemon's default status interval: the idle node stores a record this often."""
+
+IDLE_NODE = """
+import sys, time
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
+from crowdtrain.dht.swarm import SwarmOptions, join_swarm
+from crowdtrain.dht.validator import make_validators
+dht = join_swarm(SwarmOptions(), make_validators(RSAPrivateKey()))
+print("ready", flush=True)
+while True:  # a heartbeat-sized record every interval, as an idle daemon's status would be
+    dht.store("bench-footprint-idle", b"x" * 512, get_dht_time() + 30)
+    time.sleep(float(sys.argv[1]))
+"""
+
+
+def measure(groups: ProcessGroups, pgid: int, duration_s: float, check_alive: Any) -> dict[str, Any]:
+    """Peak memory and mean CPU of process group `pgid` over `duration_s` seconds."""
+    memory = MemoryPeaks([pgid])
+    with Poller([memory.poll], period_s=1.0):
+        started, before = time.monotonic(), cpu_seconds_by_process([pgid])
+        while (left_s := started + duration_s - time.monotonic()) > 0:
+            check_alive()
+            time.sleep(min(POLL_S, left_s))
+        ended, after = time.monotonic(), cpu_seconds_by_process([pgid])
+    cpu = cpu_use(before, after, pgid, ended - started)
+    return {"duration_s": duration_s, "memory": memory_json(memory.groups[pgid]), "cpu": cpu}
+
+
+def measure_dht_node(groups: ProcessGroups, duration_s: float) -> dict[str, Any]:
+    say(f"footprint: a bare crowdtrain DHT node for {duration_s:g} s")
+    command = [sys.executable, "-c", IDLE_NODE, str(HEARTBEAT_INTERVAL_S)]
+    process = groups.start(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=child_env(), text=True)
+    LineReader(process.stdout).next_line(START_TIMEOUT_S, "the idle DHT node to start")  # type: ignore[arg-type]
+
+    def check_alive() -> None:
+        if process.poll() is not None:
+            raise RuntimeError(f"the idle DHT node exited with code {process.returncode}")
+
+    result = measure(groups, process.pid, duration_s, check_alive)
+    groups.kill(process)
+    return {"what": "join_swarm + crowdtrain validators, a 512-byte store every 5 s (DHT process + p2pd)", **result}
+
+
+def measure_daemon(groups: ProcessGroups, root: Path, duration_s: float, role: str) -> dict[str, Any]:
+    """One daemon of the demo preset alone with `--role role`, measured once its status shows it settled."""
+    say(f"footprint: one daemon (demo preset, --role {role}) for {duration_s:g} s")
+    env = child_env(
+        CROWDTRAIN_MICRO_BATCH_SIZE=str(MICRO_BATCH_SIZE), CROWDTRAIN_NUM_THREADS="1", CROWDTRAIN_STATUS_INTERVAL_S="2"
+    )
+    node = start_node(groups, root / role, ["--run-file", "demo", "--role", role], env)
+    await_condition(node.ready, START_TIMEOUT_S, "the daemon to start")
+    watcher = StatusWatcher(groups, node.address, 2.0, root / f"status-{role}.log")
+
+    def settled() -> bool:
+        # A trainer reports samples/s; an aggregator has run its start-up throughput probe once it reports one.
+        node.check_alive()
+        field = "samples_per_second" if role == "trainer" else "measured_samples_per_second"
+        return any((peer.get(field) or 0) > 0 for peer in (watcher.latest() or {}).get("peers", []))
+
+    await_condition(settled, TRAINING_TIMEOUT_S, f"the --role {role} daemon to settle")
+    groups.kill(watcher.process)  # its own DHT client is not the daemon's footprint
+    result = measure(groups, node.process.pid, duration_s, node.check_alive)
+    groups.kill(node.process)
+    return {"what": f"crowdtrain run --run-file demo --role {role}, alone, 1 torch thread", **result}
+
+
+def print_footprint(result: dict[str, Any]) -> None:
+    rows = []
+    for name in [name for name in ("idle", "training", "dht_node") if name in result]:
+        item = result[name]
+        memory, cpu = item["memory"], item["cpu"]
+        names = sorted({process["name"] for process in memory["processes_at_peak"]})
+        rows.append([name, memory["peak_rss_mib"], memory["pss_at_peak_mib"], cpu["cores"],
+                     cpu["cores_daemon_process"], cpu["cores_other_processes"], ", ".join(names)])  # fmt: skip
+    print_table(
+        "Footprint: all processes of the session (CPU in cores kept busy)",
+        ["", "peak RSS MiB", "PSS at peak MiB", "CPU", "CPU leader", "CPU others", "processes"],
+        rows,
+    )
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    names = [name for name in ("idle", "training", "dht_node") if name in result]
+    left.bar(names, [result[n]["memory"]["peak_rss_mib"] for n in names], label="peak RSS")
+    left.bar(names, [result[n]["memory"]["pss_at_peak_mib"] for n in names], width=0.5, label="PSS at peak")
+    left.set(ylabel="MiB", title="memory, all processes")
+    left.legend()
+    right.bar(names, [result[n]["cpu"]["cores"] for n in names])
+    right.set(ylabel="cores", title="CPU")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="shorter windows")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (bench-results/)")
+    parser.add_argument("--duration", type=float, help="seconds measured in each state (default 60, quick 15)")
+    args = parser.parse_args(argv)
+    duration_s = args.duration or (15.0 if args.quick else 60.0)
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    results: dict[str, Any] = {"caveat": NOISE_CAVEAT, "environment": environment_json(args.quick)}
+    groups = ProcessGroups()
+    try:
+        with tempfile.TemporaryDirectory(prefix="crowdtrain-bench-footprint-") as directory:
+            try:
+                results["footprint"] = {
+                    "idle": measure_daemon(groups, Path(directory), duration_s, "aggregator"),
+                    "training": measure_daemon(groups, Path(directory), duration_s, "trainer"),
+                }
+                if not args.quick:  # a reference row: left out of the 10-minute quick run
+                    results["footprint"]["dht_node"] = measure_dht_node(groups, duration_s)
+            finally:
+                groups.kill_all()
+                save_logs(Path(directory), args.out / "logs" / "footprint")
+    except KeyboardInterrupt:
+        print("interrupted; every child process was killed", file=sys.stderr)
+        return 130
+    except Exception as e:  # the JSON records the failure, so bench_all reports it
+        results["footprint"] = {"error": f"{type(e).__name__}: {e}"}
+        write_json(args.out / "footprint.json", results)
+        raise
+    finally:
+        groups.kill_all()
+    results["environment"]["load_average_at_end"] = os.getloadavg()
+    print_footprint(results["footprint"])
+    write_json(args.out / "footprint.json", results)
+    png = args.out / "footprint.png"
+    saved = plot(results["footprint"], png)
+    print(f"wrote {args.out / 'footprint.json'}" + (f" and {png}" if saved else " (no matplotlib: no plot)"))
+    return 0
+
+
+def _raise_keyboard_interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    sys.exit(main())
