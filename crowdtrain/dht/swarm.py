@@ -74,6 +74,8 @@ def make_forked_children_die_with_this_process() -> None:
     Symptom worked around: after `kill -9` or the OOM killer, hivemind's averager processes (about
     370 MiB each) lived on as orphans. The hook is inherited, and uvloop runs it in p2pd's fork too, so
     p2pd also dies with the DHT process that started it.
+    Caveat (Linux): the "parent" is the forking *thread*: a child forked from a thread that later ends is
+    signalled then. The daemon forks only from its main thread; keep it that way (found by bench_dht).
     """
     os.register_at_fork(after_in_child=lambda: die_with_parent(os.getppid()))
 
