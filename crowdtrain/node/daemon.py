@@ -108,6 +108,10 @@ class Daemon:
         _check_role_fits(self.config.role, membership.manifest)
         dht.add_validators([CrowdtrainRecordValidator([run_id])])
         multiaddrs = tuple(str(address) for address in dht.get_visible_maddrs())
+        if self.config.role not in ("client", "expert-host"):
+            # Serving peers' probes from before node.json exists: a node that says it is up answers them.
+            self.probes = ProbeService(dht)
+            self.probes.start()
         progress = Progress()
         heartbeat = Heartbeat(dht, identity, membership, self.config, device, multiaddrs, progress)
         heartbeat.beat()
@@ -187,8 +191,7 @@ class Daemon:
         )
         roles.record_throughput(samples_per_second)
         if self.config.role != "client":
-            self.probes = ProbeService(dht)
-            self.probes.start()
+            assert self.probes is not None, "started in _serve, before the node announced itself ready"
             prober = LinkProber(self.probes, roles, statuses, peer_id, multiaddrs)
             prober.probe_once()  # before the optimizer is built: a node nobody can dial must be a client
             interval_s = self.config.bandwidth_probe_interval_s
