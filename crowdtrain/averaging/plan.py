@@ -224,18 +224,6 @@ def equal_split_time_s(
     return _allreduce_time(swarm, x, tuple(1.0 / num_aggregators if can else 0.0 for can in swarm.can_aggregate))
 
 
-def plan_changed(old: Plan, new: Plan, threshold: float = 0.2) -> bool:
-    """Whether `new` differs enough from `old` to switch: a role changed, or a share moved by more than
-    `threshold` of its old value or by more than 0.05 of the vector. Keeps roles from flapping on noise."""
-    if old.roles != new.roles or old.computes != new.computes:
-        return True
-    for peer_id in old.shares.keys() | new.shares.keys():
-        before, after = old.shares.get(peer_id, 0.0), new.shares.get(peer_id, 0.0)
-        if abs(after - before) > threshold * before or abs(after - before) > 0.05:
-            return True
-    return False
-
-
 def _make_swarm(peers: Sequence[PeerCapabilities], problem: PlanProblem) -> _Swarm:
     if not peers:
         raise ValueError("a plan needs at least one peer")
