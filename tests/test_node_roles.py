@@ -112,12 +112,3 @@ def test_the_prober_with_nobody_to_ask_measures_nothing() -> None:
     service = FakeService(Report(upload_mbps=10.0, download_mbps=20.0, reachable=True))
     prober = LinkProber(service, roles, lambda: [peer("me")], "me", [])
     assert not prober.probe_once() and not service.calls and not prober.measured
-
-
-def test_peers_in_averaging_come_from_the_last_replan_without_expert_hosts() -> None:
-    host = peer("h")
-    host.roles.append("expert-host")
-    roles = make_roles(statuses=[peer("a"), host])
-    assert roles.peers_in_averaging() == []
-    roles.replan()
-    assert roles.peers_in_averaging() == ["a"]

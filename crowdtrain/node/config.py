@@ -68,12 +68,17 @@ class NodeConfig:
     """0: crowdtrain's info; 1: hivemind's info too; 2: debug."""
 
     def __post_init__(self) -> None:
-        _check_swarm_addresses_and_device(self)
+        check_multiaddrs(self.initial_peers, "initial_peers", need_peer_id=True)
+        check_multiaddrs(self.listen, "listen")
+        check_multiaddrs(self.announce, "announce")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         _check_positive(self, "bootstrap_timeout_s", "status_interval_s", "status_ttl_s", "micro_batch_size")
         _check_positive(self, "checkpoint_keep", "bandwidth_probe_interval_s", "max_experts")
-        _check_non_negative(self, "num_threads")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must not be negative, got {self.num_threads}")
         if self.status_ttl_s <= self.status_interval_s:
             raise ValueError("status_ttl_s must be longer than status_interval_s, or records expire between refreshes")
         _check_log_options(self.log_format, self.verbose)
@@ -134,20 +139,6 @@ def check_multiaddrs(values: tuple[str, ...], name: str, *, need_peer_id: bool =
                 f"{name} {value!r} lacks the peer id: it must end with /p2p/<peer id>, "
                 "as in the join command the first daemon printed"
             )
-
-
-def _check_swarm_addresses_and_device(config: NodeConfig | CheckConfig) -> None:
-    check_multiaddrs(config.initial_peers, "initial_peers", need_peer_id=True)
-    check_multiaddrs(config.listen, "listen")
-    check_multiaddrs(config.announce, "announce")
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", config.device):
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {config.device!r}")
-
-
-def _check_non_negative(config: object, *names: str) -> None:
-    for name in names:
-        if getattr(config, name) < 0:
-            raise ValueError(f"{name} must not be negative, got {getattr(config, name)}")
 
 
 def _check_positive(config: object, *names: str) -> None:
@@ -249,9 +240,14 @@ class CheckConfig:
     """0: warnings only; 1: info; 2: debug."""
 
     def __post_init__(self) -> None:
-        _check_swarm_addresses_and_device(self)
+        check_multiaddrs(self.initial_peers, "initial_peers", need_peer_id=True)
+        check_multiaddrs(self.listen, "listen")
+        check_multiaddrs(self.announce, "announce")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         _check_positive(self, "micro_batch_size", "throughput_s", "probe_timeout_s", "bootstrap_timeout_s")
-        _check_non_negative(self, "num_threads")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must not be negative, got {self.num_threads}")
         _check_log_options(self.log_format, self.verbose)
 
     @property

@@ -218,8 +218,9 @@ class Daemon:
         )
 
         def known_peers() -> list[str]:
-            # The statuses the trainer's latest re-plan read (it re-plans first at every epoch): one DHT read.
-            return roles.peers_in_averaging()
+            statuses = list_peer_statuses(dht, run_id, DHT_CALL_TIMEOUT_S)
+            # Pure expert hosts never average: counting them would misplace Moshpit keys and raise false alarms.
+            return [status.peer_id for status in statuses if set(status.roles) != {"expert-host"}]
 
         return Trainer(
             dht=dht,

@@ -60,8 +60,6 @@ class NodeRoles:
             role_override=override,
         )
         self.reachability_measured = False
-        self.latest_statuses: list[proto.PeerStatus] = []
-        """The peers' statuses the last plan was made from."""
         self.running_auxiliary: bool | None = None
         """Whether the trainer runs as an auxiliary aggregator (set once it is built)."""
         self._lock = threading.Lock()
@@ -91,7 +89,7 @@ class NodeRoles:
 
     def replan(self) -> float | None:
         """Update the plan from the peers' latest statuses; this node's share of each round (None: no plan)."""
-        statuses = self.latest_statuses = list(self.list_statuses())
+        statuses = self.list_statuses()
         with self._lock:
             own = self.own
         before = self.planner.plan
@@ -104,10 +102,6 @@ class NodeRoles:
                     "its mode is chosen at start, so this takes effect when it restarts (shares apply now)"
                 )
         return self.planner.own_share()
-
-    def peers_in_averaging(self) -> list[str]:
-        """IDs of the peers that averaged in the last plan's statuses (no DHT read of its own)."""
-        return [status.peer_id for status in self.latest_statuses if takes_part_in_averaging(status)]
 
     @property
     def is_client(self) -> bool:
