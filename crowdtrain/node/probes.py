@@ -22,15 +22,16 @@ import threading
 import time
 import typing
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import hivemind
-from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from crowdtrain import proto
+from crowdtrain.dht.service import P2PService
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,6 @@ MAX_REFUSALS_PER_PROBE = 5
 CONNECT_TIMEOUT_S = 5.0
 CALL_MARGIN_S = 5.0
 """A probe call may take this much longer than the server's time limit (setup, the reply's way back)."""
-START_TIMEOUT_S = 30.0
 DRAIN_GRACE_S = 2.0
 """After replying to an upload probe, the server reads what is still in flight for at most this long."""
 
@@ -227,76 +227,16 @@ class ProbeReport:
     """One sentence per peer or probe that failed or was refused."""
 
 
-async def _daemon_listen_maddr(_dht: hivemind.DHT, node: Any) -> Multiaddr:
-    return node.p2p.daemon_listen_maddr
-
-
-class ProbeService(ServicerBase):
+class ProbeService(P2PService):
     """Serves the probe RPCs on the DHT's p2p daemon and measures this node against its peers.
 
     `start()` runs an event loop in a daemon thread; `measure()` blocks the calling thread; `close()` stops.
     """
 
     def __init__(self, dht: hivemind.DHT, limits: ProbeLimits | None = None):
-        self.dht, self.limits = dht, limits or ProbeLimits()
+        super().__init__(dht, NAMESPACE, thread_name="probes")
+        self.limits = limits or ProbeLimits()
         self.limiter = ProbeLimiter(self.limits)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="probes", daemon=True)
-        self._p2p: P2P | None = None
-        self._serving = False
-
-    def start(self, serve: bool = True) -> None:
-        """Connect to the DHT's p2p daemon and, with `serve`, answer peers' probes; raises if that fails."""
-        self._thread.start()
-        self._run(self._start(serve), START_TIMEOUT_S)
-
-    async def _start(self, serve: bool) -> None:
-        # Not dht.replicate_p2p(): it caches one replica per process, and a replica only works in the
-        # event loop that created it, so a cached one would break any other caller in this process.
-        future = self.dht.run_coroutine(_daemon_listen_maddr, return_future=True)
-        self._p2p = await P2P.replicate(await asyncio.wait_for(asyncio.wrap_future(future), START_TIMEOUT_S))
-        if serve:
-            await self.add_p2p_handlers(self._p2p, namespace=NAMESPACE)
-            self._serving = True
-
-    @property
-    def peer_id(self) -> str:
-        """This node's peer ID (base58)."""
-        return self._require_p2p().peer_id.to_base58()
-
-    def close(self) -> None:
-        """Stop serving and stop the event loop; safe to call twice or before `start`."""
-        if self._thread.is_alive():
-            try:
-                self._run(self._close(), 10.0)
-            except Exception as e:
-                logger.debug(f"probe service did not close cleanly: {e}")
-            try:
-                self._run(_cancel_other_tasks(), 5.0)
-            except Exception as e:
-                logger.debug(f"probe service tasks did not stop cleanly: {e}")
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
-
-    async def _close(self) -> None:
-        if self._p2p is not None:
-            if self._serving:
-                await self.remove_p2p_handlers(self._p2p, namespace=NAMESPACE)
-            await self._p2p.shutdown()  # a replica: closes our client only, the daemon lives on
-            self._p2p = None
-
-    def _run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float) -> T:
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        try:
-            return future.result(timeout=timeout_s)
-        except TimeoutError:
-            future.cancel()
-            raise
-
-    def _require_p2p(self) -> P2P:
-        if self._p2p is None:
-            raise RuntimeError("ProbeService is not started")
-        return self._p2p
 
     # ---- the server side -------------------------------------------------------------------------
     # Streams are annotated with typing.AsyncIterator: hivemind's ServicerBase recognises a streaming
@@ -391,7 +331,7 @@ class ProbeService(ServicerBase):
 
     async def _observed_ips(self, peer: PeerID) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
         """The IPs of our direct connections to `peer`, as the p2p daemon reports them (relayed ones excluded)."""
-        peers = await asyncio.wait_for(self._require_p2p().list_peers(), CONNECT_TIMEOUT_S)
+        peers = await asyncio.wait_for(self.require_p2p().list_peers(), CONNECT_TIMEOUT_S)
         observed = set()
         for info in peers:
             if info.peer_id == peer:
@@ -449,23 +389,23 @@ class ProbeService(ServicerBase):
         """
         deadline = time.monotonic() + timeout_s
         coroutine = self._measure(list(peer_ids), peer_multiaddrs, list(own_multiaddrs), deadline)
-        return self._run(coroutine, timeout_s + CALL_MARGIN_S)
+        return self.run(coroutine, timeout_s + CALL_MARGIN_S)
 
     def probe_upload(self, peer_id: str, num_bytes: int) -> BandwidthSample | proto.ProbeRefusal:
         """One upload probe of `num_bytes` to a connected peer: the sample, or the server's refusal."""
         deadline = time.monotonic() + self._call_timeout_s()
-        return self._run(self._upload(PeerID.from_base58(peer_id), num_bytes, deadline), self._call_timeout_s() + 1)
+        return self.run(self._upload(PeerID.from_base58(peer_id), num_bytes, deadline), self._call_timeout_s() + 1)
 
     def probe_download(self, peer_id: str, num_bytes: int) -> BandwidthSample | proto.ProbeRefusal:
         """One download probe of `num_bytes` from a connected peer: the sample, or the server's refusal."""
         deadline = time.monotonic() + self._call_timeout_s()
-        return self._run(self._download(PeerID.from_base58(peer_id), num_bytes, deadline), self._call_timeout_s() + 1)
+        return self.run(self._download(PeerID.from_base58(peer_id), num_bytes, deadline), self._call_timeout_s() + 1)
 
     def probe_dial_back(self, peer_id: str, multiaddrs: Sequence[str]) -> proto.DialBackResult:
         """Ask a connected peer to dial `multiaddrs`; its reply (with a refusal if it refused)."""
         peer = PeerID.from_base58(peer_id)
         timeout_s = self.limits.dial_timeout_s + CALL_MARGIN_S
-        return self._run(self._dial_back(peer, list(multiaddrs), timeout_s), timeout_s + 1)
+        return self.run(self._dial_back(peer, list(multiaddrs), timeout_s), timeout_s + 1)
 
     def _call_timeout_s(self) -> float:
         return self.limits.probe_time_limit_s + CALL_MARGIN_S
@@ -513,7 +453,7 @@ class ProbeService(ServicerBase):
         timeout_s = min(CONNECT_TIMEOUT_S, _remaining(deadline))
         try:
             # hivemind's P2P has no public connect(); its daemon client does (p2pd's CONNECT request).
-            await asyncio.wait_for(self._require_p2p()._client.connect(peer_id, maddrs), timeout_s)
+            await asyncio.wait_for(self.require_p2p()._client.connect(peer_id, maddrs), timeout_s)
         except TimeoutError:
             return f"no connection within {timeout_s:.0f} s"
         except Exception as e:
@@ -546,7 +486,7 @@ class ProbeService(ServicerBase):
     async def _dial_back(
         self, peer: PeerID, own: list[str], timeout_s: float
     ) -> proto.DialBackResult | proto.ProbeRefusal:
-        stub: Any = self.get_stub(self._require_p2p(), peer, namespace=NAMESPACE)
+        stub: Any = self.get_stub(self.require_p2p(), peer, namespace=NAMESPACE)
         result = await stub.rpc_dial_back(proto.DialBackRequest(multiaddrs=own), timeout=timeout_s)
         return result.refusal if result.HasField("refusal") else result
 
@@ -592,7 +532,7 @@ class ProbeService(ServicerBase):
             for offset in range(0, num_bytes, CHUNK_BYTES):
                 yield proto.UploadChunk(payload=_FILLER[: min(CHUNK_BYTES, num_bytes - offset)])
 
-        stub: Any = self.get_stub(self._require_p2p(), peer, namespace=NAMESPACE)
+        stub: Any = self.get_stub(self.require_p2p(), peer, namespace=NAMESPACE)
         async with asyncio.timeout(min(self._call_timeout_s(), _remaining(deadline))):
             responses = await stub.rpc_upload_probe(chunks())
             try:
@@ -606,7 +546,7 @@ class ProbeService(ServicerBase):
         )
 
     async def _download(self, peer: PeerID, num_bytes: int, deadline: float) -> BandwidthSample | proto.ProbeRefusal:
-        stub: Any = self.get_stub(self._require_p2p(), peer, namespace=NAMESPACE)
+        stub: Any = self.get_stub(self.require_p2p(), peer, namespace=NAMESPACE)
         received = measured = 0
         first_at = last_at = 0.0
         truncated = False
@@ -630,14 +570,6 @@ class ProbeService(ServicerBase):
             truncated = True  # report what arrived by then
         truncated = truncated or received < num_bytes
         return BandwidthSample(measured_bytes=measured, duration_s=last_at - first_at, truncated=truncated)
-
-
-async def _cancel_other_tasks() -> None:
-    """Cancel what hivemind's p2p client left running in our loop, so stopping it leaves no pending task."""
-    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _classify(address: str, observed: set[Any]) -> tuple[proto.DialAttempt | None, tuple[str, int] | None]:

@@ -1,0 +1,105 @@
+"""RPC services of our own on the DHT's p2p daemon: an event loop in a thread, a replica of the daemon's client.
+
+A subclass defines hivemind `rpc_*` handlers (protobuf in, protobuf out) and client methods that call
+peers' handlers through `self.get_stub(self.require_p2p(), peer, namespace=self.namespace)` inside
+coroutines run with `self.run(...)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import hivemind
+from hivemind.p2p import P2P, ServicerBase
+from hivemind.utils.multiaddr import Multiaddr
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+START_TIMEOUT_S = 30.0
+
+
+class P2PService(ServicerBase):
+    """Serves this class's `rpc_*` handlers under `namespace` and calls other peers' ones.
+
+    `start()` runs an event loop in a daemon thread; `run()` blocks the calling thread on a coroutine
+    in that loop; `close()` stops serving and the loop.
+    """
+
+    def __init__(self, dht: hivemind.DHT, namespace: str, thread_name: str):
+        self.dht, self.namespace = dht, namespace
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=thread_name, daemon=True)
+        self._p2p: P2P | None = None
+        self._serving = False
+
+    def start(self, serve: bool = True) -> None:
+        """Connect to the DHT's p2p daemon and, with `serve`, answer peers' calls; raises if that fails."""
+        self._thread.start()
+        self.run(self._start(serve), START_TIMEOUT_S)
+
+    async def _start(self, serve: bool) -> None:
+        # Not dht.replicate_p2p(): it caches one replica per process, and a replica only works in the
+        # event loop that created it, so a cached one would break any other caller in this process.
+        future = self.dht.run_coroutine(_daemon_listen_maddr, return_future=True)
+        self._p2p = await P2P.replicate(await asyncio.wait_for(asyncio.wrap_future(future), START_TIMEOUT_S))
+        if serve:
+            await self.add_p2p_handlers(self._p2p, namespace=self.namespace)
+            self._serving = True
+
+    @property
+    def peer_id(self) -> str:
+        """This node's peer ID (base58)."""
+        return self.require_p2p().peer_id.to_base58()
+
+    def close(self) -> None:
+        """Stop serving and stop the event loop; safe to call twice or before `start`."""
+        if self._thread.is_alive():
+            try:
+                self.run(self._close(), 10.0)
+            except Exception as e:
+                logger.debug(f"{self.namespace} service did not close cleanly: {e}")
+            try:
+                self.run(_cancel_other_tasks(), 5.0)
+            except Exception as e:
+                logger.debug(f"{self.namespace} service tasks did not stop cleanly: {e}")
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+    async def _close(self) -> None:
+        if self._p2p is not None:
+            if self._serving:
+                await self.remove_p2p_handlers(self._p2p, namespace=self.namespace)
+            await self._p2p.shutdown()  # a replica: closes our client only, the daemon lives on
+            self._p2p = None
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        """Run `coroutine` in the service's loop and wait at most `timeout_s` for its result."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    def require_p2p(self) -> P2P:
+        if self._p2p is None:
+            raise RuntimeError(f"the {self.namespace} service is not started")
+        return self._p2p
+
+
+async def _daemon_listen_maddr(_dht: hivemind.DHT, node: Any) -> Multiaddr:
+    return node.p2p.daemon_listen_maddr
+
+
+async def _cancel_other_tasks() -> None:
+    """Cancel what hivemind's p2p client left running in our loop, so stopping it leaves no pending task."""
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
