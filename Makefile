@@ -29,7 +29,7 @@ lint: $(VENV)/.installed-test
 	$(BIN)/mypy crowdtrain
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 unit: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m "not swarm"

@@ -3,7 +3,9 @@
 placement   pure: which experts a host serves (uncovered first, then fewest replicas) and the grid's coverage
 experts     the expert architecture, its deterministic initial weights, optimizer and hivemind backend
 hosting     ExpertHost: hivemind's MoE Server over a changeable set of experts, with checkpoints
-supervisor  ExpertSupervisor: the host's loop that re-places, takes over vanished experts, restarts crashes
+replicas    ReplicaService: an expert's parameters between hosts, to start from a live replica and to average
+supervisor  ExpertSupervisor: the host's loop that re-places, takes over vanished experts, averages
+            replicas, restarts crashes
 
 The trainer's side, the DMoE layer, lives in `crowdtrain.models.dmoe`.
 """

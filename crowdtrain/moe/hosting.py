@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from hivemind.moe.server.server import Server
 
 from crowdtrain.manifest import RunManifest
 from crowdtrain.moe.experts import build_expert, build_optimizer, make_backend
+from crowdtrain.moe.replicas import mix_into
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +108,17 @@ class ExpertHost:
         """Uids of the experts with a checkpoint in the state dir."""
         return {path.stem for path in self.options.checkpoint_dir.glob("*.pt")}
 
-    def serve(self, uids: Iterable[str]) -> None:
-        """Serve exactly `uids`: keep the weights of experts already served, restore or create the others."""
+    def module(self, uid: str) -> torch.nn.Module | None:
+        """The served expert `uid`'s module (its weights live in this process), or None if not served."""
+        expert = self._experts.get(uid)
+        return expert.module if expert is not None else None
+
+    def serve(self, uids: Iterable[str], replica_values: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Serve exactly `uids`: keep the weights of experts already served, set up the others.
+
+        A new expert with an entry in `replica_values` (a live replica's flat parameters) starts from
+        those weights with a fresh optimizer; the others are restored from their checkpoint or created.
+        """
         wanted = list(uids)
         self.stop_server()
         for uid in set(self._experts) - set(wanted):
@@ -116,7 +126,8 @@ class ExpertHost:
             del self._experts[uid]
         for uid in wanted:
             if uid not in self._experts:
-                self._experts[uid] = self._load_or_create(uid)
+                values = (replica_values or {}).get(uid)
+                self._experts[uid] = self._load_or_create(uid) if values is None else self._from_replica(uid, values)
         if wanted:
             self._start_server()
 
@@ -187,6 +198,11 @@ class ExpertHost:
                 module = build_expert(self.manifest, uid).to(self.options.device)
                 expert = _Expert(module, build_optimizer(module, self.manifest.optimizer))
         return expert
+
+    def _from_replica(self, uid: str, values: torch.Tensor) -> _Expert:
+        module = build_expert(self.manifest, uid).to(self.options.device)
+        mix_into(module, values, 1.0)
+        return _Expert(module, build_optimizer(module, self.manifest.optimizer))
 
     def _save(self, uid: str) -> None:
         expert = self._experts[uid]

@@ -1,4 +1,4 @@
-"""The expert host's loop: place experts by coverage, take over the ones whose hosts vanished, restart crashes."""
+"""The expert host's loop: place experts by coverage, take over vanished ones, average replicas, restart crashes."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import hivemind
+import torch
 
 from crowdtrain.dht.registry import list_peer_statuses
 from crowdtrain.manifest import RunManifest, expert_uids
+from crowdtrain.moe.experts import build_expert
 from crowdtrain.moe.hosting import ExpertHost, HostOptions
 from crowdtrain.moe.placement import choose_experts
+from crowdtrain.moe.replicas import ReplicaError, ReplicaService, flat_parameters, mix_into, num_values
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +34,8 @@ class SupervisorOptions:
     """Seconds between two looks at the grid's coverage."""
     checkpoint_every_s: float = 60.0
     """Seconds between two checkpoints of every served expert."""
+    average_every_s: float = 30.0
+    """Seconds between two averagings of every replicated expert with one of its other replicas."""
 
 
 class ExpertSupervisor:
@@ -49,19 +54,28 @@ class ExpertSupervisor:
         self.dht, self.manifest, self.peer_id = dht, manifest, peer_id
         self.options, self.on_change = options, on_change
         self.host = ExpertHost(dht, manifest, host_options)
+        self.replicas = ReplicaService(dht, self.host.module)
         self.grid = expert_uids(manifest)
+        self._rounds = 0
 
     def run(self, stop: threading.Event) -> None:
+        self.replicas.start()
         next_checkpoint_at = time.monotonic() + self.options.checkpoint_every_s
+        next_average_at = time.monotonic() + self.options.average_every_s
         try:
             while True:
-                self.recheck(self._other_hosts())
+                others = self._other_hosts()
+                self.recheck(others)
+                if time.monotonic() >= next_average_at:
+                    next_average_at = time.monotonic() + self.options.average_every_s
+                    self.average_replicas(others)
                 if time.monotonic() >= next_checkpoint_at:
                     next_checkpoint_at = time.monotonic() + self.options.checkpoint_every_s
                     self.host.save_checkpoints()
                 if stop.wait(self.options.recheck_s):
                     break
         finally:
+            self.replicas.close()
             self.host.shutdown()
             logger.info(f"checkpointed {len(self.host.hosted)} experts")
 
@@ -78,11 +92,56 @@ class ExpertSupervisor:
         )
         if wanted != current:
             self._log_change(current, wanted, others)
-            self.host.serve(wanted)
+            new = [uid for uid in wanted if uid not in current]
+            self.host.serve(wanted, replica_values=self._copy_replicas(new, others))
             self.on_change(wanted)
         elif not self.host.is_healthy():
             logger.warning("the expert server stopped working; restarting it")
             self.host.restart()
+
+    def average_replicas(self, others: Mapping[str, tuple[str, ...]]) -> int:
+        """Move each served expert's weights halfway to one other replica's (a different one each round).
+
+        Returns how many experts were averaged; a replica that fails to answer is skipped this round.
+        """
+        self._rounds += 1
+        averaged, distances = 0, []
+        for uid in self.host.hosted:
+            holders = _holders(uid, others)
+            module = self.host.module(uid)
+            if not holders or module is None:
+                continue
+            peer_id = holders[self._rounds % len(holders)]
+            try:
+                values = self.replicas.fetch(peer_id, uid, num_values(module))
+            except ReplicaError as e:
+                logger.warning(f"skipped averaging expert {uid} this round: {e}")
+                continue
+            own = flat_parameters(module)
+            distances.append(float((own - values).norm() / own.norm().clamp_min(1e-12)))
+            mix_into(module, values, 0.5)
+            averaged += 1
+        if averaged:
+            logger.info(
+                f"averaged {averaged} replicated experts with another replica each "
+                f"(largest relative difference before: {max(distances):.3g})"
+            )
+        return averaged
+
+    def _copy_replicas(self, uids: list[str], others: Mapping[str, tuple[str, ...]]) -> dict[str, torch.Tensor]:
+        """The live replicas' weights of the experts in `uids` that other hosts serve (the first that answers)."""
+        copied: dict[str, torch.Tensor] = {}
+        for uid in uids:
+            expected = num_values(build_expert(self.manifest, uid))
+            for peer_id in _holders(uid, others):
+                try:
+                    copied[uid] = self.replicas.fetch(peer_id, uid, expected)
+                except ReplicaError as e:
+                    logger.warning(f"could not copy expert {uid} from a replica: {e}")
+                    continue
+                logger.info(f"starting expert {uid} from the weights of its replica on peer {peer_id[-8:]}")
+                break
+        return copied
 
     def _log_change(
         self, current: tuple[str, ...], wanted: tuple[str, ...], others: Mapping[str, tuple[str, ...]]
@@ -96,9 +155,15 @@ class ExpertSupervisor:
             logger.info(f"leaving {len(dropped)} experts to their other hosts: {', '.join(dropped)}")
 
     def _other_hosts(self) -> dict[str, tuple[str, ...]]:
+        """Every other live expert host's served experts, by peer ID."""
         statuses = list_peer_statuses(self.dht, self.manifest.run_id, LOOKUP_TIMEOUT_S)
         return {
             status.peer_id: tuple(status.experts)
             for status in statuses
             if EXPERT_HOST_ROLE in status.roles and status.peer_id != self.peer_id
         }
+
+
+def _holders(uid: str, others: Mapping[str, tuple[str, ...]]) -> list[str]:
+    """The other hosts serving `uid`, in a stable order."""
+    return sorted(peer_id for peer_id, uids in others.items() if uid in uids)
