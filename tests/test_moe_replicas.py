@@ -115,8 +115,12 @@ def test_a_new_replica_starts_from_the_live_weights_and_replicas_average(
     try:
         first.replicas.start()
         second.replicas.start()
+        first.host.set_learning_rate_factor(0.25)  # the run's schedule at some epoch
         first.recheck({})
         assert first.host.hosted == tuple(grid)
+        assert all(
+            first.host.learning_rate(uid) == pytest.approx(0.25 * manifest.optimizer.learning_rate) for uid in grid
+        )
         trained = {}
         for uid in grid:  # weights no fresh expert has: as if the first host had trained them
             module = first.host.module(uid)
@@ -124,6 +128,8 @@ def test_a_new_replica_starts_from_the_live_weights_and_replicas_average(
             mix_into(module, flat_parameters(module) + 1.0, 1.0)
             trained[uid] = flat_parameters(module)
 
+        first.host.set_learning_rate_factor(0.5)  # a later epoch: served experts follow
+        assert first.host.learning_rate(grid[1]) == pytest.approx(0.5 * manifest.optimizer.learning_rate)
         second.recheck({first.peer_id: first.host.hosted})
         (uid,) = second.host.hosted
         replica = second.host.module(uid)

@@ -97,6 +97,7 @@ class ExpertHost:
         self.dht, self.manifest, self.options = dht, manifest, options
         self._experts: dict[str, _Expert] = {}
         self._server: _ExpertServer | None = None
+        self._learning_rate_factor = 1.0
         options.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         _make_forked_children_obey_terminate()
 
@@ -107,6 +108,25 @@ class ExpertHost:
     def checkpointed(self) -> set[str]:
         """Uids of the experts with a checkpoint in the state dir."""
         return {path.stem for path in self.options.checkpoint_dir.glob("*.pt")}
+
+    def set_learning_rate_factor(self, factor: float) -> None:
+        """Follow the run's schedule: every expert's learning rate becomes the manifest's times `factor`.
+
+        The schedule counts the swarm's global steps, so experts warm up and decay with the dense model
+        however many updates each of them takes. A plain assignment the runtime's next step picks up.
+        """
+        self._learning_rate_factor = factor
+        for expert in self._experts.values():
+            self._apply_learning_rate(expert.optimizer)
+
+    def _apply_learning_rate(self, optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = self.manifest.optimizer.learning_rate * self._learning_rate_factor
+
+    def learning_rate(self, uid: str) -> float | None:
+        """The served expert `uid`'s current learning rate, or None if not served."""
+        expert = self._experts.get(uid)
+        return float(expert.optimizer.param_groups[0]["lr"]) if expert is not None else None
 
     def module(self, uid: str) -> torch.nn.Module | None:
         """The served expert `uid`'s module (its weights live in this process), or None if not served."""
@@ -128,6 +148,7 @@ class ExpertHost:
             if uid not in self._experts:
                 values = (replica_values or {}).get(uid)
                 self._experts[uid] = self._load_or_create(uid) if values is None else self._from_replica(uid, values)
+                self._apply_learning_rate(self._experts[uid].optimizer)
         if wanted:
             self._start_server()
 
