@@ -125,10 +125,22 @@ def test_dmoe_swarm_trains_loses_a_host_and_heals(tmp_path: Path) -> None:
     shrunk = await_snapshot(host2, lambda s: live_experts(s) == 4, 60, "the killed host's experts to leave the grid")
     assert host1.peer_id not in peers_by_id(shrunk)
 
-    host3 = start_daemon(tmp_path / "host3", "--role", "expert-host", initial_peers=[host2.address], env=ENV)
+    # The newcomer has room for 6 experts: the 4 lost ones, and replicas of 2 of host2's.
+    newcomer_env = {**ENV, "CROWDTRAIN_MAX_EXPERTS": "6", "CROWDTRAIN_REPLICA_AVERAGE_INTERVAL_S": "2"}
+    host3 = start_daemon(tmp_path / "host3", "--role", "expert-host", initial_peers=[host2.address], env=newcomer_env)
     host3.await_ready()
-    healed = await_snapshot(host2, lambda s: live_experts(s) == NUM_EXPERTS, 60, "a new host to take over")
-    assert set(peers_by_id(healed)[host3.peer_id]["experts"]) == hosted[host1.peer_id]
+    healed = await_snapshot(
+        host2,
+        lambda s: live_experts(s) == NUM_EXPERTS and s["run"]["expert_grid"]["max_replicas"] == 2,
+        60,
+        "a new host to take over the lost experts and replicate two more",
+    )
+    served = set(peers_by_id(healed)[host3.peer_id]["experts"])
+    replicated = served - hosted[host1.peer_id]
+    assert hosted[host1.peer_id] <= served and len(replicated) == 2 and replicated <= hosted[host2.peer_id]
+    copied = set(re.findall(r"starting expert (\S+) from the weights of its replica", host3.log()))
+    assert copied == replicated, "a new replica starts from the live replica's weights, not from scratch"
+    await_condition(lambda: "averaged 2 replicated experts" in host3.log(), 30, "the replicas to average", poll_s=0.5)
     epoch_healed = max(max(epochs(trainer)) for trainer in trainers)
     await_epoch(trainers, epoch_healed + 1, 120, "trainers to train on the healed grid")
     for trainer in trainers:

@@ -60,6 +60,8 @@ class NodeConfig:
     """Seconds between two measurements of this node's links against peers (the first comes at start)."""
     max_experts: int = 16
     """As an expert-host: the most DMoE experts this node serves."""
+    replica_average_interval_s: float = 30.0
+    """As an expert-host: seconds between two averagings of each replicated expert with another replica."""
     checkpoint_keep: int = 3
     """How many checkpoints of the run to keep in the state dir."""
     log_format: str = "text"
@@ -76,7 +78,9 @@ class NodeConfig:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         _check_positive(self, "bootstrap_timeout_s", "status_interval_s", "status_ttl_s", "micro_batch_size")
-        _check_positive(self, "checkpoint_keep", "bandwidth_probe_interval_s", "max_experts")
+        _check_positive(
+            self, "checkpoint_keep", "bandwidth_probe_interval_s", "max_experts", "replica_average_interval_s"
+        )
         if self.num_threads < 0:
             raise ValueError(f"num_threads must not be negative, got {self.num_threads}")
         if self.status_ttl_s <= self.status_interval_s:

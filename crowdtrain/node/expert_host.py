@@ -31,7 +31,11 @@ def make_expert_supervisor(
         declare_period_s=config.status_ttl_s / 3,
         declare_ttl_s=config.status_ttl_s,
     )
-    options = SupervisorOptions(max_experts=config.max_experts, recheck_s=max(config.status_interval_s, 2.0))
+    options = SupervisorOptions(
+        max_experts=config.max_experts,
+        recheck_s=max(config.status_interval_s, 2.0),
+        average_every_s=config.replica_average_interval_s,
+    )
     return ExpertSupervisor(
         dht=dht, manifest=manifest, peer_id=peer_id, host_options=host_options, options=options, on_change=on_change
     )
