@@ -20,6 +20,8 @@ T = TypeVar("T")
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT_S = 60.0
 FAST_HEARTBEAT_ENV = {"CROWDTRAIN_STATUS_INTERVAL_S": "1", "CROWDTRAIN_STATUS_TTL_S": "30"}
+DAEMON_ENV = {**FAST_HEARTBEAT_ENV, "CROWDTRAIN_NUM_THREADS": "1"}
+"""What every test daemon gets unless its test says otherwise: one torch thread, as several share 2 cores."""
 
 _started: list[subprocess.Popen] = []
 
@@ -110,7 +112,7 @@ def start_daemon(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: cleanup kills p2pd and the DHT process too
-            env={**os.environ, **FAST_HEARTBEAT_ENV, **(env or {})},
+            env={**os.environ, **DAEMON_ENV, **(env or {})},
         )
     _started.append(process)
     return Daemon(process=process, state_dir=state_dir, log_path=log_path)
