@@ -72,7 +72,7 @@ def test_parameters_travel_exactly_and_bad_answers_are_refused(two_dhts: tuple[h
         server.close()
 
 
-def tiny_moe(tmp_path: Path) -> RunManifest:
+def tiny_moe(grid_size: int = 2) -> RunManifest:
     return manifest_from_overrides(
         {
             "run_id": "replicas",
@@ -88,7 +88,7 @@ def tiny_moe(tmp_path: Path) -> RunManifest:
                 }
             },
             "data": {"sequence_length": 8},
-            "moe": {"grid": [2], "expert_hidden_size": 8, "k": 1},
+            "moe": {"grid": [grid_size], "expert_hidden_size": 8, "k": 1},
         }
     )
 
@@ -107,7 +107,7 @@ def supervisor(dht: hivemind.DHT, manifest: RunManifest, state: Path, max_expert
 def test_a_new_replica_starts_from_the_live_weights_and_replicas_average(
     two_dhts: tuple[hivemind.DHT, hivemind.DHT], tmp_path: Path
 ) -> None:
-    manifest = tiny_moe(tmp_path)
+    manifest = tiny_moe()
     grid = expert_uids(manifest)
     assert len(grid) == 2
     first = supervisor(two_dhts[0], manifest, tmp_path / "first", max_experts=2)
@@ -147,3 +147,20 @@ def test_a_new_replica_starts_from_the_live_weights_and_replicas_average(
         for host in (second, first):
             host.replicas.close()
             host.host.shutdown()
+
+
+def test_a_host_serves_in_grid_order_so_a_recheck_with_the_same_set_keeps_its_server(
+    two_dhts: tuple[hivemind.DHT, hivemind.DHT], tmp_path: Path
+) -> None:
+    manifest = tiny_moe(grid_size=3)
+    a, b, c = expert_uids(manifest)
+    host = supervisor(two_dhts[0], manifest, tmp_path / "host", max_experts=2)
+    try:
+        host.host.serve([b, c])
+        host.host.serve([a, b])  # b kept, c dropped, a added: served in the order asked, not b then a
+        assert host.host.hosted == (a, b)
+        server = host.host._server
+        host.recheck({"QmOther": (c,)})  # placement wants the same two experts
+        assert host.host.hosted == (a, b) and host.host._server is server, "no restart without a change"
+    finally:
+        host.host.shutdown()

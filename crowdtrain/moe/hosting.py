@@ -139,7 +139,7 @@ class ExpertHost:
         A new expert with an entry in `replica_values` (a live replica's flat parameters) starts from
         those weights with a fresh optimizer; the others are restored from their checkpoint or created.
         """
-        wanted = list(uids)
+        wanted = list(dict.fromkeys(uids))
         self.stop_server()
         for uid in set(self._experts) - set(wanted):
             self._save(uid)
@@ -149,6 +149,7 @@ class ExpertHost:
                 values = (replica_values or {}).get(uid)
                 self._experts[uid] = self._load_or_create(uid) if values is None else self._from_replica(uid, values)
                 self._apply_learning_rate(self._experts[uid].optimizer)
+        self._experts = {uid: self._experts[uid] for uid in wanted}  # `hosted` in the caller's (grid) order
         if wanted:
             self._start_server()
 

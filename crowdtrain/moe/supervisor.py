@@ -94,7 +94,7 @@ class ExpertSupervisor:
             current=current,
             checkpoints=self.host.checkpointed(),
         )
-        if wanted != current:
+        if set(wanted) != set(current):  # a new set restarts the server: never for a mere reordering
             self._log_change(current, wanted, others)
             new = [uid for uid in wanted if uid not in current]
             self.host.serve(wanted, replica_values=self._copy_replicas(new, others))
