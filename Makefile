@@ -38,12 +38,12 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e '.[bench]'
 	touch $@
 
-# Every benchmark (averaging, throughput, DHT, footprint, training) in WAN-lab namespaces and on loopback;
+# Every benchmark (averaging, throughput, DHT, footprint, DMoE, training) in WAN-lab namespaces and on loopback;
 # tables on stdout, JSON + PNG per benchmark and summary.json in bench-results/. Needs root. See BENCHMARKS.md.
 bench: $(VENV)/.installed-bench
 	$(BIN)/python scripts/bench_all.py
 
-# The same benchmarks reduced to under 10 minutes on 2 cores (bench_training's convergence run left out).
+# The same benchmarks reduced to about 14 minutes on 2 cores (bench_training's convergence run left out).
 bench-quick: $(VENV)/.installed-bench
 	$(BIN)/python scripts/bench_all.py --quick
 

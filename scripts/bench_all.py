@@ -1,8 +1,9 @@
 """Run every benchmark, one process each, and write <out>/summary.json with the headline numbers.
 
 `make bench` runs the full versions (and bench_training's convergence run); `make bench-quick` the reduced
-ones, meant to finish in under 10 minutes on 2 cores. A benchmark that fails is recorded in the summary
-(its exit code and error) and the others still run. Needs root for the WAN-lab namespaces.
+ones, meant to finish in under 10 minutes on 2 cores before bench_moe added about 4. A benchmark that fails
+is recorded in the summary (its exit code and error) and the others still run. Needs root for the WAN-lab
+namespaces.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def summarize(out: Path, runs: dict[str, dict[str, Any]], quick: bool) -> dict[s
     dht = read(out, "dht.json").get("dht", {})
     footprint = read(out, "footprint.json").get("footprint", {})
     training = read(out, "training.json")
+    moe = read(out, "moe.json")
+    serving, moe_training = moe.get("serving", {}), moe.get("training", {})
 
     def footprint_value(state: str, *path: str) -> Any:
         value: Any = footprint.get(state, {})
@@ -88,6 +91,12 @@ def summarize(out: Path, runs: dict[str, dict[str, Any]], quick: bool) -> dict[s
         "footprint_training_peak_rss_mib": footprint_value("training", "memory", "peak_rss_mib"),
         "footprint_training_pss_mib": footprint_value("training", "memory", "pss_at_peak_mib"),
         "footprint_training_cpu_cores": footprint_value("training", "cpu", "cores"),
+        "moe_expert_calls_per_s": serving.get("moe_expert_calls_per_s"),
+        "moe_expert_p50_ms": serving.get("moe_expert_p50_ms"),
+        "moe_expert_p99_ms": serving.get("moe_expert_p99_ms"),
+        "moe_speedup_vs_hivemind_server": serving.get("moe_speedup_vs_hivemind_server"),
+        "moe_samples_per_s": moe_training.get("moe_samples_per_s"),
+        "moe_samples_per_s_after_kill_ratio": moe_training.get("moe_samples_per_s_after_kill_ratio"),
         **({"training_throughput_ratio": training.get("throughput", {}).get("throughput_ratio")} if training else {}),
         "commit": environment["commit"],
         "uncommitted_changes": environment["uncommitted_changes"],
@@ -103,7 +112,7 @@ def summarize(out: Path, runs: dict[str, dict[str, Any]], quick: bool) -> dict[s
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the reduced versions (under 10 minutes on 2 cores)")
+    parser.add_argument("--quick", action="store_true", help="the reduced versions (about 14 minutes on 2 cores)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (bench-results/)")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
@@ -111,10 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # run_benchmark's finally then stops the child
     args.out.mkdir(parents=True, exist_ok=True)
-    scripts = ["bench_averaging.py", "bench_throughput.py", "bench_dht.py", "bench_footprint.py"]
+    scripts = ["bench_averaging.py", "bench_throughput.py", "bench_dht.py", "bench_footprint.py", "bench_moe.py"]
     if not args.quick:
         scripts.append("bench_training.py")  # convergence and loopback throughput: minutes more
-    for stale in ("averaging.json", "throughput.json", "dht.json", "footprint.json", "training.json"):
+    stale_files = ("averaging.json", "throughput.json", "dht.json", "footprint.json", "moe.json", "training.json")
+    for stale in stale_files:
         (args.out / stale).unlink(missing_ok=True)  # a failed benchmark must not leave an old number behind
     began = time.monotonic()
     runs = {script.removesuffix(".py"): run_benchmark(script, args.quick, args.out) for script in scripts}
