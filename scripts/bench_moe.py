@@ -464,9 +464,8 @@ def start_dmoe_swarm(groups: ProcessGroups, root: Path, run_file: str, env: dict
 
     Each host starts once the previous one logged the experts it serves: its next heartbeat (within
     STATUS_INTERVAL_S) publishes them, well before the new host's imports and join are done and it places
-    itself around them. Hosts started together would pick overlapping experts and re-place, and (as of this
-    writing) a host that re-placed part of its experts restarts its expert server at every re-check:
-    ExpertHost.hosted keeps insertion order, placement returns grid order, the supervisor compares tuples.
+    itself around them. Hosts started together would pick overlapping experts and re-place (each re-placement
+    restarts a host's expert server), which is start-up churn, not what this benchmark measures.
     """
     founder = start_node(groups, root / "host0", ["--run-file", run_file, "--role", "expert-host"], env)
     await_condition(founder.ready, START_TIMEOUT_S, "the founding expert host to start")
@@ -779,7 +778,7 @@ def run_parts(args: argparse.Namespace, groups: ProcessGroups, root: Path, resul
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls and shorter training windows (~4 minutes)")
-    parser.add_argument("--smoke", action="store_true", help="the smallest run of every part, for a CI smoke test")
+    parser.add_argument("--smoke", action="store_true", help="the smallest run of every part (~85 s)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (bench-results/)")
     parser.add_argument("--part", choices=("serving", "training"), help="run only this part (default: both)")
     args = parser.parse_args(argv)
