@@ -183,6 +183,10 @@ class Trainer:
                 optimizer.step()
                 optimizer.zero_grad()
                 progress.observe(loss.item(), micro_batch_size, time.monotonic() - started)
+                if optimizer.local_epoch > last_epoch + 1:
+                    # This step caught up by loading the swarm's state: the losses so far were those of weights
+                    # this node no longer has, so its published loss starts afresh with the next micro-batch.
+                    progress.loss = None
                 progress.epoch = optimizer.local_epoch
                 progress.samples_accumulated = optimizer.tracker.local_progress.samples_accumulated
                 progress.num_partial_averages = self.partial_counter.value
