@@ -23,6 +23,22 @@ FAST_HEARTBEAT_ENV = {"CROWDTRAIN_STATUS_INTERVAL_S": "1", "CROWDTRAIN_STATUS_TT
 DAEMON_ENV = {**FAST_HEARTBEAT_ENV, "CROWDTRAIN_NUM_THREADS": "1"}
 """What every test daemon gets unless its test says otherwise: one torch thread, as several share 2 cores."""
 
+TINY_MODEL_TOML = """
+[model.config]
+vocab_size = 260
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 4
+max_position_embeddings = 64
+tie_word_embeddings = true
+
+[data]
+sequence_length = 32
+"""
+"""A run file's model and data tables for a tiny LM, so a global step takes seconds on two shared cores."""
+
 _started: list[subprocess.Popen] = []
 
 

@@ -7,35 +7,24 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.harness import Daemon, await_condition, crowdtrain, group_alive, start_daemon, status_json
+from tests.harness import TINY_MODEL_TOML, Daemon, await_condition, crowdtrain, group_alive, start_daemon, status_json
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
 
-HIDDEN_SIZE, SEQUENCE_LENGTH = 64, 32
+_TINY = tomllib.loads(TINY_MODEL_TOML)
+HIDDEN_SIZE, SEQUENCE_LENGTH = _TINY["model"]["config"]["hidden_size"], _TINY["data"]["sequence_length"]
 # Two DMoE layers over a 2x2 grid: 8 experts, 4 per host, so each host serves half the grid.
 RUN_FILE = f"""
 run_id = "tiny-moe"
 target_batch_size = 128
-
-[model.config]
-vocab_size = 260
-hidden_size = {HIDDEN_SIZE}
-intermediate_size = 128
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 4
-max_position_embeddings = 64
-tie_word_embeddings = true
-
-[data]
-sequence_length = {SEQUENCE_LENGTH}
-
+{TINY_MODEL_TOML}
 [optimizer]
 learning_rate = 0.005
 warmup_steps = 0

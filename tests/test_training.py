@@ -10,28 +10,15 @@ from typing import Any
 import pytest
 import torch
 
-from tests.harness import Daemon, await_condition, group_alive, start_daemon, status_json
+from tests.harness import TINY_MODEL_TOML, Daemon, await_condition, group_alive, start_daemon, status_json
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
 
 # A tiny model and batch, so a global step takes seconds on two shared cores.
-RUN_FILE = """
+RUN_FILE = f"""
 run_id = "tiny"
 target_batch_size = 1024
-
-[model.config]
-vocab_size = 260
-hidden_size = 64
-intermediate_size = 128
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 4
-max_position_embeddings = 64
-tie_word_embeddings = true
-
-[data]
-sequence_length = 32
-
+{TINY_MODEL_TOML}
 [optimizer]
 learning_rate = 0.005
 warmup_steps = 0
