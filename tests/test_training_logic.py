@@ -7,7 +7,8 @@ import logging
 import pytest
 
 from crowdtrain.manifest import demo
-from crowdtrain.node.training import SOLO_EPOCHS_BEFORE_WARNING, Progress, Trainer
+from crowdtrain import proto
+from crowdtrain.node.training import SOLO_EPOCHS_BEFORE_WARNING, Progress, Trainer, has_started
 
 
 def make_trainer(progress: Progress) -> Trainer:
@@ -58,3 +59,12 @@ def test_no_warning_alone_or_when_averaging_works(caplog: pytest.LogCaptureFixtu
                 progress.num_local_steps += 1  # every other round fails: never a streak
             trainer._watch_averaging(num_peers=4)
     assert "training alone" not in caplog.text
+
+
+def test_a_peer_still_starting_is_not_counted_as_averaging() -> None:
+    # Seen on a GPU: a founder steps every 3 s, so it took 5 solo steps while a joiner was still measuring
+    # itself and building its model, and warned that averaging failed although nothing was wrong.
+    starting = proto.PeerStatus(peer_id="joiner", roles=["trainer"], epoch=0, samples_per_second=0.0)
+    assert not has_started(starting)
+    assert has_started(proto.PeerStatus(peer_id="joiner", epoch=0, samples_per_second=12.5))  # a new run's peer
+    assert has_started(proto.PeerStatus(peer_id="aux", roles=["aggregator"], epoch=7))  # computes nothing

@@ -217,10 +217,10 @@ class Daemon:
             device=self.device,
         )
 
-        def known_peers() -> list[str]:
+        def known_peers() -> list[proto.PeerStatus]:
             statuses = list_peer_statuses(dht, run_id, DHT_CALL_TIMEOUT_S)
             # Pure expert hosts never average: counting them would misplace Moshpit keys and raise false alarms.
-            return [status.peer_id for status in statuses if set(status.roles) != {"expert-host"}]
+            return [status for status in statuses if set(status.roles) != {"expert-host"}]
 
         return Trainer(
             dht=dht,

@@ -15,6 +15,7 @@ import hivemind
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
+from crowdtrain import proto
 from crowdtrain.averaging.checkpoint import load_latest_checkpoint, save_checkpoint
 from crowdtrain.averaging.collaboration import make_optimizer, moshpit_bits, refresh_moshpit_bits, set_plan_share
 from crowdtrain.averaging.exact import new_partial_counter
@@ -99,10 +100,11 @@ class Trainer:
         private_key: RSAPrivateKey,
         options: TrainerOptions,
         progress: Progress,
-        known_peers: Callable[[], list[str]],
+        known_peers: Callable[[], list[proto.PeerStatus]],
         plan_share: Callable[[], float | None] = lambda: None,
     ):
-        """`plan_share` is asked at the start and at every new epoch for this node's share of each round."""
+        """`known_peers` gives the run's peers that average (expert hosts left out); `plan_share` is asked at
+        the start and at every new epoch for this node's share of each round."""
         self.dht, self.manifest, self.peer_id, self.private_key = dht, manifest, peer_id, private_key
         self.options, self.progress, self.known_peers = options, progress, known_peers
         self.plan_share = plan_share
@@ -135,7 +137,9 @@ class Trainer:
             micro_batch_size=self.options.micro_batch_size,
             client_mode=self.options.client_mode,
             auxiliary=self.options.auxiliary,
-            group_bits=moshpit_bits(self.peer_id, self.known_peers(), manifest.averaging),
+            group_bits=moshpit_bits(
+                self.peer_id, [status.peer_id for status in self.known_peers()], manifest.averaging
+            ),
             private_key=self.private_key,
             partial_counter=self.partial_counter,
         )
@@ -226,18 +230,21 @@ class Trainer:
 
     def _replan(self, optimizer: hivemind.Optimizer) -> None:
         set_plan_share(optimizer, self.plan_share())
-        peers = self.known_peers()
-        refresh_moshpit_bits(optimizer, self.peer_id, peers, self.manifest.averaging)
-        self._watch_averaging(len(set(peers) | {self.peer_id}))
+        statuses = self.known_peers()
+        refresh_moshpit_bits(optimizer, self.peer_id, [status.peer_id for status in statuses], self.manifest.averaging)
+        # A peer still starting (measuring itself, building its model) is online but can't average yet.
+        started = {status.peer_id for status in statuses if has_started(status)}
+        self._watch_averaging(len(started | {self.peer_id}))
 
     def _watch_averaging(self, num_peers: int) -> None:
-        """Warn when the swarm has peers but this node keeps stepping alone: the run is not training together."""
+        """Warn when the swarm has peers that average but this node keeps stepping alone: the run is not
+        training together. `num_peers` counts this node and the peers that have started."""
         solo = self.progress.num_local_steps > self._local_steps_seen and num_peers > 1
         self._local_steps_seen = self.progress.num_local_steps
         self._solo_epochs_in_a_row = self._solo_epochs_in_a_row + 1 if solo else 0
         if self._solo_epochs_in_a_row == SOLO_EPOCHS_BEFORE_WARNING:
             logger.warning(
-                f"averaging failed {SOLO_EPOCHS_BEFORE_WARNING} global steps in a row with {num_peers} peers online: "
+                f"averaging failed {SOLO_EPOCHS_BEFORE_WARNING} global steps in a row with {num_peers} peers training: "
                 "this node is training alone (see 'solo steps' in crowdtrain status); restart it if this persists"
             )
 
@@ -257,3 +264,10 @@ def run_seed(manifest: RunManifest) -> int:
     """One initialisation seed per run, so every peer starts from the same weights."""
     digest = hashlib.blake2b(f"{manifest.run_id}:{manifest.created_at}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") % (2**31)
+
+
+def has_started(status: proto.PeerStatus) -> bool:
+    """Whether a peer's status shows it trains or aggregates already: it computed samples, or it completed a
+    global step (an auxiliary aggregator computes none; a joiner's epoch jumps to the swarm's when it loads
+    the swarm's state)."""
+    return status.samples_per_second > 0 or status.epoch > 0
