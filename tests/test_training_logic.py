@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from crowdtrain.manifest import demo
 from crowdtrain import proto
+from crowdtrain.manifest import demo
 from crowdtrain.node.training import SOLO_EPOCHS_BEFORE_WARNING, Progress, Trainer, has_started
 
 
