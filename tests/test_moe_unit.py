@@ -141,6 +141,15 @@ def test_an_expert_keeps_the_shape_and_starts_identical_on_every_host() -> None:
     assert not torch.equal(first.state_dict()["up.weight"], second.state_dict()["up.weight"]), "backward trains"
 
 
+def test_a_backend_is_made_without_running_its_expert_where_it_lives() -> None:
+    # An expert on a GPU failed hivemind's trial forward on CPU zeros; the meta device fails it the same way.
+    manifest = demo_moe()
+    uid = expert_uids(manifest)[0]
+    expert = build_expert(manifest, uid).to("meta")
+    backend = make_backend(manifest, uid, expert, torch.optim.SGD(expert.parameters(), lr=0.1))
+    assert tuple(backend.outputs_schema.shape) == (None, manifest.data.sequence_length, 256)
+
+
 def test_dmoe_needs_decoder_layers_with_an_mlp() -> None:
     with pytest.raises(BadInputError, match="has no decoder layers with an `mlp` FFN"):
         _decoder_layers(torch.nn.Linear(2, 2), "AlbertForMaskedLM")

@@ -44,13 +44,19 @@ def build_optimizer(expert: nn.Module, spec: OptimizerSpec) -> torch.optim.Optim
 
 
 def make_backend(manifest: RunManifest, uid: str, expert: nn.Module, optimizer: torch.optim.Optimizer) -> ModuleBackend:
-    """A hivemind ModuleBackend for one expert: it takes [batch, sequence_length, hidden_size] float32."""
+    """A hivemind ModuleBackend for one expert: it takes and returns [batch, sequence_length, hidden_size] float32.
+
+    The output schema is given, not found by a trial forward: hivemind's trial runs on CPU zeros and fails
+    for an expert already on a GPU (seen on an H100: the host exited at start).
+    """
     sample = torch.empty(1, manifest.data.sequence_length, int(manifest.model.config["hidden_size"]))
+    schema = BatchTensorDescriptor.from_tensor(sample)
     return ModuleBackend(
         name=uid,
         module=expert,
         optimizer=optimizer,
-        args_schema=(BatchTensorDescriptor.from_tensor(sample),),
+        args_schema=(schema,),
+        outputs_schema=schema,
         min_batch_size=1,
         max_batch_size=MAX_BATCH_SEQUENCES,
     )
