@@ -254,9 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer keys")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (bench-results/)")
     parser.add_argument("--nodes", type=int, help="DHT nodes (default 32)")
-    parser.add_argument("--keys", type=int, help="keys stored and read (default 400, quick 100)")
+    parser.add_argument("--keys", type=int, help="keys stored and read (default 400, quick 64)")
     args = parser.parse_args(argv)
-    num_nodes, num_keys = args.nodes or 32, args.keys or (100 if args.quick else 400)
+    num_nodes, num_keys = args.nodes or 32, args.keys or (64 if args.quick else 400)
     if num_nodes < 4:
         parser.error("--nodes must be at least 4, so that 25% of them is at least one")
     results: dict[str, Any] = {"caveat": NOISE_CAVEAT, "environment": environment_json(args.quick)}

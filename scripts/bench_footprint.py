@@ -1,9 +1,11 @@
 """Benchmark a daemon's footprint: peak RSS, PSS and CPU of every process of its session, idle and training.
 
-On loopback, one daemon at a time, each measured for the same window after it settled:
-1. idle      `crowdtrain run --role aggregator` alone: it computes nothing and, with no trainer in the
-             run, has nothing to aggregate; measured after its start-up throughput probe finished
-2. training  `crowdtrain run` of the demo preset training alone (one torch thread)
+On loopback, two daemons of two separate runs (neither knows the other), both measured in the same
+window once both settled (each session's processes are counted apart; the machine has 2 cores, and the
+training daemon uses one torch thread):
+1. idle      `crowdtrain run --role aggregator` alone in its run: it computes nothing and, with no trainer
+             in the run, has nothing to aggregate; measured after its start-up throughput probe finished
+2. training  `crowdtrain run` of the demo preset training alone in its run (one torch thread)
 3. dht node  (full run only) for reference, a bare crowdtrain DHT node (join_swarm with crowdtrain's
              validators, a record stored every 5 s) in a process of its own: the floor of a daemon's networking side
 Every process of the session counts: the daemon, its DHT process, p2pd and hivemind's averager processes;
@@ -65,17 +67,23 @@ while True:  # a heartbeat-sized record every interval, as an idle daemon's stat
 """
 
 
-def measure(groups: ProcessGroups, pgid: int, duration_s: float, check_alive: Any) -> dict[str, Any]:
-    """Peak memory and mean CPU of process group `pgid` over `duration_s` seconds."""
-    memory = MemoryPeaks([pgid])
+def measure(pgids: Sequence[int], duration_s: float, check_alive: Any) -> dict[int, dict[str, Any]]:
+    """Peak memory and mean CPU of each process group in `pgids` over the same `duration_s` seconds."""
+    memory = MemoryPeaks(list(pgids))
     with Poller([memory.poll], period_s=1.0):
-        started, before = time.monotonic(), cpu_seconds_by_process([pgid])
+        started, before = time.monotonic(), cpu_seconds_by_process(list(pgids))
         while (left_s := started + duration_s - time.monotonic()) > 0:
             check_alive()
             time.sleep(min(POLL_S, left_s))
-        ended, after = time.monotonic(), cpu_seconds_by_process([pgid])
-    cpu = cpu_use(before, after, pgid, ended - started)
-    return {"duration_s": duration_s, "memory": memory_json(memory.groups[pgid]), "cpu": cpu}
+        ended, after = time.monotonic(), cpu_seconds_by_process(list(pgids))
+    return {
+        pgid: {
+            "duration_s": duration_s,
+            "memory": memory_json(memory.groups[pgid]),
+            "cpu": cpu_use(before, after, pgid, ended - started),
+        }
+        for pgid in pgids
+    }
 
 
 def measure_dht_node(groups: ProcessGroups, duration_s: float) -> dict[str, Any]:
@@ -88,32 +96,56 @@ def measure_dht_node(groups: ProcessGroups, duration_s: float) -> dict[str, Any]
         if process.poll() is not None:
             raise RuntimeError(f"the idle DHT node exited with code {process.returncode}")
 
-    result = measure(groups, process.pid, duration_s, check_alive)
+    result = measure([process.pid], duration_s, check_alive)[process.pid]
     groups.kill(process)
     return {"what": "join_swarm + crowdtrain validators, a 512-byte store every 5 s (DHT process + p2pd)", **result}
 
 
-def measure_daemon(groups: ProcessGroups, root: Path, duration_s: float, role: str) -> dict[str, Any]:
-    """One daemon of the demo preset alone with `--role role`, measured once its status shows it settled."""
-    say(f"footprint: one daemon (demo preset, --role {role}) for {duration_s:g} s")
+def measure_daemons(groups: ProcessGroups, root: Path, duration_s: float) -> dict[str, Any]:
+    """An idle (`--role aggregator`) and a training daemon of the demo preset, each founding its own run,
+    measured in the same window once both settled."""
+    roles = {"idle": "aggregator", "training": "trainer"}
+    say(f"footprint: an idle and a training daemon (demo preset, separate runs) for {duration_s:g} s")
     env = child_env(
         CROWDTRAIN_MICRO_BATCH_SIZE=str(MICRO_BATCH_SIZE), CROWDTRAIN_NUM_THREADS="1", CROWDTRAIN_STATUS_INTERVAL_S="2"
     )
-    node = start_node(groups, root / role, ["--run-file", "demo", "--role", role], env)
-    await_condition(node.ready, START_TIMEOUT_S, "the daemon to start")
-    watcher = StatusWatcher(groups, node.address, 2.0, root / f"status-{role}.log")
+    nodes = {
+        state: start_node(groups, root / role, ["--run-file", "demo", "--role", role], env)
+        for state, role in roles.items()
+    }
+    for state, node in nodes.items():
+        await_condition(node.ready, START_TIMEOUT_S, f"the {state} daemon to start")
+    watchers = {
+        state: StatusWatcher(groups, node.address, 2.0, root / f"status-{roles[state]}.log")
+        for state, node in nodes.items()
+    }
 
-    def settled() -> bool:
+    def settled(state: str) -> bool:
         # A trainer reports samples/s; an aggregator has run its start-up throughput probe once it reports one.
-        node.check_alive()
-        field = "samples_per_second" if role == "trainer" else "measured_samples_per_second"
-        return any((peer.get(field) or 0) > 0 for peer in (watcher.latest() or {}).get("peers", []))
+        for node in nodes.values():
+            node.check_alive()
+        field = "samples_per_second" if state == "training" else "measured_samples_per_second"
+        return any((peer.get(field) or 0) > 0 for peer in (watchers[state].latest() or {}).get("peers", []))
 
-    await_condition(settled, TRAINING_TIMEOUT_S, f"the --role {role} daemon to settle")
-    groups.kill(watcher.process)  # its own DHT client is not the daemon's footprint
-    result = measure(groups, node.process.pid, duration_s, node.check_alive)
-    groups.kill(node.process)
-    return {"what": f"crowdtrain run --run-file demo --role {role}, alone, 1 torch thread", **result}
+    for state in roles:
+        await_condition(lambda state=state: settled(state), TRAINING_TIMEOUT_S, f"the {state} daemon to settle")
+    for watcher in watchers.values():
+        groups.kill(watcher.process)  # their own DHT clients are not the daemons' footprint
+
+    def check_alive() -> None:
+        for node in nodes.values():
+            node.check_alive()
+
+    measured = measure([node.process.pid for node in nodes.values()], duration_s, check_alive)
+    for node in nodes.values():
+        groups.kill(node.process)
+    return {
+        state: {
+            "what": f"crowdtrain run --run-file demo --role {roles[state]}, alone in its run, 1 torch thread",
+            **measured[node.process.pid],
+        }
+        for state, node in nodes.items()
+    }
 
 
 def print_footprint(result: dict[str, Any]) -> None:
@@ -153,19 +185,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter windows")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (bench-results/)")
-    parser.add_argument("--duration", type=float, help="seconds measured in each state (default 60, quick 15)")
+    parser.add_argument("--duration", type=float, help="seconds measured in each state (default 60, quick 10)")
     args = parser.parse_args(argv)
-    duration_s = args.duration or (15.0 if args.quick else 60.0)
+    duration_s = args.duration or (10.0 if args.quick else 60.0)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     results: dict[str, Any] = {"caveat": NOISE_CAVEAT, "environment": environment_json(args.quick)}
     groups = ProcessGroups()
     try:
         with tempfile.TemporaryDirectory(prefix="crowdtrain-bench-footprint-") as directory:
             try:
-                results["footprint"] = {
-                    "idle": measure_daemon(groups, Path(directory), duration_s, "aggregator"),
-                    "training": measure_daemon(groups, Path(directory), duration_s, "trainer"),
-                }
+                results["footprint"] = measure_daemons(groups, Path(directory), duration_s)
                 if not args.quick:  # a reference row: left out of the 10-minute quick run
                     results["footprint"]["dht_node"] = measure_dht_node(groups, duration_s)
             finally:

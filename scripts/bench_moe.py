@@ -176,12 +176,12 @@ MODES = {
     ),
     "quick": Sizes(
         num_warmup_calls=3,
-        num_sequential_calls=40,
+        num_sequential_calls=20,
         num_callers=4,
-        concurrent_s=10,
+        concurrent_s=6,
         num_hosts=4,
-        warmup_s=5,
-        window_s=30,
+        warmup_s=3,
+        window_s=15,
     ),
     "smoke": Sizes(
         num_warmup_calls=1, num_sequential_calls=8, num_callers=2, concurrent_s=3, num_hosts=2, warmup_s=0, window_s=8
@@ -462,10 +462,12 @@ def training_run(root: Path, smoke: bool) -> tuple[str, RunManifest]:
 def start_dmoe_swarm(groups: ProcessGroups, root: Path, run_file: str, env: dict[str, str], num_hosts: int) -> Swarm:
     """The founder host, the trainer (its start-up overlaps the hosts'), then the other hosts one by one.
 
-    Each host starts once the previous one logged the experts it serves: its next heartbeat (within
-    STATUS_INTERVAL_S) publishes them, well before the new host's imports and join are done and it places
-    itself around them. Hosts started together would pick overlapping experts and re-place (each re-placement
-    restarts a host's expert server), which is start-up churn, not what this benchmark measures.
+    Each host starts once the previous one is up (wrote node.json): the previous one serves its experts within a
+    few seconds and publishes them with its next heartbeat (within STATUS_INTERVAL_S), before the new host's
+    imports and join are done and it places itself around them. Hosts started together would pick overlapping
+    experts and re-place (each re-placement restarts a host's expert server), which is start-up churn, not
+    what this benchmark measures; were the margin lost on a loaded machine, the churn ends in a re-check, and
+    the measurement waits for every host to serve its own share (await_training).
     """
     founder = start_node(groups, root / "host0", ["--run-file", run_file, "--role", "expert-host"], env)
     await_condition(founder.ready, START_TIMEOUT_S, "the founding expert host to start")
@@ -477,8 +479,7 @@ def start_dmoe_swarm(groups: ProcessGroups, root: Path, run_file: str, env: dict
         host = start_node(groups, root / f"host{index}", [*joining, "--role", "expert-host"], env)
         swarm.hosts.append(host)
         await_condition(host.ready, START_TIMEOUT_S, f"expert host {index} to start")
-        await_condition(partial(num_server_starts, host), START_TIMEOUT_S, f"expert host {index} to serve experts")
-        say(f"training: expert host {index} serves experts")
+        say(f"training: expert host {index} is up")
     await_condition(trainer.ready, START_TIMEOUT_S, "the trainer to start")
     return swarm
 
@@ -777,7 +778,7 @@ def run_parts(args: argparse.Namespace, groups: ProcessGroups, root: Path, resul
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer calls and shorter training windows (~4 minutes)")
+    parser.add_argument("--quick", action="store_true", help="fewer calls and shorter training windows (~3 minutes)")
     parser.add_argument("--smoke", action="store_true", help="the smallest run of every part (~85 s)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (bench-results/)")
     parser.add_argument("--part", choices=("serving", "training"), help="run only this part (default: both)")

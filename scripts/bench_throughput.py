@@ -66,6 +66,8 @@ HETERO_SCENARIO = REPO_ROOT / "scripts" / "scenarios" / "hetero.toml"
 STATUS_INTERVAL_S = 2.0
 TRAINING_TIMEOUT_S = 300.0
 """For every daemon to report samples/s, or every hivemind worker to finish its first micro-batch."""
+QUICK_WARMUP_S = 5.0
+"""The quick run's warm-up before each measured window (the full run's: WARMUP_S)."""
 RUN_TOML = 'run_id = "bench-throughput"\ntarget_batch_size = {target_batch_size}\n'
 """The demo preset (model, data, optimizer, averaging) with a smaller global batch."""
 
@@ -76,20 +78,28 @@ RUN_TOML = 'run_id = "bench-throughput"\ntarget_batch_size = {target_batch_size}
 def run_hivemind_worker(args: argparse.Namespace) -> None:
     """Hidden mode: train with hivemind.Optimizer (defaults) until the window sent on stdin has passed.
 
-    Protocol as bench_training's standalone worker: print a `ready` JSON line (with this DHT's address)
-    after the first micro-batch, read `<start> <end>` (unix seconds), print one JSON line with the
-    samples of the micro-batches that ended inside the window.
+    Protocol as bench_training's standalone worker, with two more lines first: read `dht <initial peer or ->`
+    (the worker is started ahead and imports meanwhile), print this DHT's addresses as soon as it runs (the
+    other workers join through the first one's), a `ready` JSON line after the first
+    micro-batch, read `<start> <end>` (unix seconds), print one JSON line at the window's end with the
+    samples of the micro-batches that began and ended inside it, then train on until killed.
     """
     import hivemind
 
     torch.set_num_threads(1)
     manifest = load_run_file(args.run_file)
+    # Started ahead, during the crowdtrain swarm's start-up: wait, idle, for `dht <initial peer or ->`.
+    command, _, initial_peer = sys.stdin.readline().strip().partition(" ")
+    if command != "dht":
+        raise SystemExit("the benchmark that started this worker is gone")
     dht = hivemind.DHT(
-        initial_peers=[args.initial_peer] if args.initial_peer else None,
+        initial_peers=[initial_peer] if initial_peer not in ("", "-") else None,
         host_maddrs=[f"/ip4/{args.address}/tcp/0"],
         use_ipfs=False,
         start=True,
     )
+    maddrs = [str(maddr) for maddr in dht.get_visible_maddrs() if f"/ip4/{args.address}/" in str(maddr)]
+    print(json.dumps({"maddrs": maddrs}), flush=True)
     model, kind = initial_model(manifest), model_kind(manifest.model)
     sampler = load_sampler(manifest, args.cache_dir, f"hivemind-{args.address}")
     optimizer = hivemind.Optimizer(
@@ -113,58 +123,72 @@ def run_hivemind_worker(args: argparse.Namespace) -> None:
         micro_step += 1
 
     train_micro_batch()
-    maddrs = [str(maddr) for maddr in dht.get_visible_maddrs() if f"/ip4/{args.address}/" in str(maddr)]
-    print(json.dumps({"ready": True, "maddrs": maddrs}), flush=True)
+    print(json.dumps({"ready": True}), flush=True)
     window = [float(value) for value in sys.stdin.readline().split()]
     if len(window) != 2:
         raise SystemExit("the benchmark that started this worker is gone")
-    num_samples, epochs = 0, [optimizer.local_epoch]
-    while True:
+    counted = {"samples": 0}
+    first_epoch = optimizer.local_epoch
+
+    def report_at_window_end() -> None:
+        # From a thread, on time: at the window's end the main thread may be blocked in a global step
+        # (matchmaking and state averaging) for many seconds more. The benchmark kills this process after.
+        time.sleep(max(0.0, window[1] - time.time()))
+        seconds = window[1] - window[0]
+        samples = counted["samples"]
+        print(json.dumps({"samples": samples, "seconds": seconds, "samples_per_second": samples / seconds,
+                          "epochs": [first_epoch, optimizer.local_epoch]}), flush=True)  # fmt: skip
+
+    threading.Thread(target=report_at_window_end, name="report", daemon=True).start()
+    while True:  # micro-batches that began and ended inside the window count
         began = time.time()
         train_micro_batch()
-        ended = time.time()
-        if ended > window[1]:
-            break
-        if began >= window[0]:
-            num_samples += MICRO_BATCH_SIZE
-    epochs.append(optimizer.local_epoch)
-    seconds = window[1] - window[0]
-    print(json.dumps({"samples": num_samples, "seconds": seconds, "samples_per_second": num_samples / seconds,
-                      "epochs": epochs}), flush=True)  # fmt: skip
-    optimizer.shutdown()
-    dht.shutdown()
+        if began >= window[0] and time.time() <= window[1]:
+            counted["samples"] += MICRO_BATCH_SIZE
 
 
-def measure_hivemind(
-    groups: ProcessGroups, lab: Lab, run_file: Path, cache_dir: Path, duration_s: float, log_dir: Path
-) -> dict[str, Any]:
-    say(f"throughput: {len(lab.hosts)} hivemind.Optimizer loops (default settings), one per host")
+def start_hivemind_workers(
+    groups: ProcessGroups, lab: Lab, run_file: Path, cache_dir: Path, log_dir: Path
+) -> list[tuple[subprocess.Popen, LineReader]]:
+    """One hivemind.Optimizer worker per host, started ahead: each imports torch and hivemind, then waits."""
     log_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(Path(__file__).resolve()), "--hivemind-worker", "--run-file", str(run_file)]
     command += ["--cache-dir", str(cache_dir)]
-    workers: list[tuple[subprocess.Popen, LineReader]] = []
-    initial_peer = None
+    workers = []
     for host in lab.hosts:
         full = ["ip", "netns", "exec", host.namespace, *command, "--address", host.address]
-        full += ["--initial-peer", initial_peer] if initial_peer else []
         with open(log_dir / f"hivemind-{host.name}.log", "wb") as log:
             process = groups.start(full, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
-        reader = LineReader(process.stdout)  # type: ignore[arg-type]
-        workers.append((process, reader))
-        if initial_peer is None:  # the first one's DHT is the others' initial peer
-            ready = json.loads(reader.next_line(TRAINING_TIMEOUT_S, "the first hivemind worker"))
-            initial_peer = ready["maddrs"][0]
-    for index, (_, reader) in enumerate(workers[1:], start=1):
-        reader.next_line(TRAINING_TIMEOUT_S, f"hivemind worker {index} to train")
+        workers.append((process, LineReader(process.stdout)))  # type: ignore[arg-type]
+    return workers
+
+
+def measure_hivemind(
+    groups: ProcessGroups,
+    lab: Lab,
+    workers: list[tuple[subprocess.Popen, LineReader]],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    duration_s, warmup_s = args.duration, args.warmup
+    say(f"throughput: {len(lab.hosts)} hivemind.Optimizer loops (default settings), one per host")
+    initial_peer = "-"
+    for host, (process, reader) in zip(lab.hosts, workers, strict=True):
+        process.stdin.write(f"dht {initial_peer}\n")  # type: ignore[union-attr]
+        process.stdin.flush()  # type: ignore[union-attr]
+        started = json.loads(reader.next_line(TRAINING_TIMEOUT_S, f"hivemind worker in {host.name} to start its DHT"))
+        if initial_peer == "-":  # the first one's DHT is the others' initial peer
+            initial_peer = started["maddrs"][0]
+    for host, (_, reader) in zip(lab.hosts, workers, strict=True):
+        reader.next_line(TRAINING_TIMEOUT_S, f"hivemind worker in {host.name} to train")
     pgids = [process.pid for process, _ in workers]
     memory = MemoryPeaks(pgids)
     with Poller([memory.poll], period_s=1.0):
-        start = time.time() + WARMUP_S
+        start = time.time() + warmup_s
         for process, _ in workers:
             process.stdin.write(f"{start} {start + duration_s}\n")  # type: ignore[union-attr]
             process.stdin.flush()  # type: ignore[union-attr]
         cpu_started, cpu_before = time.monotonic(), cpu_seconds_by_process(pgids)
-        timeout_s = WARMUP_S + duration_s + TRAINING_TIMEOUT_S
+        timeout_s = warmup_s + duration_s + TRAINING_TIMEOUT_S
         results = [
             json.loads(reader.next_line(timeout_s, f"hivemind worker {i}")) for i, (_, reader) in enumerate(workers)
         ]
@@ -187,8 +211,9 @@ def measure_hivemind(
 
 
 def measure_crowdtrain(
-    groups: ProcessGroups, lab: Lab, run_file: Path, root: Path, duration_s: float
+    groups: ProcessGroups, lab: Lab, run_file: Path, root: Path, args: argparse.Namespace
 ) -> dict[str, Any]:
+    duration_s, warmup_s = args.duration, args.warmup
     say(f"throughput: {len(lab.hosts)} crowdtrain daemons, one per host")
     env = child_env(
         CROWDTRAIN_MICRO_BATCH_SIZE=str(MICRO_BATCH_SIZE),
@@ -201,24 +226,34 @@ def measure_crowdtrain(
     peer_ids = [node.node_info["peer_id"] for node in nodes]
     watcher = StatusWatcher(groups, nodes[0].address, STATUS_INTERVAL_S, root / "status.log", launchers[0])
 
+    waiting_for = [""]
+
     def all_settled() -> bool:
         # Every daemon ran its throughput probe, and each one the plan has compute reports samples/s (the
         # plan may leave a slow host out of computing: it then only aggregates, which is crowdtrain's choice).
         for node in nodes:
             node.check_alive()
         peers = {peer["peer_id"]: peer for peer in (watcher.latest() or {}).get("peers", [])}
-        if not set(peer_ids) <= peers.keys():
-            return False
-        probed = all((peers[peer_id].get("measured_samples_per_second") or 0) > 0 for peer_id in peer_ids)
+        missing = [peer_id for peer_id in peer_ids if peer_id not in peers]
+        unprobed = [p for p in peer_ids if p in peers and not (peers[p].get("measured_samples_per_second") or 0) > 0]
         trainers = [peer for peer in peers.values() if "trainer" in peer["roles"]]
-        return probed and bool(trainers) and all(peer["samples_per_second"] > 0 for peer in trainers)
+        idle = [peer["peer_id"] for peer in trainers if not peer["samples_per_second"] > 0]
+        reason = ", ".join(
+            f"{len(group)} {what}"
+            for group, what in ((missing, "not in status yet"), (unprobed, "not probed"), (idle, "trainers idle"))
+            if group
+        )
+        if reason != waiting_for[0]:  # say what the wait is for whenever it changes: start-up is most of the time
+            waiting_for[0] = reason
+            say(f"throughput: waiting for the swarm: {reason or 'settled'}")
+        return not reason and bool(trainers)
 
     pgids = [node.process.pid for node in nodes]
     memory = MemoryPeaks(pgids)
     with Poller([memory.poll], period_s=1.0):
         await_condition(all_settled, TRAINING_TIMEOUT_S, "every daemon to probe and every trainer to train")
-        say(f"throughput: the swarm trains; {WARMUP_S:g} s warm-up, then measuring {duration_s:g} s")
-        time.sleep(WARMUP_S)  # a warm-up interval, not a synchronisation: the same one the other loops get
+        say(f"throughput: the swarm trains; {warmup_s:g} s warm-up, then measuring {duration_s:g} s")
+        time.sleep(warmup_s)  # a warm-up interval, not a synchronisation: the same one the other loops get
         started, cpu_before = time.monotonic(), cpu_seconds_by_process(pgids)
         while (left_s := started + duration_s - time.monotonic()) > 0:  # fail if a node dies
             for node in nodes:
@@ -256,13 +291,17 @@ def bench_throughput(groups: ProcessGroups, args: argparse.Namespace, root: Path
     load_token_stream(manifest.data, load_tokenizer(manifest.model), cache_dir)  # tokenise once, not per worker
     scenario = Scenario.load(args.scenario)
     num_hosts = sum(spec.count for spec in scenario.hosts)
-    standalone = measure_standalone(groups, root, cache_dir, num_hosts, args.duration)
+    standalone = measure_standalone(groups, root, cache_dir, num_hosts, args.standalone_duration, args.warmup)
     results: dict[str, Any] = {"standalone": standalone}
     with Lab(scenario) as lab:
         hosts = [{"name": h.name, "upload_mbps": h.upload_mbps, "download_mbps": h.download_mbps} for h in lab.hosts]
+        # hivemind's workers import torch and hivemind while the crowdtrain swarm starts up, then wait idle on
+        # stdin (no CPU) through its measured window: their phase then starts without the import minute.
+        hivemind_workers = start_hivemind_workers(groups, lab, run_file, cache_dir, root / "hivemind")
+        waiting = [process for process, _ in hivemind_workers]
         for name, measure in (
-            ("crowdtrain", lambda: measure_crowdtrain(groups, lab, run_file, root / "crowdtrain", args.duration)),
-            ("hivemind", lambda: measure_hivemind(groups, lab, run_file, cache_dir, args.duration, root / "hivemind")),
+            ("crowdtrain", lambda: measure_crowdtrain(groups, lab, run_file, root / "crowdtrain", args)),
+            ("hivemind", lambda: measure_hivemind(groups, lab, hivemind_workers, args)),
         ):
             try:
                 results[name] = measure()
@@ -270,7 +309,9 @@ def bench_throughput(groups: ProcessGroups, args: argparse.Namespace, root: Path
                 traceback.print_exc()
                 results[name] = {"error": f"{type(e).__name__}: {e}", "samples_per_second": None}
             finally:
-                groups.kill_all()
+                for process in list(groups.processes):  # the phase's own processes; the waiting workers stay
+                    if name == "hivemind" or process not in waiting:
+                        groups.kill(process)
     crowdtrain, hivemind = results["crowdtrain"]["samples_per_second"], results["hivemind"]["samples_per_second"]
     # Other users' load moves between the three phases on a shared machine: samples per CPU-second of the
     # processes measured is the steadier comparison (it still charges p2pd, DHT and averagers to the swarms).
@@ -286,7 +327,8 @@ def bench_throughput(groups: ProcessGroups, args: argparse.Namespace, root: Path
         "target_batch_size": args.batch,
         "micro_batch_size": MICRO_BATCH_SIZE,
         "duration_s": args.duration,
-        "warmup_s": WARMUP_S,
+        "standalone_duration_s": args.standalone_duration,
+        "warmup_s": args.warmup,
         **results,
         "scaling_efficiency": _ratio(crowdtrain, standalone["samples_per_second"]),
         "hivemind_scaling_efficiency": _ratio(hivemind, standalone["samples_per_second"]),
@@ -351,7 +393,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (bench-results/)")
     parser.add_argument("--scenario", type=Path, default=HETERO_SCENARIO, help="the scenario TOML")
     parser.add_argument("--batch", type=int, help="global batch B (default 512, quick 256)")
-    parser.add_argument("--duration", type=float, help="measured seconds (default 120, quick 40)")
+    parser.add_argument("--duration", type=float, help="measured seconds of each swarm (default 120, quick 30)")
+    parser.add_argument(
+        "--standalone-duration", type=float, help="measured seconds of the standalone loops (default 60, quick 15)"
+    )
     parser.add_argument("--hivemind-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--run-file", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", type=Path, help=argparse.SUPPRESS)
@@ -360,8 +405,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.batch = args.batch or (256 if args.quick else 512)
     # The window must hold whole global steps of the slowest swarm: hivemind's defaults spend ~20 s of each one
-    # matchmaking and averaging the whole state, and a 20 s window could fall entirely inside one.
-    args.duration = args.duration or (40.0 if args.quick else 120.0)
+    # matchmaking and averaging the whole state, and a 20 s window could fall entirely inside one. Quick's 30 s
+    # window holds about one global step of each swarm, so its ratios move by a third from run to run.
+    args.duration = args.duration or (30.0 if args.quick else 120.0)
+    # The standalone loops have no global steps: their rate is steady after the warm-up.
+    args.standalone_duration = args.standalone_duration or (15.0 if args.quick else 60.0)
+    args.warmup = QUICK_WARMUP_S if args.quick else WARMUP_S
     return args
 
 

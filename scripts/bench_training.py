@@ -480,9 +480,14 @@ def bench_throughput(groups: ProcessGroups, root: Path, num_processes: int, dura
 
 
 def measure_standalone(
-    groups: ProcessGroups, root: Path, cache_dir: Path, num_processes: int, duration_s: float
+    groups: ProcessGroups,
+    root: Path,
+    cache_dir: Path,
+    num_processes: int,
+    duration_s: float,
+    warmup_s: float = WARMUP_S,
 ) -> dict[str, Any]:
-    say(f"throughput: {num_processes} standalone torch loops, {WARMUP_S:g} s warm-up, then {duration_s:g} s")
+    say(f"throughput: {num_processes} standalone torch loops, {warmup_s:g} s warm-up, then {duration_s:g} s")
     command = [sys.executable, str(Path(__file__).resolve()), "--standalone-worker", "--cache-dir", str(cache_dir)]
     workers, readers = [], []
     for index in range(num_processes):
@@ -494,11 +499,11 @@ def measure_standalone(
     with Poller([memory.poll], period_s=1.0):
         for index, reader in enumerate(readers):
             reader.next_line(START_TIMEOUT_S, f"standalone worker {index} to start")
-        start = time.time() + WARMUP_S
+        start = time.time() + warmup_s
         for worker in workers:
             worker.stdin.write(f"{start} {start + duration_s}\n")  # type: ignore[union-attr]
             worker.stdin.flush()  # type: ignore[union-attr]
-        timeout_s = WARMUP_S + duration_s + START_TIMEOUT_S
+        timeout_s = warmup_s + duration_s + START_TIMEOUT_S
         results = [
             json.loads(reader.next_line(timeout_s, f"standalone worker {i}")) for i, reader in enumerate(readers)
         ]
@@ -506,7 +511,7 @@ def measure_standalone(
         groups.kill(worker)
     peak_rss = [memory.groups[worker.pid].peak_rss_bytes / MIB for worker in workers]
     return {
-        "warmup_s": WARMUP_S,
+        "warmup_s": warmup_s,
         "per_process": results,
         "samples_per_second": sum(result["samples_per_second"] for result in results),
         "peak_rss_mib_per_process": peak_rss,
