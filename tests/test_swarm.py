@@ -22,10 +22,12 @@ def start_swarm(tmp_path: Path, num_daemons: int, env: dict[str, str] | None = N
     return [founder, *(joiner.await_ready() for joiner in joiners)]
 
 
-def test_two_daemons_see_each_other(tmp_path: Path) -> None:
-    founder, joiner = start_swarm(tmp_path, 2)
+def test_two_daemons_see_each_other_and_json_logs_parse(tmp_path: Path) -> None:
+    founder = start_daemon(tmp_path / "node0").await_ready()
+    joiner = start_daemon(tmp_path / "node1", "--log-format", "json", initial_peers=[founder.address]).await_ready()
     expected = {founder.peer_id, joiner.peer_id}
     for daemon in (founder, joiner):
+        # Each `status` is a DHT client of its own: it must not be counted as a peer.
         snapshot = await_condition(
             lambda d=daemon: (s := status_json("--state-dir", str(d.state_dir))) and peer_ids(s) == expected and s,
             timeout_s=30,
@@ -42,6 +44,10 @@ def test_two_daemons_see_each_other(tmp_path: Path) -> None:
         assert peer["multiaddrs"] and all(address.startswith("/ip4/127.0.0.1/") for address in peer["multiaddrs"])
     assert joiner.info["run_id"] == "demo"
     assert "crowdtrain run --initial-peers /ip4/127.0.0.1/" in founder.log()
+    lines = [line for line in joiner.log().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # every line of the JSON-logging joiner a JSON object
+    assert any(record["message"].startswith("ready: peer ") for record in records)
+    assert all({"ts", "level", "logger", "peer", "message"} <= record.keys() for record in records)
 
 
 def test_five_daemons_see_each_other(tmp_path: Path) -> None:
@@ -53,17 +59,6 @@ def test_five_daemons_see_each_other(tmp_path: Path) -> None:
         timeout_s=45,
         what="all five peers in status",
     )
-
-
-def test_status_reader_is_not_counted_and_json_logs_parse(tmp_path: Path) -> None:
-    founder = start_daemon(tmp_path / "node0", "--log-format", "json").await_ready()
-    for _ in range(2):
-        snapshot = status_json("--initial-peers", founder.address)
-        assert peer_ids(snapshot) == {founder.peer_id}
-    lines = [line for line in founder.log().splitlines() if line.strip()]
-    records = [json.loads(line) for line in lines]  # every line a JSON object, nothing else
-    assert any(record["message"].startswith("ready: peer ") for record in records)
-    assert all({"ts", "level", "logger", "peer", "message"} <= record.keys() for record in records)
 
 
 def test_identity_survives_restart(tmp_path: Path) -> None:
@@ -79,21 +74,22 @@ def test_identity_survives_restart(tmp_path: Path) -> None:
     assert (tmp_path / "node0" / "identity.key").read_bytes() == key_bytes
 
 
-def test_sigterm_leaves_status_at_once(tmp_path: Path) -> None:
-    env = {"CROWDTRAIN_STATUS_TTL_S": "600"}  # expiry can't be what removes it
-    founder, leaver = start_swarm(tmp_path, 2, env=env)
-    await_condition(lambda: leaver.peer_id in peer_ids(status_json("--initial-peers", founder.address)), 30, "leaver")
+def test_sigterm_leaves_status_at_once_and_sigkill_when_the_record_expires(tmp_path: Path) -> None:
+    founder = start_daemon(tmp_path / "node0").await_ready()
+    joining = {"initial_peers": [founder.address]}
+    leaver = start_daemon(tmp_path / "node1", env={"CROWDTRAIN_STATUS_TTL_S": "600"}, **joining)  # can't expire
+    victim = start_daemon(tmp_path / "node2", env={"CROWDTRAIN_STATUS_TTL_S": "8"}, **joining)
+    leaver.await_ready()
+    victim.await_ready()
+    everyone = {founder.peer_id, leaver.peer_id, victim.peer_id}
+    await_condition(lambda: peer_ids(status_json("--initial-peers", founder.address)) == everyone, 30, "all three")
+
     leaver.signal(signal.SIGTERM)
     assert leaver.wait(timeout_s=30) == 0
     snapshot = status_json("--initial-peers", founder.address)
-    assert peer_ids(snapshot) == {founder.peer_id}
+    assert peer_ids(snapshot) == {founder.peer_id, victim.peer_id}, "a clean exit withdraws the record at once"
     await_condition(lambda: not group_alive(leaver.process.pid), 10, "p2pd and the DHT process to exit too")
 
-
-def test_sigkill_leaves_status_when_record_expires(tmp_path: Path) -> None:
-    env = {"CROWDTRAIN_STATUS_TTL_S": "8"}
-    founder, victim = start_swarm(tmp_path, 2, env=env)
-    await_condition(lambda: victim.peer_id in peer_ids(status_json("--initial-peers", founder.address)), 30, "victim")
     victim.signal(signal.SIGKILL)
     victim.wait()
     await_condition(lambda: not group_alive(victim.process.pid), 15, "the victim's p2pd and DHT process to exit")
