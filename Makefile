@@ -43,7 +43,7 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 bench: $(VENV)/.installed-bench
 	$(BIN)/python scripts/bench_all.py
 
-# The same benchmarks reduced to about 13 minutes on 2 cores (target 10; see BENCHMARKS.md) (bench_training's convergence run left out).
+# The same benchmarks reduced to about 9 minutes on 2 cores (target: under 10; see BENCHMARKS.md; bench_training left out).
 bench-quick: $(VENV)/.installed-bench
 	$(BIN)/python scripts/bench_all.py --quick
 

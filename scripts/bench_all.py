@@ -1,9 +1,9 @@
 """Run every benchmark, one process each, and write <out>/summary.json with the headline numbers.
 
-`make bench` runs the full versions (and bench_training's convergence run); `make bench-quick` the reduced
-ones: 13 minutes on 2 cores (the target is 10; see BENCHMARKS.md for where it goes). A benchmark that fails
-is recorded in the summary (its exit code and error) and the others still run. Needs root for the WAN-lab
-namespaces.
+`make bench` runs the full versions (and bench_training's convergence run), about 42 minutes on 2 cores;
+`make bench-quick` the reduced ones, about 9 (the target is under 10; see BENCHMARKS.md). A benchmark that
+fails is recorded in the summary (its exit code and error) and the others still run. Needs root for the
+WAN-lab namespaces.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def summarize(out: Path, runs: dict[str, dict[str, Any]], quick: bool) -> dict[s
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the reduced versions (about 13 minutes on 2 cores)")
+    parser.add_argument("--quick", action="store_true", help="the reduced versions (about 9 minutes on 2 cores)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (bench-results/)")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
