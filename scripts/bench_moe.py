@@ -42,6 +42,7 @@ from benchlib import (
     POLL_S,
     REPO_ROOT,
     START_TIMEOUT_S,
+    TINY_MODEL_TOML,
     BenchError,
     Node,
     ProcessGroups,
@@ -84,28 +85,19 @@ STATUS_TTL_S = 10.0
 """A killed host's status and expert announcements expire after this long."""
 SWARM_TIMEOUT_S = 300.0
 """For the DMoE swarm to cover its grid and train, or to notice a killed host."""
-SMOKE_RUN_FILE = """
+SMOKE_RUN_FILE = (
+    """
 run_id = "bench-moe-smoke"
 target_batch_size = 100000  # no global step inside the short windows
-
-[model.config]
-vocab_size = 260
-hidden_size = 64
-intermediate_size = 128
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 4
-max_position_embeddings = 64
-tie_word_embeddings = true
-
-[data]
-sequence_length = 32
-
+"""
+    + TINY_MODEL_TOML
+    + """
 [moe]
 grid = [2, 2]
 expert_hidden_size = 64
 k = 2
 """
+)
 """Smoke mode only: a tiny DMoE run (2 layers of a 2x2 grid: 8 experts, 4 on each of 2 hosts) for a quick start."""
 
 HIVEMIND_SERVER = """

@@ -37,6 +37,7 @@ from benchlib import (
     NOISE_CAVEAT,
     POLL_S,
     START_TIMEOUT_S,
+    TINY_MODEL_TOML,
     BenchError,
     LineReader,
     MemoryPeaks,
@@ -81,23 +82,13 @@ WARMUP_S = 10.0
 THROUGHPUT_TARGET_RATIO = 0.8
 MEMORY_TARGET_MIB = 1000.0
 
-TINY_RUN_TOML = """\
+TINY_RUN_TOML = (
+    """\
 run_id = "bench-tiny"
 target_batch_size = {target_batch_size}
-
-[model.config]
-vocab_size = 260
-hidden_size = 64
-intermediate_size = 128
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 4
-max_position_embeddings = 64
-tie_word_embeddings = true
-
-[data]
-sequence_length = 32
-
+"""
+    + TINY_MODEL_TOML
+    + """
 [optimizer]
 learning_rate = 0.005
 warmup_steps = 0
@@ -107,6 +98,7 @@ total_steps = 1000
 matchmaking_time_s = 2.0
 timeout_s = 15.0
 """
+)
 
 
 class CheckpointClock:

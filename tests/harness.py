@@ -15,6 +15,9 @@ from typing import Any, TypeVar
 
 from crowdtrain.dht.swarm import process_stats
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from benchlib import TINY_MODEL_TOML as TINY_MODEL_TOML  # noqa: E402  (one copy for the tests and the benchmarks)
+
 T = TypeVar("T")
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -23,21 +26,6 @@ FAST_HEARTBEAT_ENV = {"CROWDTRAIN_STATUS_INTERVAL_S": "1", "CROWDTRAIN_STATUS_TT
 DAEMON_ENV = {**FAST_HEARTBEAT_ENV, "CROWDTRAIN_NUM_THREADS": "1"}
 """What every test daemon gets unless its test says otherwise: one torch thread, as several share 2 cores."""
 
-TINY_MODEL_TOML = """
-[model.config]
-vocab_size = 260
-hidden_size = 64
-intermediate_size = 128
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 4
-max_position_embeddings = 64
-tie_word_embeddings = true
-
-[data]
-sequence_length = 32
-"""
-"""A run file's model and data tables for a tiny LM, so a global step takes seconds on two shared cores."""
 
 _started: list[subprocess.Popen] = []
 
