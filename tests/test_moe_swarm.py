@@ -98,9 +98,11 @@ def test_dmoe_swarm_trains_loses_a_host_and_heals(tmp_path: Path) -> None:
         daemon.await_ready()
 
     await_epoch(trainers, 3, 150, "trainers at epoch 3")
-    for trainer in trainers:
-        logged = epochs(trainer)
-        assert logged[max(logged)] < logged[min(logged)], f"loss falls as the swarm trains: {logged}"
+    # A trainer that starts late catches up by loading the swarm's state and may log only epoch 3: the falling
+    # loss is the swarm's, from the first epoch either trainer logged to the last.
+    logged = sorted((epoch, loss) for trainer in trainers for epoch, loss in epochs(trainer).items())
+    (first_epoch, first_loss), (last_epoch, last_loss) = logged[0], logged[-1]
+    assert first_epoch < last_epoch and last_loss < first_loss, f"loss falls as the swarm trains: {logged}"
     covered = status_json("--initial-peers", host2.address)
     hosted = {peer["peer_id"]: set(peer["experts"]) for peer in covered["peers"] if "expert-host" in peer["roles"]}
     assert hosted[host1.peer_id].isdisjoint(hosted[host2.peer_id])
