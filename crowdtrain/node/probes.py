@@ -57,6 +57,8 @@ MAX_REFUSALS_PER_PROBE = 5
 CONNECT_TIMEOUT_S = 5.0
 CALL_MARGIN_S = 5.0
 """A probe call may take this much longer than the server's time limit (setup, the reply's way back)."""
+JOINT_PROBE_S = 1.5
+"""Length of the probe to all peers at once."""
 DRAIN_GRACE_S = 2.0
 """After replying to an upload probe, the server reads what is still in flight for at most this long."""
 
@@ -212,9 +214,9 @@ class ProbeReport:
     """What `ProbeService.measure` found out about this node's links."""
 
     upload_mbps: float | None
-    """Best upload bandwidth measured to any peer, Mbit/s; None when no peer measured it."""
+    """Best upload bandwidth, Mbit/s, to any one peer or to all answering peers at once; None if none measured."""
     download_mbps: float | None
-    """Best download bandwidth measured from any peer, Mbit/s; None when no peer measured it."""
+    """Best download bandwidth, Mbit/s, from any one peer or from all answering peers at once; None if none measured."""
     reachable: bool | None
     """True if a peer could dial one of our addresses, False if peers tried and none could, None if none tried."""
     verdicts: tuple[AddressVerdict, ...]
@@ -382,7 +384,8 @@ class ProbeService(P2PService):
 
         `peer_multiaddrs` gives each peer's addresses (from its status record) so the p2p daemon can
         connect to peers it has not met; `own_multiaddrs` are the addresses peers are asked to dial back.
-        Bandwidth is the best value over the peers; reachability is true if any peer could dial us.
+        Bandwidth is the best over each peer alone and all answering peers at once; reachability is true if any
+        peer could dial us.
         Failed or refused probes land in `failures`, never in an exception; every call inside is bounded
         by the deadline, so only a stuck event loop makes this raise TimeoutError. Call from any thread
         but the service's own.
@@ -424,18 +427,26 @@ class ProbeService(P2PService):
             *(self._ask_dial_back(peer, own, deadline, failures, observed) for peer in peers)
         )
         verdicts = [verdict for result in dial_results for verdict in result]
-        uploads: list[float] = []
-        downloads: list[float] = []
+        rates: dict[str, dict[str, float]] = {"upload": {}, "download": {}}  # direction -> peer -> Mbit/s
         answered = {verdict.peer_id for verdict in verdicts}
-        for peer in peers:  # one peer at a time: parallel probes would split this node's link between them
-            for direction, rates in (("upload", uploads), ("download", downloads)):
+        for peer in peers:  # one peer at a time first: each probe has this node's link to itself
+            for direction, per_peer in rates.items():
                 rate = await self._adaptive(PeerID.from_base58(peer), direction, deadline, failures)
                 if rate is not None:
-                    rates.append(rate)
+                    per_peer[peer] = rate
                     answered.add(peer)
+        best: dict[str, float | None] = {
+            direction: max(per_peer.values(), default=None) for direction, per_peer in rates.items()
+        }
+        for direction, per_peer in rates.items():
+            # A link faster than every peer's is seen only when they are probed at once (a volunteer's fast
+            # machine among slow ones: the aggregator the plan must find).
+            together = await self._together(direction, per_peer, deadline, failures) if len(per_peer) > 1 else None
+            if together is not None and together > (best[direction] or 0.0):
+                best[direction] = together
         return ProbeReport(
-            upload_mbps=max(uploads, default=None),
-            download_mbps=max(downloads, default=None),
+            upload_mbps=best["upload"],
+            download_mbps=best["download"],
             reachable=_reachability(dial_results),
             verdicts=tuple(verdicts),
             observed_ips=tuple(sorted(observed)),
@@ -512,6 +523,44 @@ class ProbeService(P2PService):
             size = min(self.limits.max_probe_bytes, int(size * growth))
         return rate
 
+    async def _together(
+        self, direction: str, rates: Mapping[str, float], deadline: float, failures: list[str]
+    ) -> float | None:
+        """Probe every peer in `rates` at once for JOINT_PROBE_S: the Mbit/s of all flows together.
+
+        Every flow is cut at the same moment (a download stops reading, an upload stops sending), so they
+        overlap for the whole window: sized flows would end at different times, and the tail where one flow
+        runs alone would count as the joint rate. Not retried when refused: a late flow would not overlap.
+        """
+        if _remaining(deadline) < JOINT_PROBE_S + CALL_MARGIN_S + self.limits.min_interval_s:
+            return None
+        await asyncio.sleep(self.limits.min_interval_s)  # the servers' interval after this node's last probe
+        stop_at = time.monotonic() + JOINT_PROBE_S
+        cap = self.limits.max_probe_bytes // 2  # within a peer's byte budget after its own adaptive probes
+        sizes = {
+            peer: int(min(max(rate * 1e6 / 8 * 2 * JOINT_PROBE_S, INITIAL_PROBE_BYTES), cap))
+            for peer, rate in rates.items()
+        }
+        probes = (
+            self._upload(PeerID.from_base58(peer), size, deadline, stop_sending_at=stop_at)
+            if direction == "upload"
+            else self._download(PeerID.from_base58(peer), size, min(deadline, stop_at))
+            for peer, size in sizes.items()
+        )
+        outcomes = await asyncio.gather(*probes, return_exceptions=True)
+        samples = []
+        for peer, outcome in zip(sizes, outcomes, strict=True):
+            if isinstance(outcome, BandwidthSample):
+                samples.append(outcome)
+            elif isinstance(outcome, proto.ProbeRefusal):
+                failures.append(f"peer {_short(peer)} refused the joint {direction} probe: {outcome.reason}")
+            else:
+                failures.append(f"joint {direction} probe with peer {_short(peer)} failed ({_one_line(outcome)})")
+        duration_s = max((sample.duration_s for sample in samples), default=0.0)
+        if len(samples) < 2 or duration_s <= 0:
+            return None
+        return sum(sample.measured_bytes for sample in samples) * 8 / duration_s / 1e6
+
     async def _with_retries(
         self, call: Callable[[], Awaitable[T | proto.ProbeRefusal]], deadline: float
     ) -> T | proto.ProbeRefusal:
@@ -526,10 +575,14 @@ class ProbeService(P2PService):
             await asyncio.sleep(wait_s)  # the server said when it will accept
         return outcome
 
-    async def _upload(self, peer: PeerID, num_bytes: int, deadline: float) -> BandwidthSample | proto.ProbeRefusal:
+    async def _upload(
+        self, peer: PeerID, num_bytes: int, deadline: float, stop_sending_at: float = float("inf")
+    ) -> BandwidthSample | proto.ProbeRefusal:
         async def chunks() -> AsyncIterator[proto.UploadChunk]:
             yield proto.UploadChunk(total_bytes=num_bytes)
             for offset in range(0, num_bytes, CHUNK_BYTES):
+                if time.monotonic() >= stop_sending_at:
+                    return  # the server times what arrived and replies once the stream ends
                 yield proto.UploadChunk(payload=_FILLER[: min(CHUNK_BYTES, num_bytes - offset)])
 
         stub: Any = self.get_stub(self.require_p2p(), peer, namespace=NAMESPACE)
