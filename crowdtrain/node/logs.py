@@ -17,6 +17,36 @@ class _PeerFilter(logging.Filter):
         return True
 
 
+class _AveragingFailureFilter(logging.Filter):
+    """hivemind logs a failed averaging round (no group found, peers gone) as an error with a traceback, once in
+    the averager and again in the optimizer. For a volunteer that is an expected event, not a crash: it becomes
+    one warning line, once per failure. With -v the records pass unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from hivemind.averaging.allreduce import AllreduceException
+        from hivemind.averaging.matchmaking import MatchmakingException
+
+        self._expected = (AllreduceException, MatchmakingException)
+        self._last: BaseException | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if not record.name.startswith("hivemind") or not isinstance(error, self._expected):
+            return True
+        if error is self._last:
+            return False  # the same failure, logged again further up the stack
+        self._last = error
+        record.msg, record.args, record.exc_info, record.exc_text = (
+            f"averaging round failed: {error}; this node keeps training and joins the next round",
+            (),
+            None,
+            None,
+        )
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 class _CurrentStderr:
     """Whatever sys.stderr is at write time, so a live progress bar can print log lines above itself."""
 
@@ -50,6 +80,8 @@ def setup_logging(log_format: str, verbose: int, *, quiet: bool = False) -> None
     use_hivemind_log_handler("nowhere")
     handler = logging.StreamHandler(_CurrentStderr())
     handler.addFilter(_PeerFilter())
+    if verbose == 0:
+        handler.addFilter(_AveragingFailureFilter())
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
     else:
