@@ -112,3 +112,18 @@ def test_the_prober_with_nobody_to_ask_measures_nothing() -> None:
     service = FakeService(Report(upload_mbps=10.0, download_mbps=20.0, reachable=True))
     prober = LinkProber(service, roles, lambda: [peer("me")], "me", [])
     assert not prober.probe_once() and not service.calls and not prober.measured
+
+
+def test_the_prober_asks_again_when_the_swarm_grew_past_its_last_round() -> None:
+    statuses = [peer("me"), peer("a")]
+    service = FakeService(Report(upload_mbps=10.0, download_mbps=20.0, reachable=True))
+    prober = LinkProber(service, make_roles(statuses=statuses), lambda: statuses, "me", [])
+    assert prober.probe_once() and prober.peers_asked == 1
+    assert not prober.more_peers_to_ask()
+    statuses.append(peer("b", reachable=False))  # can't be asked
+    assert not prober.more_peers_to_ask()
+    statuses += [peer("c"), peer("d"), peer("e")]
+    assert prober.more_peers_to_ask()
+    assert prober.probe_once() and prober.peers_asked == 3 and len(service.calls[-1][0]) == 4
+    statuses.append(peer("f"))
+    assert not prober.more_peers_to_ask(), "a round asks at most 3 peers: more peers are no reason to ask again"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Protocol
@@ -17,13 +18,14 @@ from typing import Protocol
 from crowdtrain import proto
 from crowdtrain.averaging.plan import PlanProblem
 from crowdtrain.averaging.planner import OwnCapabilities, Planner, takes_part_in_averaging
+from crowdtrain.node.probes import MAX_PROBED_PEERS
 
 logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 30.0
 """Bound on one round of link probes against up to 3 peers."""
 NO_PEERS_RETRY_S = 30.0
-"""How soon a node with no peers to probe against looks again."""
+"""How soon a node with no peers to probe against, or with more peers than its last round asked, probes again."""
 PLAN_ROLES = ("trainer", "aggregator", "client")
 """`--role` values the plan honours as overrides; `auto` leaves the choice to the plan."""
 
@@ -164,17 +166,16 @@ class LinkProber:
         self.service, self.roles, self.list_statuses = service, roles, list_statuses
         self.peer_id, self.own_multiaddrs, self.timeout_s = peer_id, tuple(own_multiaddrs), timeout_s
         self.measured = False
+        self.peers_asked = 0
+        """How many peers the last round asked (at most MAX_PROBED_PEERS)."""
 
     def probe_once(self) -> bool:
         """One round against up to 3 reachable peers (random, to spread the load); False if there were none."""
-        peers = [
-            s
-            for s in self.list_statuses()
-            if s.peer_id != self.peer_id and s.reachable and s.multiaddrs and takes_part_in_averaging(s)
-        ]
+        peers = self._eligible_peers()
         if not peers:
             return False
         random.shuffle(peers)
+        self.peers_asked = min(len(peers), MAX_PROBED_PEERS)
         addresses = {status.peer_id: list(status.multiaddrs) for status in peers}
         report = self.service.measure(list(addresses), addresses, self.own_multiaddrs, self.timeout_s)
         self.roles.record_links(report)
@@ -190,13 +191,31 @@ class LinkProber:
         self.measured = self.measured or report.upload_mbps is not None
         return True
 
+    def more_peers_to_ask(self) -> bool:
+        """True when a round now would ask more peers than the last one did: the swarm grew since, and a link
+        faster than one peer's shows only against several (a founder first measures against one joiner)."""
+        return min(len(self._eligible_peers()), MAX_PROBED_PEERS) > self.peers_asked
+
+    def _eligible_peers(self) -> list[proto.PeerStatus]:
+        return [
+            s
+            for s in self.list_statuses()
+            if s.peer_id != self.peer_id and s.reachable and s.multiaddrs and takes_part_in_averaging(s)
+        ]
+
     def run(self, stop: threading.Event, interval_s: float) -> None:
-        """Re-measure every `interval_s` seconds (sooner while nothing is measured) until `stop` is set."""
-        while not stop.wait(interval_s if self.measured else NO_PEERS_RETRY_S):
+        """Re-measure every `interval_s` seconds, and sooner (within NO_PEERS_RETRY_S) while nothing is measured
+        or more peers can be asked than last time, until `stop` is set."""
+        last_round_at = time.monotonic()
+        while not stop.wait(min(NO_PEERS_RETRY_S, interval_s)):
+            due = time.monotonic() - last_round_at >= interval_s
+            if self.measured and not due and not self.more_peers_to_ask():
+                continue
             try:
                 self.probe_once()
             except Exception as e:
                 logger.warning(f"link probes failed: {e}; retrying later")
+            last_round_at = time.monotonic()
 
 
 def _mbps(value: float | None) -> str:
