@@ -17,6 +17,7 @@ class Report:
     upload_mbps: float | None
     download_mbps: float | None
     reachable: bool | None
+    failures: Sequence[str] = ()
 
 
 def peer(peer_id: str, *, reachable: bool = True) -> proto.PeerStatus:

@@ -36,6 +36,7 @@ class LinkReport(Protocol):
     upload_mbps: float | None
     download_mbps: float | None
     reachable: bool | None
+    failures: Sequence[str]
 
 
 class NodeRoles:
@@ -183,6 +184,9 @@ class LinkProber:
             f"link probes: upload {_mbps(report.upload_mbps)}, download {_mbps(report.download_mbps)}, "
             f"reachable by peers: {'unknown' if report.reachable is None else 'yes' if report.reachable else 'NO'}"
         )
+        if report.failures:
+            others = f" (and {len(report.failures) - 1} more)" if len(report.failures) > 1 else ""
+            logger.info(f"link probes that failed: {report.failures[0]}{others}")
         if report.reachable is False:
             logger.warning(
                 "peers could not dial this node on its announced addresses: it trains as a client and never "
