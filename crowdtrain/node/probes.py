@@ -542,8 +542,10 @@ class ProbeService(P2PService):
         best: float | None = None
         wait_s = self.limits.min_interval_s  # the servers' interval after this node's last probe
         refusals: dict[str, proto.ProbeRefusal] = {}
-        for _ in range(MAX_REFUSALS_PER_PROBE):
+        for attempt in range(MAX_REFUSALS_PER_PROBE):
             if _remaining(deadline) < wait_s + JOINT_PROBE_S + CALL_MARGIN_S:
+                if attempt == 0:  # a failure, so the node measures again soon (roles.LinkProber)
+                    failures.append(f"no time left for the joint {direction} probe")
                 break
             await asyncio.sleep(wait_s)
             rate, refusals, errors = await self._joint_flows(direction, sizes, deadline)
