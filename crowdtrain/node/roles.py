@@ -22,9 +22,8 @@ from crowdtrain.node.probes import MAX_PROBED_PEERS
 
 logger = logging.getLogger(__name__)
 
-PROBE_TIMEOUT_S = 45.0
-"""Bound on one round of link probes against up to 3 peers: each alone, then all at once (30 s left no time
-for the joint probe in a new 4-node swarm whose nodes all probe each other at once)."""
+PROBE_TIMEOUT_S = 30.0
+"""Bound on one round of link probes against up to 3 peers."""
 NO_PEERS_RETRY_S = 30.0
 """How soon a node with no peers to probe against, or with more peers than its last round asked, probes again."""
 MAX_EARLY_ROUNDS = 3
