@@ -128,18 +128,3 @@ def test_the_prober_asks_again_when_the_swarm_grew_past_its_last_round() -> None
     assert prober.probe_once() and prober.peers_asked == 3 and len(service.calls[-1][0]) == 4
     statuses.append(peer("f"))
     assert not prober.more_peers_to_ask(), "a round asks at most 3 peers: more peers are no reason to ask again"
-
-
-def test_early_rounds_follow_failed_probes_a_few_times_then_wait_for_the_interval() -> None:
-    statuses = [peer("me"), peer("a"), peer("b")]
-    service = FakeService(Report(upload_mbps=None, download_mbps=None, reachable=None))
-    prober = LinkProber(service, make_roles(statuses=statuses), lambda: statuses, "me", [])
-    assert prober.wants_early_round(), "nothing measured yet"
-    service.report = Report(upload_mbps=10.0, download_mbps=20.0, reachable=True, failures=["peer …a refused"])
-    assert prober.probe_once() and prober.wants_early_round(), "a round with refused probes is repeated"
-    service.report = Report(upload_mbps=10.0, download_mbps=20.0, reachable=True)
-    assert prober.probe_once() and not prober.wants_early_round(), "a clean round against every peer is enough"
-    service.report = Report(upload_mbps=10.0, download_mbps=20.0, reachable=True, failures=["peer …a refused"])
-    prober.probe_once()
-    prober.early_rounds_left = 0
-    assert not prober.wants_early_round(), "a peer that always refuses does not keep the node probing"

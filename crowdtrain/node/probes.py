@@ -52,7 +52,7 @@ INITIAL_PROBE_BYTES = 2 * CHUNK_BYTES
 TARGET_PROBE_S = 1.0
 """Probes grow until one takes at least this long (or reaches the size cap)."""
 MAX_PROBES_PER_DIRECTION = 8
-MAX_REFUSALS_PER_PROBE = 10
+MAX_REFUSALS_PER_PROBE = 5
 """A refused probe is retried after the server's retry_after_s at most this many times."""
 CONNECT_TIMEOUT_S = 5.0
 CALL_MARGIN_S = 5.0

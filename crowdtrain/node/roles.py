@@ -26,8 +26,6 @@ PROBE_TIMEOUT_S = 30.0
 """Bound on one round of link probes against up to 3 peers."""
 NO_PEERS_RETRY_S = 30.0
 """How soon a node with no peers to probe against, or with more peers than its last round asked, probes again."""
-MAX_EARLY_ROUNDS = 3
-"""Rounds a measured node runs before its interval is up, because probes failed or the swarm grew."""
 PLAN_ROLES = ("trainer", "aggregator", "client")
 """`--role` values the plan honours as overrides; `auto` leaves the choice to the plan."""
 
@@ -171,9 +169,6 @@ class LinkProber:
         self.measured = False
         self.peers_asked = 0
         """How many peers the last round asked (at most MAX_PROBED_PEERS)."""
-        self.last_round_failed = False
-        """Some probe of the last round failed or was refused (all nodes of a new swarm probe at once)."""
-        self.early_rounds_left = MAX_EARLY_ROUNDS
 
     def probe_once(self) -> bool:
         """One round against up to 3 reachable peers (random, to spread the load); False if there were none."""
@@ -198,15 +193,7 @@ class LinkProber:
                 "aggregates; run `crowdtrain check` for how to open a port"
             )
         self.measured = self.measured or report.upload_mbps is not None
-        self.last_round_failed = bool(report.failures)
         return True
-
-    def wants_early_round(self) -> bool:
-        """A round before the interval is up: while nothing is measured; or, MAX_EARLY_ROUNDS times at most,
-        when the last round had failed probes or more peers can be asked now."""
-        if not self.measured:
-            return True
-        return self.early_rounds_left > 0 and (self.last_round_failed or self.more_peers_to_ask())
 
     def more_peers_to_ask(self) -> bool:
         """True when a round now would ask more peers than the last one did: the swarm grew since, and a link
@@ -221,15 +208,13 @@ class LinkProber:
         ]
 
     def run(self, stop: threading.Event, interval_s: float) -> None:
-        """Re-measure every `interval_s` seconds, and sooner (NO_PEERS_RETRY_S, jittered so that nodes which
-        started together don't probe together again) when `wants_early_round`, until `stop` is set."""
+        """Re-measure every `interval_s` seconds, and sooner (within NO_PEERS_RETRY_S) while nothing is measured
+        or more peers can be asked than last time, until `stop` is set."""
         last_round_at = time.monotonic()
-        while not stop.wait(min(random.uniform(0.5, 1.0) * NO_PEERS_RETRY_S, interval_s)):
-            if time.monotonic() - last_round_at < interval_s:
-                if not self.wants_early_round():
-                    continue
-                if self.measured:
-                    self.early_rounds_left -= 1
+        while not stop.wait(min(NO_PEERS_RETRY_S, interval_s)):
+            due = time.monotonic() - last_round_at >= interval_s
+            if self.measured and not due and not self.more_peers_to_ask():
+                continue
             try:
                 self.probe_once()
             except Exception as e:
