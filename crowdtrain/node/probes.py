@@ -544,7 +544,7 @@ class ProbeService(P2PService):
         refusals: dict[str, proto.ProbeRefusal] = {}
         for attempt in range(MAX_REFUSALS_PER_PROBE):
             if _remaining(deadline) < wait_s + JOINT_PROBE_S + CALL_MARGIN_S:
-                if attempt == 0:  # a failure, so the node measures again soon (roles.LinkProber)
+                if attempt == 0:  # said in the daemon's log, so the researcher sees why a link reads slow
                     failures.append(f"no time left for the joint {direction} probe")
                 break
             await asyncio.sleep(wait_s)
