@@ -18,9 +18,10 @@ class _PeerFilter(logging.Filter):
 
 
 class _AveragingFailureFilter(logging.Filter):
-    """hivemind logs a failed averaging round (no group found, peers gone) as an error with a traceback, once in
-    the averager and again in the optimizer. For a volunteer that is an expected event, not a crash: it becomes
-    one warning line, once per failure. With -v the records pass unchanged."""
+    """hivemind logs a failed averaging round (no group found, peers gone) as an error with a traceback, in the
+    averager and again further up. For a volunteer that is an expected event, not a crash: it becomes one warning
+    line, and the same exception logged again in this process is dropped (the averager runs in a child process,
+    so a failure may still show once there and once in the trainer). With -v the records pass unchanged."""
 
     def __init__(self) -> None:
         super().__init__()
