@@ -137,7 +137,9 @@ class ExpertSupervisor:
         copied: dict[str, torch.Tensor] = {}
         for uid in uids:
             expected = num_values(build_expert(self.manifest, uid))
-            for peer_id in _holders(uid, others):
+            holders = _holders(uid, others)
+            # each holder twice: the first stream to a peer met moments ago failed once with an empty error (CI)
+            for peer_id in (*holders, *holders):
                 try:
                     copied[uid] = self.replicas.fetch(peer_id, uid, expected)
                 except ReplicaError as e:

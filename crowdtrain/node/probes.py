@@ -52,8 +52,9 @@ INITIAL_PROBE_BYTES = 2 * CHUNK_BYTES
 TARGET_PROBE_S = 1.0
 """Probes grow until one takes at least this long (or reaches the size cap)."""
 MAX_PROBES_PER_DIRECTION = 8
-MAX_REFUSALS_PER_PROBE = 5
-"""A refused probe is retried after the server's retry_after_s at most this many times."""
+MAX_REFUSALS_PER_PROBE = 10
+"""A refused probe is retried after the server's retry_after_s at most this many times (within the round's
+deadline): joiners starting together queue for a server's one probe slot, joint probes included."""
 CONNECT_TIMEOUT_S = 5.0
 CALL_MARGIN_S = 5.0
 """A probe call may take this much longer than the server's time limit (setup, the reply's way back)."""
