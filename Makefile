@@ -38,8 +38,8 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e '.[bench]'
 	touch $@
 
-# Every benchmark (averaging, throughput, DHT, footprint, DMoE, training) in WAN-lab namespaces and on loopback;
-# tables on stdout, JSON + PNG per benchmark and summary.json in bench-results/. Needs root. See BENCHMARKS.md.
+# Every benchmark (averaging, throughput, DHT, footprint, DMoE, training, real model on CPU) in WAN-lab namespaces
+# and on loopback; tables on stdout, JSON + PNG per benchmark and summary.json in bench-results/. Needs root. See BENCHMARKS.md.
 bench: $(VENV)/.installed-bench
 	$(BIN)/python scripts/bench_all.py
 

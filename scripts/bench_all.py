@@ -1,6 +1,7 @@
 """Run every benchmark, one process each, and write <out>/summary.json with the headline numbers.
 
-`make bench` runs the full versions (and bench_training's convergence run), about 42 minutes on 2 cores;
+`make bench` runs the full versions (and bench_training's convergence run and bench_realmodel's CPU scenario),
+about 52 minutes on 2 cores;
 `make bench-quick` the reduced ones, about 9 (the target is under 10; see BENCHMARKS.md). A benchmark that
 fails is recorded in the summary (its exit code and error) and the others still run. Needs root for the
 WAN-lab namespaces.
@@ -24,11 +25,18 @@ from benchlib import NOISE_CAVEAT, environment_json, print_table, say, write_jso
 SCRIPTS = Path(__file__).resolve().parent
 BENCHMARK_TIMEOUT_S = 3600.0
 """A benchmark still running after this long is killed and recorded as failed."""
+BENCHMARK_ARGS = {
+    "bench_realmodel.py": ("--device", "cpu", "--model", "llama-20m", "--peers", "1", "2", "--window-s", "60",
+                           "--warmup-s", "15"),
+}  # fmt: skip
+"""Arguments of the benchmarks that take more than --out and --quick: realmodel's quick CPU scenario."""
+REALMODEL_PEERS = ("1", "2")
 
 
 def run_benchmark(script: str, quick: bool, out: Path) -> dict[str, Any]:
     """Run one benchmark script in its own process group; its exit code and duration."""
     command = [sys.executable, str(SCRIPTS / script), "--out", str(out), *(["--quick"] if quick else [])]
+    command += BENCHMARK_ARGS.get(script, ())
     say(f"bench_all: {' '.join(command[1:])}")
     began = time.monotonic()
     process = subprocess.Popen(command, start_new_session=True)
@@ -62,6 +70,7 @@ def summarize(out: Path, runs: dict[str, dict[str, Any]], quick: bool) -> dict[s
     training = read(out, "training.json")
     moe = read(out, "moe.json")
     serving, moe_training = moe.get("serving", {}), moe.get("training", {})
+    realmodel = read(out, "realmodel.json")
 
     def footprint_value(state: str, *path: str) -> Any:
         value: Any = footprint.get(state, {})
@@ -98,6 +107,7 @@ def summarize(out: Path, runs: dict[str, dict[str, Any]], quick: bool) -> dict[s
         "moe_samples_per_s": moe_training.get("moe_samples_per_s"),
         "moe_samples_per_s_after_kill_ratio": moe_training.get("moe_samples_per_s_after_kill_ratio"),
         **({"training_throughput_ratio": training.get("throughput", {}).get("throughput_ratio")} if training else {}),
+        **(realmodel_summary(realmodel) if realmodel else {}),
         "commit": environment["commit"],
         "uncommitted_changes": environment["uncommitted_changes"],
         "machine": {key: environment[key] for key in ("nproc", "ram_gib", "cpu_model")},
@@ -108,6 +118,17 @@ def summarize(out: Path, runs: dict[str, dict[str, Any]], quick: bool) -> dict[s
         "benchmarks": runs,
         "caveat": NOISE_CAVEAT,
     }
+
+
+def realmodel_summary(realmodel: dict[str, Any]) -> dict[str, Any]:
+    """bench_realmodel's CPU scenario: crowdtrain against hivemind and the plain loop, partial rounds, per peers."""
+    summary: dict[str, Any] = {}
+    for peers in REALMODEL_PEERS:
+        crowdtrain = realmodel.get("crowdtrain", {}).get(peers, {})
+        summary[f"realmodel_speedup_vs_hivemind_{peers}p"] = crowdtrain.get("speedup_vs_hivemind")
+        summary[f"realmodel_ratio_to_plain_{peers}p"] = crowdtrain.get("ratio_to_plain")
+        summary[f"realmodel_partial_averages_{peers}p"] = crowdtrain.get("partial_averages_in_window")
+    return summary
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -123,7 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     scripts = ["bench_averaging.py", "bench_throughput.py", "bench_dht.py", "bench_footprint.py", "bench_moe.py"]
     if not args.quick:
         scripts.append("bench_training.py")  # convergence and loopback throughput: minutes more
-    stale_files = ("averaging.json", "throughput.json", "dht.json", "footprint.json", "moe.json", "training.json")
+        scripts.append("bench_realmodel.py")  # issue 12's comparison on a 20M model: about 10 minutes
+    stale_files = ("averaging.json", "throughput.json", "dht.json", "footprint.json", "moe.json", "training.json",
+                   "realmodel.json")  # fmt: skip
     for stale in stale_files:
         (args.out / stale).unlink(missing_ok=True)  # a failed benchmark must not leave an old number behind
     began = time.monotonic()
