@@ -69,13 +69,44 @@ class _Optimizer(hivemind.Optimizer):
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> Any:
         self.client_mode = self._requested_client_mode
         self.num_local_gradient_steps = 0
+        self.replica_diverged = False
         return super()._make_progress_tracker(target_batch_size, **kwargs)
 
     def _load_local_gradients_into_optimizer(self) -> None:
         # Reached when a gradient averaging round failed or found nobody: the step uses this peer's
         # gradients alone. Counted so `status` shows a swarm whose averaging is not happening.
         self.num_local_gradient_steps += 1
+        if self.tracker.global_progress.num_peers > 1:
+            # A step alone while the swarm has other peers leaves this replica unlike theirs, and every later
+            # averaged step would keep the difference (hivemind re-aligns replicas only at state averaging, where
+            # averaging two diverged models made the loss jump). The next step() downloads the swarm's state.
+            self.replica_diverged = True
         super()._load_local_gradients_into_optimizer()
+
+    def _begin_averaging_gradients(self, grad_scaler: Any) -> bool:
+        # Symptom worked around: hivemind pre-schedules a round when the swarm's ETA is near, and that round gives
+        # up `averaging_timeout` later. When the batch fills later than predicted (a joiner's first slow steps
+        # skew the rates), the round has expired before the step, and hivemind then steps alone without looking
+        # for a group at all: both peers of a two-peer swarm did so in turn, every epoch. An expired round is
+        # dropped here, so the step looks for a group now, as it does when nothing was scheduled.
+        scheduled: Any = self.scheduled_grads  # type: ignore[has-type]  # a hivemind StepControl
+        if scheduled is not None and scheduled.done() and not scheduled.triggered:
+            self.scheduled_grads = None
+        return bool(super()._begin_averaging_gradients(grad_scaler))
+
+    def _should_load_state_from_peers(self) -> bool:
+        # Symptom worked around: hivemind counts a peer one epoch behind as synchronized and lets it step at
+        # once (the global epoch is ahead of its own), alone, and stay one epoch behind for good. A joiner whose
+        # first step came as the swarm stepped did so from its initial weights; its gradients then went into
+        # every round computed on other weights. Here a replica that stepped alone is replaced first.
+        if self.replica_diverged and self.tracker.global_progress.num_peers > 1:
+            logger.info("this node stepped alone while the swarm has peers: downloading the swarm's state")
+            return True
+        return bool(super()._should_load_state_from_peers())
+
+    def load_state_from_peers(self, **kwargs: Any) -> None:
+        super().load_state_from_peers(**kwargs)
+        self.replica_diverged = False
 
 
 def make_optimizer(
@@ -126,6 +157,10 @@ def make_optimizer(
             scheduler=functools.partial(_scheduler, spec=manifest.optimizer),
             matchmaking_time=averaging.matchmaking_time_s,
             averaging_timeout=averaging.timeout_s,
+            # hivemind's default (the matchmaking time, 5 s) bans a group member as a sender when its first part comes
+            # later than that: a peer still finishing a micro-batch of a large model, and both peers' rounds came
+            # back half un-averaged. A dead peer is still dropped well within the round's timeout.
+            next_chunk_timeout=chunk_timeout_s(averaging),
             load_state_timeout=LOAD_STATE_TIMEOUT_S,
             use_local_updates=use_local_updates,
             # Gradient mode: every peer applies the same averaged gradient, so parameters only drift when a
@@ -178,6 +213,12 @@ def refresh_moshpit_bits(
     averager.set_group_bits(wanted)
     logger.info(f"swarm size changed: Moshpit group key {current or '(one group)'} -> {wanted or '(one group)'}")
     return True
+
+
+def chunk_timeout_s(averaging: AveragingSpec) -> float:
+    """How long a group member may take to send its first part (or the next one) before the round goes on
+    without it: half the round's timeout, never less than the matchmaking time."""
+    return max(averaging.matchmaking_time_s, averaging.timeout_s / 2)
 
 
 def _compression(averaging: AveragingSpec) -> CompressionBase:

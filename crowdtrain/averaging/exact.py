@@ -18,11 +18,7 @@ import torch
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.optim.grad_averager import GradientAverager
 
-from crowdtrain.averaging.partition import PlanSharesMixin
-
-
-class PartialAverageError(RuntimeError):
-    """An all-reduce round in which some parts of the vector were never averaged."""
+from crowdtrain.averaging.partition import PartialAverageError, PlanSharesMixin
 
 
 def new_partial_counter() -> Synchronized:
@@ -30,11 +26,13 @@ def new_partial_counter() -> Synchronized:
     return mp.Value("l", 0)
 
 
-def require_complete(num_missing: int, num_total: int) -> None:
-    """Raise PartialAverageError when any of the `num_total` elements came back un-averaged."""
+def require_complete(num_missing: int, num_total: int, others: Sequence[str] = ()) -> None:
+    """Raise PartialAverageError when any of the `num_total` elements came back un-averaged; `others` names the
+    group's other members (short peer ids), one of whom failed to aggregate its part."""
     if num_missing:
+        group = f" in a group with {', '.join(others)}" if others else ""
         raise PartialAverageError(
-            f"{num_missing} of {num_total} elements ({num_missing / max(num_total, 1):.2%}) were not averaged"
+            f"{num_missing} of {num_total} elements ({num_missing / max(num_total, 1):.2%}) were not averaged{group}"
         )
 
 
@@ -53,7 +51,8 @@ class ExactGradientAverager(PlanSharesMixin, GradientAverager):
         await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
         container = self._running_groups[group_id].result().tensor_part_container
         try:
-            require_complete(container.failed_size, container.total_size)
+            others = [str(peer_id)[-8:] for peer_id in group_info.peer_ids if peer_id != self.peer_id]  # type: ignore[attr-defined]
+            require_complete(container.failed_size, container.total_size, others)
         except PartialAverageError:
             with self.partial_counter.get_lock():
                 self.partial_counter.value += 1

@@ -8,18 +8,32 @@ renormalised over the group, since a Moshpit group holds only some of the plan's
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Sequence
 from typing import Any
 
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.utils.asyncio import enter_asynchronously
 
 logger = logging.getLogger(__name__)
+
+
+class PartialAverageError(RuntimeError):
+    """An all-reduce round in which some parts of the vector were never averaged."""
+
+
+EXPECTED_ROUND_FAILURES: tuple[type[Exception], ...] = (
+    PartialAverageError,
+    AllreduceException,
+    MatchmakingException,
+    asyncio.TimeoutError,
+)
+"""Ways a round fails when peers leave, are late or send too little: logged as one line, not a traceback."""
 
 
 def group_fractions(
@@ -95,7 +109,10 @@ class PlanSharesMixin:
                 )
                 return user_gathered
         except BaseException as e:
-            if isinstance(e, Exception):
+            # hivemind's own version logs every failure here with a traceback, and again where it catches the
+            # MatchmakingException; a round failing because a peer left or sent too little is an expected event:
+            # it reaches the log once, as one warning line (node/logs.py). Unexpected errors keep their traceback.
+            if isinstance(e, Exception) and not isinstance(e, EXPECTED_ROUND_FAILURES):
                 logger.exception(e)
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
 
