@@ -1,6 +1,10 @@
-"""Re-planning from peer statuses: capabilities from records, defaults for the unmeasured, hysteresis."""
+"""Re-planning from peer statuses: capabilities from records, defaults for the unmeasured, agreement between nodes."""
 
 from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -10,7 +14,9 @@ from crowdtrain.averaging.planner import (
     DEFAULT_BANDWIDTH_MBPS,
     OwnCapabilities,
     Planner,
+    plan_digest,
     plan_problem,
+    quantize,
     swarm_capabilities,
 )
 from crowdtrain.manifest import demo
@@ -31,9 +37,9 @@ def _status(peer_id: str, *, compute: float = 100.0, mbps: float | None = 100.0,
 def test_unmeasured_peers_get_the_median_of_the_measured() -> None:
     statuses = [_status("b", mbps=20.0), _status("c", mbps=None, compute=0.0)]
     peers = {peer.peer_id: peer for peer in swarm_capabilities("a", ME, statuses)}
-    assert peers["c"].upload_mbps == pytest.approx(60.0)  # median of 20 and 100
-    assert peers["c"].samples_per_second == pytest.approx(100.0)
-    assert peers["a"].upload_mbps == 100.0
+    assert peers["c"].upload_mbps == statistics.median([quantize(20.0), quantize(100.0)])
+    assert peers["c"].samples_per_second == quantize(100.0)
+    assert peers["a"].upload_mbps == quantize(100.0)
 
 
 def test_nobody_measured_means_a_default_bandwidth() -> None:
@@ -42,16 +48,67 @@ def test_nobody_measured_means_a_default_bandwidth() -> None:
     assert {peer.upload_mbps for peer in peers} == {DEFAULT_BANDWIDTH_MBPS}
 
 
-def test_live_throughput_stands_in_until_the_probe_reports() -> None:
+def test_live_throughput_never_enters_the_plan() -> None:
+    # The live rate changes between two nodes' readings of the record; the probe's value does not.
     status = _status("b", compute=0.0)
     status.samples_per_second = 42.0
     peers = {peer.peer_id: peer for peer in swarm_capabilities("a", ME, [status])}
-    assert peers["b"].samples_per_second == 42.0
+    assert peers["b"].samples_per_second == quantize(100.0), "the median of the measured, as for any unmeasured peer"
 
 
 def test_our_own_record_in_the_dht_is_replaced_by_our_measurements() -> None:
     peers = swarm_capabilities("a", ME, [_status("a", mbps=1.0), _status("b")])
-    assert [peer.upload_mbps for peer in peers if peer.peer_id == "a"] == [100.0]
+    assert [peer.upload_mbps for peer in peers if peer.peer_id == "a"] == [quantize(100.0)]
+
+
+def test_measurements_are_rounded_to_a_geometric_grid() -> None:
+    assert quantize(100.0) == quantize(104.0) != quantize(130.0)
+    assert quantize(0.0) == 0.0
+    assert quantize(1e-3) > 0
+    assert all(abs(quantize(x) / x - 1) < 0.1 for x in (0.5, 3.0, 77.0, 1e4))
+
+
+def _node_view(me: str, records: list[proto.PeerStatus]) -> tuple[OwnCapabilities, list[proto.PeerStatus]]:
+    """What node `me` plans from: its own measurements (as it publishes them) and the records it listed."""
+    own = next(record for record in records if record.peer_id == me)
+    capabilities = OwnCapabilities(
+        samples_per_second=own.measured_samples_per_second or None,
+        upload_mbps=own.upload_mbps if own.HasField("upload_mbps") else None,
+        download_mbps=own.download_mbps if own.HasField("download_mbps") else None,
+        reachable=own.reachable,
+        role_override=own.role_override,
+    )
+    shuffled = list(records)
+    random.Random(me).shuffle(shuffled)  # the DHT lists records in no particular order
+    return capabilities, shuffled
+
+
+def test_every_node_derives_the_identical_plan_from_the_same_records() -> None:
+    records = [
+        _status("p1", compute=3.5, mbps=2003.6),
+        _status("p2", compute=2.4, mbps=807.8),
+        _status("p3", compute=0.0, mbps=None),  # still measuring itself
+        _status("p4", compute=40.0, mbps=18.0),
+        _status("p5", compute=12.0, mbps=95.0, role_override="client", reachable=False),
+    ]
+    problem = PlanProblem(vector_size_bytes=170_000_000, target_batch_size=32)
+    plans = {}
+    for record in records:
+        own, listed = _node_view(record.peer_id, records)
+        plans[record.peer_id] = Planner(record.peer_id, problem).update(own, listed)
+    digests = {plan_digest(plan) for plan in plans.values()}
+    assert len(digests) == 1, f"nodes disagree on the plan: {plans}"
+    plan = next(iter(plans.values()))
+    assert sum(plan.shares.values()) == pytest.approx(1.0)
+
+
+def test_a_node_with_a_history_plans_like_a_newcomer() -> None:
+    # No hysteresis: a node that saw other records before derives what a node starting now derives.
+    records = [_status("b", mbps=20.0), _status("c", mbps=20.0)]
+    veteran = Planner("a", PROBLEM)
+    veteran.update(ME, [_status("b", mbps=1000.0)])
+    veteran.update(replace(ME, upload_mbps=5.0), records)
+    assert plan_digest(veteran.update(ME, records)) == plan_digest(Planner("a", PROBLEM).update(ME, records))
 
 
 def test_role_overrides_are_honoured_and_an_unreachable_aggregator_becomes_a_client() -> None:
@@ -63,18 +120,19 @@ def test_role_overrides_are_honoured_and_an_unreachable_aggregator_becomes_a_cli
     assert plan.shares["a"] == pytest.approx(1.0)
 
 
-def test_small_changes_keep_the_plan_and_membership_changes_replace_it() -> None:
+def test_noise_keeps_the_plan_and_membership_or_real_changes_replace_it() -> None:
     planner = Planner("a", PROBLEM)
     statuses = [_status("b", mbps=20.0), _status("c", mbps=20.0)]
     first = planner.update(ME, statuses)
     assert sum(first.shares.values()) == pytest.approx(1.0)
-    assert planner.update(ME, [_status("b", mbps=21.0), _status("c", mbps=20.0)]) is first, "noise keeps the plan"
+    again = planner.update(ME, [_status("b", mbps=20.5), _status("c", mbps=20.0)])
+    assert plan_digest(again) == plan_digest(first), "a reading 2.5% off gives the same plan"
     joined = planner.update(ME, [*statuses, _status("d", mbps=20.0)])
-    assert joined is not first and "d" in joined.roles
+    assert plan_digest(joined) != plan_digest(first) and "d" in joined.roles
     faster = planner.update(ME, [_status("b", mbps=1000.0), _status("c", mbps=20.0), _status("d", mbps=20.0)])
-    assert faster is not joined, "a tenfold faster link changes the shares beyond the threshold"
     assert faster.shares["b"] > joined.shares["b"]
     assert planner.own_share() == faster.shares["a"]
+    assert planner.digest == plan_digest(faster)
     assert "trainer" in planner.own_roles()
 
 

@@ -1,16 +1,24 @@
-"""Re-planning as the swarm changes: the DeDLOC plan from the peers' published statuses, with hysteresis.
+"""Re-planning as the swarm changes: the DeDLOC plan as a pure function of the peers' published records.
 
-Every node runs a Planner over the same records, so they reach (nearly) the same plan without a
-coordinator; each applies only its own part. Where records disagree for a moment, nothing breaks: a
-group's partition comes from the shares its members sent at matchmaking (averaging/partition.py).
+Every node must derive the identical plan from the identical records, or one node idles while its
+peer counts on it, and shares no longer sum to one. So a plan is computed from one snapshot: the
+run's status records as listed from the DHT at the epoch boundary, this node's own entry taken as
+it publishes it (never its fresher local measurement), each measurement rounded to a geometric grid
+(QUANTUM_RATIO steps) so noise between two readings doesn't change the plan, and nothing from the
+node's history (no hysteresis). `plan_digest` fingerprints a plan; nodes publish it, and `status`
+shows whether they agree. Where records disagree for a moment (a record refreshed between two
+nodes' readings), nothing breaks: a group's partition comes from the shares its members sent at
+matchmaking (averaging/partition.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from crowdtrain import proto
 from crowdtrain.averaging.plan import (
@@ -18,9 +26,7 @@ from crowdtrain.averaging.plan import (
     PeerCapabilities,
     Plan,
     PlanProblem,
-    allreduce_time_s,
     compute_plan,
-    swarm_samples_per_second,
 )
 from crowdtrain.manifest import RunManifest
 
@@ -28,9 +34,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BANDWIDTH_MBPS = 100.0
 """Taken for a peer whose links nobody has measured yet, when no peer has measured any."""
-REPLAN_THRESHOLD = 0.1
-"""With the same peers, a new plan replaces the current one only if its expected throughput is higher by
-more than this fraction than the current plan's under the same measurements (hysteresis against flapping)."""
+QUANTUM_RATIO = 2 ** (1 / 4)
+"""Measurements enter the plan rounded to powers of this ratio (steps of ~19%): a probe that reads 5% more
+than the last one rarely changes the plan, and two readings of one record always give the same plan."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,20 +60,21 @@ def plan_problem(manifest: RunManifest, num_parameters: int) -> PlanProblem:
 def swarm_capabilities(
     own_peer_id: str, own: OwnCapabilities, statuses: Sequence[proto.PeerStatus], *, aggregate_only: bool = True
 ) -> list[PeerCapabilities]:
-    """Every online peer's capabilities for the plan, this node's from its own measurements.
+    """Every online peer's capabilities for the plan, in peer-ID order, each measurement quantized.
 
-    A peer that has not measured something yet is given the median of those who have (hivemind does
-    the same for undeclared bandwidths), so one newcomer doesn't swing the plan. Without
+    This node's entry is `own`, which is what its heartbeat publishes, so every node reads the same values
+    for it. A peer that has not measured something yet is given the median of those who have (hivemind
+    does the same for undeclared bandwidths), so one newcomer doesn't swing the plan. Without
     `aggregate_only` (parameters-mode runs, where every replica steps), no peer is left out of computing.
     """
     others = [status for status in statuses if status.peer_id != own_peer_id and takes_part_in_averaging(status)]
-    measured = [_measured(status) for status in others] + [own]
+    entries = sorted([(status.peer_id, _measured(status)) for status in others] + [(own_peer_id, own)])
+    measured = [_quantized(m) for _, m in entries]
     compute = _median([m.samples_per_second for m in measured], default=1.0)
     upload = _median([m.upload_mbps for m in measured], default=DEFAULT_BANDWIDTH_MBPS)
     download = _median([m.download_mbps for m in measured], default=DEFAULT_BANDWIDTH_MBPS)
-    peers = {}
-    for peer_id, m in [(status.peer_id, _measured(status)) for status in others] + [(own_peer_id, own)]:
-        peers[peer_id] = PeerCapabilities(
+    return [
+        PeerCapabilities(
             peer_id=peer_id,
             samples_per_second=compute if m.samples_per_second is None else m.samples_per_second,
             upload_mbps=upload if m.upload_mbps is None else m.upload_mbps,
@@ -75,7 +82,35 @@ def swarm_capabilities(
             reachable=m.reachable,
             forced_role=_forced_role(m) or (None if aggregate_only or not m.reachable else "trainer"),
         )
-    return list(peers.values())
+        for (peer_id, _), m in zip(entries, measured, strict=True)
+    ]
+
+
+def quantize(value: float) -> float:
+    """`value` rounded to the nearest power of QUANTUM_RATIO (0 and non-positive values stay as they are)."""
+    if not value > 0 or not math.isfinite(value):
+        return value
+    return float(QUANTUM_RATIO ** round(math.log(value, QUANTUM_RATIO)))
+
+
+def _quantized(capabilities: OwnCapabilities) -> OwnCapabilities:
+    def rounded(value: float | None) -> float | None:
+        return None if value is None else quantize(value)
+
+    return replace(
+        capabilities,
+        samples_per_second=rounded(capabilities.samples_per_second),
+        upload_mbps=rounded(capabilities.upload_mbps),
+        download_mbps=rounded(capabilities.download_mbps),
+    )
+
+
+def plan_digest(plan: Plan) -> str:
+    """A short fingerprint of the plan's roles and shares (shares to 1e-6): equal on nodes that agree."""
+    text = ";".join(
+        f"{peer_id}:{','.join(roles)}:{plan.shares.get(peer_id, 0.0):.6f}" for peer_id, roles in plan.roles.items()
+    )
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
 
 
 def takes_part_in_averaging(status: proto.PeerStatus) -> bool:
@@ -84,7 +119,8 @@ def takes_part_in_averaging(status: proto.PeerStatus) -> bool:
 
 
 def _measured(status: proto.PeerStatus) -> OwnCapabilities:
-    measured_compute = status.measured_samples_per_second or status.samples_per_second
+    # The throughput probe's value only: the live training rate changes between two nodes' readings.
+    measured_compute = status.measured_samples_per_second
     return OwnCapabilities(
         samples_per_second=measured_compute if measured_compute > 0 else None,
         upload_mbps=status.upload_mbps if status.HasField("upload_mbps") else None,
@@ -109,41 +145,24 @@ def _median(values: Sequence[float | None], default: float) -> float:
 
 
 class Planner:
-    """Keeps the current plan; replaces it when membership changes or a new plan differs enough."""
+    """Computes the plan from the records at every epoch and keeps it; logs when this node's part changes."""
 
-    def __init__(
-        self,
-        own_peer_id: str,
-        problem: PlanProblem,
-        threshold: float = REPLAN_THRESHOLD,
-        *,
-        aggregate_only: bool = True,
-    ):
+    def __init__(self, own_peer_id: str, problem: PlanProblem, *, aggregate_only: bool = True):
         """`aggregate_only`: whether the plan may have a peer aggregate without computing (gradients mode)."""
-        self.own_peer_id, self.problem, self.threshold = own_peer_id, problem, threshold
+        self.own_peer_id, self.problem = own_peer_id, problem
         self.aggregate_only = aggregate_only
         self.plan: Plan | None = None
+        self.digest = ""
+        """`plan_digest` of the current plan; "" before any."""
 
     def update(self, own: OwnCapabilities, statuses: Sequence[proto.PeerStatus]) -> Plan:
-        """The plan to follow now, from this node's measurements and the peers' latest statuses."""
+        """The plan to follow now: a pure function of this node's published capabilities and the peers' records."""
         peers = swarm_capabilities(self.own_peer_id, own, statuses, aggregate_only=self.aggregate_only)
         candidate = compute_plan(peers, self.problem)
-        current = self.plan
-        if current is not None and current.roles.keys() == candidate.roles.keys():
-            if candidate.samples_per_second <= self._throughput_of(current, peers) * (1 + self.threshold):
-                return current  # same peers and no clear gain: keep roles steady rather than flap on noise
-        self.plan = candidate
-        self._log_change(current, candidate)
+        current, self.plan, self.digest = self.plan, candidate, plan_digest(candidate)
+        if current is None or current.roles != candidate.roles or current.shares != candidate.shares:
+            self._log_change(current, candidate)
         return candidate
-
-    def _throughput_of(self, plan: Plan, peers: Sequence[PeerCapabilities]) -> float:
-        """What `plan`'s roles and shares would give under the latest measurements (0 if now infeasible)."""
-        forced_clients = {peer.peer_id for peer in peers if peer.forced_role == "client" or not peer.reachable}
-        if any(plan.shares.get(peer_id, 0.0) > 0 for peer_id in forced_clients):
-            return 0.0
-        time_s = allreduce_time_s(peers, self.problem, plan.computes, plan.shares)
-        compute = sum(peer.samples_per_second for peer in peers if plan.computes.get(peer.peer_id, False))
-        return swarm_samples_per_second(self.problem.target_batch_size, compute, time_s)
 
     def own_share(self) -> float | None:
         """This node's share of the vector under the current plan; None before any plan."""

@@ -27,6 +27,7 @@ from crowdtrain.structured import FieldError
 MAX_MANIFEST_RECORD_BYTES = 64 * 1024
 """Cap on a SignedManifest: the model config is capped at 16 KiB, the rest is small."""
 MAX_PEER_STATUS_BYTES = 16 * 1024
+MAX_PLAN_DIGEST_CHARS = 32
 """Cap on a PeerStatus: ample for a node with a few hundred experts and a dozen addresses."""
 
 M = TypeVar("M", proto.PeerStatus, proto.SignedManifest)
@@ -121,10 +122,20 @@ def decode_peer_status(data: bytes, owner: bytes) -> proto.PeerStatus:
     status = _parse(proto.PeerStatus, data)
     if status.peer_id != peer_id_of_owner(owner).to_base58():
         raise RecordError("peer status names a peer_id that is not its owner's")
-    for name in ("samples_per_second", "loss", "upload_mbps", "download_mbps", "last_seen"):
+    for name in (
+        "samples_per_second",
+        "loss",
+        "upload_mbps",
+        "download_mbps",
+        "last_seen",
+        "measured_samples_per_second",
+        "aggregation_share",
+    ):
         value = getattr(status, name)
         if not math.isfinite(value) or (value < 0 and name != "loss"):
             raise RecordError(f"peer status has an invalid {name}: {value}")
+    if len(status.plan_digest) > MAX_PLAN_DIGEST_CHARS:
+        raise RecordError(f"peer status has a plan_digest longer than {MAX_PLAN_DIGEST_CHARS} characters")
     return status
 
 

@@ -131,6 +131,7 @@ class NodeRoles:
         status.ClearField("roles")
         status.roles.extend(self.roles())
         status.aggregation_share = self.planner.own_share() or 0.0
+        status.plan_digest = self.planner.digest
         status.measured_samples_per_second = own.samples_per_second or 0.0
         if own.upload_mbps is not None:
             status.upload_mbps = own.upload_mbps

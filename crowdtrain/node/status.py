@@ -105,6 +105,7 @@ def summarize(run_id: str, listing: RunListing | None, statuses: list[proto.Peer
         "num_peers": len(peers),
         "partial_averages": sum(peer["partial_averages"] for peer in peers),
         "num_aggregators": sum(1 for peer in peers if peer["aggregation_share"] > 0),
+        "plans_agree": _plans_agree(peers),
         "model": manifest.model.architecture if manifest else None,
         "founder": listing.published.founder_peer_id if listing else None,
         "created_at": manifest.created_at if manifest else None,
@@ -118,6 +119,12 @@ def _expert_grid(manifest: RunManifest | None, peers: list[dict[str, Any]]) -> d
     if manifest is None or manifest.moe is None:
         return None
     return grid_coverage(expert_uids(manifest), [peer["experts"] for peer in peers]).to_json()
+
+
+def _plans_agree(peers: list[dict[str, Any]]) -> bool | None:
+    """Whether every peer that has a plan follows the same one (None until any has one)."""
+    digests = {peer["plan_digest"] for peer in peers if peer["plan_digest"]}
+    return None if not digests else len(digests) == 1
 
 
 def _eta_s(accumulated: int, target: int | None, samples_per_second: float) -> float | None:
@@ -143,6 +150,7 @@ def _peer_json(status: proto.PeerStatus) -> dict[str, Any]:
         "reachable": status.reachable,
         "reachability_measured": status.reachability_measured,
         "aggregation_share": status.aggregation_share,
+        "plan_digest": status.plan_digest or None,
         "measured_samples_per_second": status.measured_samples_per_second,
         "role_override": status.role_override or None,
         "experts": list(status.experts),

@@ -116,7 +116,7 @@ class SignedManifest(_message.Message):
     def __init__(self, manifest: _Optional[bytes] = ..., founder_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("peer_id", "version", "state", "roles", "device", "samples_per_second", "epoch", "loss", "upload_mbps", "download_mbps", "reachable", "experts", "multiaddrs", "last_seen", "samples_accumulated", "run_id", "partial_averages", "local_steps", "measured_samples_per_second", "aggregation_share", "role_override", "reachability_measured")
+    __slots__ = ("peer_id", "version", "state", "roles", "device", "samples_per_second", "epoch", "loss", "upload_mbps", "download_mbps", "reachable", "experts", "multiaddrs", "last_seen", "samples_accumulated", "run_id", "partial_averages", "local_steps", "measured_samples_per_second", "aggregation_share", "role_override", "reachability_measured", "plan_digest")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ONLINE: _ClassVar[PeerStatus.State]
@@ -145,6 +145,7 @@ class PeerStatus(_message.Message):
     AGGREGATION_SHARE_FIELD_NUMBER: _ClassVar[int]
     ROLE_OVERRIDE_FIELD_NUMBER: _ClassVar[int]
     REACHABILITY_MEASURED_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     version: str
     state: PeerStatus.State
@@ -167,4 +168,5 @@ class PeerStatus(_message.Message):
     aggregation_share: float
     role_override: str
     reachability_measured: bool
-    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[PeerStatus.State, str]] = ..., roles: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., epoch: _Optional[int] = ..., loss: _Optional[float] = ..., upload_mbps: _Optional[float] = ..., download_mbps: _Optional[float] = ..., reachable: _Optional[bool] = ..., experts: _Optional[_Iterable[str]] = ..., multiaddrs: _Optional[_Iterable[str]] = ..., last_seen: _Optional[float] = ..., samples_accumulated: _Optional[int] = ..., run_id: _Optional[str] = ..., partial_averages: _Optional[int] = ..., local_steps: _Optional[int] = ..., measured_samples_per_second: _Optional[float] = ..., aggregation_share: _Optional[float] = ..., role_override: _Optional[str] = ..., reachability_measured: _Optional[bool] = ...) -> None: ...
+    plan_digest: str
+    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[PeerStatus.State, str]] = ..., roles: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., epoch: _Optional[int] = ..., loss: _Optional[float] = ..., upload_mbps: _Optional[float] = ..., download_mbps: _Optional[float] = ..., reachable: _Optional[bool] = ..., experts: _Optional[_Iterable[str]] = ..., multiaddrs: _Optional[_Iterable[str]] = ..., last_seen: _Optional[float] = ..., samples_accumulated: _Optional[int] = ..., run_id: _Optional[str] = ..., partial_averages: _Optional[int] = ..., local_steps: _Optional[int] = ..., measured_samples_per_second: _Optional[float] = ..., aggregation_share: _Optional[float] = ..., role_override: _Optional[str] = ..., reachability_measured: _Optional[bool] = ..., plan_digest: _Optional[str] = ...) -> None: ...
