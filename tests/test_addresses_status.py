@@ -215,6 +215,7 @@ def test_summary_of_each_peer() -> None:
         "local_steps": 0,
         "reachability_measured": False,
         "aggregation_share": 0.0,
+        "plan_digest": None,
         "measured_samples_per_second": 0.0,
         "role_override": None,
     }
@@ -237,6 +238,22 @@ def test_eta_from_target_and_throughput(
 ) -> None:
     status = proto.PeerStatus(peer_id=PEER_A, samples_accumulated=accumulated, samples_per_second=samples_per_second)
     assert summarize("demo", listing(target), [status])["run"]["eta_s"] == eta_s
+
+
+@pytest.mark.parametrize(
+    ("digests", "agree"),
+    [(("", ""), None), (("ab12", ""), True), (("ab12", "ab12"), True), (("ab12", "cd34"), False)],
+)
+def test_plans_agree_when_every_peer_with_a_plan_has_the_same_digest(
+    digests: tuple[str, str], agree: bool | None
+) -> None:
+    peers = [
+        proto.PeerStatus(peer_id=peer, plan_digest=digest)
+        for peer, digest in zip((PEER_A, PEER_B), digests, strict=True)
+    ]
+    snapshot = summarize("demo", None, peers)
+    assert snapshot["run"]["plans_agree"] is agree
+    assert [peer["plan_digest"] for peer in snapshot["peers"]] == [digest or None for digest in digests]
 
 
 def test_summary_without_manifest_or_peers() -> None:
