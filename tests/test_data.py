@@ -10,8 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from crowdtrain.data import WindowSampler, load_token_stream, peer_seed_from_peer_id
+from crowdtrain.data import BatchPrefetcher, WindowSampler, load_token_stream, peer_seed_from_peer_id
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import DataSpec
 from crowdtrain.models import ByteTokenizer
@@ -192,3 +193,29 @@ def test_cache_writes_leave_no_temporary_files(tmp_path: Path) -> None:
     data.write_text("text")
     load_token_stream(DataSpec(source="files", path=str(data)), ByteTokenizer(), tmp_path / "cache")
     assert [name.endswith(".npy") for name in os.listdir(tmp_path / "cache")] == [True]
+
+
+# --- prefetching ---------------------------------------------------------------------------------
+
+
+def test_prefetched_batches_are_the_samplers_across_epoch_changes() -> None:
+    sampler = WindowSampler(_position_stream(), sequence_length=16, peer_seed=1)
+    prefetcher = BatchPrefetcher(sampler, batch_size=4, device="cpu")
+    try:
+        # steps run on within an epoch; the epoch changes mid-way (a global step), and once more at once
+        for epoch, step in [(0, 0), (0, 1), (0, 2), (1, 3), (1, 4), (2, 5), (2, 6), (2, 7)]:
+            assert torch.equal(prefetcher.get(epoch, step), sampler.batch(epoch, 4, step)), (epoch, step)
+    finally:
+        prefetcher.close()
+    assert not prefetcher._thread.is_alive()
+
+
+def test_a_failing_sampler_surfaces_in_the_training_thread() -> None:
+    class Broken(WindowSampler):
+        def batch(self, epoch: int, batch_size: int, step: int) -> torch.Tensor:
+            raise OSError("the token cache vanished")
+
+    prefetcher = BatchPrefetcher(Broken(_position_stream(), 16, 1), batch_size=4, device="cpu")
+    with pytest.raises(RuntimeError, match="the token cache vanished"):
+        prefetcher.get(0, 0)
+    prefetcher.close()
