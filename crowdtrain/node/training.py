@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import hashlib
 import logging
 import math
@@ -19,7 +21,7 @@ from crowdtrain import proto
 from crowdtrain.averaging.checkpoint import load_latest_checkpoint, save_checkpoint
 from crowdtrain.averaging.collaboration import make_optimizer, moshpit_bits, refresh_moshpit_bits, set_plan_share
 from crowdtrain.averaging.exact import new_partial_counter
-from crowdtrain.data import WindowSampler, load_token_stream, peer_seed_from_peer_id
+from crowdtrain.data import BatchPrefetcher, WindowSampler, load_token_stream, peer_seed_from_peer_id
 from crowdtrain.manifest import RunManifest
 from crowdtrain.models import (
     ExpertsUnavailableError,
@@ -62,6 +64,16 @@ class Progress:
             rate if self.samples_per_second == 0 else (1 - alpha) * self.samples_per_second + alpha * rate
         )
         self.loss = loss if self.loss is None else (1 - alpha) * self.loss + alpha * loss
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SwarmView:
+    """What one re-planning read of the DHT found."""
+
+    share: float | None
+    """This node's share of each averaging round under the plan; None: no plan."""
+    statuses: list[proto.PeerStatus]
+    """The run's peers that average."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,6 +120,8 @@ class Trainer:
         self.dht, self.manifest, self.peer_id, self.private_key = dht, manifest, peer_id, private_key
         self.options, self.progress, self.known_peers = options, progress, known_peers
         self.plan_share = plan_share
+        self._replanner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="replan")
+        self._pending_view: concurrent.futures.Future[SwarmView] | None = None
         self.partial_counter = new_partial_counter()
         self._local_steps_seen = 0
         self._solo_epochs_in_a_row = 0
@@ -156,6 +170,7 @@ class Trainer:
             if not self.options.auxiliary:  # an auxiliary peer's weights never train: nothing worth resuming
                 self._checkpoint(model, optimizer)
             optimizer.shutdown()
+            self._replanner.shutdown(wait=False, cancel_futures=True)
 
     def _train(
         self,
@@ -168,10 +183,14 @@ class Trainer:
         micro_batch_size, progress = self.options.micro_batch_size, self.progress
         generator = torch.Generator(device=self.options.device).manual_seed(peer_seed_from_peer_id(self.peer_id))
         last_epoch, step = optimizer.local_epoch, 0
-        with GlobalBatchBar(enabled=self.options.show_bar, target=self.manifest.target_batch_size) as bar:
+        batches = BatchPrefetcher(sampler, micro_batch_size, self.options.device)
+        with (
+            contextlib.closing(batches),
+            GlobalBatchBar(enabled=self.options.show_bar, target=self.manifest.target_batch_size) as bar,
+        ):
             while not stop.is_set():
                 started = time.monotonic()
-                batch = sampler.batch(optimizer.local_epoch, micro_batch_size, step).to(self.options.device)
+                batch = batches.get(optimizer.local_epoch, step)
                 step += 1  # before the check below: a batch with a non-finite loss must not be drawn again
                 try:
                     loss = training_loss(model, batch, kind, generator=generator)  # type: ignore[arg-type]
@@ -226,11 +245,31 @@ class Trainer:
             f"epoch {optimizer.local_epoch}: loss {loss}, {self.progress.samples_per_second:.1f} samples/s on this node"
         )
         self._checkpoint(model, optimizer)
-        self._replan(optimizer)
+        self._replan_in_background(optimizer)
 
     def _replan(self, optimizer: hivemind.Optimizer) -> None:
-        set_plan_share(optimizer, self.plan_share())
-        statuses = self.known_peers()
+        self._apply_swarm_view(optimizer, self._read_swarm())
+
+    def _read_swarm(self) -> SwarmView:
+        """The plan's share for this node and the peers that average, from the DHT (one or two DHT reads)."""
+        return SwarmView(share=self.plan_share(), statuses=self.known_peers())
+
+    def _replan_in_background(self, optimizer: hivemind.Optimizer) -> None:
+        """At a new epoch: apply what the last background read found, and start the next read. A step never
+        waits for the DHT; the plan read at one epoch boundary applies from the next, on every node alike."""
+        pending = self._pending_view
+        if pending is not None and not pending.done():
+            return  # the DHT is slow: keep the current plan one more epoch rather than queue reads
+        if pending is not None:
+            try:
+                self._apply_swarm_view(optimizer, pending.result())
+            except Exception as e:
+                logger.warning(f"could not read the swarm's records to re-plan: {e}; keeping the current plan")
+        self._pending_view = self._replanner.submit(self._read_swarm)
+
+    def _apply_swarm_view(self, optimizer: hivemind.Optimizer, view: SwarmView) -> None:
+        set_plan_share(optimizer, view.share)
+        statuses = view.statuses
         refresh_moshpit_bits(optimizer, self.peer_id, [status.peer_id for status in statuses], self.manifest.averaging)
         # A peer still starting (measuring itself, building its model) is online but can't average yet.
         started = {status.peer_id for status in statuses if has_started(status)}
