@@ -284,6 +284,7 @@ def run_tiny_swarm(groups: ProcessGroups, root: Path, run_file: Path, num_steps:
         CROWDTRAIN_MICRO_BATCH_SIZE=str(MICRO_BATCH_SIZE),
         CROWDTRAIN_NUM_THREADS="1",
         CROWDTRAIN_CHECKPOINT_KEEP="1000000",
+        CROWDTRAIN_CHECKPOINT_INTERVAL_S="0.001",  # every epoch: the convergence arm scores each global step
         CROWDTRAIN_STATUS_INTERVAL_S="1",
     )
     say(f"convergence: starting {NUM_CONVERGENCE_NODES} daemons on {run_file.name}")

@@ -131,6 +131,7 @@ def test_status_ttl_check_applies_across_layers(tmp_path: Path) -> None:
         ({"device": "gpu"}, "device"),
         ({"role": "boss"}, "role"),
         ({"bootstrap_timeout_s": 0}, "bootstrap_timeout_s"),
+        ({"checkpoint_interval_s": 0}, "checkpoint_interval_s"),
         ({"log_format": "xml"}, "log_format"),
         ({"verbose": -1}, "verbose"),
         ({"status_interval_s": "fast"}, "status_interval_s"),
@@ -140,6 +141,16 @@ def test_status_ttl_check_applies_across_layers(tmp_path: Path) -> None:
 def test_invalid_flag_names_the_field(flags: dict[str, object], field: str) -> None:
     with pytest.raises(BadInputError, match=field):
         resolve_config(NodeConfig, flags, env={})
+
+
+def test_checkpoint_interval_from_env_and_toml(tmp_path: Path) -> None:
+    assert NodeConfig().checkpoint_interval_s == 600.0
+    config_file = write_toml(tmp_path, "checkpoint_interval_s = 120\n")
+    assert resolve_config(NodeConfig, {}, env={}, config_file=config_file).checkpoint_interval_s == 120.0
+    env = {"CROWDTRAIN_CHECKPOINT_INTERVAL_S": "0.5"}
+    assert resolve_config(NodeConfig, {}, env=env, config_file=config_file).checkpoint_interval_s == 0.5
+    with pytest.raises(BadInputError, match="CROWDTRAIN_CHECKPOINT_INTERVAL_S"):
+        resolve_config(NodeConfig, {}, env={"CROWDTRAIN_CHECKPOINT_INTERVAL_S": "hourly"})
 
 
 def test_unknown_toml_key_is_rejected_by_name(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ TRAIN_ENV = {
     "CROWDTRAIN_MICRO_BATCH_SIZE": "8",
     "CROWDTRAIN_NUM_THREADS": "1",
     "CROWDTRAIN_CHECKPOINT_KEEP": "100",
+    "CROWDTRAIN_CHECKPOINT_INTERVAL_S": "0.001",  # every epoch: the tests compare peers' checkpoints per epoch
 }
 
 

@@ -7,11 +7,13 @@ truncated or bit-flipped file is detected before torch reads it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,26 +41,37 @@ class Checkpoint:
 
 def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
     """The model's schema: every state tensor's name and shape."""
-    return {name: list(tensor.shape) for name, tensor in model.state_dict().items()}
+    return _shapes(model.state_dict())
 
 
 def save_checkpoint(
     directory: Path, epoch: int, model: torch.nn.Module, optimizer_state: dict[str, Any], keep: int
 ) -> Path:
     """Write epoch-<epoch>.pt atomically with its checksum, then delete all but the newest `keep`."""
+    return write_checkpoint(directory, epoch, model.state_dict(), optimizer_state, keep=keep)
+
+
+def write_checkpoint(
+    directory: Path,
+    epoch: int,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    *,
+    keep: int,
+    write_file: Callable[[Path, bytes | memoryview], None] | None = None,
+) -> Path:
+    """Write epoch-<epoch>.pt of these states atomically with its checksum, then delete all but the newest
+    `keep`. `write_file` (default: an atomic write with fsync) is a seam for tests. On an error the older
+    checkpoints are untouched."""
+    write_file = write_file or write_atomically
     directory.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
-    payload = {
-        "epoch": epoch,
-        "model": model.state_dict(),
-        "optimizer": optimizer_state,
-        "shapes": parameter_shapes(model),
-    }
+    payload = {"epoch": epoch, "model": model_state, "optimizer": optimizer_state, "shapes": _shapes(model_state)}
     torch.save(payload, buffer)
-    data = buffer.getvalue()
+    data = buffer.getbuffer()  # a view, not a copy: the bytes of a real model's state are a gigabyte
     path = directory / f"epoch-{epoch:08d}.pt"
-    _write_atomically(path, data)
-    _write_atomically(path.with_name(path.name + ".sha256"), hashlib.sha256(data).hexdigest().encode())
+    write_file(path, data)
+    write_file(path.with_name(path.name + ".sha256"), hashlib.sha256(data).hexdigest().encode())
     for old in list_checkpoints(directory)[:-keep]:
         _remove(old)
     return path
@@ -101,13 +114,29 @@ def load_latest_checkpoint(directory: Path, model: torch.nn.Module) -> Checkpoin
     return None
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes | memoryview) -> None:
+    """Replace `path` by `data` all at once: a crash or a full disk midway leaves the old file as it was."""
     temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # the error being raised is the one worth reporting
+            temporary.unlink(missing_ok=True)
+        raise
+
+
+def remove_temporaries(directory: Path) -> None:
+    """Delete what writes cut short (by a crash or a kill) left staged in `directory`."""
+    for path in directory.glob(".epoch-*.tmp"):
+        path.unlink(missing_ok=True)
+
+
+def _shapes(state: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    return {name: list(tensor.shape) for name, tensor in state.items()}
 
 
 def _remove(path: Path) -> None:

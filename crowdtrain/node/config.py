@@ -64,6 +64,8 @@ class NodeConfig:
     """As an expert-host: seconds between two averagings of each replicated expert with another replica."""
     checkpoint_keep: int = 3
     """How many checkpoints of the run to keep in the state dir."""
+    checkpoint_interval_s: float = 600.0
+    """Seconds between two checkpoints while training, written in the background; one more at exit."""
     log_format: str = "text"
     """text for people, json for machines."""
     verbose: int = 0
@@ -79,7 +81,12 @@ class NodeConfig:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         _check_positive(self, "bootstrap_timeout_s", "status_interval_s", "status_ttl_s", "micro_batch_size")
         _check_positive(
-            self, "checkpoint_keep", "bandwidth_probe_interval_s", "max_experts", "replica_average_interval_s"
+            self,
+            "checkpoint_keep",
+            "checkpoint_interval_s",
+            "bandwidth_probe_interval_s",
+            "max_experts",
+            "replica_average_interval_s",
         )
         if self.num_threads < 0:
             raise ValueError(f"num_threads must not be negative, got {self.num_threads}")

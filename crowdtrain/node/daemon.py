@@ -209,6 +209,7 @@ class Daemon:
             micro_batch_size=self.config.micro_batch_size,
             checkpoint_dir=state / "checkpoints" / run_id,
             checkpoint_keep=self.config.checkpoint_keep,
+            checkpoint_interval_s=self.config.checkpoint_interval_s,
             data_cache_dir=state / "data-cache",
             client_mode=roles.is_client,
             auxiliary=roles.running_auxiliary,

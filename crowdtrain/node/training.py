@@ -18,7 +18,8 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain import proto
-from crowdtrain.averaging.checkpoint import load_latest_checkpoint, save_checkpoint
+from crowdtrain.averaging.checkpoint import load_latest_checkpoint
+from crowdtrain.averaging.checkpoint_writer import CheckpointSchedule, CheckpointWriter, take_snapshot
 from crowdtrain.averaging.collaboration import make_optimizer, moshpit_bits, refresh_moshpit_bits, set_plan_share
 from crowdtrain.averaging.exact import new_partial_counter
 from crowdtrain.data import BatchPrefetcher, WindowSampler, load_token_stream, peer_seed_from_peer_id
@@ -41,6 +42,10 @@ AUXILIARY_STEP_INTERVAL_S = 0.5
 """How often an auxiliary peer steps its optimizer, which joins an averaging round once one is due."""
 EXPERT_RETRY_S = 1.0
 EXPERT_WARNING_INTERVAL_S = 60.0
+FINAL_CHECKPOINT_TIMEOUT_S = 10.0
+"""Bound on the checkpoint at shutdown (the write in flight, then the final one): the daemon leaves within
+LEAVE_DEADLINE_S (28 s), which must also cover the last micro-step, the optimizer's shutdown and the status
+withdrawal."""
 
 
 @dataclass(slots=True)
@@ -86,6 +91,8 @@ class TrainerOptions:
     """Where this run's checkpoints live."""
     checkpoint_keep: int
     """How many checkpoints to keep."""
+    checkpoint_interval_s: float = 600.0
+    """Seconds between two checkpoints while training (taken at the first new epoch after); one more at exit."""
     data_cache_dir: Path
     """Where the tokenised corpus is cached."""
     client_mode: bool
@@ -126,6 +133,8 @@ class Trainer:
         self._local_steps_seen = 0
         self._solo_epochs_in_a_row = 0
         self._next_expert_warning_at = 0.0
+        self._checkpoint_writer: CheckpointWriter | None = None
+        self._checkpoint_schedule: CheckpointSchedule | None = None
 
     def run(self, stop: threading.Event) -> None:
         manifest = self.manifest
@@ -157,6 +166,11 @@ class Trainer:
             private_key=self.private_key,
             partial_counter=self.partial_counter,
         )
+        if not self.options.auxiliary:  # an auxiliary peer's weights never train: nothing worth resuming
+            self._checkpoint_writer = CheckpointWriter(
+                directory=self.options.checkpoint_dir, keep=self.options.checkpoint_keep
+            )
+            self._checkpoint_schedule = CheckpointSchedule(interval_s=self.options.checkpoint_interval_s)
         try:
             if restored is not None:
                 optimizer.load_state_dict(restored.optimizer_state)
@@ -167,8 +181,7 @@ class Trainer:
             else:
                 self._train(model, kind, sampler, optimizer, stop)
         finally:
-            if not self.options.auxiliary:  # an auxiliary peer's weights never train: nothing worth resuming
-                self._checkpoint(model, optimizer)
+            self._final_checkpoint(model, optimizer)
             optimizer.shutdown()
             self._replanner.shutdown(wait=False, cancel_futures=True)
 
@@ -244,7 +257,7 @@ class Trainer:
         logger.info(
             f"epoch {optimizer.local_epoch}: loss {loss}, {self.progress.samples_per_second:.1f} samples/s on this node"
         )
-        self._checkpoint(model, optimizer)
+        self._checkpoint_if_due(model, optimizer)
         self._replan_in_background(optimizer)
 
     def _replan(self, optimizer: hivemind.Optimizer) -> None:
@@ -287,16 +300,27 @@ class Trainer:
                 "this node is training alone (see 'solo steps' in crowdtrain status); restart it if this persists"
             )
 
-    def _checkpoint(self, model: torch.nn.Module, optimizer: hivemind.Optimizer) -> None:
-        if optimizer.local_epoch == 0:
-            return  # nothing learned together yet; the swarm's state is what a restart should load
-        save_checkpoint(
-            self.options.checkpoint_dir,
-            optimizer.local_epoch,
-            model,
-            optimizer.state_dict(),
-            keep=self.options.checkpoint_keep,
-        )
+    def _checkpoint_if_due(self, model: torch.nn.Module, optimizer: hivemind.Optimizer) -> None:
+        """Once the interval has passed, hand a snapshot to the background writer: the step waits for a copy
+        in memory, never for the disk. While the previous write is still running, skip (and retry next epoch)."""
+        writer, schedule = self._checkpoint_writer, self._checkpoint_schedule
+        if writer is None or schedule is None or optimizer.local_epoch == 0 or not schedule.is_due():
+            return  # epoch 0: nothing learned together yet; the swarm's state is what a restart should load
+        if writer.busy:
+            logger.debug(f"checkpoint of epoch {optimizer.local_epoch} skipped: the last one is still being written")
+            return
+        writer.submit(take_snapshot(optimizer.local_epoch, model.state_dict(), optimizer.state_dict()))
+        schedule.restart()
+
+    def _final_checkpoint(self, model: torch.nn.Module, optimizer: hivemind.Optimizer) -> None:
+        """At exit: let the write in flight finish, then write the state as it is now, within a bound."""
+        writer = self._checkpoint_writer
+        if writer is None:
+            return
+        final = None
+        if optimizer.local_epoch > 0:
+            final = take_snapshot(optimizer.local_epoch, model.state_dict(), optimizer.state_dict())
+        writer.close(final, timeout_s=FINAL_CHECKPOINT_TIMEOUT_S)
 
 
 def run_seed(manifest: RunManifest) -> int:
