@@ -218,10 +218,28 @@ def test_summary_of_each_peer() -> None:
         "plan_digest": None,
         "measured_samples_per_second": 0.0,
         "role_override": None,
+        "phase_times_s": None,
     }
     assert isinstance(second["roles"], list) and second["roles"] == ["trainer"]
     assert (second["loss"], second["upload_mbps"], second["download_mbps"]) == (None, None, None)
     assert second["reachable"] is False and second["experts"] == [] and second["multiaddrs"] == []
+
+
+def test_phase_times_of_a_peer_that_completed_a_step() -> None:
+    phases = proto.PhaseTimes(compute_s=3.5, wait_s=0.25, matchmaking_s=0.5, allreduce_s=1.0, optimizer_step_s=0.125)
+    snapshot = summarize("demo", None, [proto.PeerStatus(peer_id=PEER_A, phase_times=phases), *statuses()[1:]])
+    first, second, _ = snapshot["peers"]
+    assert first["phase_times_s"] == {
+        "compute": 3.5,
+        "wait": 0.25,
+        "matchmaking": 0.5,
+        "allreduce": 1.0,
+        "state_averaging": 0.0,
+        "optimizer_step": 0.125,
+        "state_download": 0.0,
+    }
+    assert second["phase_times_s"] is None  # no global step completed yet
+    assert json.loads(json.dumps(snapshot)) == snapshot
 
 
 def test_loss_of_zero_is_not_unset() -> None:

@@ -19,6 +19,7 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from crowdtrain.averaging.collaboration import _Optimizer, chunk_timeout_s
 from crowdtrain.averaging.exact import require_complete
 from crowdtrain.averaging.partition import PartialAverageError, PlanSharesMixin
+from crowdtrain.averaging.phases import PhaseAccumulator, PhaseTimes
 from crowdtrain.manifest import AveragingSpec
 from crowdtrain.node.logs import setup_logging
 
@@ -40,6 +41,7 @@ def bare_optimizer(num_peers: int, scheduled: FakeStepControl | None = None) -> 
     optimizer.replica_diverged = False
     optimizer.num_local_gradient_steps = 0
     optimizer._parent_pid = -1  # hivemind's __del__ shuts down only what this process started
+    optimizer.phases = PhaseAccumulator()
     return optimizer
 
 
@@ -87,6 +89,19 @@ def test_a_step_alone_beside_peers_makes_the_replica_download_the_swarm_state(hi
     assert optimizer._should_load_state_from_peers(), "a replica that stepped alone is replaced before it trains on"
     optimizer.load_state_from_peers()
     assert not optimizer.replica_diverged and not optimizer._should_load_state_from_peers()
+
+
+def test_a_state_download_is_timed_as_a_phase_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = SimpleNamespace(now=0.0)
+    optimizer = bare_optimizer(3)
+    optimizer.phases = PhaseAccumulator(lambda: clock.now)
+
+    def download(self: Any, **kwargs: Any) -> None:
+        clock.now += 7.0
+
+    monkeypatch.setattr(hivemind.Optimizer, "load_state_from_peers", download)
+    optimizer.load_state_from_peers()
+    assert optimizer.phases.complete_step() == PhaseTimes(state_download_s=7.0)
 
 
 def test_a_lone_peer_stepping_alone_keeps_its_replica(hivemind_underneath: list) -> None:

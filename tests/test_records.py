@@ -23,6 +23,7 @@ from crowdtrain.dht import keys
 from crowdtrain.dht.records import (
     MAX_MANIFEST_RECORD_BYTES,
     MAX_PEER_STATUS_BYTES,
+    MAX_PHASE_SECONDS,
     RecordError,
     decode_peer_status,
     encode_peer_status,
@@ -208,6 +209,21 @@ def test_oversized_peer_status_is_refused_on_both_ends(identity: Identity) -> No
     assert len(data) > MAX_PEER_STATUS_BYTES
     with pytest.raises(RecordError, match="cap"):
         decode_peer_status(data, owner_marker(identity.private_key))
+
+
+def test_peer_status_with_phase_times_round_trips(identity: Identity) -> None:
+    phases = proto.PhaseTimes(compute_s=3.1, wait_s=0.0, allreduce_s=1.4, state_download_s=MAX_PHASE_SECONDS)
+    status = status_of(peer_id_of(identity), phase_times=phases)
+    decoded = decode_peer_status(encode_peer_status(status), owner_marker(identity.private_key))
+    assert decoded.HasField("phase_times") and decoded.phase_times == phases
+
+
+@pytest.mark.parametrize("seconds", [float("nan"), float("inf"), -float("inf"), -0.5, MAX_PHASE_SECONDS * 2])
+@pytest.mark.parametrize("phase", ["compute_s", "matchmaking_s", "state_download_s"])
+def test_peer_status_with_a_bogus_phase_time_is_rejected(identity: Identity, phase: str, seconds: float) -> None:
+    status = status_of(peer_id_of(identity), phase_times=proto.PhaseTimes(**{phase: seconds}))
+    with pytest.raises(RecordError, match=f"phase_times.{phase}"):
+        decode_peer_status(status.SerializeToString(), owner_marker(identity.private_key))
 
 
 def test_peer_status_that_is_not_protobuf_is_rejected(identity: Identity) -> None:

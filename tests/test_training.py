@@ -148,6 +148,12 @@ def max_difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tenso
 def test_restart_resumes_from_checkpoint(tmp_path: Path) -> None:
     (solo,) = start_training_swarm(tmp_path, 1)
     await_epoch(solo, [solo], 2, timeout_s=150)
+    phases = await_condition(
+        lambda: peers_by_id(status_json("--initial-peers", solo.address))[solo.peer_id]["phase_times_s"],
+        30,
+        "the phase times of a completed global step in status --json",
+    )
+    assert phases["compute"] > 0 and all(seconds >= 0 for seconds in phases.values())
     solo.signal(signal.SIGTERM)
     assert solo.wait(timeout_s=40) == 0
     saved = sorted((solo.state_dir / "checkpoints" / "tiny").glob("epoch-*.pt"))

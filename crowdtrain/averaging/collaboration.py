@@ -23,7 +23,9 @@ from hivemind.utils.crypto import RSAPrivateKey
 from crowdtrain.averaging.exact import ExactGradientAverager
 from crowdtrain.averaging.grid import initial_group_bits
 from crowdtrain.averaging.partition import PlanSharesMixin
+from crowdtrain.averaging.phases import Phase, PhaseAccumulator, wait_for_round
 from crowdtrain.averaging.schedule import learning_rate_factor
+from crowdtrain.averaging.traffic import AveragingTraffic, TrafficCountingAverager
 from crowdtrain.manifest import AveragingSpec, OptimizerSpec, RunManifest
 
 logger = logging.getLogger(__name__)
@@ -32,8 +34,25 @@ LOAD_STATE_TIMEOUT_S = 120.0
 STATE_AVERAGING_EVERY_EPOCHS = 5
 
 
-class PlannedStateAverager(PlanSharesMixin, TrainingStateAverager):
-    """hivemind's TrainingStateAverager whose all-reduce partition follows the plan's shares."""
+class PlannedStateAverager(PlanSharesMixin, TrainingStateAverager, TrafficCountingAverager):
+    """hivemind's TrainingStateAverager whose all-reduce partition follows the plan's shares; its rounds count
+    their bytes, and the time the training thread waits for one is a phase of the step."""
+
+    def __init__(self, *args: Any, phases: PhaseAccumulator | None = None, **kwargs: Any):
+        self.phases = PhaseAccumulator() if phases is None else phases
+        super().__init__(*args, **kwargs)
+
+    def step(self, **kwargs: Any) -> Any:
+        # Wraps TrainingStateAverager.step: a parameter-averaging round it runs in line (not delayed) blocks the
+        # training thread. The optimizer step inside it is measured on its own (_Optimizer's hooks), so not here.
+        if kwargs.get("averaging_round") and not kwargs.get("delay_averaging"):
+            with self.phases.measure(Phase.STATE_AVERAGING):
+                return super().step(**kwargs)
+        return super().step(**kwargs)
+
+
+class CountingGradientAverager(ExactGradientAverager, TrafficCountingAverager):
+    """The exact, plan-partitioned gradient averager, counting the bytes of its rounds."""
 
 
 class _Optimizer(hivemind.Optimizer):
@@ -44,9 +63,49 @@ class _Optimizer(hivemind.Optimizer):
     built first, so restoring the value there reaches the tracker and both averagers.
     """
 
-    def __init__(self, *, client_mode: bool, **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        client_mode: bool,
+        phases: PhaseAccumulator | None = None,
+        traffic: AveragingTraffic | None = None,
+        **kwargs: Any,
+    ):
         self._requested_client_mode = client_mode
+        self.phases = PhaseAccumulator() if phases is None else phases
+        self.traffic = AveragingTraffic.new() if traffic is None else traffic
         super().__init__(client_mode=client_mode, **kwargs)
+        # The torch optimizer steps in hivemind's own thread, inside state_averager.step: hooks time just the step.
+        torch_optimizer = self.state_averager.optimizer
+        torch_optimizer.register_step_pre_hook(self._on_optimizer_step_begins)
+        torch_optimizer.register_step_post_hook(self._on_optimizer_step_ends)
+        self._optimizer_step_began = 0.0
+
+    def _on_optimizer_step_begins(self, *_: Any) -> None:
+        self._optimizer_step_began = self.phases.clock()
+
+    def _on_optimizer_step_ends(self, *_: Any) -> None:
+        self.phases.add(Phase.OPTIMIZER_STEP, self.phases.clock() - self._optimizer_step_began)
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        # Wraps hivemind.Optimizer.step: its time outside the phases measured within (the global step, a state
+        # download, the optimizer's own step) is spent while the swarm fills the batch.
+        with self.phases.measure(Phase.WAIT):
+            return super().step(*args, **kwargs)
+
+    def _update_global_epoch(self, grad_scaler: Any) -> None:
+        # Wraps hivemind.Optimizer._update_global_epoch, the global step: its time outside the averaging phases
+        # measured within is hivemind's bookkeeping around the optimizer step, counted with it.
+        with self.phases.measure(Phase.OPTIMIZER_STEP):
+            super()._update_global_epoch(grad_scaler)
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Any) -> None:
+        # Wraps hivemind.Optimizer._average_gradients_and_load_into_optimizer, which blocks on the gradient round's
+        # result: waiting for it here first, reading the stage the averager process reports, splits that wait into
+        # matchmaking and all-reduce; hivemind's call then finds the result ready.
+        if maybe_step_control is not None:
+            wait_for_round(maybe_step_control, self.phases, self.averaging_timeout)
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
 
     def _make_state_averager(self, **kwargs: Any) -> Any:
         # hivemind's own construction (Optimizer._make_state_averager), with the plan-driven partition.
@@ -63,6 +122,8 @@ class _Optimizer(hivemind.Optimizer):
             client_mode=self.client_mode,
             auxiliary=self.auxiliary,
             start=True,
+            phases=self.phases,
+            traffic=self.traffic,
             **kwargs,
         )
 
@@ -105,7 +166,9 @@ class _Optimizer(hivemind.Optimizer):
         return bool(super()._should_load_state_from_peers())
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
-        super().load_state_from_peers(**kwargs)
+        # Also wraps hivemind.Optimizer.load_state_from_peers to time the download, a phase of its own.
+        with self.phases.measure(Phase.STATE_DOWNLOAD):
+            super().load_state_from_peers(**kwargs)
         self.replica_diverged = False
 
 
@@ -120,6 +183,8 @@ def make_optimizer(
     group_bits: str,
     private_key: RSAPrivateKey,
     partial_counter: Synchronized,
+    phases: PhaseAccumulator | None = None,
+    traffic: AveragingTraffic | None = None,
 ) -> hivemind.Optimizer:
     """The collaborative optimizer of this node for the run described by `manifest`.
 
@@ -128,7 +193,9 @@ def make_optimizer(
     other key (hivemind's default, a process-wide random key) go out unsigned and every peer
     rejects them: peers then never see each other's epoch and never resynchronise.
     `auxiliary` (gradients mode only): this peer computes nothing and only aggregates its plan share.
+    `phases` receives the time of each phase of a global step; `traffic` counts the bytes of averaging rounds.
     """
+    traffic = AveragingTraffic.new() if traffic is None else traffic
     if auxiliary and (client_mode or manifest.averaging.mode != "gradients"):
         raise ValueError("only a reachable peer of a gradients-mode run can be an auxiliary aggregator")
     averaging = manifest.averaging
@@ -138,7 +205,7 @@ def make_optimizer(
     extra: dict[str, Any] = {}
     if not use_local_updates:
         extra["grad_averager_factory"] = functools.partial(
-            ExactGradientAverager, partial_counter=partial_counter, **averager_opts
+            CountingGradientAverager, partial_counter=partial_counter, traffic=traffic, **averager_opts
         )
         extra["grad_compression"] = compression
     # Symptom worked around: hivemind's averagers set SIGINT to SIG_IGN in the *calling* process when
@@ -170,6 +237,8 @@ def make_optimizer(
             average_state_every=1 if use_local_updates else STATE_AVERAGING_EVERY_EPOCHS,
             offload_optimizer=False,
             client_mode=client_mode,
+            phases=phases,
+            traffic=traffic,
             # Parameters averaged every few epochs in gradient mode travel uncompressed, so rounding never
             # erases small updates; a downloaded state always does: fp16 flushes Adam's tiny second moments
             # to zero, and the next step divides by ~eps and blows the weights up.

@@ -29,6 +29,8 @@ MAX_MANIFEST_RECORD_BYTES = 64 * 1024
 MAX_PEER_STATUS_BYTES = 16 * 1024
 MAX_PLAN_DIGEST_CHARS = 32
 """Cap on a PeerStatus: ample for a node with a few hundred experts and a dozen addresses."""
+MAX_PHASE_SECONDS = 86_400.0
+"""Cap on each phase time of a global step in a PeerStatus: a day; writers clamp to it, readers reject more."""
 
 M = TypeVar("M", proto.PeerStatus, proto.SignedManifest)
 
@@ -136,6 +138,10 @@ def decode_peer_status(data: bytes, owner: bytes) -> proto.PeerStatus:
             raise RecordError(f"peer status has an invalid {name}: {value}")
     if len(status.plan_digest) > MAX_PLAN_DIGEST_CHARS:
         raise RecordError(f"peer status has a plan_digest longer than {MAX_PLAN_DIGEST_CHARS} characters")
+    for field in status.phase_times.DESCRIPTOR.fields:
+        seconds = getattr(status.phase_times, field.name)
+        if not (math.isfinite(seconds) and 0.0 <= seconds <= MAX_PHASE_SECONDS):
+            raise RecordError(f"peer status has an invalid phase_times.{field.name}: {seconds}")
     return status
 
 

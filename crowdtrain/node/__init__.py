@@ -3,6 +3,7 @@
 cli         `crowdtrain run|status|check`: flags, signals, exit codes
 config      NodeConfig, StatusConfig and CheckConfig, layered from flags, env, TOML and defaults
 daemon      the node's lifecycle and its heartbeat in the DHT
+metrics     the local Prometheus endpoint (metrics_port, 127.0.0.1 only)
 membership  found a run or join the swarm's run
 status      the status reader: collect, summarise, render, watch
 roles       this node's measurements, its part of the DeDLOC plan, and re-probing its links

@@ -66,6 +66,8 @@ class NodeConfig:
     """How many checkpoints of the run to keep in the state dir."""
     checkpoint_interval_s: float = 600.0
     """Seconds between two checkpoints while training, written in the background; one more at exit."""
+    metrics_port: int = 0
+    """TCP port of a Prometheus endpoint on 127.0.0.1 (never on other interfaces); 0 turns it off."""
     log_format: str = "text"
     """text for people, json for machines."""
     verbose: int = 0
@@ -77,6 +79,8 @@ class NodeConfig:
         check_multiaddrs(self.announce, "announce")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be a TCP port (1-65535) or 0 for off, got {self.metrics_port}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         _check_positive(self, "bootstrap_timeout_s", "status_interval_s", "status_ttl_s", "micro_batch_size")

@@ -36,6 +36,7 @@ from crowdtrain.node.expert_host import make_expert_supervisor
 from crowdtrain.node.identity import Identity, load_or_create_identity
 from crowdtrain.node.logs import set_log_peer
 from crowdtrain.node.membership import Membership, resolve_membership
+from crowdtrain.node.metrics import MetricsEndpoint, start_metrics_endpoint
 from crowdtrain.node.probes import ProbeService
 from crowdtrain.node.roles import LinkProber, NodeRoles
 from crowdtrain.node.statedir import exclusive_state_dir, remove_node_file, write_node_file
@@ -108,11 +109,15 @@ class Daemon:
         _check_role_fits(self.config.role, membership.manifest)
         dht.add_validators([CrowdtrainRecordValidator([run_id])])
         multiaddrs = tuple(str(address) for address in dht.get_visible_maddrs())
+        progress = Progress()
+        metrics: MetricsEndpoint | None = None
+        if self.config.metrics_port:  # before anything else starts: a port in use stops the node right away
+            metrics = start_metrics_endpoint(progress, self.config.metrics_port)
+            logger.info(f"serving metrics on http://127.0.0.1:{metrics.port}/metrics")
         if self.config.role not in ("client", "expert-host"):
             # Serving peers' probes from before node.json exists: a node that says it is up answers them.
             self.probes = ProbeService(dht)
             self.probes.start()
-        progress = Progress()
         heartbeat = Heartbeat(dht, identity, membership, self.config, device, multiaddrs, progress)
         heartbeat.beat()
         state_path = self.config.state_path
@@ -148,6 +153,8 @@ class Daemon:
             logger.info("leaving the swarm")
             heartbeat.withdraw()
             remove_node_file(state_path)
+            if metrics is not None:
+                metrics.close()
             left.set()
         if heartbeat.dht_died:
             raise CrowdtrainError("The DHT process died unexpectedly; restart the daemon (see the log above).")
@@ -297,6 +304,8 @@ class Heartbeat:
         self.status.samples_per_second = progress.samples_per_second
         self.status.partial_averages = progress.num_partial_averages
         self.status.local_steps = progress.num_local_steps
+        if progress.phase_times is not None:
+            self.status.phase_times.CopyFrom(progress.phase_times.to_proto())
         if progress.loss is not None:
             self.status.loss = progress.loss
         self.status.last_seen = time.time()

@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from crowdtrain import proto
+from crowdtrain.averaging.phases import PhaseTimes
 from crowdtrain.dht.registry import RunListing, list_peer_statuses, list_runs
 from crowdtrain.dht.swarm import SwarmOptions, join_swarm
 from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
@@ -159,7 +160,13 @@ def _peer_json(status: proto.PeerStatus) -> dict[str, Any]:
         "multiaddrs": list(status.multiaddrs),
         "partial_averages": status.partial_averages,
         "local_steps": status.local_steps,
+        "phase_times_s": _phase_times_json(status),
     }
+
+
+def _phase_times_json(status: proto.PeerStatus) -> dict[str, float] | None:
+    """Phase name -> seconds of the peer's last completed global step; None until it completed one."""
+    return PhaseTimes.from_proto(status.phase_times).to_json() if status.HasField("phase_times") else None
 
 
 def render(snapshot: dict[str, Any], now: float) -> Group:

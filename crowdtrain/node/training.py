@@ -22,6 +22,8 @@ from crowdtrain.averaging.checkpoint import load_latest_checkpoint
 from crowdtrain.averaging.checkpoint_writer import CheckpointSchedule, CheckpointWriter, take_snapshot
 from crowdtrain.averaging.collaboration import make_optimizer, moshpit_bits, refresh_moshpit_bits, set_plan_share
 from crowdtrain.averaging.exact import new_partial_counter
+from crowdtrain.averaging.phases import Phase, PhaseAccumulator, PhaseTimes
+from crowdtrain.averaging.traffic import AveragingTraffic
 from crowdtrain.data import BatchPrefetcher, WindowSampler, load_token_stream, peer_seed_from_peer_id
 from crowdtrain.manifest import RunManifest
 from crowdtrain.models import (
@@ -60,6 +62,14 @@ class Progress:
     """Averaging rounds rejected because some parts came back un-averaged."""
     num_local_steps: int = 0
     """Global steps taken with this node's gradients alone (averaging failed or found no peer)."""
+    phase_times: PhaseTimes | None = None
+    """Where the time of the last completed global step went; None until one completed."""
+    num_peers: int = 0
+    """Peers training in this run as hivemind's progress tracker last saw them, this node included."""
+    averaging_bytes_sent: int = 0
+    """Serialized tensor-part bytes this node sent in averaging rounds since it started, B."""
+    averaging_bytes_received: int = 0
+    """Serialized tensor-part bytes this node received in averaging rounds since it started, B."""
 
     def observe(self, loss: float, num_samples: int, elapsed_s: float) -> None:
         """Fold one micro-step into the exponential moving averages."""
@@ -130,6 +140,8 @@ class Trainer:
         self._replanner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="replan")
         self._pending_view: concurrent.futures.Future[SwarmView] | None = None
         self.partial_counter = new_partial_counter()
+        self.phases = PhaseAccumulator()
+        self.traffic = AveragingTraffic.new()
         self._local_steps_seen = 0
         self._solo_epochs_in_a_row = 0
         self._next_expert_warning_at = 0.0
@@ -165,6 +177,8 @@ class Trainer:
             ),
             private_key=self.private_key,
             partial_counter=self.partial_counter,
+            phases=self.phases,
+            traffic=self.traffic,
         )
         if not self.options.auxiliary:  # an auxiliary peer's weights never train: nothing worth resuming
             self._checkpoint_writer = CheckpointWriter(
@@ -205,6 +219,7 @@ class Trainer:
                 started = time.monotonic()
                 batch = batches.get(optimizer.local_epoch, step)
                 step += 1  # before the check below: a batch with a non-finite loss must not be drawn again
+                compute_began = self.phases.clock()
                 try:
                     loss = training_loss(model, batch, kind, generator=generator)  # type: ignore[arg-type]
                 except ExpertsUnavailableError as e:
@@ -216,6 +231,7 @@ class Trainer:
                     optimizer.zero_grad()
                     continue
                 loss.backward()
+                self.phases.add(Phase.COMPUTE, self.phases.clock() - compute_began)
                 optimizer.step()
                 optimizer.zero_grad()
                 progress.observe(loss.item(), micro_batch_size, time.monotonic() - started)
@@ -229,6 +245,7 @@ class Trainer:
                 progress.num_local_steps = getattr(optimizer, "num_local_gradient_steps", 0)
                 global_progress = optimizer.tracker.global_progress
                 bar.update(progress, global_progress.samples_accumulated, global_progress.num_peers)
+                self._observe_averaging(optimizer)
                 if optimizer.local_epoch != last_epoch:
                     last_epoch = optimizer.local_epoch
                     self._on_new_epoch(model, optimizer)
@@ -240,9 +257,13 @@ class Trainer:
             optimizer.step()
             self.progress.epoch = optimizer.local_epoch
             self.progress.num_partial_averages = self.partial_counter.value
+            self._observe_averaging(optimizer)
             if optimizer.local_epoch != last_epoch:
                 last_epoch = optimizer.local_epoch
-                logger.info(f"epoch {optimizer.local_epoch}: aggregated for the swarm")
+                self.progress.phase_times = self.phases.complete_step()
+                logger.info(
+                    f"epoch {optimizer.local_epoch}: aggregated for the swarm; {self.progress.phase_times.describe()}"
+                )
                 self._replan(optimizer)
 
     def _wait_for_experts(self, error: ExpertsUnavailableError, stop: threading.Event) -> None:
@@ -252,10 +273,17 @@ class Trainer:
             logger.warning(f"skipped a micro-batch: {error}; waiting for expert hosts")
         stop.wait(EXPERT_RETRY_S)
 
+    def _observe_averaging(self, optimizer: hivemind.Optimizer) -> None:
+        """Copy the swarm's size and this node's averaging traffic into `progress`, for status and metrics."""
+        self.progress.num_peers = optimizer.tracker.global_progress.num_peers
+        self.progress.averaging_bytes_sent, self.progress.averaging_bytes_received = self.traffic.totals()
+
     def _on_new_epoch(self, model: torch.nn.Module, optimizer: hivemind.Optimizer) -> None:
         loss = "?" if self.progress.loss is None else f"{self.progress.loss:.3f}"
+        self.progress.phase_times = phases = self.phases.complete_step()
         logger.info(
             f"epoch {optimizer.local_epoch}: loss {loss}, {self.progress.samples_per_second:.1f} samples/s on this node"
+            f"; {phases.describe()}"
         )
         self._checkpoint_if_due(model, optimizer)
         self._replan_in_background(optimizer)

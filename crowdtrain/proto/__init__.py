@@ -24,6 +24,7 @@ from crowdtrain.proto.records_pb2 import (
     MoESpec,
     OptimizerSpec,
     PeerStatus,
+    PhaseTimes,
     RunManifest,
     SignedManifest,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "MoESpec",
     "OptimizerSpec",
     "PeerStatus",
+    "PhaseTimes",
     "ProbeRefusal",
     "RunManifest",
     "SignedManifest",

@@ -1,0 +1,55 @@
+"""Averaging traffic: the bytes of every tensor part, counted on both ends of a real all-reduce on loopback."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import hivemind
+import pytest
+import torch
+
+from crowdtrain.averaging.partition import PlannedAverager
+from crowdtrain.averaging.traffic import AveragingTraffic, TrafficCountingAverager
+
+
+class _CountingAverager(PlannedAverager, TrafficCountingAverager):
+    """A plan-partitioned averager counting its bytes, as the optimizer's averagers do."""
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(120)
+def test_each_peer_counts_the_parts_it_sends_and_receives_as_sender_and_reducer() -> None:
+    num_elements = 1000  # fp32, uncompressed: each peer's half is 2000 bytes on the wire
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+    traffic = [AveragingTraffic.new(), AveragingTraffic.new()]
+    values = [torch.arange(num_elements, dtype=torch.float32) * (rank + 1) for rank in range(2)]
+    averagers = [
+        _CountingAverager(
+            [values[rank].clone()],
+            dht=dht,
+            prefix="traffic-test",
+            target_group_size=2,
+            min_group_size=2,
+            min_matchmaking_time=2.0,
+            request_timeout=2.0,
+            share=0.5,
+            traffic=traffic[rank],
+            start=True,
+        )
+        for rank, dht in enumerate((first, second))
+    ]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            gathered = list(pool.map(lambda averager: averager.step(timeout=60), averagers))
+        assert all(result is not None for result in gathered), "both peers found the group"
+        with averagers[0].get_tensors() as tensors:
+            assert torch.allclose(tensors[0], torch.stack(values).mean(dim=0))
+        half_bytes = num_elements // 2 * 4
+        # Each peer sends its half for the other (and gets the average back), and reduces the other's half.
+        assert traffic[0].totals() == traffic[1].totals() == (2 * half_bytes, 2 * half_bytes)
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in (first, second):
+            dht.shutdown()
