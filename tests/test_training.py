@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,7 @@ def test_peers_train_survive_a_killed_peer_and_a_late_joiner_syncs(tmp_path: Pat
         if early_loss.get(peer_id) is not None:
             assert peer["loss"] < early_loss[peer_id] + PLATEAU_NOISE, "loss falls (or holds) as the swarm trains"
         assert peer["samples_per_second"] > 0
+    assert_one_plan_and_whole_rounds(daemons[0], daemons)
 
     victim, survivors = daemons[2], daemons[:2]
     victim.signal(signal.SIGKILL)
@@ -135,6 +137,37 @@ def test_peers_train_survive_a_killed_peer_and_a_late_joiner_syncs(tmp_path: Pat
     assert distance_to_swarm < 0.25 * travelled, (
         f"joiner is {distance_to_swarm} from the swarm, which moved {travelled}"
     )
+
+    # Ctrl-C while the swarm trains (and as likely as not in an averaging round): out within 30 s, having written
+    # its checkpoint, and the swarm learns that it left at once.
+    late_peer_id = late.peer_id  # node.json goes when it leaves
+    epoch_at_signal = peers_by_id(status_json("--initial-peers", founder.address))[late_peer_id]["epoch"]
+    late.signal(signal.SIGINT)
+    started = time.monotonic()
+    assert late.wait(timeout_s=30) == 0
+    assert time.monotonic() - started < 30
+    final = max(checkpoints(late))
+    assert int(final.removeprefix("epoch-").removesuffix(".pt")) >= epoch_at_signal, "a checkpoint on the way out"
+    assert late_peer_id not in peers_by_id(status_json("--initial-peers", founder.address))
+
+
+def assert_one_plan_and_whole_rounds(observer: Daemon, daemons: list[Daemon]) -> None:
+    """Every node derives the same plan, and no averaging round came back partial while every peer lived."""
+
+    def agreed() -> dict[str, Any] | None:
+        snapshot = status_json("--initial-peers", observer.address)
+        return snapshot if snapshot["run"]["plans_agree"] and len(snapshot["peers"]) == len(daemons) else None
+
+    snapshot = await_condition(agreed, 60, "every peer to publish the same plan digest", poll_s=1)
+    assert None not in {peer["plan_digest"] for peer in snapshot["peers"]}
+    shares = sum(peer["aggregation_share"] for peer in snapshot["peers"])
+    assert shares == pytest.approx(1.0, abs=1e-6), "the plan's shares, as the peers publish them, sum to one"
+    # Steady state: every peer has joined, measured itself and caught up; the next global steps average whole.
+    partial_before = snapshot["run"]["partial_averages"]
+    later = await_epoch(observer, daemons, snapshot["run"]["epoch"] + 3, timeout_s=120)
+    assert later["run"]["partial_averages"] == partial_before, "no round came back partial between live peers"
+    for daemon in daemons:
+        assert "Traceback" not in daemon.log()
 
 
 def load_model(path: Path) -> dict[str, torch.Tensor]:
