@@ -53,10 +53,12 @@ from benchlib import (
     await_condition,
     child_env,
     environment_json,
+    exit_when_orphaned,
     memory_json,
     print_table,
     progress_rate,
     pyplot,
+    raise_keyboard_interrupt,
     save_logs,
     say,
     start_swarm,
@@ -702,11 +704,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.plain_worker or args.hivemind_worker:
-        threading.Thread(target=_exit_when_orphaned, daemon=True).start()
+        threading.Thread(target=exit_when_orphaned, daemon=True).start()
         (run_plain_worker if args.plain_worker else run_hivemind_worker)(args)
         return 0
     torch.set_num_threads(1)  # this process only coordinates
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
     print(NOISE_CAVEAT, flush=True)
     results: dict[str, Any] = {"caveat": NOISE_CAVEAT, "environment": environment_json(False)}
     results.update({"plain": {}, "hivemind": {}, "crowdtrain": {}})
@@ -740,18 +742,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {json_path}" + (f" and {png}" if saved else " (no matplotlib: no plot)"))
     print(NOISE_CAVEAT)
     return 1 if results["failed_arms"] else 0
-
-
-def _exit_when_orphaned() -> None:
-    # A worker whose benchmark died must not train on forever.
-    parent = os.getppid()
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(1)
-
-
-def _raise_keyboard_interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -46,10 +46,12 @@ from benchlib import (
     cpu_seconds_by_process,
     cpu_use,
     environment_json,
+    exit_when_orphaned,
     memory_json,
     print_table,
     progress_rate,
     pyplot,
+    raise_keyboard_interrupt,
     save_logs,
     say,
     start_swarm,
@@ -417,14 +419,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.hivemind_worker:
-        threading.Thread(target=_exit_when_orphaned, daemon=True).start()
+        threading.Thread(target=exit_when_orphaned, daemon=True).start()
         run_hivemind_worker(args)
         return 0
     if os.geteuid() != 0:
         print("bench_throughput needs root: it creates network namespaces", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
     results: dict[str, Any] = {"caveat": NOISE_CAVEAT, "environment": environment_json(args.quick)}
     groups = ProcessGroups()
     log_dir = args.out / "logs" / "throughput"
@@ -452,18 +454,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {args.out / 'throughput.json'}" + (f" and {png}" if saved else " (no matplotlib: no plot)"))
     print(NOISE_CAVEAT)
     return 0
-
-
-def _exit_when_orphaned() -> None:
-    # A worker whose benchmark died must not train on forever: the parent holds our stdin's other end.
-    parent = os.getppid()
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(1)
-
-
-def _raise_keyboard_interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

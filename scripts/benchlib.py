@@ -580,3 +580,17 @@ def save_logs(root: Path, destination: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(log, target)
     print(f"logs in {destination}/")
+
+
+def exit_when_orphaned() -> None:
+    """In a benchmark's worker (run on a daemon thread): exit once the benchmark that started it is gone, so a
+    worker never trains on forever."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def raise_keyboard_interrupt(*_: object) -> None:
+    """A SIGTERM handler: stop like Ctrl-C, so every `finally` cleans up."""
+    raise KeyboardInterrupt
