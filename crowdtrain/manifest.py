@@ -30,6 +30,7 @@ PROTOCOL_VERSION = 1
 
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 MAX_MODEL_CONFIG_BYTES = 16 * 1024
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,6 +43,10 @@ class ModelSpec:
     """Keyword arguments of the architecture's config class (treat as read-only)."""
     tokenizer: str = "bytes"
     """`bytes` for the built-in byte-level tokenizer, or a local directory with a saved tokenizer."""
+    precision: str = "auto"
+    """Compute precision of forward and backward passes: `auto` (bf16 on GPUs that have it, fp16 with loss
+    scaling on older GPUs, fp32 on CPU), `fp32`, `bf16` or `fp16` (GPUs only). Weights and optimizer state
+    stay fp32 whatever it is."""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.architecture):
@@ -50,6 +55,8 @@ class ModelSpec:
             raise ValueError(f"config is larger than {MAX_MODEL_CONFIG_BYTES} bytes as JSON")
         if not self.tokenizer:
             raise ValueError("tokenizer must be 'bytes' or a directory")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
 
 DATA_SOURCES = ("embedded", "files", "hf")

@@ -112,6 +112,8 @@ def from_message(cls: type[T], message: Message) -> T:
             data[field.name] = _parse_json_object(getattr(message, f"{field.name}_json"), field.name)
         elif typing.get_origin(hint) is tuple:
             data[field.name] = list(getattr(message, field.name))
+        elif _is_unset_optional(message, field.name):
+            continue  # added after older nodes were released: what they leave unset takes the dataclass default
         else:
             data[field.name] = getattr(message, field.name)
     return from_mapping(cls, data)
@@ -123,6 +125,12 @@ def _optional_dataclass(hint: Any) -> Any:
         return None
     options = [option for option in typing.get_args(hint) if option is not type(None)]
     return options[0] if len(options) == 1 and dataclasses.is_dataclass(options[0]) else None
+
+
+def _is_unset_optional(message: Message, name: str) -> bool:
+    """Whether `name` is an `optional` scalar field of `message` (one with presence) that was not set."""
+    descriptor = message.DESCRIPTOR.fields_by_name[name]
+    return descriptor.has_presence and not message.HasField(name)
 
 
 def _parse_json_object(text: str, name: str) -> dict[str, Any]:

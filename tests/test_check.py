@@ -53,7 +53,7 @@ def test_check_against_a_daemon_measures_links_throughput_and_role(tmp_path: Pat
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["run_id"] == "demo" and report["device"].startswith("cpu")
-    assert report["samples_per_second"] > 0
+    assert report["samples_per_second"] > 0 and report["precision"] == "fp32"
     assert report["upload_mbps"] > 0 and report["download_mbps"] > 0, report["problems"]
     assert report["reachable"] is True and report["fix"] is None
     assert report["probed_peers"] == [daemon.peer_id]

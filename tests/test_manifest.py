@@ -39,7 +39,12 @@ def test_demo_round_trips_through_protobuf() -> None:
 def test_round_trip_keeps_every_spec_field() -> None:
     manifest = RunManifest(
         run_id="r.1_x-2",
-        model=ModelSpec(architecture="AlbertForMaskedLM", config={"nested": {"a": [1, 2.5, None]}}, tokenizer="/tok"),
+        model=ModelSpec(
+            architecture="AlbertForMaskedLM",
+            config={"nested": {"a": [1, 2.5, None]}},
+            tokenizer="/tok",
+            precision="bf16",
+        ),
         data=DataSpec(source="files", path="/data/corpus", text_field="body", sequence_length=512),
         optimizer=OptimizerSpec(name="sgd", learning_rate=0.5, weight_decay=0.0, warmup_steps=0, total_steps=3),
         target_batch_size=4096,
@@ -195,3 +200,28 @@ def test_corrupt_bytes_raise_value_error_as_documented() -> None:
 def test_oversized_model_config_is_rejected() -> None:
     with pytest.raises(ValueError, match="config is larger"):
         ModelSpec(config={"blob": "x" * 17_000})
+
+
+def test_precision_defaults_to_auto_and_is_read_from_a_run_file(tmp_path: Path) -> None:
+    assert demo().model.precision == "auto"
+    manifest = load_run_file(write_run_file(tmp_path, '[model]\nprecision = "fp16"\n'))
+    assert manifest.model.precision == "fp16" and manifest.model.config == demo().model.config
+
+
+def test_unknown_precision_is_named(tmp_path: Path) -> None:
+    with pytest.raises(BadInputError, match=r"\[model\]: precision must be one of auto, fp32, bf16, fp16"):
+        load_run_file(write_run_file(tmp_path, '[model]\nprecision = "int8"\n'))
+
+
+def test_a_manifest_from_a_node_without_precision_reads_as_auto() -> None:
+    founder = dataclasses.replace(demo(), model=dataclasses.replace(demo().model, precision="bf16"))
+    message = proto.RunManifest.FromString(founder.to_bytes())
+    message.model.ClearField("precision")  # what an older node, whose proto has no such field, sends
+    assert RunManifest.from_bytes(message.SerializeToString()) == demo()
+
+
+def test_an_invalid_precision_from_bytes_names_the_field() -> None:
+    message = proto.RunManifest.FromString(demo().to_bytes())
+    message.model.precision = ""
+    with pytest.raises(FieldError, match="precision must be one of"):
+        RunManifest.from_bytes(message.SerializeToString())

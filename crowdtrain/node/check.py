@@ -29,7 +29,7 @@ from crowdtrain.dht.swarm import SwarmOptions, join_swarm
 from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
 from crowdtrain.errors import BadInputError, CrowdtrainError
 from crowdtrain.manifest import RunManifest, demo
-from crowdtrain.models import load_tokenizer, spec_parameter_count
+from crowdtrain.models import load_tokenizer, precision_for_device, spec_parameter_count
 from crowdtrain.node.addresses import DEFAULT_PORT, resolve_listen
 from crowdtrain.node.config import CheckConfig
 from crowdtrain.node.device import describe_device, resolve_device
@@ -52,6 +52,7 @@ def run_check(config: CheckConfig) -> dict[str, Any]:
         result = _swarm_report(config)
     manifest: RunManifest = result.pop("manifest")
     result["device"] = describe_device(device)
+    result["precision"] = precision_for_device(manifest.model.precision, device).name
     result["samples_per_second"] = measure_throughput(
         manifest,
         device,
@@ -261,7 +262,9 @@ def render_check(result: dict[str, Any]) -> Group:
     table.add_column()
     table.add_row("run", f"{result['run_id'] or 'none (no peers given)'}  model {result['model']}")
     table.add_row("device", result["device"])
-    table.add_row("throughput", f"{result['samples_per_second']:.1f} samples/s of the run's model")
+    table.add_row(
+        "throughput", f"{result['samples_per_second']:.1f} samples/s of the run's model in {result['precision']}"
+    )
     for direction in ("upload", "download"):
         value = result[f"{direction}_mbps"]
         table.add_row(direction, result["not_measured"] or "—" if value is None else f"{value:.1f} Mbit/s")

@@ -15,7 +15,17 @@ import torch
 
 from crowdtrain.data import WindowSampler, load_token_stream
 from crowdtrain.manifest import RunManifest
-from crowdtrain.models import build_model, load_tokenizer, model_kind, training_loss
+from crowdtrain.models import (
+    MicroStep,
+    Precision,
+    apply_tf32,
+    autocast,
+    build_model,
+    load_tokenizer,
+    model_kind,
+    precision_for_device,
+    training_loss,
+)
 from crowdtrain.node.device import describe_device
 
 logger = logging.getLogger(__name__)
@@ -42,25 +52,33 @@ def measure_throughput(
 ) -> float:
     """Samples/s of forward+backward passes of the run's model on `device` (cpu or cuda:N).
 
-    The result is cached in the JSON file `cache_path`, keyed by the model spec, sequence length,
-    micro-batch size, device, thread count and torch version. `data_cache_dir` (default: the
-    `data-cache` folder beside `cache_path`, as the daemon's) holds the tokenised corpus.
+    The passes run in the run's compute precision on this device, as training does. The result is cached
+    in the JSON file `cache_path`, keyed by the model spec, precision, sequence length, micro-batch size,
+    device, thread count and torch version. `data_cache_dir` (default: the `data-cache` folder beside
+    `cache_path`, as the daemon's) holds the tokenised corpus.
     """
-    key = cache_key(manifest, device, micro_batch_size, num_threads)
+    precision = precision_for_device(manifest.model.precision, device)
+    key = cache_key(manifest, device, micro_batch_size, num_threads, precision)
     cached = _read_cache(cache_path).get(key)
     if isinstance(cached, dict) and _is_rate(cached.get("samples_per_second")):
         return float(cached["samples_per_second"])
     cache_dir = data_cache_dir or cache_path.parent / "data-cache"
-    samples_per_second = _measure(manifest, device, micro_batch_size, num_threads, cache_dir, duration_s)
+    samples_per_second = _measure(manifest, device, precision, micro_batch_size, num_threads, cache_dir, duration_s)
     entries = _read_cache(cache_path)  # again: another process may have added entries meanwhile
-    entries[key] = {"samples_per_second": samples_per_second, "measured_at": time.time(), "device": device}
+    entries[key] = {
+        "samples_per_second": samples_per_second,
+        "measured_at": time.time(),
+        "device": device,
+        "precision": precision.name,
+    }
     _write_cache(cache_path, entries)
     return samples_per_second
 
 
-def cache_key(manifest: RunManifest, device: str, micro_batch_size: int, num_threads: int) -> str:
+def cache_key(manifest: RunManifest, device: str, micro_batch_size: int, num_threads: int, precision: Precision) -> str:
     """A hash of everything the throughput depends on."""
     description = {
+        "precision": [precision.name, precision.allows_tf32],
         "architecture": manifest.model.architecture,
         "config": manifest.model.config,
         "tokenizer": manifest.model.tokenizer,
@@ -75,7 +93,13 @@ def cache_key(manifest: RunManifest, device: str, micro_batch_size: int, num_thr
 
 
 def _measure(
-    manifest: RunManifest, device: str, micro_batch_size: int, num_threads: int, cache_dir: Path, duration_s: float
+    manifest: RunManifest,
+    device: str,
+    precision: Precision,
+    micro_batch_size: int,
+    num_threads: int,
+    cache_dir: Path,
+    duration_s: float,
 ) -> float:
     previous_threads = torch.get_num_threads()
     if num_threads:
@@ -87,10 +111,14 @@ def _measure(
         tokens = load_token_stream(manifest.data, tokenizer, cache_dir)
         sampler = WindowSampler(tokens, manifest.data.sequence_length, PROBE_SEED)
         generator = torch.Generator(device=device).manual_seed(PROBE_SEED)
+        apply_tf32(precision)
+        micro_step = MicroStep(precision, device)  # the same forward and (scaled) backward as training
 
         def step(index: int) -> None:
             batch = sampler.batch(0, micro_batch_size, index).to(device)
-            training_loss(model, batch, kind, generator=generator).backward()  # type: ignore[arg-type]
+            with autocast(precision, device):
+                loss = training_loss(model, batch, kind, generator=generator)  # type: ignore[arg-type]
+            micro_step.backward(loss)
             model.zero_grad(set_to_none=True)
 
         step(0)  # warm-up: allocations, kernel selection, lazy initialisation
@@ -106,6 +134,7 @@ def _measure(
     samples_per_second = num_steps * micro_batch_size / elapsed_s
     logger.info(
         f"throughput probe: {samples_per_second:.1f} samples/s of {manifest.model.architecture} on {device} "
+        f"in {precision.name} "
         f"({num_steps} steps of {micro_batch_size} samples in {elapsed_s:.1f} s)"
     )
     return samples_per_second

@@ -28,10 +28,14 @@ from crowdtrain.data import BatchPrefetcher, WindowSampler, load_token_stream, p
 from crowdtrain.manifest import RunManifest
 from crowdtrain.models import (
     ExpertsUnavailableError,
+    MicroStep,
+    apply_tf32,
+    autocast,
     build_dmoe_model,
     build_model,
     load_tokenizer,
     model_kind,
+    precision_for_device,
     training_loss,
 )
 from crowdtrain.node.progress_bar import GlobalBatchBar
@@ -207,9 +211,12 @@ class Trainer:
         optimizer: hivemind.Optimizer,
         stop: threading.Event,
     ) -> None:
-        micro_batch_size, progress = self.options.micro_batch_size, self.progress
-        generator = torch.Generator(device=self.options.device).manual_seed(peer_seed_from_peer_id(self.peer_id))
+        micro_batch_size, progress, device = self.options.micro_batch_size, self.progress, self.options.device
+        generator = torch.Generator(device=device).manual_seed(peer_seed_from_peer_id(self.peer_id))
         last_epoch, step = optimizer.local_epoch, 0
+        micro_step = MicroStep(precision_for_device(self.manifest.model.precision, device), device)
+        apply_tf32(micro_step.precision)
+        logger.info(f"training in {micro_step.precision.name} on {device} (weights and optimizer state in fp32)")
         batches = BatchPrefetcher(sampler, micro_batch_size, self.options.device)
         with (
             contextlib.closing(batches),
@@ -221,7 +228,8 @@ class Trainer:
                 step += 1  # before the check below: a batch with a non-finite loss must not be drawn again
                 compute_began = self.phases.clock()
                 try:
-                    loss = training_loss(model, batch, kind, generator=generator)  # type: ignore[arg-type]
+                    with autocast(micro_step.precision, device):
+                        loss = training_loss(model, batch, kind, generator=generator)  # type: ignore[arg-type]
                 except ExpertsUnavailableError as e:
                     self._wait_for_experts(e, stop)
                     optimizer.zero_grad()
@@ -230,9 +238,10 @@ class Trainer:
                     logger.warning(f"skipped a micro-batch with a non-finite loss ({loss.item()})")
                     optimizer.zero_grad()
                     continue
-                loss.backward()
+                micro_step.backward(loss)
                 self.phases.add(Phase.COMPUTE, self.phases.clock() - compute_began)
-                optimizer.step()
+                if not micro_step.step(optimizer):
+                    continue  # fp16 gradients overflowed: not counted, nothing sent; MicroStep zeroed them
                 optimizer.zero_grad()
                 progress.observe(loss.item(), micro_batch_size, time.monotonic() - started)
                 if optimizer.local_epoch > last_epoch + 1:

@@ -30,14 +30,16 @@ class RunManifest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., created_at: _Optional[float] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., target_batch_size: _Optional[int] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., moe: _Optional[_Union[MoESpec, _Mapping]] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
-    __slots__ = ("architecture", "config_json", "tokenizer")
+    __slots__ = ("architecture", "config_json", "tokenizer", "precision")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     config_json: str
     tokenizer: str
-    def __init__(self, architecture: _Optional[str] = ..., config_json: _Optional[str] = ..., tokenizer: _Optional[str] = ...) -> None: ...
+    precision: str
+    def __init__(self, architecture: _Optional[str] = ..., config_json: _Optional[str] = ..., tokenizer: _Optional[str] = ..., precision: _Optional[str] = ...) -> None: ...
 
 class DataSpec(_message.Message):
     __slots__ = ("source", "path", "text_field", "sequence_length")
