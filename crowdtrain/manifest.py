@@ -314,7 +314,68 @@ def demo_moe() -> RunManifest:
     )
 
 
-PRESETS: dict[str, Callable[[], RunManifest]] = {"demo": demo, "demo-moe": demo_moe}
+def llama_20m() -> RunManifest:
+    """A 25M-parameter LLaMA on the embedded corpus, sized for CPU benchmarks: sequence 128."""
+    return RunManifest(
+        run_id="llama-20m",
+        model=ModelSpec(config=_byte_llama_config(hidden_size=512, intermediate_size=1376, num_layers=8, num_heads=8)),
+        data=DataSpec(source="embedded", sequence_length=128),
+        optimizer=OptimizerSpec(name="adamw", learning_rate=1e-3, warmup_steps=20, total_steps=10_000),
+        target_batch_size=256,
+        averaging=AveragingSpec(mode="gradients", group_size=16, grid_dims=2, compression="fp16"),
+    )
+
+
+def llama_85m() -> RunManifest:
+    """An 85M-parameter LLaMA (GPT-2 small's shape) on the embedded corpus, for a GPU: sequence 512."""
+    return RunManifest(
+        run_id="llama-85m",
+        model=ModelSpec(
+            config=_byte_llama_config(hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12)
+        ),
+        data=DataSpec(source="embedded", sequence_length=512),
+        optimizer=OptimizerSpec(name="adamw", learning_rate=6e-4, warmup_steps=50, total_steps=10_000),
+        target_batch_size=512,
+        averaging=AveragingSpec(mode="gradients", group_size=16, grid_dims=2, compression="fp16"),
+    )
+
+
+def llama_350m() -> RunManifest:
+    """A 351M-parameter LLaMA (24 layers of width 1024) on the embedded corpus, for GPUs: sequence 512."""
+    return RunManifest(
+        run_id="llama-350m",
+        model=ModelSpec(
+            config=_byte_llama_config(hidden_size=1024, intermediate_size=3392, num_layers=24, num_heads=16)
+        ),
+        data=DataSpec(source="embedded", sequence_length=512),
+        optimizer=OptimizerSpec(name="adamw", learning_rate=3e-4, warmup_steps=100, total_steps=10_000),
+        target_batch_size=512,
+        # 0.7 GB of fp16 gradients per round: over 100 Mbit/s links a round takes about a minute.
+        averaging=AveragingSpec(mode="gradients", group_size=16, grid_dims=2, compression="fp16", timeout_s=90.0),
+    )
+
+
+def _byte_llama_config(*, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int) -> dict[str, Any]:
+    """A LlamaForCausalLM config over the byte tokenizer (260 ids), embeddings tied, as the demo's."""
+    return {
+        "vocab_size": 260,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_heads,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+    }
+
+
+PRESETS: dict[str, Callable[[], RunManifest]] = {
+    "demo": demo,
+    "demo-moe": demo_moe,
+    "llama-20m": llama_20m,
+    "llama-85m": llama_85m,
+    "llama-350m": llama_350m,
+}
 
 
 def load_run_file(name_or_path: str, *, run_id: str | None = None) -> RunManifest:

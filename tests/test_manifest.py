@@ -10,6 +10,7 @@ import pytest
 from crowdtrain import proto
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import (
+    PRESETS,
     PROTOCOL_VERSION,
     AveragingSpec,
     DataSpec,
@@ -20,6 +21,7 @@ from crowdtrain.manifest import (
     load_run_file,
     manifest_from_overrides,
 )
+from crowdtrain.models import spec_parameter_count
 from crowdtrain.structured import FieldError
 
 
@@ -225,3 +227,20 @@ def test_an_invalid_precision_from_bytes_names_the_field() -> None:
     message.model.precision = ""
     with pytest.raises(FieldError, match="precision must be one of"):
         RunManifest.from_bytes(message.SerializeToString())
+
+
+@pytest.mark.parametrize(
+    "name, low, high",
+    [("llama-20m", 15e6, 30e6), ("llama-85m", 84e6, 86e6), ("llama-350m", 330e6, 370e6)],
+)
+def test_real_size_presets_have_their_parameter_counts_and_round_trip(name: str, low: float, high: float) -> None:
+    manifest = load_run_file(name)
+    assert low <= spec_parameter_count(manifest.model, 260) <= high  # on the meta device: nothing allocated
+    assert manifest.run_id == name and manifest.data.source == "embedded"
+    assert manifest.model.config["max_position_embeddings"] >= manifest.data.sequence_length
+    assert RunManifest.from_bytes(manifest.to_bytes()) == manifest
+
+
+def test_every_preset_round_trips_through_protobuf() -> None:
+    for build in PRESETS.values():
+        assert RunManifest.from_bytes(build().to_bytes()) == build()
