@@ -234,16 +234,19 @@ class Trainer:
                     self._wait_for_experts(e, stop)
                     optimizer.zero_grad()
                     continue
-                if not math.isfinite(loss.item()):
-                    logger.warning(f"skipped a micro-batch with a non-finite loss ({loss.item()})")
+                micro_step.backward(loss)
+                # One wait for the device per micro-batch, after the backward pass is queued (reading the loss
+                # before it stalled the GPU between forward and backward).
+                loss_value = loss.item()
+                self.phases.add(Phase.COMPUTE, self.phases.clock() - compute_began)
+                if not math.isfinite(loss_value):
+                    logger.warning(f"skipped a micro-batch with a non-finite loss ({loss_value})")
                     optimizer.zero_grad()
                     continue
-                micro_step.backward(loss)
-                self.phases.add(Phase.COMPUTE, self.phases.clock() - compute_began)
                 if not micro_step.step(optimizer):
                     continue  # fp16 gradients overflowed: not counted, nothing sent; MicroStep zeroed them
                 optimizer.zero_grad()
-                progress.observe(loss.item(), micro_batch_size, time.monotonic() - started)
+                progress.observe(loss_value, micro_batch_size, time.monotonic() - started)
                 if optimizer.local_epoch > last_epoch + 1:
                     # This step caught up by loading the swarm's state: the losses so far were those of weights
                     # this node no longer has, so its published loss starts afresh with the next micro-batch.
