@@ -31,7 +31,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,7 +66,15 @@ from benchlib import (
 
 from crowdtrain.data import load_token_stream
 from crowdtrain.manifest import PRESETS, RunManifest, load_run_file
-from crowdtrain.models import count_parameters, load_tokenizer, model_kind, training_loss
+from crowdtrain.models import (
+    apply_tf32,
+    autocast,
+    count_parameters,
+    load_tokenizer,
+    model_kind,
+    precision_for_device,
+    training_loss,
+)
 
 RUN_ID = "bench-realmodel"
 STATUS_INTERVAL_S = 2.0
@@ -140,24 +147,9 @@ def _toml_value(value: Any) -> str:
     raise BenchError(f"cannot write {value!r} into a run file")
 
 
-def manifest_precision(manifest: RunManifest) -> str:
-    """The manifest's compute precision setting, wherever it lives; `auto` while the manifest has none."""
-    for owner in (manifest, *(getattr(manifest, f.name) for f in dataclasses.fields(manifest))):
-        if dataclasses.is_dataclass(owner):
-            for name in ("precision", "compute_precision"):
-                value = getattr(owner, name, None)
-                if isinstance(value, str):
-                    return value
-    return "auto"
-
-
 def resolve_precision(setting: str, device: str) -> str:
-    """fp32, bf16 or fp16, as issue 12 has crowdtrain choose: `auto` is fp32 on CPU, bf16 (else fp16) on CUDA."""
-    if setting != "auto":
-        return setting
-    if device == "cpu":
-        return "fp32"
-    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    """fp32, bf16 or fp16: what a crowdtrain node on `device` (cpu or cuda) computes in for `setting`."""
+    return precision_for_device(setting, "cuda:0" if device == "cuda" else "cpu").name
 
 
 # --- The loops the plain and hivemind workers run -------------------------------------------------------------
@@ -171,25 +163,18 @@ class MicroBatches:
             torch.set_num_threads(args.threads)
         self.manifest = load_run_file(args.run_file)
         self.device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
-        self.precision = resolve_precision(args.precision, args.device)
-        if self.precision != "fp32" and self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+        self.resolved = precision_for_device(args.precision, str(self.device))
+        self.precision = self.resolved.name
+        apply_tf32(self.resolved)
         self.model = initial_model(self.manifest).to(self.device)
         self.kind = model_kind(self.manifest.model)
         self.sampler = load_sampler(self.manifest, args.cache_dir, name)
         self.micro_batch = args.micro_batch
         self.generator = torch.Generator(device=self.device).manual_seed(0)
 
-    def autocast(self) -> Any:
-        if self.precision == "fp32":
-            return nullcontext()
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
-        return torch.autocast(device_type=self.device.type, dtype=dtype)
-
     def loss(self, epoch: int, step: int) -> torch.Tensor:
         batch = self.sampler.batch(epoch, self.micro_batch, step).to(self.device, non_blocking=True)
-        with self.autocast():
+        with autocast(self.resolved, str(self.device)):
             return training_loss(self.model, batch, self.kind, generator=self.generator)  # type: ignore[arg-type]
 
     def optimizer_kwargs(self) -> dict[str, Any]:
@@ -645,14 +630,14 @@ def prepare(args: argparse.Namespace, groups: ProcessGroups, root: Path) -> tupl
     write_run_file(manifest, run_file)
     tokenizer = load_tokenizer(manifest.model)
     load_token_stream(manifest.data, tokenizer, root / "data-cache")  # tokenise once, not per worker
-    precision = resolve_precision(args.precision or manifest_precision(manifest), args.device)
+    precision = resolve_precision(args.precision or manifest.model.precision, args.device)
     bench = Bench(args=args, groups=groups, root=root, run_file=run_file, manifest=manifest, precision=precision)
     settings = {
         "model": args.model,
         "num_parameters": count_parameters(initial_model(manifest)),
         "device": args.device,
         "precision": precision,
-        "crowdtrain_precision_setting": manifest_precision(manifest),
+        "crowdtrain_precision_setting": manifest.model.precision,
         "sequence_length": args.sequence_length,
         "micro_batch": args.micro_batch,
         "target_batch": args.target_batch,
