@@ -1,26 +1,37 @@
 """Regression tests for the root causes of partial and solo rounds between live peers (issue 12).
 
-Each test drives one crowdtrain override of hivemind's Optimizer or averager with hivemind's own method
-underneath replaced by a recorder: pure logic, no DHT.
+Most tests drive one crowdtrain override of hivemind's Optimizer or averager with hivemind's own method
+underneath replaced by a recorder: pure logic, no DHT. The accumulation test runs a real lone optimizer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import hivemind
 import pytest
+import torch
 from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.utils.crypto import RSAPrivateKey
 
-from crowdtrain.averaging.collaboration import _Optimizer, chunk_timeout_s
-from crowdtrain.averaging.exact import require_complete
+from crowdtrain.averaging.collaboration import (
+    _Optimizer,
+    chunk_timeout_s,
+    clear_micro_batch_gradients,
+    discard_local_gradients,
+    make_optimizer,
+    reuses_grad_buffers,
+)
+from crowdtrain.averaging.exact import new_partial_counter, require_complete
 from crowdtrain.averaging.partition import PartialAverageError, PlanSharesMixin
 from crowdtrain.averaging.phases import PhaseAccumulator, PhaseTimes
-from crowdtrain.manifest import AveragingSpec
+from crowdtrain.manifest import AveragingSpec, demo
 from crowdtrain.node.logs import setup_logging
 
 
@@ -178,3 +189,56 @@ def test_an_unexpected_error_in_a_round_keeps_its_traceback(
     setup_logging("text", 0)
     run_partial_round(ZeroDivisionError("a bug of ours"))
     assert "Traceback" in capsys.readouterr().err
+
+
+def _one_global_step(*, reuse_grad_buffers: bool, poison_second: bool = False) -> tuple[torch.Tensor, int]:
+    """A lone peer's real hivemind.Optimizer over a linear model: target 8 in micro-batches of 2, the same data
+    either way. Returns the weights after the first global step and the samples reported before it."""
+    manifest = dataclasses.replace(demo(), target_batch_size=8)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    inputs = torch.randn(8, 2, 4)
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
+    optimizer = make_optimizer(
+        dht=dht,
+        manifest=manifest,
+        parameters=model.parameters(),
+        micro_batch_size=2,
+        client_mode=False,
+        group_bits="",
+        private_key=RSAPrivateKey(),
+        partial_counter=new_partial_counter(),
+        reuse_grad_buffers=reuse_grad_buffers,
+    )
+    try:
+        assert reuses_grad_buffers(optimizer) == reuse_grad_buffers
+        reported, micro_batch = 0, 0
+        while optimizer.local_epoch == 0:
+            loss = model(inputs[micro_batch]).square().mean()
+            if poison_second and micro_batch == 1:
+                loss = loss * float("nan")
+            loss.backward()
+            micro_batch += 1
+            if not math.isfinite(loss.item()):
+                discard_local_gradients(optimizer)
+                continue
+            reported = optimizer.tracker.local_progress.samples_accumulated + 2
+            optimizer.step()
+            clear_micro_batch_gradients(optimizer)
+        return model.weight.detach().clone(), reported
+    finally:
+        optimizer.shutdown()
+        dht.shutdown()
+
+
+@pytest.mark.swarm
+def test_grad_buffers_as_accumulator_give_the_same_step_and_a_nan_drops_the_batch() -> None:
+    copied, copied_samples = _one_global_step(reuse_grad_buffers=False)
+    reused, reused_samples = _one_global_step(reuse_grad_buffers=True)
+    assert copied_samples == reused_samples == 8
+    torch.testing.assert_close(reused, copied)
+    # A NaN micro-batch summed into .grad can't be taken out alone: this node's whole batch is dropped (its
+    # samples count from zero again) and the step that follows is finite.
+    after_nan, _ = _one_global_step(reuse_grad_buffers=True, poison_second=True)
+    assert torch.isfinite(after_nan).all()
+    assert not torch.equal(after_nan, copied)  # the micro-batches before the NaN were not part of the step

@@ -185,6 +185,7 @@ def make_optimizer(
     partial_counter: Synchronized,
     phases: PhaseAccumulator | None = None,
     traffic: AveragingTraffic | None = None,
+    reuse_grad_buffers: bool = False,
 ) -> hivemind.Optimizer:
     """The collaborative optimizer of this node for the run described by `manifest`.
 
@@ -194,6 +195,9 @@ def make_optimizer(
     rejects them: peers then never see each other's epoch and never resynchronise.
     `auxiliary` (gradients mode only): this peer computes nothing and only aggregates its plan share.
     `phases` receives the time of each phase of a global step; `traffic` counts the bytes of averaging rounds.
+    `reuse_grad_buffers` (gradients mode, no loss scaler): the parameters' `.grad` is the accumulator of the
+    global batch, which saves a copy of every gradient per micro-batch and one model-sized buffer; the caller
+    must then never zero gradients itself (see `discard_local_gradients`, `clear_micro_batch_gradients`).
     """
     traffic = AveragingTraffic.new() if traffic is None else traffic
     if auxiliary and (client_mode or manifest.averaging.mode != "gradients"):
@@ -208,6 +212,9 @@ def make_optimizer(
             CountingGradientAverager, partial_counter=partial_counter, traffic=traffic, **averager_opts
         )
         extra["grad_compression"] = compression
+        extra["reuse_grad_buffers"] = reuse_grad_buffers
+    elif reuse_grad_buffers:
+        raise ValueError("only a gradients-mode run accumulates gradients: parameters mode steps every micro-batch")
     # Symptom worked around: hivemind's averagers set SIGINT to SIG_IGN in the *calling* process when
     # they start (DecentralizedAverager.run_in_background), so Ctrl-C would no longer stop the daemon.
     sigint_handler = signal.getsignal(signal.SIGINT)
@@ -251,6 +258,35 @@ def make_optimizer(
         )
     finally:
         signal.signal(signal.SIGINT, sigint_handler)
+
+
+def reuses_grad_buffers(optimizer: hivemind.Optimizer) -> bool:
+    """Whether the parameters' `.grad` accumulates the global batch (see make_optimizer)."""
+    averager = getattr(optimizer, "grad_averager", None)
+    return averager is not None and bool(averager.reuse_grad_buffers)
+
+
+def clear_micro_batch_gradients(optimizer: hivemind.Optimizer) -> None:
+    """After a micro-batch's `optimizer.step()`: zero `.grad` for the next one, unless `.grad` is the accumulator.
+
+    Zeroed in place: freeing and re-allocating a model-sized buffer every micro-batch costs page faults on a CPU.
+    """
+    if not reuses_grad_buffers(optimizer):
+        optimizer.zero_grad(set_to_none=False)
+
+
+def discard_local_gradients(optimizer: hivemind.Optimizer) -> None:
+    """A micro-batch's gradients are unusable (a non-finite loss) and must not reach the swarm's average.
+
+    When `.grad` accumulates the global batch, the bad gradients are already summed into it and can't be taken
+    out alone: this node's whole contribution since the last global step is dropped, and its reported samples
+    go back to zero, as hivemind does on an fp16 overflow.
+    """
+    if reuses_grad_buffers(optimizer):
+        optimizer.grad_averager.reset_accumulated_grads_()
+        optimizer.tracker.report_local_progress(optimizer.local_epoch, 0)
+    else:
+        optimizer.zero_grad(set_to_none=False)
 
 
 def set_plan_share(optimizer: hivemind.Optimizer, share: float | None) -> None:

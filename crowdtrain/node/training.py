@@ -20,7 +20,14 @@ from hivemind.utils.crypto import RSAPrivateKey
 from crowdtrain import proto
 from crowdtrain.averaging.checkpoint import load_latest_checkpoint
 from crowdtrain.averaging.checkpoint_writer import CheckpointSchedule, CheckpointWriter, take_snapshot
-from crowdtrain.averaging.collaboration import make_optimizer, moshpit_bits, refresh_moshpit_bits, set_plan_share
+from crowdtrain.averaging.collaboration import (
+    clear_micro_batch_gradients,
+    discard_local_gradients,
+    make_optimizer,
+    moshpit_bits,
+    refresh_moshpit_bits,
+    set_plan_share,
+)
 from crowdtrain.averaging.exact import new_partial_counter
 from crowdtrain.averaging.phases import Phase, PhaseAccumulator, PhaseTimes
 from crowdtrain.averaging.traffic import AveragingTraffic
@@ -29,6 +36,7 @@ from crowdtrain.manifest import RunManifest
 from crowdtrain.models import (
     ExpertsUnavailableError,
     MicroStep,
+    Precision,
     apply_tf32,
     autocast,
     build_dmoe_model,
@@ -183,6 +191,10 @@ class Trainer:
             partial_counter=self.partial_counter,
             phases=self.phases,
             traffic=self.traffic,
+            # .grad accumulates the global batch, unless a loss scaler must unscale each micro-batch on its own.
+            reuse_grad_buffers=manifest.averaging.mode == "gradients"
+            and not self.options.auxiliary
+            and not self._precision().uses_grad_scaler,
         )
         if not self.options.auxiliary:  # an auxiliary peer's weights never train: nothing worth resuming
             self._checkpoint_writer = CheckpointWriter(
@@ -214,7 +226,7 @@ class Trainer:
         micro_batch_size, progress, device = self.options.micro_batch_size, self.progress, self.options.device
         generator = torch.Generator(device=device).manual_seed(peer_seed_from_peer_id(self.peer_id))
         last_epoch, step = optimizer.local_epoch, 0
-        micro_step = MicroStep(precision_for_device(self.manifest.model.precision, device), device)
+        micro_step = MicroStep(self._precision(), device)
         apply_tf32(micro_step.precision)
         logger.info(f"training in {micro_step.precision.name} on {device} (weights and optimizer state in fp32)")
         batches = BatchPrefetcher(sampler, micro_batch_size, self.options.device)
@@ -231,8 +243,7 @@ class Trainer:
                     with autocast(micro_step.precision, device):
                         loss = training_loss(model, batch, kind, generator=generator)  # type: ignore[arg-type]
                 except ExpertsUnavailableError as e:
-                    self._wait_for_experts(e, stop)
-                    optimizer.zero_grad()
+                    self._wait_for_experts(e, stop)  # the forward pass failed: no gradient was added
                     continue
                 micro_step.backward(loss)
                 # One wait for the device per micro-batch, after the backward pass is queued (reading the loss
@@ -241,11 +252,11 @@ class Trainer:
                 self.phases.add(Phase.COMPUTE, self.phases.clock() - compute_began)
                 if not math.isfinite(loss_value):
                     logger.warning(f"skipped a micro-batch with a non-finite loss ({loss_value})")
-                    optimizer.zero_grad()
+                    discard_local_gradients(optimizer)
                     continue
                 if not micro_step.step(optimizer):
                     continue  # fp16 gradients overflowed: not counted, nothing sent; MicroStep zeroed them
-                optimizer.zero_grad()
+                clear_micro_batch_gradients(optimizer)
                 progress.observe(loss_value, micro_batch_size, time.monotonic() - started)
                 if optimizer.local_epoch > last_epoch + 1:
                     # This step caught up by loading the swarm's state: the losses so far were those of weights
@@ -261,6 +272,9 @@ class Trainer:
                 if optimizer.local_epoch != last_epoch:
                     last_epoch = optimizer.local_epoch
                     self._on_new_epoch(model, optimizer)
+
+    def _precision(self) -> Precision:
+        return precision_for_device(self.manifest.model.precision, self.options.device)
 
     def _assist(self, optimizer: hivemind.Optimizer, stop: threading.Event) -> None:
         """Aggregate for the swarm without computing: each auxiliary step joins the round when one is due."""
