@@ -1,12 +1,21 @@
 """crowdtrain: a peer-to-peer volunteer training daemon built on hivemind.
 
-Package map:
-  proto/      protobuf records stored in the DHT
+Package map, from the top down; a package may import only those below it (tests/test_layers.py):
+  cli/        the command line: `run`, `status`, `check`; flags, exit codes, rendering of reports
+  node/       the daemon's lifecycle: config, identity, state dir, join, heartbeats, leave
+  training/   the training loop, checkpoints, the throughput probe
+  planning/   the DeDLOC plan and this node's roles from measured capabilities
+  links/      measuring links: bandwidth and reachability probes
+  averaging/  all-reduce machinery: Moshpit groups, plan-partitioned rounds, exactness, phases, traffic
+  moe/        DMoE expert hosting: placement, replicas, the host's supervisor
+  models/     model builders from a manifest, precision, the training device
+  data/       datasets: the embedded corpus, local files, HF datasets; per-peer sampling
   dht/        the run's DHT schema: key names, record codecs, validators, bootstrap
-  node/       the daemon and its CLI: config, identity, lifecycle, status
   manifest    the run manifest: what a run trains, on what, and how (types, presets, TOML)
   structured  typed parsing of mappings (TOML, env) and protobuf messages into frozen dataclasses
+  proto/      protobuf records stored in the DHT and the node's own RPC messages
   errors      exceptions that carry the CLI's exit code
+See ARCHITECTURE.md for how a global step flows through them.
 """
 
 __version__ = "0.1.0"

@@ -505,7 +505,7 @@ def bench_hetero(
 ) -> dict[str, Any]:
     from hivemind.averaging.load_balancing import load_balance_peers
 
-    from crowdtrain.averaging.plan import (
+    from crowdtrain.planning.plan import (
         PeerCapabilities,
         PlanProblem,
         allreduce_time_s,

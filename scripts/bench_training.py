@@ -60,13 +60,13 @@ from benchlib import (
     summarize_snapshots,
 )
 
-from crowdtrain.averaging.checkpoint import Checkpoint, list_checkpoints, load_checkpoint
 from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.data import WindowSampler, load_token_stream, peer_seed_from_peer_id
 from crowdtrain.manifest import RunManifest, demo, load_run_file
 from crowdtrain.models import build_model, load_tokenizer, model_kind, training_loss
 from crowdtrain.models.build import ModelKind
-from crowdtrain.node.training import run_seed
+from crowdtrain.training.checkpoint import Checkpoint, list_checkpoints, load_checkpoint
+from crowdtrain.training.loop import run_seed
 
 MICRO_BATCH_SIZE = 8
 EVAL_BATCH_SIZE, NUM_EVAL_BATCHES = 8, 8

@@ -13,13 +13,13 @@ import pytest
 from rich.console import Console, Group
 
 from crowdtrain import proto
+from crowdtrain.cli.status import render, summarize
 from crowdtrain.dht.records import PublishedManifest
 from crowdtrain.dht.registry import RunListing
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import demo
 from crowdtrain.node import addresses
 from crowdtrain.node.addresses import port_is_free, resolve_listen, shareable_address
-from crowdtrain.node.status import render, summarize
 
 PEER_A = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 PEER_B = "QmcgpsyWgH8Y8ajJz1Cu72KnS5uo2Aa2LpzU7kinSupNKC"

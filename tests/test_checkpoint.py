@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from crowdtrain.averaging import checkpoint as checkpoint_module
-from crowdtrain.averaging.checkpoint import (
+from crowdtrain.averaging.schedule import learning_rate_factor
+from crowdtrain.manifest import OptimizerSpec, demo
+from crowdtrain.training import checkpoint as checkpoint_module
+from crowdtrain.training.checkpoint import (
     CheckpointError,
     list_checkpoints,
     load_checkpoint,
@@ -22,15 +24,13 @@ from crowdtrain.averaging.checkpoint import (
     save_checkpoint,
     write_atomically,
 )
-from crowdtrain.averaging.checkpoint_writer import (
+from crowdtrain.training.checkpoint_writer import (
     CheckpointSchedule,
     CheckpointSnapshot,
     CheckpointWriter,
     take_snapshot,
 )
-from crowdtrain.averaging.schedule import learning_rate_factor
-from crowdtrain.manifest import OptimizerSpec, demo
-from crowdtrain.node.training import Progress, Trainer
+from crowdtrain.training.loop import Progress, Trainer
 
 
 def make_model(seed: int) -> torch.nn.Module:
@@ -200,7 +200,7 @@ def test_submit_returns_while_the_write_blocks_and_a_second_submit_is_skipped(
     assert writer.submit(first), "accepted at once"
     assert write.entered.wait(DEADLINE_S), "the writer thread started the write"
     assert writer.busy and not list_checkpoints(tmp_path), "submit returned while the disk write is blocked"
-    with caplog.at_level(logging.DEBUG, logger="crowdtrain.averaging.checkpoint_writer"):
+    with caplog.at_level(logging.DEBUG, logger="crowdtrain.training.checkpoint_writer"):
         assert not writer.submit(snapshot_of(2)), "one write in flight at most"
     assert "skipped the checkpoint of epoch 2" in caplog.text
     write.release.set()

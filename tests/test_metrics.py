@@ -12,7 +12,7 @@ from crowdtrain.averaging.phases import PhaseTimes
 from crowdtrain.errors import BadInputError
 from crowdtrain.node.config import NodeConfig
 from crowdtrain.node.metrics import MetricsEndpoint, start_metrics_endpoint
-from crowdtrain.node.training import Progress
+from crowdtrain.training.loop import Progress
 
 
 @pytest.fixture

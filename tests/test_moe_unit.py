@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from crowdtrain import proto
+from crowdtrain.cli.status import render, summarize
 from crowdtrain.dht.records import PublishedManifest
 from crowdtrain.dht.registry import RunListing
 from crowdtrain.errors import BadInputError
@@ -24,7 +25,6 @@ from crowdtrain.manifest import (
 from crowdtrain.models.dmoe import _decoder_layers
 from crowdtrain.moe.experts import build_expert, make_backend
 from crowdtrain.node.config import NodeConfig
-from crowdtrain.node.status import render, summarize
 from crowdtrain.structured import FieldError
 
 

@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from crowdtrain import proto
-from crowdtrain.averaging.plan import PlanProblem
-from crowdtrain.node.roles import LinkProber, NodeRoles
+from crowdtrain.planning.plan import PlanProblem
+from crowdtrain.planning.roles import LinkProber, NodeRoles
 
 PROBLEM = PlanProblem(vector_size_bytes=1_000_000, target_batch_size=256)
 

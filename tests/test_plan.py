@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 from scipy.optimize import linprog
 
-from crowdtrain.averaging import plan as plan_module
-from crowdtrain.averaging.plan import (
+from crowdtrain.planning import plan as plan_module
+from crowdtrain.planning.plan import (
     NO_AGGREGATOR,
     PeerCapabilities,
     Plan,
@@ -313,7 +313,7 @@ def test_a_solver_failure_falls_back_to_an_equal_split(
         plan_module, "linprog", lambda *args, **kwargs: SimpleNamespace(status=4, message="numerical trouble")
     )
     peers = [peer("fast", mbps=1000.0), peer("slow1"), peer("slow2"), peer("nat", reachable=False)]
-    with caplog.at_level(logging.WARNING, logger="crowdtrain.averaging.plan"):
+    with caplog.at_level(logging.WARNING, logger="crowdtrain.planning.plan"):
         plan = compute_plan(peers, PROBLEM)
     assert plan.solver == "equal-split fallback: numerical trouble"
     assert plan.shares == {"fast": 1 / 3, "nat": 0.0, "slow1": 1 / 3, "slow2": 1 / 3}

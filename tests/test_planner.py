@@ -9,8 +9,9 @@ from dataclasses import replace
 import pytest
 
 from crowdtrain import proto
-from crowdtrain.averaging.plan import PlanProblem
-from crowdtrain.averaging.planner import (
+from crowdtrain.manifest import demo
+from crowdtrain.planning.plan import PlanProblem
+from crowdtrain.planning.planner import (
     DEFAULT_BANDWIDTH_MBPS,
     OwnCapabilities,
     Planner,
@@ -19,7 +20,6 @@ from crowdtrain.averaging.planner import (
     quantize,
     swarm_capabilities,
 )
-from crowdtrain.manifest import demo
 
 PROBLEM = PlanProblem(vector_size_bytes=10_000_000, target_batch_size=1024)
 ME = OwnCapabilities(samples_per_second=100.0, upload_mbps=100.0, download_mbps=100.0, reachable=True)

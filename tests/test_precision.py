@@ -12,7 +12,7 @@ import torch
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import demo
 from crowdtrain.models import MicroStep, Precision, autocast, resolve_precision
-from crowdtrain.node.throughput import cache_key, measure_throughput
+from crowdtrain.training.throughput import cache_key, measure_throughput
 
 
 @pytest.mark.parametrize("setting, name", [("auto", "fp32"), ("fp32", "fp32"), ("bf16", "bf16")])

@@ -10,7 +10,7 @@ import hivemind
 import pytest
 
 from crowdtrain import proto
-from crowdtrain.node.probes import BandwidthSample, ProbeLimiter, ProbeLimits, ProbeService
+from crowdtrain.links.probes import BandwidthSample, ProbeLimiter, ProbeLimits, ProbeService
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 

@@ -8,7 +8,7 @@ import pytest
 
 from crowdtrain import proto
 from crowdtrain.manifest import demo
-from crowdtrain.node.training import SOLO_EPOCHS_BEFORE_WARNING, Progress, Trainer, has_started
+from crowdtrain.training.loop import SOLO_EPOCHS_BEFORE_WARNING, Progress, Trainer, has_started
 
 
 def make_trainer(progress: Progress) -> Trainer:

@@ -15,7 +15,6 @@ from pathlib import Path
 import hivemind
 
 from crowdtrain import __version__, proto
-from crowdtrain.averaging.planner import plan_problem
 from crowdtrain.dht.records import owner_marker
 from crowdtrain.dht.registry import list_peer_statuses, list_runs, publish_manifest, publish_peer_status
 from crowdtrain.dht.swarm import (
@@ -26,23 +25,24 @@ from crowdtrain.dht.swarm import (
 )
 from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
 from crowdtrain.errors import BadInputError, CrowdtrainError
+from crowdtrain.links.probes import ProbeService
 from crowdtrain.manifest import RunManifest
 from crowdtrain.models import load_tokenizer, spec_parameter_count
+from crowdtrain.models.device import describe_device, resolve_device
 from crowdtrain.moe import ExpertSupervisor
 from crowdtrain.node.addresses import resolve_listen, shareable_address
 from crowdtrain.node.config import NodeConfig
-from crowdtrain.node.device import describe_device, resolve_device
 from crowdtrain.node.expert_host import make_expert_supervisor
 from crowdtrain.node.identity import Identity, load_or_create_identity
 from crowdtrain.node.logs import set_log_peer
 from crowdtrain.node.membership import Membership, resolve_membership
 from crowdtrain.node.metrics import MetricsEndpoint, start_metrics_endpoint
-from crowdtrain.node.probes import ProbeService
-from crowdtrain.node.roles import LinkProber, NodeRoles
 from crowdtrain.node.statedir import exclusive_state_dir, remove_node_file, write_node_file
-from crowdtrain.node.throughput import CACHE_FILE as THROUGHPUT_CACHE_FILE
-from crowdtrain.node.throughput import measure_throughput
-from crowdtrain.node.training import Progress, Trainer, TrainerOptions
+from crowdtrain.planning.planner import plan_problem
+from crowdtrain.planning.roles import LinkProber, NodeRoles
+from crowdtrain.training.loop import Progress, Trainer, TrainerOptions
+from crowdtrain.training.throughput import CACHE_FILE as THROUGHPUT_CACHE_FILE
+from crowdtrain.training.throughput import measure_throughput
 
 logger = logging.getLogger(__name__)
 

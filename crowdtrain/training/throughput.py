@@ -26,7 +26,7 @@ from crowdtrain.models import (
     precision_for_device,
     training_loss,
 )
-from crowdtrain.node.device import describe_device
+from crowdtrain.models.device import describe_device
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,6 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain import proto
-from crowdtrain.averaging.checkpoint import load_latest_checkpoint
-from crowdtrain.averaging.checkpoint_writer import CheckpointSchedule, CheckpointWriter, take_snapshot
 from crowdtrain.averaging.collaboration import (
     clear_micro_batch_gradients,
     discard_local_gradients,
@@ -46,7 +44,9 @@ from crowdtrain.models import (
     precision_for_device,
     training_loss,
 )
-from crowdtrain.node.progress_bar import GlobalBatchBar
+from crowdtrain.training.checkpoint import load_latest_checkpoint
+from crowdtrain.training.checkpoint_writer import CheckpointSchedule, CheckpointWriter, take_snapshot
+from crowdtrain.training.progress_bar import GlobalBatchBar
 
 logger = logging.getLogger(__name__)
 

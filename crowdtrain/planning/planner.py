@@ -21,14 +21,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from crowdtrain import proto
-from crowdtrain.averaging.plan import (
+from crowdtrain.manifest import RunManifest
+from crowdtrain.planning.plan import (
     ROLES,
     PeerCapabilities,
     Plan,
     PlanProblem,
     compute_plan,
 )
-from crowdtrain.manifest import RunManifest
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from crowdtrain.averaging.checkpoint import remove_temporaries, write_atomically, write_checkpoint
+from crowdtrain.training.checkpoint import remove_temporaries, write_atomically, write_checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from dataclasses import replace
 from typing import Protocol
 
 from crowdtrain import proto
-from crowdtrain.averaging.plan import PlanProblem
-from crowdtrain.averaging.planner import OwnCapabilities, Planner, takes_part_in_averaging
-from crowdtrain.node.probes import MAX_PROBED_PEERS
+from crowdtrain.links.probes import MAX_PROBED_PEERS
+from crowdtrain.planning.plan import PlanProblem
+from crowdtrain.planning.planner import OwnCapabilities, Planner, takes_part_in_averaging
 
 logger = logging.getLogger(__name__)
 

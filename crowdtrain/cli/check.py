@@ -22,20 +22,20 @@ from rich.table import Table
 from rich.text import Text
 
 from crowdtrain import __version__, proto
-from crowdtrain.averaging.plan import compute_plan
-from crowdtrain.averaging.planner import OwnCapabilities, plan_problem, swarm_capabilities
 from crowdtrain.dht.registry import RunListing, list_peer_statuses, list_runs
 from crowdtrain.dht.swarm import SwarmOptions, join_swarm
 from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
 from crowdtrain.errors import BadInputError, CrowdtrainError
+from crowdtrain.links.probes import MAX_PROBED_PEERS, ProbeReport, ProbeService
 from crowdtrain.manifest import RunManifest, demo
 from crowdtrain.models import load_tokenizer, precision_for_device, spec_parameter_count
+from crowdtrain.models.device import describe_device, resolve_device
 from crowdtrain.node.addresses import DEFAULT_PORT, resolve_listen
 from crowdtrain.node.config import CheckConfig
-from crowdtrain.node.device import describe_device, resolve_device
-from crowdtrain.node.probes import MAX_PROBED_PEERS, ProbeReport, ProbeService
-from crowdtrain.node.throughput import CACHE_FILE as THROUGHPUT_CACHE
-from crowdtrain.node.throughput import measure_throughput
+from crowdtrain.planning.plan import compute_plan
+from crowdtrain.planning.planner import OwnCapabilities, plan_problem, swarm_capabilities
+from crowdtrain.training.throughput import CACHE_FILE as THROUGHPUT_CACHE
+from crowdtrain.training.throughput import measure_throughput
 
 logger = logging.getLogger(__name__)
 

@@ -146,9 +146,9 @@ def _print_ready(info: Any, state_dir: str) -> None:
 def _status(args: dict[str, Any]) -> int:
     from rich.console import Console
 
+    from crowdtrain.cli.status import show_status
     from crowdtrain.node.config import StatusConfig, environment, resolve_config
     from crowdtrain.node.logs import setup_logging
-    from crowdtrain.node.status import show_status
 
     config = resolve_config(StatusConfig, _tuples(args), env=environment())
     setup_logging(config.log_format, config.verbose, quiet=True)
@@ -169,7 +169,7 @@ def _status(args: dict[str, Any]) -> int:
 def _check(args: dict[str, Any]) -> int:
     from rich.console import Console
 
-    from crowdtrain.node.check import print_check, run_check
+    from crowdtrain.cli.check import print_check, run_check
     from crowdtrain.node.config import CheckConfig, environment, resolve_config
     from crowdtrain.node.logs import setup_logging
 

@@ -1,0 +1,82 @@
+"""The package map in crowdtrain/__init__.py holds: no package imports one above it, and there are no cycles."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "crowdtrain"
+
+LAYERS: dict[str, int] = {
+    "errors": 0,
+    "structured": 0,
+    "proto": 0,
+    "manifest": 1,
+    "dht": 2,
+    "models": 2,
+    "data": 2,
+    "averaging": 3,
+    "moe": 3,
+    "links": 3,
+    "planning": 4,
+    "training": 5,
+    "node": 6,
+    "cli": 7,
+    "testing": 8,
+    "__main__": 8,
+}
+"""Each top-level module or package of crowdtrain and its height: it may import only what is lower, or itself.
+`moe` imports `averaging` (the learning-rate schedule), a sibling: allowed below."""
+SIBLING_IMPORTS = {("moe", "averaging")}
+
+
+def _unit(path: Path) -> str:
+    relative = path.relative_to(PACKAGE)
+    return relative.parts[0].removesuffix(".py")
+
+
+def _imported_units(path: Path) -> set[str]:
+    units = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            parts = node.module.split(".")
+            if parts[0] != "crowdtrain":
+                continue
+            if len(parts) == 1:
+                units.update(alias.name for alias in node.names if alias.name != "__version__")
+            else:
+                units.add(parts[1])
+        elif isinstance(node, ast.Import):
+            units.update(alias.name.split(".")[1] for alias in node.names if alias.name.startswith("crowdtrain."))
+    return units
+
+
+def _sources() -> list[Path]:
+    return sorted(path for path in PACKAGE.rglob("*.py") if not path.name.endswith("_pb2.py"))
+
+
+def test_every_module_has_a_layer() -> None:
+    assert {_unit(path) for path in _sources()} - {"__init__"} <= set(LAYERS)
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda path: str(path.relative_to(PACKAGE)))
+def test_no_module_imports_upward(path: Path) -> None:
+    unit = _unit(path)
+    if unit == "__init__":
+        return
+    for imported in _imported_units(path):
+        if imported == unit or (unit, imported) in SIBLING_IMPORTS:
+            continue
+        assert imported in LAYERS, f"{path.name} imports crowdtrain.{imported}, which has no layer"
+        assert LAYERS[imported] < LAYERS[unit], (
+            f"crowdtrain/{path.relative_to(PACKAGE)} ({unit}, layer {LAYERS[unit]}) imports {imported} "
+            f"(layer {LAYERS[imported]}): a package may only import those below it"
+        )
+
+
+def test_the_check_itself_catches_an_upward_import(tmp_path: Path) -> None:
+    module = tmp_path / "bad.py"
+    module.write_text("from crowdtrain.node.daemon import Daemon\nfrom crowdtrain import proto\n")
+    assert _imported_units(module) == {"node", "proto"}
