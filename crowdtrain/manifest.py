@@ -110,6 +110,10 @@ class OptimizerSpec:
             raise ValueError(f"warmup_steps must be between 0 and total_steps, got {self.warmup_steps}")
 
 
+TRAINING_MODES = ("gradients", "parameters")
+"""The values of `averaging.mode`: one per training mode (crowdtrain.training.modes.MODES)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AveragingSpec:
     """How peers average: DeDLOC gradient averaging or Moshpit parameter averaging."""
@@ -128,8 +132,8 @@ class AveragingSpec:
     """Seconds spent gathering a group before an averaging round starts."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("gradients", "parameters"):
-            raise ValueError(f"mode must be 'gradients' or 'parameters', got {self.mode!r}")
+        if self.mode not in TRAINING_MODES:
+            raise ValueError(f"mode must be {' or '.join(map(repr, TRAINING_MODES))}, got {self.mode!r}")
         if self.group_size < 2:
             raise ValueError(f"group_size must be at least 2, got {self.group_size}")
         if not 1 <= self.grid_dims <= 8:

@@ -30,7 +30,8 @@ from crowdtrain.training.checkpoint_writer import (
     CheckpointWriter,
     take_snapshot,
 )
-from crowdtrain.training.loop import Progress, Trainer
+from crowdtrain.training.loop import Trainer
+from crowdtrain.training.progress import Progress
 
 
 def make_model(seed: int) -> torch.nn.Module:
@@ -303,11 +304,11 @@ def test_a_restarted_writer_removes_what_a_killed_write_left_staged(tmp_path: Pa
     assert [path.name for path in list_checkpoints(tmp_path)] == ["epoch-00000006.pt"]
 
 
-class FakeOptimizer:
-    """The two things the trainer's checkpointing reads of hivemind.Optimizer."""
+class FakeMode:
+    """The two things the trainer's checkpointing reads of its training mode."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.local_epoch = 0
+        self.epoch = 0
         self.state_dict = lambda: optimizer_state(model)
 
 
@@ -325,24 +326,24 @@ def test_trainer_checkpoints_on_the_interval_never_at_epoch_0_and_never_waits_fo
     trainer._checkpoint_writer = writer = CheckpointWriter(directory=tmp_path, keep=3, write_file=write)
     trainer._checkpoint_schedule = schedule = CheckpointSchedule(interval_s=600, clock=clock)
     model = make_model(0)
-    optimizer = FakeOptimizer(model)
-    optimizer.local_epoch = 1
-    trainer._checkpoint_if_due(model, optimizer)  # type: ignore[arg-type]
+    mode = FakeMode(model)
+    mode.epoch = 1
+    trainer._checkpoint_if_due(model, mode)  # type: ignore[arg-type]
     assert not writer.busy, "not due before the interval"
     clock.now_s += 600
-    optimizer.local_epoch = 0
-    trainer._checkpoint_if_due(model, optimizer)  # type: ignore[arg-type]
+    mode.epoch = 0
+    trainer._checkpoint_if_due(model, mode)  # type: ignore[arg-type]
     assert not writer.busy, "never at epoch 0"
-    optimizer.local_epoch = 1
-    trainer._checkpoint_if_due(model, optimizer)  # type: ignore[arg-type]
+    mode.epoch = 1
+    trainer._checkpoint_if_due(model, mode)  # type: ignore[arg-type]
     assert write.entered.wait(DEADLINE_S) and writer.busy, "returned while the write is blocked"
     assert not schedule.is_due()
     clock.now_s += 600
-    optimizer.local_epoch = 2
-    trainer._checkpoint_if_due(model, optimizer)  # type: ignore[arg-type]
+    mode.epoch = 2
+    trainer._checkpoint_if_due(model, mode)  # type: ignore[arg-type]
     assert schedule.is_due(), "skipped while the last is written: due again at the next epoch"
-    optimizer.local_epoch = 3
-    closer = threading.Thread(target=trainer._final_checkpoint, args=(model, optimizer))
+    mode.epoch = 3
+    closer = threading.Thread(target=trainer._final_checkpoint, args=(model, mode))
     closer.start()
     write.release.set()
     closer.join(DEADLINE_S)

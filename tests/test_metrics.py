@@ -12,7 +12,7 @@ from crowdtrain.averaging.phases import PhaseTimes
 from crowdtrain.errors import BadInputError
 from crowdtrain.node.config import NodeConfig
 from crowdtrain.node.metrics import MetricsEndpoint, start_metrics_endpoint
-from crowdtrain.training.loop import Progress
+from crowdtrain.training.progress import Progress
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ import pytest
 
 from crowdtrain import proto
 from crowdtrain.manifest import demo
-from crowdtrain.training.loop import SOLO_EPOCHS_BEFORE_WARNING, Progress, Trainer, has_started
+from crowdtrain.training.loop import SOLO_EPOCHS_BEFORE_WARNING, Trainer, has_started
+from crowdtrain.training.progress import Progress
 
 
 def make_trainer(progress: Progress) -> Trainer:

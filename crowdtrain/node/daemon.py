@@ -40,7 +40,9 @@ from crowdtrain.node.metrics import MetricsEndpoint, start_metrics_endpoint
 from crowdtrain.node.statedir import exclusive_state_dir, remove_node_file, write_node_file
 from crowdtrain.planning.planner import plan_problem
 from crowdtrain.planning.roles import LinkProber, NodeRoles
-from crowdtrain.training.loop import Progress, Trainer, TrainerOptions
+from crowdtrain.training.loop import Trainer, TrainerOptions
+from crowdtrain.training.modes import mode_class
+from crowdtrain.training.progress import Progress
 from crowdtrain.training.throughput import CACHE_FILE as THROUGHPUT_CACHE_FILE
 from crowdtrain.training.throughput import measure_throughput
 
@@ -176,7 +178,7 @@ class Daemon:
     ) -> NodeRoles:
         """Measure throughput, links and reachability, serve peers' probes, and make the first plan."""
         peer_id, run_id = identity.peer_id.to_base58(), manifest.run_id
-        gradients_mode = manifest.averaging.mode == "gradients"
+        auxiliary_aggregators = mode_class(manifest).has_auxiliary_aggregators
 
         def statuses() -> list[proto.PeerStatus]:
             return list_peer_statuses(dht, run_id, DHT_CALL_TIMEOUT_S)
@@ -194,7 +196,7 @@ class Daemon:
             problem=plan_problem(manifest, num_parameters),
             role=self.config.role,
             list_statuses=statuses,
-            aggregate_only=gradients_mode,
+            aggregate_only=auxiliary_aggregators,
         )
         roles.record_throughput(samples_per_second)
         if self.config.role != "client":
@@ -238,7 +240,7 @@ class Daemon:
             options=options,
             progress=progress,
             known_peers=known_peers,
-            plan_share=roles.replan,
+            read_plan_share=roles.replan,
         )
 
 
@@ -359,16 +361,16 @@ def _check_role_fits(role: str, manifest: RunManifest) -> None:
             f"Run {manifest.run_id!r} is a dense run with no experts to host; use --role trainer, or found a DMoE "
             "run (e.g. --run-file demo-moe)."
         )
-    if role == "aggregator" and manifest.averaging.mode != "gradients":
+    if role == "aggregator" and not mode_class(manifest).has_auxiliary_aggregators:
         raise BadInputError(
-            f"Run {manifest.run_id!r} averages parameters, where every peer steps its own replica, so "
-            "--role aggregator has nothing to aggregate; use --role auto or trainer."
+            f"Run {manifest.run_id!r} trains in {manifest.averaging.mode} mode, where every peer steps its own "
+            "replica, so --role aggregator has nothing to aggregate; use --role auto or trainer."
         )
 
 
 def _is_auxiliary(roles: NodeRoles, manifest: RunManifest) -> bool:
-    """The plan has this reachable node aggregate without computing (never in parameters mode)."""
-    return not roles.computes and not roles.is_client and manifest.averaging.mode == "gradients"
+    """The plan has this reachable node aggregate without computing (only in modes that have such peers)."""
+    return not roles.computes and not roles.is_client and mode_class(manifest).has_auxiliary_aggregators
 
 
 def _node_info(identity: Identity, multiaddrs: tuple[str, ...], run_id: str) -> dict[str, object]:

@@ -1,0 +1,24 @@
+"""Training modes: how the peers of a run combine their work, behind one interface.
+
+base           TrainingMode (the seam), ModeContext (what a mode is built from), SwarmView (a re-planning read)
+collaborative  `gradients` (DeDLOC) and `parameters` (Moshpit SGD), both on hivemind.Optimizer
+
+A new mode (DiLoCo, SPES, SkipPipe) is one more TrainingMode subclass registered in MODES and a value of the
+manifest's `averaging.mode`; the daemon and the training loop do not change.
+"""
+
+from __future__ import annotations
+
+from crowdtrain.manifest import RunManifest
+from crowdtrain.training.modes.base import ModeContext, SwarmView, TrainingMode
+from crowdtrain.training.modes.collaborative import GradientsMode, ParametersMode
+
+MODES: dict[str, type[TrainingMode]] = {mode.name: mode for mode in (GradientsMode, ParametersMode)}
+
+
+def mode_class(manifest: RunManifest) -> type[TrainingMode]:
+    """The training mode a run's manifest names (the manifest's own validation admits only these)."""
+    return MODES[manifest.averaging.mode]
+
+
+__all__ = ["MODES", "ModeContext", "SwarmView", "TrainingMode", "mode_class", "GradientsMode", "ParametersMode"]

@@ -1,0 +1,112 @@
+"""The training-mode seam: one interface for every way the peers of a run combine their work.
+
+The training loop (training/loop.py) draws micro-batches, keeps the progress, checkpoints and re-plans;
+everything that differs between modes sits behind `TrainingMode`: how a micro-batch is taken, when and
+what is synchronised with the swarm, what state a joiner downloads and a checkpoint keeps, and what the mode
+reports. The daemon asks a mode class only whether the plan may give it aggregators that compute nothing.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.sharedctypes import Synchronized
+from typing import Any, ClassVar
+
+import hivemind
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+
+from crowdtrain import proto
+from crowdtrain.averaging.phases import PhaseAccumulator
+from crowdtrain.averaging.traffic import AveragingTraffic
+from crowdtrain.manifest import RunManifest
+from crowdtrain.training.compute import LocalCompute
+from crowdtrain.training.progress import Progress
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SwarmView:
+    """What one re-planning read of the DHT found: the plan for this node and the peers that synchronise."""
+
+    plan_share: float | None
+    """This node's share of each averaging round under the DeDLOC plan; None: no plan yet (equal split)."""
+    statuses: Sequence[proto.PeerStatus]
+    """The run's peers that synchronise (expert hosts left out)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModeContext:
+    """Everything a training mode is built from."""
+
+    dht: hivemind.DHT
+    manifest: RunManifest
+    peer_id: str
+    private_key: RSAPrivateKey
+    """The key of the DHT's signature validator: records the mode signs must carry it."""
+    parameters: Sequence[torch.nn.Parameter]
+    """The local replica's trainable parameters."""
+    compute: LocalCompute | None
+    """Forward/backward on the local replica; None for an auxiliary peer, which computes nothing."""
+    micro_batch_size: int
+    client_mode: bool
+    """Peers can't dial this node: it never aggregates."""
+    auxiliary: bool
+    """The plan makes this node aggregate without computing (only where `has_auxiliary_aggregators`)."""
+    swarm: SwarmView
+    """The swarm as the node found it at start."""
+    partial_counter: Synchronized
+    """Counts averaging rounds rejected as partial; shared with the averager processes."""
+    phases: PhaseAccumulator = field(default_factory=PhaseAccumulator)
+    traffic: AveragingTraffic = field(default_factory=AveragingTraffic.new)
+
+
+class TrainingMode(abc.ABC):
+    """How the peers of a run combine their work; one implementation per `averaging.mode` of the manifest."""
+
+    name: ClassVar[str]
+    """The manifest's `averaging.mode` value."""
+    has_auxiliary_aggregators: ClassVar[bool] = False
+    """Whether the plan may make a peer aggregate without computing (DeDLOC's auxiliary peers)."""
+
+    def __init__(self, context: ModeContext):
+        """Join the swarm's synchronisation for `context.manifest`'s run; `context.swarm` is the swarm at start."""
+        self.context = context
+
+    @property
+    @abc.abstractmethod
+    def epoch(self) -> int:
+        """The global step this replica is at; it changes when the swarm steps or a joiner downloads state."""
+
+    @abc.abstractmethod
+    def train_micro_batch(self, batch: torch.Tensor) -> float | None:
+        """Train one micro-batch and synchronise with the swarm when due; its loss, or None when it was skipped
+        (a non-finite loss or fp16 overflow: nothing of it may reach the swarm). A node behind the swarm
+        downloads the swarm's state here first."""
+
+    @abc.abstractmethod
+    def assist(self) -> None:
+        """One step of an auxiliary peer: take part in the swarm's synchronisation when one is due."""
+
+    @abc.abstractmethod
+    def apply_swarm_view(self, view: SwarmView) -> None:
+        """Take a re-planning read (at an epoch boundary): the plan's share and the peers that synchronise."""
+
+    @abc.abstractmethod
+    def report(self, progress: Progress) -> None:
+        """Copy what the mode knows into `progress`: epoch, samples toward the global batch, the swarm's size,
+        partial and solo rounds, averaging traffic."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """The mode's own state beside the model's parameters (optimizer state and epoch): what a checkpoint
+        keeps; a joiner downloads the same from a peer."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()` output read from a checkpoint."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Leave the swarm's synchronisation (bounded) and stop background work."""

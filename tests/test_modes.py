@@ -1,0 +1,115 @@
+"""The training-mode seam: every manifest mode has one implementation, and the loop drives any mode alike."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from crowdtrain import proto
+from crowdtrain.data import WindowSampler
+from crowdtrain.manifest import TRAINING_MODES, demo
+from crowdtrain.training.loop import Trainer, TrainerOptions
+from crowdtrain.training.modes import MODES, SwarmView, TrainingMode
+from crowdtrain.training.progress import Progress
+
+PACKAGE = Path(__file__).resolve().parent.parent / "crowdtrain"
+
+
+def test_every_manifest_mode_has_exactly_one_training_mode() -> None:
+    assert set(MODES) == set(TRAINING_MODES)
+    assert all(mode.name == name for name, mode in MODES.items())
+    assert MODES["gradients"].has_auxiliary_aggregators and not MODES["parameters"].has_auxiliary_aggregators
+
+
+def test_the_daemon_and_the_loop_never_branch_on_the_mode_name() -> None:
+    # A new mode is a TrainingMode subclass: nothing above the seam compares `averaging.mode` to a name.
+    comparison = re.compile(r"averaging\.mode\s*(==|!=|in\b)|mode\s*==\s*\"(gradients|parameters)\"")
+    places = [*(PACKAGE / "node").glob("*.py"), PACKAGE / "training" / "loop.py"]
+    lines = [(path.name, number, line) for path in places for number, line in enumerate(path.read_text().split("\n"))]
+    assert not [f"{name}:{number + 1}" for name, number, line in lines if comparison.search(line)]
+
+
+class ScriptedMode(TrainingMode):
+    """A mode that steps the global epoch every 4 micro-batches, skips every 5th, and records what the loop did."""
+
+    name = "scripted"
+
+    def __init__(self, stop: threading.Event, stop_after: int):
+        self.stop, self.stop_after = stop, stop_after
+        self.trained = self.epoch_now = 0
+        self.views: list[SwarmView] = []
+        self.batches: list[tuple[int, ...]] = []
+
+    @property
+    def epoch(self) -> int:
+        return self.epoch_now
+
+    def train_micro_batch(self, batch: torch.Tensor) -> float | None:
+        self.trained += 1
+        self.batches.append(tuple(batch.shape))
+        if self.trained >= self.stop_after:
+            self.stop.set()
+        if self.trained % 5 == 0:
+            return None
+        if self.trained % 4 == 0:
+            self.epoch_now += 1
+        return float(self.trained)
+
+    def assist(self) -> None:
+        raise AssertionError("a computing node never assists")
+
+    def apply_swarm_view(self, view: SwarmView) -> None:
+        self.views.append(view)
+
+    def report(self, progress: Progress) -> None:
+        progress.epoch = self.epoch_now
+        progress.samples_accumulated = self.trained
+        progress.num_peers = 3
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch_now}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch_now = state["epoch"]
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_loop_drives_a_mode_through_micro_batches_epochs_and_replans(tmp_path: Path) -> None:
+    stop, progress = threading.Event(), Progress()
+    peers = [proto.PeerStatus(peer_id="other", epoch=1)]
+    trainer = Trainer(
+        dht=None,  # type: ignore[arg-type]
+        manifest=dataclasses.replace(demo(), target_batch_size=8),
+        peer_id="me",
+        private_key=None,  # type: ignore[arg-type]
+        options=TrainerOptions(
+            micro_batch_size=2,
+            checkpoint_dir=tmp_path,
+            checkpoint_keep=1,
+            data_cache_dir=tmp_path,
+            client_mode=False,
+            show_bar=False,
+        ),
+        progress=progress,
+        known_peers=lambda: peers,
+        read_plan_share=lambda: 0.25,
+    )
+    mode = ScriptedMode(stop, stop_after=13)
+    sampler = WindowSampler(np.arange(4096, dtype=np.int64) % 251, sequence_length=16, peer_seed=7)
+    trainer._train(torch.nn.Linear(1, 1), mode, sampler, stop)
+    assert mode.batches == [(2, 16)] * 13
+    # what the mode reported after the last micro-batch reached the progress the heartbeat publishes
+    assert progress.samples_accumulated == 13 and progress.epoch == 3 and progress.num_peers == 3
+    assert progress.loss is not None and progress.samples_per_second > 0
+    # epochs 1, 2, 3: the first starts a background read, the later ones apply what the previous one found
+    trainer._replanner.shutdown(wait=True)
+    assert [view.plan_share for view in mode.views] == [0.25, 0.25]
+    assert list(mode.views[0].statuses) == peers
