@@ -23,10 +23,16 @@ $(VENV)/.installed-test: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/python scripts/demo_swarm.py
 
+# Commit subjects: at most 72 characters from this commit on (older history is left as it was).
+SUBJECTS_SINCE := 96cf8c1
+
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check crowdtrain tests scripts
 	$(BIN)/ruff format --check crowdtrain tests scripts
 	$(BIN)/mypy crowdtrain
+	@if git rev-parse -q --verify $(SUBJECTS_SINCE)^{commit} >/dev/null 2>&1; then \
+		git log --format=%s $(SUBJECTS_SINCE)..HEAD | awk 'length > 72 { print "commit subject over 72 characters: " $$0; bad = 1 } END { exit bad }'; \
+	fi
 
 test: lint
 	$(BIN)/python -m pytest -q --durations=15

@@ -289,6 +289,25 @@ def send(workers: Sequence[Worker], line: str) -> None:
         worker.process.stdin.flush()
 
 
+def start_gloo_workers(
+    groups: ProcessGroups,
+    lab: Lab,
+    variant: Variant,
+    common: dict[str, Any],
+    per_host: dict[str, dict[str, Any]],
+    log_dir: Path,
+    workers: list[Worker],
+) -> None:
+    """One gloo rank per host into `workers` (so a failure midway still kills those started), all joined:
+    every rank must join the rendezvous before any returns."""
+    for rank, host in enumerate(lab.hosts):
+        options = {**common, **per_host[host.name]}
+        log_path = log_dir / f"{variant.name}-{host.name}.log"
+        workers.append(start_worker(groups, host, rank, "gloo", options, log_path))
+    for worker in workers:
+        worker.next_json(START_TIMEOUT_S, f"gloo worker in {worker.host.name} to join")
+
+
 def run_variant(
     groups: ProcessGroups,
     lab: Lab,
@@ -311,13 +330,8 @@ def run_variant(
     common["master"] = lab.hosts[0].address
     workers: list[Worker] = []
     try:
-        if variant.kind == "gloo":  # every rank must join the rendezvous before any returns
-            for rank, host in enumerate(lab.hosts):
-                options = {**common, **per_host[host.name]}
-                log_path = log_dir / f"{variant.name}-{host.name}.log"
-                workers.append(start_worker(groups, host, rank, "gloo", options, log_path))
-            for worker in workers:
-                worker.next_json(START_TIMEOUT_S, f"gloo worker in {worker.host.name} to join")
+        if variant.kind == "gloo":
+            start_gloo_workers(groups, lab, variant, common, per_host, log_dir, workers)
         else:
             if not averagers:
                 averagers += start_averagers(groups, lab, common, per_host, log_dir)

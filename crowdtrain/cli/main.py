@@ -20,6 +20,7 @@ EXIT_INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `crowdtrain` command line: `run`, `status` and `check` with their flags."""
     parser = argparse.ArgumentParser(prog="crowdtrain", description="Lend this machine to a shared training run.")
     parser.add_argument("--version", action="version", version=f"crowdtrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{run,status,check}")

@@ -52,6 +52,7 @@ def flat_parameters(module: nn.Module) -> torch.Tensor:
 
 
 def num_values(module: nn.Module) -> int:
+    """How many numbers the module's parameters hold."""
     return sum(parameter.numel() for parameter in module.parameters())
 
 

@@ -62,6 +62,7 @@ def read_node_file(path: Path) -> dict[str, Any] | None:
 
 
 def remove_node_file(path: Path) -> None:
+    """Remove `node.json` from the state dir, if it is there: the daemon is no longer up."""
     (path / NODE_FILE).unlink(missing_ok=True)
 
 
