@@ -6,7 +6,9 @@ collaboration hivemind.Optimizer configured from the run manifest, with Moshpit 
 partition     each round's partition from the plan's shares; expected round failures as one warning line
 exact         reject partial all-reduce results and count them
 phases        where the time of a global step goes: per-phase seconds, the matchmaking/all-reduce split
-traffic       the bytes of all-reduce rounds, counted as tensor parts pass
+traffic       the bytes of all-reduce rounds, counted as tensor parts pass; the runner with robust reducers
+robust        each chunk checked (shape, finite, norm) and aggregated by mean, trimmed mean or CenteredClip
+state_download  a peer's state verified against this node's own before it is loaded; bad donors skipped
 
 May import: `dht`, `manifest`, `proto`, `errors`.
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import signal
+import time
 from collections.abc import Iterable
 from multiprocessing.sharedctypes import Synchronized
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import hivemind
 import torch
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
-from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain.averaging.exact import ExactGradientAverager
@@ -25,7 +26,14 @@ from crowdtrain.averaging.grid import initial_group_bits
 from crowdtrain.averaging.partition import PlanSharesMixin
 from crowdtrain.averaging.phases import Phase, PhaseAccumulator, wait_for_round
 from crowdtrain.averaging.schedule import learning_rate_factor
-from crowdtrain.averaging.traffic import AveragingTraffic, TrafficCountingAverager
+from crowdtrain.averaging.state_download import (
+    StateTemplate,
+    VerifiedStateDownloadMixin,
+    epoch_ceiling,
+    optimizer_tensor_specs,
+    parameter_specs,
+)
+from crowdtrain.averaging.traffic import AggregationSettings, AveragingTraffic, TrafficCountingAverager
 from crowdtrain.manifest import AveragingSpec, OptimizerSpec, RunManifest
 
 logger = logging.getLogger(__name__)
@@ -34,12 +42,15 @@ LOAD_STATE_TIMEOUT_S = 120.0
 STATE_AVERAGING_EVERY_EPOCHS = 5
 
 
-class PlannedStateAverager(PlanSharesMixin, TrainingStateAverager, TrafficCountingAverager):
+class PlannedStateAverager(PlanSharesMixin, TrainingStateAverager, VerifiedStateDownloadMixin, TrafficCountingAverager):
     """hivemind's TrainingStateAverager whose all-reduce partition follows the plan's shares; its rounds count
-    their bytes, and the time the training thread waits for one is a phase of the step."""
+    their bytes, the time the training thread waits for one is a phase of the step, and a state downloaded
+    from a peer is verified against this node's own before it is loaded (averaging/state_download.py)."""
 
-    def __init__(self, *args: Any, phases: PhaseAccumulator | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, phases: PhaseAccumulator | None = None, run_created_at: float = 0.0, **kwargs: Any):
         self.phases = PhaseAccumulator() if phases is None else phases
+        self.run_created_at = run_created_at
+        """When the run's manifest was created (unix seconds): bounds the epoch a downloaded state may claim."""
         super().__init__(*args, **kwargs)
 
     def step(self, **kwargs: Any) -> Any:
@@ -50,9 +61,33 @@ class PlannedStateAverager(PlanSharesMixin, TrainingStateAverager, TrafficCounti
                 return super().step(**kwargs)
         return super().step(**kwargs)
 
+    def state_template(self) -> StateTemplate:
+        parameters = [parameter for group in self.optimizer.param_groups for parameter in group["params"]]
+        specs = parameter_specs([*parameters, *self.extra_tensors]) + optimizer_tensor_specs(self.optimizer)
+        return StateTemplate(tuple(specs), epoch_ceiling(self.run_created_at, time.time()))
+
+    def _update_scheduler(self) -> None:
+        # Symptom worked around: hivemind's TrainingStateAverager._update_scheduler steps the scheduler once per
+        # epoch up to the local epoch: after loading a state of epoch 2**62 it never returned. One step, same end.
+        scheduler = self.scheduler
+        if scheduler is not None and scheduler._step_count <= self.local_epoch:
+            scheduler.last_epoch, scheduler._step_count = self.local_epoch - 1, self.local_epoch
+            scheduler.step()
+
+    def trusted_metadata(self, metadata: dict[str, Any]) -> dict[str, Any]:
+        # The optimizer's hyperparameters (learning rate, betas, weight decay) are this run's, never a donor's;
+        # only its tensors (checked) are taken. The learning rate then follows the schedule to the new epoch.
+        own_metadata, _ = dump_optimizer_state(self.optimizer)
+        return {**metadata, "optimizer_metadata": own_metadata}
+
 
 class CountingGradientAverager(ExactGradientAverager, TrafficCountingAverager):
     """The exact, plan-partitioned gradient averager, counting the bytes of its rounds."""
+
+    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> None:
+        # hivemind.Optimizer.load_state_from_peers also downloads a peer's gradient buffers and throws them away
+        # (GradientAverager has no state to load): a model-sized download per join, from any peer that offers.
+        return None
 
 
 class _Optimizer(hivemind.Optimizer):
@@ -69,11 +104,15 @@ class _Optimizer(hivemind.Optimizer):
         client_mode: bool,
         phases: PhaseAccumulator | None = None,
         traffic: AveragingTraffic | None = None,
+        aggregation: AggregationSettings | None = None,
+        run_created_at: float = 0.0,
         **kwargs: Any,
     ):
         self._requested_client_mode = client_mode
         self.phases = PhaseAccumulator() if phases is None else phases
         self.traffic = AveragingTraffic.new() if traffic is None else traffic
+        self.aggregation = AggregationSettings() if aggregation is None else aggregation
+        self.run_created_at = run_created_at
         super().__init__(client_mode=client_mode, **kwargs)
         # The torch optimizer steps in hivemind's own thread, inside state_averager.step: hooks time just the step.
         torch_optimizer = self.state_averager.optimizer
@@ -124,6 +163,8 @@ class _Optimizer(hivemind.Optimizer):
             start=True,
             phases=self.phases,
             traffic=self.traffic,
+            aggregation=self.aggregation,
+            run_created_at=self.run_created_at,
             **kwargs,
         )
 
@@ -206,10 +247,16 @@ def make_optimizer(
     compression = _compression(averaging)
     use_local_updates = averaging.mode == "parameters"
     averager_opts = {"target_group_size": averaging.group_size, "initial_group_bits": group_bits}
+    # No peer's claimed weight (its samples) counts for more than the global batch (averaging/robust.py).
+    aggregation = AggregationSettings(rule=averaging.aggregation, max_weight=float(manifest.target_batch_size))
     extra: dict[str, Any] = {}
     if not use_local_updates:
         extra["grad_averager_factory"] = functools.partial(
-            CountingGradientAverager, partial_counter=partial_counter, traffic=traffic, **averager_opts
+            CountingGradientAverager,
+            partial_counter=partial_counter,
+            traffic=traffic,
+            aggregation=aggregation,
+            **averager_opts,
         )
         extra["grad_compression"] = compression
         extra["reuse_grad_buffers"] = reuse_grad_buffers
@@ -246,6 +293,8 @@ def make_optimizer(
             client_mode=client_mode,
             phases=phases,
             traffic=traffic,
+            aggregation=aggregation,
+            run_created_at=manifest.created_at,
             # Parameters averaged every few epochs in gradient mode travel uncompressed, so rounding never
             # erases small updates; a downloaded state always does: fp16 flushes Adam's tiny second moments
             # to zero, and the next step divides by ~eps and blows the weights up.
