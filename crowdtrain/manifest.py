@@ -111,6 +111,8 @@ class OptimizerSpec:
 
 
 TRAINING_MODES = ("gradients", "parameters")
+AGGREGATION_RULES = ("mean", "trimmed_mean", "centered_clip")
+"""The values of `averaging.aggregation` (crowdtrain.averaging.robust)."""
 """The values of `averaging.mode`: one per training mode (crowdtrain.training.modes.MODES)."""
 
 
@@ -130,10 +132,16 @@ class AveragingSpec:
     """Abandon an averaging round after this many seconds."""
     matchmaking_time_s: float = 5.0
     """Seconds spent gathering a group before an averaging round starts."""
+    aggregation: str = "mean"
+    """How each all-reduce chunk is aggregated from the group's parts: `mean` (weighted by samples, each weight
+    at most the target batch), or the Byzantine-robust `trimmed_mean` or `centered_clip`. Malformed, non-finite
+    and outsized parts are dropped under every rule (crowdtrain.averaging.robust)."""
 
     def __post_init__(self) -> None:
         if self.mode not in TRAINING_MODES:
             raise ValueError(f"mode must be {' or '.join(map(repr, TRAINING_MODES))}, got {self.mode!r}")
+        if self.aggregation not in AGGREGATION_RULES:
+            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATION_RULES)}, got {self.aggregation!r}")
         if self.group_size < 2:
             raise ValueError(f"group_size must be at least 2, got {self.group_size}")
         if not 1 <= self.grid_dims <= 8:

@@ -4,6 +4,8 @@ What is counted is the serialized tensor payload of every part (after compressio
 (its parts out, their averages back) and as a reducer (others' parts in, the averages out); message
 framing and matchmaking are left out. The counters live in shared memory: the averager runs in a
 child process, and the daemon reads them for its metrics.
+
+The all-reduce runner built here is also where each reducer's robust aggregation is plugged in.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.timed_storage import get_dht_time
+
+from crowdtrain.averaging.robust import RobustPartReducer
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,11 +73,19 @@ class _CountingStub:
 
 
 class _CountingAllReduceRunner(AllReduceRunner):
-    """hivemind's AllReduceRunner counting the tensor parts it exchanges."""
+    """hivemind's AllReduceRunner counting the tensor parts it exchanges, its reducer checking and aggregating
+    each chunk by the run's rule (averaging/robust.py)."""
 
-    def __init__(self, *, traffic: AveragingTraffic, **kwargs: Any):
+    def __init__(self, *, traffic: AveragingTraffic, aggregation: AggregationSettings, **kwargs: Any):
         self.traffic = traffic
         super().__init__(**kwargs)
+        self.tensor_part_reducer = RobustPartReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging),
+            len(self.sender_peer_ids),
+            rule=aggregation.rule,
+            max_weight=aggregation.max_weight,
+            senders=[str(peer_id) for peer_id in self.sender_peer_ids],
+        )
 
     def _get_peer_stub(self, peer: PeerID) -> Any:
         # Wraps AllReduceRunner._get_peer_stub: the one place where this peer, as a sender, opens the stream that
@@ -90,16 +102,32 @@ class _CountingAllReduceRunner(AllReduceRunner):
             yield message
 
 
+@dataclass(frozen=True, slots=True)
+class AggregationSettings:
+    """How a reducer aggregates each chunk: the manifest's rule, and the most any sender's claimed weight counts."""
+
+    rule: str = "mean"
+    max_weight: float = float("inf")
+
+
 class TrafficCountingAverager(DecentralizedAverager):
-    """A DecentralizedAverager whose all-reduce rounds count their bytes into `traffic`.
+    """A DecentralizedAverager whose all-reduce rounds count their bytes into `traffic`, and whose reducers check
+    and aggregate every chunk by `aggregation` (averaging/robust.py).
 
     Put it last among a subclass's bases (`class A(ExactGradientAverager, TrafficCountingAverager)`): its
     `_run_allreduce_inplace_` replaces hivemind's and calls no further, so overrides listed before it
     (the exact-average check) still wrap it.
     """
 
-    def __init__(self, *args: Any, traffic: AveragingTraffic | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        traffic: AveragingTraffic | None = None,
+        aggregation: AggregationSettings | None = None,
+        **kwargs: Any,
+    ):
         self.traffic = AveragingTraffic.new() if traffic is None else traffic
+        self.aggregation = AggregationSettings() if aggregation is None else aggregation
         super().__init__(*args, **kwargs)
 
     async def _run_allreduce_inplace_(
@@ -109,6 +137,7 @@ class TrafficCountingAverager(DecentralizedAverager):
         group_id = group_info.group_id if group_id is None else group_id
         runner = _CountingAllReduceRunner(
             traffic=self.traffic,
+            aggregation=self.aggregation,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,

@@ -68,20 +68,22 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., total_steps: _Optional[int] = ...) -> None: ...
 
 class AveragingSpec(_message.Message):
-    __slots__ = ("mode", "group_size", "grid_dims", "compression", "timeout_s", "matchmaking_time_s")
+    __slots__ = ("mode", "group_size", "grid_dims", "compression", "timeout_s", "matchmaking_time_s", "aggregation")
     MODE_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     GRID_DIMS_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MATCHMAKING_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     mode: str
     group_size: int
     grid_dims: int
     compression: str
     timeout_s: float
     matchmaking_time_s: float
-    def __init__(self, mode: _Optional[str] = ..., group_size: _Optional[int] = ..., grid_dims: _Optional[int] = ..., compression: _Optional[str] = ..., timeout_s: _Optional[float] = ..., matchmaking_time_s: _Optional[float] = ...) -> None: ...
+    aggregation: str
+    def __init__(self, mode: _Optional[str] = ..., group_size: _Optional[int] = ..., grid_dims: _Optional[int] = ..., compression: _Optional[str] = ..., timeout_s: _Optional[float] = ..., matchmaking_time_s: _Optional[float] = ..., aggregation: _Optional[str] = ...) -> None: ...
 
 class MoESpec(_message.Message):
     __slots__ = ("grid", "layers", "expert", "expert_hidden_size", "k", "k_min", "forward_timeout_s", "backward_timeout_s", "timeout_after_k_min_s", "uid_prefix")

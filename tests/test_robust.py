@@ -1,0 +1,143 @@
+"""Byzantine-robust aggregation of all-reduce chunks: one bad peer of four can't steer the average (issue 14)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import hivemind
+import pytest
+import torch
+
+from crowdtrain.averaging.robust import (
+    NORM_LIMIT,
+    RobustPartReducer,
+    aggregate,
+    bounded_weights,
+    centered_clip,
+    checked_parts,
+    trimmed_mean,
+)
+from crowdtrain.averaging.traffic import AggregationSettings, TrafficCountingAverager
+
+HONEST = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.2, 1.8, 3.1]), torch.tensor([0.8, 2.2, 2.9])]
+HONEST_MEAN = torch.stack(HONEST).mean(dim=0)
+
+
+@pytest.mark.parametrize("rule", ["trimmed_mean", "centered_clip"])
+def test_robust_rules_stay_near_the_honest_mean_with_one_huge_sender(rule: str) -> None:
+    parts = [*HONEST, torch.full((3,), 1e6)]
+    result = aggregate(parts, [1.0] * 4, rule, max_weight=8)
+    assert torch.allclose(result, HONEST_MEAN, atol=0.5), result
+    assert torch.allclose(aggregate(HONEST, [1.0] * 3, rule, max_weight=8), HONEST_MEAN, atol=0.2)
+
+
+def test_trimmed_mean_drops_each_coordinates_extremes() -> None:
+    stacked = torch.tensor([[0.0, 10.0], [1.0, 11.0], [2.0, 12.0], [100.0, -100.0]])
+    assert torch.equal(trimmed_mean(stacked), torch.tensor([1.5, 10.5]))
+
+
+def test_centered_clip_of_agreeing_parts_is_their_mean() -> None:
+    stacked = torch.stack([torch.ones(4) * value for value in (1.0, 2.0, 3.0)])
+    assert torch.allclose(centered_clip(stacked), torch.full((4,), 2.0))
+
+
+def test_the_mean_caps_a_claimed_weight_at_the_global_batch() -> None:
+    assert bounded_weights([8.0, 1e9, float("nan"), -3.0], max_weight=32) == [8.0, 32.0, 0.0, 0.0]
+    result = aggregate([torch.zeros(2), torch.ones(2)], [32.0, 1e12], "mean", max_weight=32)
+    assert torch.allclose(result, torch.full((2,), 0.5))
+
+
+def test_malformed_non_finite_and_outsized_parts_are_dropped_with_their_sender() -> None:
+    shape = torch.Size([3])
+    parts = [
+        (0, HONEST[0], 1.0),
+        (1, torch.ones(1), 1.0),  # would broadcast over the whole chunk
+        (2, torch.tensor([1.0, float("nan"), 0.0]), 1.0),
+        (3, torch.ones(3, dtype=torch.int64), 1.0),
+        (4, HONEST[1], 1.0),
+        (5, HONEST[2], 1.0),
+        (6, HONEST[0] * (NORM_LIMIT * 10), 1.0),
+    ]
+    usable, weights, dropped = checked_parts(parts, shape)
+    assert [part.tolist() for part in usable] == [part.tolist() for part in HONEST[:1] + HONEST[1:]]
+    assert weights == [1.0, 1.0, 1.0]
+    assert sorted(dropped) == [1, 2, 3, 6]
+    assert "NaN" in dropped[2] and "median norm" in dropped[6]
+
+
+def test_the_reducer_aggregates_each_chunk_without_the_bad_senders_parts(caplog: pytest.LogCaptureFixture) -> None:
+    # hivemind's TensorPartReducer, driven as its all-reduce runner drives it: senders' parts arrive concurrently.
+    async def run() -> list[torch.Tensor]:
+        reducer = RobustPartReducer(
+            [torch.Size([3]), torch.Size([3])], 4, rule="mean", max_weight=4, senders=["a", "b", "c", "evil"]
+        )
+        chunks = [HONEST, [part * 2 for part in HONEST]]
+
+        async def send(sender: int) -> list[torch.Tensor]:
+            results = []
+            for index, chunk in enumerate(chunks):
+                part = chunk[sender] if sender < 3 else torch.full((3,), float("nan"))
+                results.append(await reducer.accumulate_part(sender, index, part, weight=1.0))
+            return results
+
+        by_sender = await asyncio.gather(*(send(sender) for sender in range(4)))
+        return by_sender[0]
+
+    with caplog.at_level("WARNING"):
+        first, second = asyncio.run(run())
+    assert torch.allclose(first, HONEST_MEAN) and torch.allclose(second, 2 * HONEST_MEAN)
+    assert sum("peer evil" in record.message for record in caplog.records) == 1, "one line per bad peer per round"
+
+
+class RobustAverager(TrafficCountingAverager):
+    """A plain averager with the daemon's runner: robust reducers, counted traffic."""
+
+
+@pytest.mark.swarm
+def test_one_peer_of_four_sending_huge_values_does_not_move_the_honest_average() -> None:
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
+    dhts = [first] + [
+        hivemind.DHT(
+            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), use_ipfs=False
+        )
+        for _ in range(3)
+    ]
+    values = [*HONEST, torch.full((3,), 1e6)]
+    averagers: list[Any] = [
+        RobustAverager(
+            [values[rank].clone()],
+            dht=dhts[rank],
+            prefix="robust-test",
+            target_group_size=4,
+            min_group_size=4,
+            min_matchmaking_time=2.0,
+            request_timeout=2.0,
+            aggregation=AggregationSettings(rule="trimmed_mean", max_weight=1.0),
+            start=True,
+        )
+        for rank in range(4)
+    ]
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            gathered = list(pool.map(lambda averager: averager.step(timeout=60), averagers))
+        assert all(group is not None for group in gathered), "every peer found the group"
+        for averager in averagers[:3]:
+            with averager.get_tensors() as tensors:
+                assert torch.allclose(tensors[0], HONEST_MEAN, atol=0.5), tensors[0]
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+def test_a_straggler_averaged_over_few_samples_is_noisier_but_kept_and_zero_weights_are_left_out() -> None:
+    shape = torch.Size([3])
+    straggler = HONEST[0] * (NORM_LIMIT * 3)  # a mean over 2 samples where the others had 200: sqrt(100) noisier
+    parts = [(0, HONEST[1], 200.0), (1, HONEST[2], 200.0), (2, straggler, 2.0), (3, torch.zeros(3), 0.0)]
+    usable, weights, dropped = checked_parts(parts, shape)
+    assert not dropped and weights == [200.0, 200.0, 2.0]
+    attacker = [(0, HONEST[1], 200.0), (1, HONEST[2], 200.0), (2, HONEST[0] * 1e6, 2.0)]
+    assert list(checked_parts(attacker, shape)[2]) == [2]
