@@ -110,7 +110,7 @@ class OptimizerSpec:
             raise ValueError(f"warmup_steps must be between 0 and total_steps, got {self.warmup_steps}")
 
 
-TRAINING_MODES = ("gradients", "parameters")
+TRAINING_MODES = ("gradients", "parameters", "diloco")
 AGGREGATION_RULES = ("mean", "trimmed_mean", "centered_clip")
 """The values of `averaging.aggregation` (crowdtrain.averaging.robust)."""
 """The values of `averaging.mode`: one per training mode (crowdtrain.training.modes.MODES)."""
@@ -154,6 +154,34 @@ class AveragingSpec:
             )
         if self.group_size & (self.group_size - 1):
             raise ValueError(f"group_size must be a power of two (Moshpit grid keys are bits), got {self.group_size}")
+
+
+DILOCO_COMPRESSIONS = ("fp16", "int8", "none")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DiLoCoSpec:
+    """DiLoCo runs (`averaging.mode = "diloco"`): local inner steps, then an outer step on averaged pseudo-gradients."""
+
+    inner_steps: int = 50
+    """H: an outer round ends when the swarm has processed H global batches (`target_batch_size` samples each)
+    in inner steps; each peer takes as many inner steps of its micro-batches as it manages meanwhile."""
+    outer_learning_rate: float = 0.7
+    """The outer Nesterov SGD's learning rate on the averaged pseudo-gradient (DiLoCo's default)."""
+    outer_momentum: float = 0.9
+    """The outer Nesterov SGD's momentum (DiLoCo's default)."""
+    compression: str = "fp16"
+    """Pseudo-gradients on the wire: `fp16`, `int8` (uniform 8-bit, per-part scale) or `none`."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.inner_steps <= 1_000_000:
+            raise ValueError(f"inner_steps must be between 1 and 1000000, got {self.inner_steps}")
+        if not (math.isfinite(self.outer_learning_rate) and 0 < self.outer_learning_rate <= 10):
+            raise ValueError(f"outer_learning_rate must be in (0, 10], got {self.outer_learning_rate}")
+        if not (math.isfinite(self.outer_momentum) and 0 <= self.outer_momentum < 1):
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.compression not in DILOCO_COMPRESSIONS:
+            raise ValueError(f"compression must be one of {', '.join(DILOCO_COMPRESSIONS)}, got {self.compression!r}")
 
 
 EXPERT_ARCHITECTURES = ("ffn",)
@@ -231,6 +259,8 @@ class RunManifest:
     averaging: AveragingSpec = field(default_factory=AveragingSpec)
     moe: MoESpec | None = None
     """DMoE runs only: the expert grid that replaces the model's FFNs; None for a dense run."""
+    diloco: DiLoCoSpec | None = None
+    """DiLoCo runs only (`averaging.mode = "diloco"`); None there means DiLoCoSpec's defaults."""
 
     def __post_init__(self) -> None:
         if not RUN_ID_PATTERN.fullmatch(self.run_id):
@@ -244,6 +274,8 @@ class RunManifest:
             raise ValueError(f"target_batch_size must be positive, got {self.target_batch_size}")
         if self.moe is not None:
             _check_moe_layers(self.moe, self.model)
+        if self.diloco is not None and self.averaging.mode != "diloco":
+            raise ValueError(f"a [diloco] section needs averaging.mode = 'diloco', not {self.averaging.mode!r}")
 
     def to_bytes(self) -> bytes:
         """Serialize as a `proto.RunManifest` message."""

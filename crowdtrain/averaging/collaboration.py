@@ -7,20 +7,22 @@ parameters once per global epoch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from multiprocessing.sharedctypes import Synchronized
 from typing import Any
 
 import hivemind
 import torch
-from hivemind.compression import CompressionBase, Float16Compression, NoCompression
+from hivemind.compression import CompressionBase, NoCompression
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 from hivemind.utils.crypto import RSAPrivateKey
 
+from crowdtrain.averaging.compression import compression_for
 from crowdtrain.averaging.exact import ExactGradientAverager
 from crowdtrain.averaging.grid import initial_group_bits
 from crowdtrain.averaging.partition import PlanSharesMixin
@@ -262,10 +264,7 @@ def make_optimizer(
         extra["reuse_grad_buffers"] = reuse_grad_buffers
     elif reuse_grad_buffers:
         raise ValueError("only a gradients-mode run accumulates gradients: parameters mode steps every micro-batch")
-    # Symptom worked around: hivemind's averagers set SIGINT to SIG_IGN in the *calling* process when
-    # they start (DecentralizedAverager.run_in_background), so Ctrl-C would no longer stop the daemon.
-    sigint_handler = signal.getsignal(signal.SIGINT)
-    try:
+    with keep_sigint_handler():
         return _Optimizer(
             dht=dht,
             run_id=f"crowdtrain-{manifest.run_id}",
@@ -305,8 +304,20 @@ def make_optimizer(
             verbose=False,
             **extra,
         )
+
+
+@contextlib.contextmanager
+def keep_sigint_handler() -> Iterator[None]:
+    """Start hivemind averagers inside: the SIGINT handler is as before when the block ends.
+
+    Symptom worked around: hivemind's averagers set SIGINT to SIG_IGN in the *calling* process when they start
+    (DecentralizedAverager.run_in_background), so Ctrl-C would no longer stop the daemon.
+    """
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        yield
     finally:
-        signal.signal(signal.SIGINT, sigint_handler)
+        signal.signal(signal.SIGINT, handler)
 
 
 def reuses_grad_buffers(optimizer: hivemind.Optimizer) -> bool:
@@ -376,7 +387,7 @@ def chunk_timeout_s(averaging: AveragingSpec) -> float:
 
 
 def _compression(averaging: AveragingSpec) -> CompressionBase:
-    return Float16Compression() if averaging.compression == "fp16" else NoCompression()
+    return compression_for(averaging.compression)
 
 
 def _torch_optimizer(params: Any, *, spec: OptimizerSpec) -> torch.optim.Optimizer:

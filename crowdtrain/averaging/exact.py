@@ -36,19 +36,19 @@ def require_complete(num_missing: int, num_total: int, others: Sequence[str] = (
         )
 
 
-class ExactGradientAverager(PlanSharesMixin, GradientAverager):
-    """hivemind's GradientAverager that fails a round instead of returning a partial average, and splits
-    each round by the plan's shares."""
+class ExactRoundsMixin:
+    """Mixed into a hivemind DecentralizedAverager subclass: a round with any un-averaged part raises
+    PartialAverageError (counted in `partial_counter`) instead of returning a partial average."""
 
-    def __init__(self, *args: Any, partial_counter: Synchronized, **kwargs: Any):
-        self.partial_counter = partial_counter
-        super().__init__(*args, **kwargs)
+    partial_counter: Synchronized
+    peer_id: Any
+    _running_groups: dict[bytes, Any]
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs: Any
     ) -> None:
         group_id = group_info.group_id if group_id is None else group_id
-        await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
+        await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)  # type: ignore[misc]
         container = self._running_groups[group_id].result().tensor_part_container
         try:
             others = [str(peer_id)[-8:] for peer_id in group_info.peer_ids if peer_id != self.peer_id]  # type: ignore[attr-defined]
@@ -57,3 +57,12 @@ class ExactGradientAverager(PlanSharesMixin, GradientAverager):
             with self.partial_counter.get_lock():
                 self.partial_counter.value += 1
             raise
+
+
+class ExactGradientAverager(ExactRoundsMixin, PlanSharesMixin, GradientAverager):
+    """hivemind's GradientAverager that fails a round instead of returning a partial average, and splits
+    each round by the plan's shares."""
+
+    def __init__(self, *args: Any, partial_counter: Synchronized, **kwargs: Any):
+        self.partial_counter = partial_counter
+        super().__init__(*args, **kwargs)

@@ -51,6 +51,10 @@ class EpochTooHighError(UnacceptableStateError):
     """A state claiming an epoch beyond the bound: not loaded; the donor may be asked again later."""
 
 
+class StaleStateError(UnacceptableStateError):
+    """A state older than this node's own: not loaded; nothing wrong with the donor."""
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     """What one tensor of a state must look like."""
@@ -66,6 +70,8 @@ class StateTemplate:
 
     tensors: tuple[TensorSpec, ...]
     epoch_ceiling: int
+    epoch_floor: int = 0
+    """A state older than this is of no use to this node (it is not held against the donor)."""
 
     @property
     def max_bytes(self) -> int:
@@ -87,6 +93,8 @@ def check_state(metadata: Any, tensors: Sequence[Any], template: StateTemplate) 
         raise UnacceptableStateError(f"epoch {epoch!r} is not a non-negative integer")
     if epoch > template.epoch_ceiling:
         raise EpochTooHighError(f"epoch {epoch} is beyond the {template.epoch_ceiling} this run can have reached")
+    if epoch < template.epoch_floor:
+        raise StaleStateError(f"epoch {epoch} is older than this node's {template.epoch_floor}")
     if len(tensors) != len(template.tensors):
         raise UnacceptableStateError(f"{len(tensors)} tensors where this node's state has {len(template.tensors)}")
     for index, (tensor, spec) in enumerate(zip(tensors, template.tensors, strict=True)):
@@ -147,26 +155,35 @@ class VerifiedStateDownloadMixin:
         """The downloaded metadata with whatever this node must not take from a peer replaced by its own."""
         return metadata
 
-    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> Any:
-        """hivemind's DecentralizedAverager.load_state_from_peers, verified; returns (metadata, tensors) or None."""
+    def load_state_from_peers(
+        self, wait: bool = True, timeout: float | None = None, above_priority: float | None = None
+    ) -> Any:
+        """hivemind's DecentralizedAverager.load_state_from_peers, verified; returns (metadata, tensors) or None.
+        `above_priority`: ask only donors that declared a higher priority than this."""
         future: MPFuture = MPFuture()
         template = self.state_template()
-        self._outer_pipe.send(("_load_verified_state", [], dict(timeout=timeout, future=future, template=template)))
+        request = dict(timeout=timeout, future=future, template=template, above_priority=above_priority)
+        self._outer_pipe.send(("_load_verified_state", [], request))
         if not wait:
             return future
         loaded = future.result(timeout=timeout)
         return None if loaded is None else (self.trusted_metadata(loaded[0]), loaded[1])
 
-    async def _load_verified_state(self, future: MPFuture, timeout: float | None, template: StateTemplate) -> None:
+    async def _load_verified_state(
+        self, future: MPFuture, timeout: float | None, template: StateTemplate, above_priority: float | None = None
+    ) -> None:
         # Runs in the averager process. hivemind's own _load_state_from_peers, with the checks of this module.
         bad_donors: set[PeerID] = self.__dict__.setdefault("_bad_donors", set())
         chunk_timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
         try:
-            for donor in await self._donors(bad_donors):
+            for donor in await self._donors(bad_donors, above_priority):
                 started = time.monotonic()
                 try:
                     metadata, tensors = await self._download(donor, template, chunk_timeout)
                     epoch = check_state(metadata, tensors, template)
+                except StaleStateError as e:
+                    logger.debug(f"skipped the state of peer {donor}: {e}")
+                    continue
                 except UnacceptableStateError as e:
                     if not isinstance(e, EpochTooHighError):
                         bad_donors.add(donor)
@@ -184,7 +201,7 @@ class VerifiedStateDownloadMixin:
             if not future.done():
                 future.set_result(None)
 
-    async def _donors(self, bad_donors: set[PeerID]) -> list[PeerID]:
+    async def _donors(self, bad_donors: set[PeerID], above_priority: float | None = None) -> list[PeerID]:
         averager: Any = self
         key_manager = averager._matchmaking.group_key_manager
         found = await averager.dht.get(f"{key_manager.prefix}.all_averagers", latest=True, return_future=True)
@@ -197,6 +214,8 @@ class VerifiedStateDownloadMixin:
             if isinstance(info, ValueWithExpiration) and isinstance(info.value, float | int)
         }
         donors = sorted(ranked, key=ranked.__getitem__, reverse=True)
+        if above_priority is not None:
+            donors = [donor for donor in donors if ranked[donor][0] > above_priority]
         return [donor for donor in donors if donor != self.peer_id and donor not in bad_donors]
 
     async def _download(

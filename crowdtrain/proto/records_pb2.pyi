@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunManifest(_message.Message):
-    __slots__ = ("run_id", "protocol_version", "created_at", "model", "data", "optimizer", "target_batch_size", "averaging", "moe")
+    __slots__ = ("run_id", "protocol_version", "created_at", "model", "data", "optimizer", "target_batch_size", "averaging", "moe", "diloco")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class RunManifest(_message.Message):
     TARGET_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     AVERAGING_FIELD_NUMBER: _ClassVar[int]
     MOE_FIELD_NUMBER: _ClassVar[int]
+    DILOCO_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     protocol_version: int
     created_at: float
@@ -27,7 +28,20 @@ class RunManifest(_message.Message):
     target_batch_size: int
     averaging: AveragingSpec
     moe: MoESpec
-    def __init__(self, run_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., created_at: _Optional[float] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., target_batch_size: _Optional[int] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., moe: _Optional[_Union[MoESpec, _Mapping]] = ...) -> None: ...
+    diloco: DiLoCoSpec
+    def __init__(self, run_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., created_at: _Optional[float] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., target_batch_size: _Optional[int] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., moe: _Optional[_Union[MoESpec, _Mapping]] = ..., diloco: _Optional[_Union[DiLoCoSpec, _Mapping]] = ...) -> None: ...
+
+class DiLoCoSpec(_message.Message):
+    __slots__ = ("inner_steps", "outer_learning_rate", "outer_momentum", "compression")
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    OUTER_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    inner_steps: int
+    outer_learning_rate: float
+    outer_momentum: float
+    compression: str
+    def __init__(self, inner_steps: _Optional[int] = ..., outer_learning_rate: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., compression: _Optional[str] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
     __slots__ = ("architecture", "config_json", "tokenizer", "precision")

@@ -2,6 +2,7 @@
 
 base           TrainingMode (the seam), ModeContext (what a mode is built from), SwarmView (a re-planning read)
 collaborative  `gradients` (DeDLOC) and `parameters` (Moshpit SGD), both on hivemind.Optimizer
+diloco         `diloco`: inner steps alone, then pseudo-gradients averaged and one outer Nesterov step
 
 A new mode (DiLoCo, SPES, SkipPipe) is one more TrainingMode subclass registered in MODES and a value of the
 manifest's `averaging.mode`; the daemon and the training loop do not change.
@@ -12,8 +13,9 @@ from __future__ import annotations
 from crowdtrain.manifest import RunManifest
 from crowdtrain.training.modes.base import ModeContext, SwarmView, TrainingMode
 from crowdtrain.training.modes.collaborative import GradientsMode, ParametersMode
+from crowdtrain.training.modes.diloco import DiLoCoMode
 
-MODES: dict[str, type[TrainingMode]] = {mode.name: mode for mode in (GradientsMode, ParametersMode)}
+MODES: dict[str, type[TrainingMode]] = {mode.name: mode for mode in (GradientsMode, ParametersMode, DiLoCoMode)}
 
 
 def mode_class(manifest: RunManifest) -> type[TrainingMode]:
@@ -21,4 +23,13 @@ def mode_class(manifest: RunManifest) -> type[TrainingMode]:
     return MODES[manifest.averaging.mode]
 
 
-__all__ = ["MODES", "ModeContext", "SwarmView", "TrainingMode", "mode_class", "GradientsMode", "ParametersMode"]
+__all__ = [
+    "MODES",
+    "DiLoCoMode",
+    "GradientsMode",
+    "ModeContext",
+    "ParametersMode",
+    "SwarmView",
+    "TrainingMode",
+    "mode_class",
+]

@@ -1,0 +1,300 @@
+"""`diloco`: each peer trains alone for a while, then the swarm averages pseudo-gradients and takes one outer step.
+
+DiLoCo (Douillard et al.), peer to peer: every peer keeps the round's global parameters θ₀ and takes inner
+AdamW steps on its own micro-batches. A round ends when the swarm has processed H global batches (hivemind's
+progress tracker counts the samples every peer reports, so fast peers take more inner steps than slow ones);
+then each peer's pseudo-gradient θ₀ − θ is averaged in Moshpit groups (exact, plan-partitioned, robustly
+aggregated, compressed on the wire) and every peer applies the same outer Nesterov SGD step to θ₀ and starts
+the next round from it. Communication: one model-sized all-reduce per H global batches, instead of one per
+global batch in `gradients` mode.
+
+A joiner, or a peer whose round failed while the swarm has others, downloads θ₀, the outer momentum and the
+round from a peer (verified, averaging/state_download.py) before its next micro-batch. Not built yet: the
+outer all-reduce overlapped with the next inner steps, fragment streaming, top-k compression with error
+feedback, adaptive H, and mode details in `crowdtrain status`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+import torch
+from hivemind.optim.progress_tracker import ProgressTracker
+
+from crowdtrain.averaging.collaboration import chunk_timeout_s, keep_sigint_handler, moshpit_bits
+from crowdtrain.averaging.compression import compression_for
+from crowdtrain.averaging.partition import EXPECTED_ROUND_FAILURES
+from crowdtrain.averaging.phases import Phase, wait_for_round
+from crowdtrain.averaging.pseudo_gradients import OuterState, PseudoGradientAverager
+from crowdtrain.averaging.schedule import learning_rate_factor
+from crowdtrain.averaging.state_download import StateTemplate, epoch_ceiling, parameter_specs
+from crowdtrain.averaging.traffic import AggregationSettings
+from crowdtrain.manifest import DiLoCoSpec
+from crowdtrain.training.modes.base import ModeContext, SwarmView, TrainingMode
+from crowdtrain.training.progress import Progress
+
+logger = logging.getLogger(__name__)
+
+LOAD_STATE_TIMEOUT_S = 120.0
+SYNC_RETRY_S = 10.0
+"""After a state download, the next one waits this long: a swarm whose progress records claim a later round
+than any donor serves (a peer lying about its progress) must not make every micro-batch a download."""
+
+
+class DiLoCoMode(TrainingMode):
+    """DiLoCo behind the training-mode seam (see the module's doc)."""
+
+    name = "diloco"
+
+    def __init__(self, context: ModeContext):
+        super().__init__(context)
+        manifest = context.manifest
+        self.spec = manifest.diloco if manifest.diloco is not None else DiLoCoSpec()
+        self.parameters = [parameter for parameter in context.parameters if parameter.requires_grad]
+        self.round, self.samples, self.inner_steps, self.num_local_rounds = 0, 0, 0, 0
+        self.diverged = False
+        self._sync_not_before = 0.0
+        self._lock = threading.Lock()  # the outer state, between the training thread and a joiner's request
+        with torch.no_grad():
+            self.global_parameters = [parameter.detach().clone().float() for parameter in self.parameters]
+        self.outer_optimizer = torch.optim.SGD(
+            self.global_parameters,
+            lr=self.spec.outer_learning_rate,
+            momentum=self.spec.outer_momentum,
+            nesterov=self.spec.outer_momentum > 0,
+        )
+        optimizer_spec = manifest.optimizer
+        self.inner_optimizer = torch.optim.AdamW(
+            self.parameters, lr=optimizer_spec.learning_rate, weight_decay=optimizer_spec.weight_decay
+        )
+        self.round_samples = manifest.target_batch_size * self.spec.inner_steps
+        run_prefix = f"crowdtrain-{manifest.run_id}_diloco"
+        averaging = manifest.averaging
+        with keep_sigint_handler():
+            self.averager = PseudoGradientAverager(
+                [torch.zeros(parameter.shape, dtype=torch.float32) for parameter in self.parameters],
+                dht=context.dht,
+                prefix=run_prefix,
+                target_group_size=averaging.group_size,
+                initial_group_bits=moshpit_bits(
+                    context.peer_id, [status.peer_id for status in context.swarm.statuses], averaging
+                ),
+                min_matchmaking_time=averaging.matchmaking_time_s,
+                allreduce_timeout=averaging.timeout_s,
+                next_chunk_timeout=chunk_timeout_s(averaging),
+                compression=compression_for(self.spec.compression),
+                client_mode=context.client_mode,
+                partial_counter=context.partial_counter,
+                traffic=context.traffic,
+                aggregation=AggregationSettings(rule=averaging.aggregation, max_weight=float(self.round_samples)),
+                outer_state=self._outer_state,
+                template=self._template,
+                start=True,
+            )
+        self.averager.set_share(context.swarm.plan_share)
+        self.tracker = ProgressTracker(
+            dht=context.dht,
+            prefix=run_prefix,
+            target_batch_size=self.round_samples,
+            client_mode=context.client_mode,
+            private_key=context.private_key,
+            start=True,
+        )
+
+    @property
+    def epoch(self) -> int:
+        return self.round
+
+    def train_micro_batch(self, batch: torch.Tensor) -> float | None:
+        compute = self.context.compute
+        assert compute is not None, "a DiLoCo peer always computes"
+        if self._behind_the_swarm():
+            self._load_state_from_peers()
+        loss = compute.forward_backward(batch)
+        if not math.isfinite(loss):
+            logger.warning(f"skipped a micro-batch with a non-finite loss ({loss})")
+            self.inner_optimizer.zero_grad(set_to_none=False)
+            return None
+        self._set_inner_learning_rate()
+        if not compute.micro_step.step(self.inner_optimizer):
+            return None  # fp16 gradients overflowed: the inner step was skipped; MicroStep zeroed them
+        self.inner_optimizer.zero_grad(set_to_none=False)
+        self.samples += self.context.micro_batch_size
+        self.inner_steps += 1
+        self.tracker.report_local_progress(self.round, self.samples)
+        if self.tracker.ready_to_update_epoch:
+            self._outer_round()
+        return loss
+
+    def assist(self) -> None:
+        raise NotImplementedError("a DiLoCo run has no aggregators that compute nothing")
+
+    def apply_swarm_view(self, view: SwarmView) -> None:
+        self.averager.set_share(view.plan_share)
+        wanted = moshpit_bits(
+            self.context.peer_id, [status.peer_id for status in view.statuses], self.context.manifest.averaging
+        )
+        if len(wanted) != len(self.averager.get_group_bits()):
+            self.averager.set_group_bits(wanted)
+
+    def report(self, progress: Progress) -> None:
+        progress.epoch = self.round
+        progress.samples_accumulated = self.samples
+        progress.num_partial_averages = self.context.partial_counter.value
+        progress.num_local_steps = self.num_local_rounds
+        progress.num_peers = self.tracker.global_progress.num_peers
+        progress.swarm_samples_accumulated = self.tracker.global_progress.samples_accumulated
+        progress.averaging_bytes_sent, progress.averaging_bytes_received = self.context.traffic.totals()
+
+    def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "round": self.round,
+                "global_parameters": [tensor.detach().clone() for tensor in self.global_parameters],
+                "outer_optimizer": self.outer_optimizer.state_dict(),
+                "inner_optimizer": self.inner_optimizer.state_dict(),
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._lock, torch.no_grad():
+            for mine, saved in zip(self.global_parameters, state["global_parameters"], strict=True):
+                mine.copy_(saved)
+            self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+            self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+            self.round = int(state["round"])
+        with self.tracker.pause_updates():
+            self.tracker.update_epoch(self.round)
+
+    def close(self) -> None:
+        self.tracker.shutdown()
+        self.averager.shutdown()
+
+    # the outer round
+
+    def _outer_round(self) -> None:
+        """Average this peer's pseudo-gradient with a group, apply the outer step, start the next round."""
+        with self.tracker.pause_updates():
+            self._write_pseudo_gradient()
+            averaged = self.tracker.global_progress.num_peers > 1 and self._average()
+            if not averaged:
+                self._write_pseudo_gradient()  # a failed round may have left parts of others' in the buffers
+                if self.tracker.global_progress.num_peers > 1:
+                    self.num_local_rounds += 1
+                    self.diverged = True  # the others stepped without this peer: take their state next
+            with self.context.phases.measure(Phase.OPTIMIZER_STEP):
+                self._outer_step()
+            self.samples = 0
+            self.tracker.update_epoch(self.round)
+        self.averager.state_sharing_priority = self._priority()
+        logger.info(f"outer round {self.round}: {'averaged with the swarm' if averaged else 'alone'}, "
+                    f"{self.inner_steps} inner steps so far")  # fmt: skip
+
+    def _write_pseudo_gradient(self) -> None:
+        with torch.no_grad(), self.averager.get_tensors() as buffers:
+            for buffer, start, parameter in zip(buffers, self.global_parameters, self.parameters, strict=True):
+                buffer.copy_((start - parameter.detach().float()).cpu())
+
+    def _average(self) -> bool:
+        """One all-reduce of the pseudo-gradients; False when it failed, found no group or mixed rounds."""
+        timeout = self.context.manifest.averaging.timeout_s
+        control = self.averager.step(weight=float(self.samples), gather=self.round, timeout=timeout, wait=False)
+        wait_for_round(control, self.context.phases, timeout)
+        if not control.done():
+            control.cancel()
+            logger.warning(f"outer round {self.round} was not averaged within {timeout:g} s")
+            return False
+        try:
+            gathered = control.result()
+        except EXPECTED_ROUND_FAILURES as e:
+            logger.warning(f"outer round {self.round} was not averaged: {e}")
+            return False
+        except Exception as e:
+            logger.warning(f"outer round {self.round} was not averaged: {e!r}")
+            return False
+        if not gathered or len(gathered) < 2:
+            return False
+        rounds = set(gathered.values())
+        if rounds != {self.round}:
+            logger.warning(f"outer round {self.round} met peers in rounds {sorted(map(str, rounds))}: not applied")
+            return False
+        return True
+
+    def _outer_step(self) -> None:
+        with self._lock, torch.no_grad(), self.averager.get_tensors() as averaged:
+            for start, pseudo_gradient in zip(self.global_parameters, averaged, strict=True):
+                start.grad = pseudo_gradient.to(start.device, copy=True)
+            self.outer_optimizer.step()
+            for parameter, start in zip(self.parameters, self.global_parameters, strict=True):
+                parameter.copy_(start)
+                start.grad = None
+            self.round += 1
+
+    def _set_inner_learning_rate(self) -> None:
+        step = self.round * self.spec.inner_steps + min(
+            self.spec.inner_steps - 1, self.tracker.global_progress.samples_accumulated // max(1, self.round_samples)
+        )
+        factor = learning_rate_factor(step, self.context.manifest.optimizer)
+        for group in self.inner_optimizer.param_groups:
+            group["lr"] = self.context.manifest.optimizer.learning_rate * factor
+
+    # joining
+
+    def _behind_the_swarm(self) -> bool:
+        if time.monotonic() < self._sync_not_before:
+            return False
+        if self.diverged and self.tracker.global_progress.num_peers > 1:
+            return True
+        return self.tracker.global_epoch > self.round
+
+    def _priority(self) -> float:
+        """What this peer declares as a state donor: its round, then a tiebreak every peer computes alike, so peers
+        whose round failed together all take the same one's state (each asks only donors ranked above itself)."""
+        tiebreak = int.from_bytes(hashlib.blake2b(self.context.peer_id.encode(), digest_size=4).digest(), "big")
+        return self.round + tiebreak / 2**33
+
+    def _load_state_from_peers(self) -> None:
+        """Take the swarm's global parameters, outer momentum and round; inner optimizer state stays this peer's.
+        Only a state at least as new as this peer's round, from a donor ranked above it, is taken."""
+        self._sync_not_before = time.monotonic() + SYNC_RETRY_S
+        with self.context.phases.measure(Phase.STATE_DOWNLOAD):
+            loaded = self.averager.load_state_from_peers(
+                timeout=LOAD_STATE_TIMEOUT_S, above_priority=self._priority() if self.round > 0 else None
+            )
+        if loaded is None:
+            self.diverged = False  # nobody to take a state from: go on with this one
+            return
+        metadata, tensors = loaded
+        count = len(self.global_parameters)
+        with self._lock, torch.no_grad():
+            for start, parameter, value in zip(self.global_parameters, self.parameters, tensors[:count], strict=True):
+                start.copy_(value)
+                parameter.copy_(value)
+            for start, momentum in zip(self.global_parameters, tensors[count:], strict=True):
+                self.outer_optimizer.state[start]["momentum_buffer"] = momentum.to(start.device, copy=True)
+            self.round = int(metadata["epoch"])
+        with self.tracker.pause_updates():
+            self.samples = 0
+            self.tracker.update_epoch(self.round)
+        self.averager.state_sharing_priority = self._priority()
+        self.diverged = False
+        logger.info(f"took the swarm's state of outer round {self.round}")
+
+    def _outer_state(self) -> OuterState:
+        with self._lock:
+            momenta = [self._momentum(start) for start in self.global_parameters]
+            tensors = [start.detach().cpu().clone() for start in self.global_parameters] + momenta
+            return {"epoch": self.round}, tensors
+
+    def _momentum(self, start: torch.Tensor) -> torch.Tensor:
+        buffer = self.outer_optimizer.state.get(start, {}).get("momentum_buffer")
+        return torch.zeros(start.shape) if buffer is None else buffer.detach().cpu().clone()
+
+    def _template(self) -> StateTemplate:
+        specs = parameter_specs(self.global_parameters) * 2  # the global parameters, then their outer momenta
+        ceiling = epoch_ceiling(self.context.manifest.created_at, time.time())
+        return StateTemplate(tuple(specs), ceiling, epoch_floor=self.round)

@@ -1,0 +1,73 @@
+"""DiLoCo mode with real daemons on loopback: inner steps alone, outer rounds averaged together, a joiner syncs."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import TINY_MODEL_TOML, Daemon, await_condition, start_daemon, status_json
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
+
+RUN_FILE = f"""
+run_id = "tiny-diloco"
+target_batch_size = 128
+{TINY_MODEL_TOML}
+[optimizer]
+learning_rate = 0.005
+warmup_steps = 0
+total_steps = 1000
+
+[averaging]
+mode = "diloco"
+matchmaking_time_s = 2.0
+timeout_s = 15.0
+
+[diloco]
+inner_steps = 16
+outer_learning_rate = 0.7
+outer_momentum = 0.9
+compression = "int8"
+"""
+
+ENV = {"CROWDTRAIN_MICRO_BATCH_SIZE": "8", "CROWDTRAIN_NUM_THREADS": "1"}
+
+
+def averaged_rounds(daemon: Daemon) -> set[int]:
+    return {int(number) for number in re.findall(r"outer round (\d+): averaged with the swarm", daemon.log())}
+
+
+def snapshot_when(observer: Daemon, daemons: list[Daemon], epoch: int, timeout_s: float) -> dict[str, Any]:
+    def reached() -> dict[str, Any] | None:
+        snapshot = status_json("--initial-peers", observer.address)
+        peers = {peer["peer_id"]: peer for peer in snapshot["peers"]}
+        epochs = [peers.get(daemon.peer_id, {}).get("epoch", -1) for daemon in daemons]
+        return snapshot if min(epochs) >= epoch else None
+
+    return await_condition(reached, timeout_s, f"every peer at outer round {epoch}", poll_s=1)
+
+
+def test_two_peers_average_outer_rounds_and_learn_and_a_joiner_takes_the_swarms_round(tmp_path: Path) -> None:
+    run_file = tmp_path / "diloco.toml"
+    run_file.write_text(RUN_FILE)
+    founder = start_daemon(tmp_path / "node0", "--run-file", str(run_file), env=ENV).await_ready()
+    second = start_daemon(tmp_path / "node1", initial_peers=[founder.address], env=ENV).await_ready()
+    # outer rounds after the second joined are averaged by both: the same rounds on both sides
+    await_condition(
+        lambda: len(averaged_rounds(founder) & averaged_rounds(second)) >= 3, 200, "three outer rounds averaged by both"
+    )
+    snapshot = snapshot_when(founder, [founder, second], max(averaged_rounds(founder)), timeout_s=60)
+    assert snapshot["run"]["run_id"] == "tiny-diloco"
+    for peer in snapshot["peers"]:
+        assert peer["loss"] is not None and peer["loss"] < math.log(260) - 1.0, "the swarm learned"
+        assert peer["partial_averages"] == 0
+    assert snapshot["run"]["epoch"] >= 4
+    # a late joiner downloads the outer state (verified) and continues from the swarm's round
+    late = start_daemon(tmp_path / "node2", initial_peers=[founder.address], env=ENV).await_ready()
+    await_condition(lambda: "took the swarm's state of outer round" in late.log(), 120, "the joiner to sync")
+    joined_round = int(re.findall(r"took the swarm's state of outer round (\d+)", late.log())[0])
+    assert joined_round >= max(averaged_rounds(founder) & averaged_rounds(second))
