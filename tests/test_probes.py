@@ -180,3 +180,11 @@ def test_limiter_dial_back_interval() -> None:
     limiter.release("dial", "a", lease)
     assert limiter.admit_dial("a")[1] is not None
     assert limiter.admit_dial("b")[1] is None
+
+
+@pytest.mark.parametrize("duration_s", [float("nan"), float("inf"), 0.0, -1.0, 1e-12])
+def test_a_peers_unphysical_upload_figures_are_no_measurement(duration_s: float) -> None:
+    # An upload is timed by the peer that received it: a NaN duration crashed the prober; a tiny one made any
+    # node the plan's aggregator.
+    assert BandwidthSample(measured_bytes=10**6, duration_s=duration_s, truncated=False).mbps is None
+    assert BandwidthSample(measured_bytes=10**6, duration_s=0.1, truncated=False).mbps == pytest.approx(80.0)

@@ -1,6 +1,9 @@
 """Measuring links between peers: upload and download bandwidth, and whether peers can dial a node back.
 
-probes  the probe RPCs on hivemind's P2P layer: wire protocol, server, rate limiter, client, reachability
+protocol      the probe protocol's constants and results (BandwidthSample, AddressVerdict, ProbeReport)
+limiter       the server's rate limiter: one probe per direction at a time, per-peer byte budgets, refusals
+reachability  which announced addresses a server may dial back, and the verdict from the attempts
+probes        ProbeService: the three probe RPCs served, and `measure` asking peers to probe this node
 
 May import: `dht`, `proto`, `errors`.
 """

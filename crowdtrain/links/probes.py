@@ -17,14 +17,10 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import os
-import threading
 import time
 import typing
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import hivemind
 from hivemind.p2p import P2PContext, PeerID
@@ -32,202 +28,36 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from crowdtrain import proto
 from crowdtrain.dht.service import P2PService
+from crowdtrain.links.limiter import ProbeLimiter, ProbeLimits
+from crowdtrain.links.protocol import (
+    CALL_MARGIN_S,
+    CHUNK_BYTES,
+    CONNECT_TIMEOUT_S,
+    DRAIN_GRACE_S,
+    FILLER,
+    INITIAL_PROBE_BYTES,
+    JOINT_PROBE_S,
+    MAX_DIALED_ADDRESSES,
+    MAX_PROBED_PEERS,
+    MAX_PROBES_PER_DIRECTION,
+    MAX_REFUSALS_PER_PROBE,
+    MAX_REPORTED_ADDRESSES,
+    NAMESPACE,
+    TARGET_PROBE_S,
+    AddressVerdict,
+    BandwidthSample,
+    ProbeReport,
+    T,
+    one_line,
+    remaining_s,
+    short_peer,
+    without_peer_suffix,
+)
+from crowdtrain.links.reachability import classify_address, direct_ip, reachability
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-NAMESPACE = "crowdtrain.probes.v1"
-"""Prefix of the probe handlers' protocol names; a new, incompatible protocol gets a new one."""
-CHUNK_BYTES = 256 * 1024
-"""Payload bytes per streamed message."""
-MAX_DIALED_ADDRESSES = 4
-"""The server dials at most this many of a requester's addresses."""
-MAX_REPORTED_ADDRESSES = 16
-"""Addresses of a dial-back request beyond this many are ignored, not even listed in the reply."""
-MAX_PROBED_PEERS = 3
-"""`measure` asks at most this many peers."""
-INITIAL_PROBE_BYTES = 2 * CHUNK_BYTES
-"""First bandwidth probe size: two chunks, so the arrival of the second one is timed."""
-TARGET_PROBE_S = 1.0
-"""Probes grow until one takes at least this long (or reaches the size cap)."""
-MAX_PROBES_PER_DIRECTION = 8
-MAX_REFUSALS_PER_PROBE = 10
-"""A refused probe is retried after the server's retry_after_s at most this many times (within the round's
-deadline): joiners starting together queue for a server's one probe slot, joint probes included."""
-CONNECT_TIMEOUT_S = 5.0
-CALL_MARGIN_S = 5.0
-"""A probe call may take this much longer than the server's time limit (setup, the reply's way back)."""
-JOINT_PROBE_S = 1.5
-"""Length of the probe to all peers at once."""
-DRAIN_GRACE_S = 2.0
-"""After replying to an upload probe, the server reads what is still in flight for at most this long."""
-
-_FILLER = os.urandom(CHUNK_BYTES)  # random, so no compressing transport could inflate the numbers
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ProbeLimits:
-    """What this node lets its peers probe, and the bounds it keeps to when probing them."""
-
-    max_probe_bytes: int = 16 * 2**20
-    """Largest bandwidth probe, in bytes, in either direction."""
-    probe_time_limit_s: float = 10.0
-    """A bandwidth probe stops after this many seconds and reports what arrived by then."""
-    min_interval_s: float = 0.2
-    """Seconds a peer must wait after one of its bandwidth probes ends before the next one starts."""
-    peer_bytes_per_minute: int = 64 * 2**20
-    """Bandwidth-probe bytes one peer may use in any 60 s."""
-    total_bytes_per_minute: int = 256 * 2**20
-    """Bandwidth-probe bytes all peers together may use in any 60 s."""
-    dial_timeout_s: float = 3.0
-    """Seconds the server waits for one dial-back TCP connection."""
-    dial_interval_s: float = 10.0
-    """Seconds a peer must wait between two dial-back probes."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_probe_bytes", "probe_time_limit_s", "peer_bytes_per_minute", "total_bytes_per_minute"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not self.dial_timeout_s > 0 or self.min_interval_s < 0 or self.dial_interval_s < 0:
-            raise ValueError("dial_timeout_s must be positive, min_interval_s and dial_interval_s not negative")
-
-
-class ProbeLimiter:
-    """The server's admission rules: one probe at a time, a minimum interval per peer, byte budgets per minute.
-
-    Each admitted probe holds a lease that ends on `release` or, should its handler hang on a peer that
-    stopped reading, by itself after the probe's time limit and a grace period.
-    """
-
-    WINDOW_S = 60.0
-    LEASE_GRACE_S = 5.0
-
-    def __init__(self, limits: ProbeLimits, clock: Callable[[], float] = time.monotonic):
-        self.limits, self.clock = limits, clock
-        self._lock = threading.Lock()
-        self._leases = {"bandwidth": (0, 0.0), "dial": (0, 0.0)}  # kind -> (lease number, expiry)
-        self._next_lease = 1
-        self._ready_at: dict[tuple[str, str], float] = {}  # (kind, peer) -> earliest next start
-        self._spent: deque[tuple[float, str, int]] = deque()  # (time, peer, bytes) of the last WINDOW_S
-
-    def admit_bandwidth(self, peer: str, num_bytes: int) -> tuple[int, proto.ProbeRefusal | None]:
-        """A lease number for a bandwidth probe of `num_bytes`, or a refusal saying why and when to retry."""
-        if num_bytes <= 0 or num_bytes > self.limits.max_probe_bytes:
-            return 0, _refusal(f"asks for {num_bytes} bytes; probes must be 1 to {self.limits.max_probe_bytes}", 0.0)
-        with self._lock:
-            now = self.clock()
-            refusal = self._check_turn("bandwidth", peer, now) or self._check_budget(peer, num_bytes, now)
-            if refusal is not None:
-                return 0, refusal
-            self._spent.append((now, peer, num_bytes))
-            return self._take_lease("bandwidth", now + self.limits.probe_time_limit_s + self.LEASE_GRACE_S), None
-
-    def admit_dial(self, peer: str) -> tuple[int, proto.ProbeRefusal | None]:
-        """A lease number for a dial-back probe, or a refusal."""
-        with self._lock:
-            now = self.clock()
-            refusal = self._check_turn("dial", peer, now)
-            if refusal is not None:
-                return 0, refusal
-            return self._take_lease("dial", now + self.limits.dial_timeout_s + self.LEASE_GRACE_S), None
-
-    def release(self, kind: str, peer: str, lease: int) -> None:
-        """End a probe: free its slot and start the peer's interval."""
-        interval_s = self.limits.min_interval_s if kind == "bandwidth" else self.limits.dial_interval_s
-        with self._lock:
-            now = self.clock()
-            if self._leases[kind][0] == lease:
-                self._leases[kind] = (0, 0.0)
-            self._ready_at[(kind, peer)] = now + interval_s
-
-    def _check_turn(self, kind: str, peer: str, now: float) -> proto.ProbeRefusal | None:
-        lease, expires_at = self._leases[kind]
-        if lease and now < expires_at:
-            return _refusal(f"another {kind} probe is running", min(1.0, expires_at - now))
-        ready_at = self._ready_at.get((kind, peer), 0.0)
-        if now < ready_at:
-            return _refusal(f"too soon after this peer's last {kind} probe", ready_at - now)
-        return None
-
-    def _check_budget(self, peer: str, num_bytes: int, now: float) -> proto.ProbeRefusal | None:
-        while self._spent and self._spent[0][0] <= now - self.WINDOW_S:
-            self._spent.popleft()
-        for budget, mine in ((self.limits.peer_bytes_per_minute, True), (self.limits.total_bytes_per_minute, False)):
-            entries = [(at, size) for at, who, size in self._spent if who == peer or not mine]
-            excess = sum(size for _, size in entries) + num_bytes - budget
-            if excess > 0:
-                freed, retry_at = 0, now + self.WINDOW_S  # when enough of the window's bytes expire
-                for at, size in entries:
-                    freed += size
-                    if freed >= excess:
-                        retry_at = at + self.WINDOW_S
-                        break
-                who = "this peer's" if mine else "the node's"
-                return _refusal(f"{who} probe budget of {budget} bytes per minute is spent", retry_at - now)
-        return None
-
-    def _take_lease(self, kind: str, expires_at: float) -> int:
-        lease, self._next_lease = self._next_lease, self._next_lease + 1
-        self._leases[kind] = (lease, expires_at)
-        return lease
-
-
-def _refusal(reason: str, retry_after_s: float) -> proto.ProbeRefusal:
-    return proto.ProbeRefusal(reason=reason, retry_after_s=max(retry_after_s, 0.0))
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BandwidthSample:
-    """One timed bandwidth probe."""
-
-    measured_bytes: int
-    """Payload bytes timed (those after the first chunk)."""
-    duration_s: float
-    """Seconds from the first chunk's arrival to the last one's."""
-    truncated: bool
-    """True when the time limit cut the probe short."""
-
-    @property
-    def mbps(self) -> float | None:
-        """Megabits per second, or None when too little arrived to time anything."""
-        if self.measured_bytes <= 0 or self.duration_s <= 0:
-            return None
-        return self.measured_bytes * 8 / self.duration_s / 1e6
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class AddressVerdict:
-    """What one peer found when asked to dial one of this node's addresses."""
-
-    peer_id: str
-    """The peer that tried."""
-    multiaddr: str
-    """The address it was asked to dial."""
-    verdict: str
-    """dialed, refused, timeout, ip_mismatch, unsupported, unreachable or not_tried."""
-    detail: str
-    """The error, or the IP the peer saw this node connect from (for ip_mismatch)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ProbeReport:
-    """What `ProbeService.measure` found out about this node's links."""
-
-    upload_mbps: float | None
-    """Best upload bandwidth, Mbit/s, to any one peer or to all answering peers at once; None if none measured."""
-    download_mbps: float | None
-    """Best download bandwidth, Mbit/s, from any one peer or from all answering peers at once; None if none measured."""
-    reachable: bool | None
-    """True if a peer could dial one of our addresses, False if peers tried and none could, None if none tried."""
-    verdicts: tuple[AddressVerdict, ...]
-    """Every dial-back attempt, per peer and address."""
-    observed_ips: tuple[str, ...]
-    """The IPs peers saw this node connect from (its public IP, behind a NAT)."""
-    answered_peers: tuple[str, ...]
-    """Peers that answered at least one probe."""
-    failures: tuple[str, ...]
-    """One sentence per peer or probe that failed or was refused."""
+__all__ = ["BandwidthSample", "MAX_PROBED_PEERS", "ProbeLimiter", "ProbeLimits", "ProbeReport", "ProbeService"]
 
 
 class ProbeService(P2PService):
@@ -314,7 +144,7 @@ class ProbeService(P2PService):
             sent = 0
             while sent < request.num_bytes and time.monotonic() < stop_at:
                 size = min(CHUNK_BYTES, request.num_bytes - sent)
-                yield proto.DownloadChunk(payload=_FILLER[:size])
+                yield proto.DownloadChunk(payload=FILLER[:size])
                 sent += size
         finally:
             self.limiter.release("bandwidth", peer, lease)
@@ -339,7 +169,7 @@ class ProbeService(P2PService):
         for info in peers:
             if info.peer_id == peer:
                 for address in info.addrs:
-                    ip = _direct_ip(address)
+                    ip = direct_ip(address)
                     if ip is not None:
                         observed.add(ip)
         return observed
@@ -349,7 +179,7 @@ class ProbeService(P2PService):
         attempts: list[proto.DialAttempt | None] = []
         dials: dict[int, Awaitable[proto.DialAttempt]] = {}  # index in `attempts` -> its dial
         for address in addresses:
-            attempt, endpoint = _classify(address, observed)
+            attempt, endpoint = classify_address(address, observed)
             if endpoint is not None and len(dials) < MAX_DIALED_ADDRESSES:
                 dials[len(attempts)] = self._connect_tcp(address, *endpoint)
             elif endpoint is not None:
@@ -422,7 +252,7 @@ class ProbeService(P2PService):
         failures: list[str] = []
         connected = await asyncio.gather(*(self._connect(peer, addresses.get(peer, ()), deadline) for peer in chosen))
         peers = [peer for peer, error in zip(chosen, connected, strict=True) if error is None]
-        failures += [f"peer {_short(p)}: {e}" for p, e in zip(chosen, connected, strict=True) if e is not None]
+        failures += [f"peer {short_peer(p)}: {e}" for p, e in zip(chosen, connected, strict=True) if e is not None]
         observed: set[str] = set()
         dial_results = await asyncio.gather(
             *(self._ask_dial_back(peer, own, deadline, failures, observed) for peer in peers)
@@ -448,7 +278,7 @@ class ProbeService(P2PService):
         return ProbeReport(
             upload_mbps=best["upload"],
             download_mbps=best["download"],
-            reachable=_reachability(dial_results),
+            reachable=reachability(dial_results),
             verdicts=tuple(verdicts),
             observed_ips=tuple(sorted(observed)),
             answered_peers=tuple(peer for peer in peers if peer in answered),
@@ -459,32 +289,32 @@ class ProbeService(P2PService):
         """Have the p2p daemon connect to `peer` at its addresses; None on success, else why not."""
         try:
             peer_id = PeerID.from_base58(peer)
-            maddrs = [Multiaddr(_without_peer_suffix(address, peer)) for address in addresses]
+            maddrs = [Multiaddr(without_peer_suffix(address, peer)) for address in addresses]
         except Exception:
             return "its status holds a malformed peer id or address"
-        timeout_s = min(CONNECT_TIMEOUT_S, _remaining(deadline))
+        timeout_s = min(CONNECT_TIMEOUT_S, remaining_s(deadline))
         try:
             # hivemind's P2P has no public connect(); its daemon client does (p2pd's CONNECT request).
             await asyncio.wait_for(self.require_p2p()._client.connect(peer_id, maddrs), timeout_s)
         except TimeoutError:
             return f"no connection within {timeout_s:.0f} s"
         except Exception as e:
-            return f"cannot connect ({_one_line(e)})"
+            return f"cannot connect ({one_line(e)})"
         return None
 
     async def _ask_dial_back(
         self, peer: str, own: list[str], deadline: float, failures: list[str], observed: set[str]
     ) -> list[AddressVerdict]:
-        timeout_s = min(self.limits.dial_timeout_s + CALL_MARGIN_S, _remaining(deadline))
+        timeout_s = min(self.limits.dial_timeout_s + CALL_MARGIN_S, remaining_s(deadline))
         try:
             result = await self._with_retries(
                 lambda: self._dial_back(PeerID.from_base58(peer), own, timeout_s), deadline
             )
         except Exception as e:
-            failures.append(f"peer {_short(peer)} did not answer the dial-back probe ({_one_line(e)})")
+            failures.append(f"peer {short_peer(peer)} did not answer the dial-back probe ({one_line(e)})")
             return []
         if isinstance(result, proto.ProbeRefusal):
-            failures.append(f"peer {_short(peer)} refused the dial-back probe: {result.reason}")
+            failures.append(f"peer {short_peer(peer)} refused the dial-back probe: {result.reason}")
             return []
         observed.update(ip.strip() for ip in result.observed_ip.split(",")[:MAX_DIALED_ADDRESSES] if ip.strip())
         names = proto.DialAttempt.Verdict
@@ -507,15 +337,15 @@ class ProbeService(P2PService):
         probe = self._upload if direction == "upload" else self._download
         size, rate = INITIAL_PROBE_BYTES, None
         for _ in range(MAX_PROBES_PER_DIRECTION):
-            if _remaining(deadline) <= 0:
+            if remaining_s(deadline) <= 0:
                 break
             try:
                 outcome = await self._with_retries(lambda size=size: probe(peer, size, deadline), deadline)  # type: ignore[misc]
             except Exception as e:
-                failures.append(f"{direction} probe with peer {_short(peer.to_base58())} failed ({_one_line(e)})")
+                failures.append(f"{direction} probe with peer {short_peer(peer.to_base58())} failed ({one_line(e)})")
                 break
             if isinstance(outcome, proto.ProbeRefusal):
-                failures.append(f"peer {_short(peer.to_base58())} refused the {direction} probe: {outcome.reason}")
+                failures.append(f"peer {short_peer(peer.to_base58())} refused the {direction} probe: {outcome.reason}")
                 break
             rate = outcome.mbps if outcome.mbps is not None else rate
             if outcome.duration_s >= TARGET_PROBE_S or outcome.truncated or size >= self.limits.max_probe_bytes:
@@ -544,7 +374,7 @@ class ProbeService(P2PService):
         wait_s = self.limits.min_interval_s  # the servers' interval after this node's last probe
         refusals: dict[str, proto.ProbeRefusal] = {}
         for attempt in range(MAX_REFUSALS_PER_PROBE):
-            if _remaining(deadline) < wait_s + JOINT_PROBE_S + CALL_MARGIN_S:
+            if remaining_s(deadline) < wait_s + JOINT_PROBE_S + CALL_MARGIN_S:
                 if attempt == 0:  # said in the daemon's log, so the researcher sees why a link reads slow
                     failures.append(f"no time left for the joint {direction} probe")
                 break
@@ -557,7 +387,7 @@ class ProbeService(P2PService):
                 break  # every flow ran, or failed or was refused for good
         if best is None:
             failures += [
-                f"peer {_short(p)} refused the joint {direction} probe: {r.reason}" for p, r in refusals.items()
+                f"peer {short_peer(p)} refused the joint {direction} probe: {r.reason}" for p, r in refusals.items()
             ]
         return best
 
@@ -582,7 +412,7 @@ class ProbeService(P2PService):
             elif isinstance(outcome, proto.ProbeRefusal):
                 refusals[peer] = outcome
             else:
-                errors.append(f"joint {direction} probe with peer {_short(peer)} failed ({_one_line(outcome)})")
+                errors.append(f"joint {direction} probe with peer {short_peer(peer)} failed ({one_line(outcome)})")
         duration_s = max((sample.duration_s for sample in samples), default=0.0)
         if len(samples) < 2 or duration_s <= 0:
             return None, refusals, errors
@@ -610,10 +440,10 @@ class ProbeService(P2PService):
             for offset in range(0, num_bytes, CHUNK_BYTES):
                 if time.monotonic() >= stop_sending_at:
                     return  # the server times what arrived and replies once the stream ends
-                yield proto.UploadChunk(payload=_FILLER[: min(CHUNK_BYTES, num_bytes - offset)])
+                yield proto.UploadChunk(payload=FILLER[: min(CHUNK_BYTES, num_bytes - offset)])
 
         stub: Any = self.get_stub(self.require_p2p(), peer, namespace=NAMESPACE)
-        async with asyncio.timeout(min(self._call_timeout_s(), _remaining(deadline))):
+        async with asyncio.timeout(min(self._call_timeout_s(), remaining_s(deadline))):
             responses = await stub.rpc_upload_probe(chunks())
             try:
                 result = await anext(responses)
@@ -621,8 +451,11 @@ class ProbeService(P2PService):
                 await responses.aclose()  # the server may stop reading early; don't wait for our writer
         if result.HasField("refusal"):
             return result.refusal
+        # The peer's own figures: never more bytes than were sent (BandwidthSample.mbps checks the duration).
         return BandwidthSample(
-            measured_bytes=result.measured_bytes, duration_s=result.duration_s, truncated=result.truncated
+            measured_bytes=min(result.measured_bytes, num_bytes),
+            duration_s=result.duration_s,
+            truncated=result.truncated,
         )
 
     async def _download(self, peer: PeerID, num_bytes: int, deadline: float) -> BandwidthSample | proto.ProbeRefusal:
@@ -631,7 +464,7 @@ class ProbeService(P2PService):
         first_at = last_at = 0.0
         truncated = False
         try:
-            async with asyncio.timeout(min(self._call_timeout_s(), _remaining(deadline))):
+            async with asyncio.timeout(min(self._call_timeout_s(), remaining_s(deadline))):
                 responses = await stub.rpc_download_probe(proto.DownloadRequest(num_bytes=num_bytes))
                 try:
                     async for chunk in responses:
@@ -650,59 +483,3 @@ class ProbeService(P2PService):
             truncated = True  # report what arrived by then
         truncated = truncated or received < num_bytes
         return BandwidthSample(measured_bytes=measured, duration_s=last_at - first_at, truncated=truncated)
-
-
-def _classify(address: str, observed: set[Any]) -> tuple[proto.DialAttempt | None, tuple[str, int] | None]:
-    """A verdict for an address the server won't dial, or the (host, port) to dial."""
-    verdicts = proto.DialAttempt
-    try:
-        parsed = Multiaddr(address)
-        ip = _direct_ip(parsed)
-        port = int(parsed["tcp"]) if "tcp" in parsed else None
-    except Exception:
-        return verdicts(multiaddr=address, verdict=verdicts.UNSUPPORTED, detail="not a multiaddr"), None
-    if ip is None or port is None:
-        return verdicts(
-            multiaddr=address, verdict=verdicts.UNSUPPORTED, detail="not a direct ip4/ip6 TCP address"
-        ), None
-    if ip not in observed:
-        seen = ", ".join(sorted(map(str, observed))) or "no direct connection"
-        return verdicts(multiaddr=address, verdict=verdicts.IP_MISMATCH, detail=f"connected from {seen}"), None
-    return None, (str(ip), port)
-
-
-def _direct_ip(address: Multiaddr) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """The IP of a direct /ip4 or /ip6 address (IPv4-mapped IPv6 as IPv4); None for relayed or DNS ones."""
-    if "p2p-circuit" in address:
-        return None
-    for protocol in ("ip4", "ip6"):
-        if protocol in address:
-            ip = ipaddress.ip_address(address[protocol])
-            mapped = getattr(ip, "ipv4_mapped", None)
-            return mapped or ip
-    return None
-
-
-def _reachability(dial_results: Sequence[list[AddressVerdict]]) -> bool | None:
-    verdicts = [verdict for result in dial_results for verdict in result]
-    if not any(dial_results):
-        return None
-    return any(verdict.verdict == "dialed" for verdict in verdicts)
-
-
-def _without_peer_suffix(address: str, peer: str) -> str:
-    suffix = f"/p2p/{peer}"
-    return address[: -len(suffix)] if address.endswith(suffix) else address
-
-
-def _remaining(deadline: float) -> float:
-    return max(deadline - time.monotonic(), 0.0)
-
-
-def _short(peer: str) -> str:
-    return "…" + peer[-8:]
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__

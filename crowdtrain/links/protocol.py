@@ -1,0 +1,119 @@
+"""The probe protocol's numbers and results: chunk sizes, limits, timeouts, and what a probe measured."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
+
+NAMESPACE = "crowdtrain.probes.v1"
+"""Prefix of the probe handlers' protocol names; a new, incompatible protocol gets a new one."""
+CHUNK_BYTES = 256 * 1024
+"""Payload bytes per streamed message."""
+MAX_DIALED_ADDRESSES = 4
+"""The server dials at most this many of a requester's addresses."""
+MAX_REPORTED_ADDRESSES = 16
+"""Addresses of a dial-back request beyond this many are ignored, not even listed in the reply."""
+MAX_PROBED_PEERS = 3
+"""`measure` asks at most this many peers."""
+INITIAL_PROBE_BYTES = 2 * CHUNK_BYTES
+"""First bandwidth probe size: two chunks, so the arrival of the second one is timed."""
+TARGET_PROBE_S = 1.0
+"""Probes grow until one takes at least this long (or reaches the size cap)."""
+MAX_PROBES_PER_DIRECTION = 8
+MAX_REFUSALS_PER_PROBE = 10
+"""A refused probe is retried after the server's retry_after_s at most this many times (within the round's
+deadline): joiners starting together queue for a server's one probe slot, joint probes included."""
+CONNECT_TIMEOUT_S = 5.0
+CALL_MARGIN_S = 5.0
+"""A probe call may take this much longer than the server's time limit (setup, the reply's way back)."""
+JOINT_PROBE_S = 1.5
+"""Length of the probe to all peers at once."""
+DRAIN_GRACE_S = 2.0
+"""After replying to an upload probe, the server reads what is still in flight for at most this long."""
+
+MAX_PLAUSIBLE_MBPS = 400_000.0
+"""No link a volunteer has is faster (400 Gbit/s): a measured rate above it is not a measurement."""
+FILLER = os.urandom(CHUNK_BYTES)  # random, so no compressing transport could inflate the numbers
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BandwidthSample:
+    """One timed bandwidth probe."""
+
+    measured_bytes: int
+    """Payload bytes timed (those after the first chunk)."""
+    duration_s: float
+    """Seconds from the first chunk's arrival to the last one's."""
+    truncated: bool
+    """True when the time limit cut the probe short."""
+
+    @property
+    def mbps(self) -> float | None:
+        """Megabits per second, or None when too little arrived to time anything or the figures are not physical
+        (an upload's figures come from the peer that received it: a NaN or zero duration crashed the prober, and a
+        tiny one made any node the plan's aggregator)."""
+        if self.measured_bytes <= 0 or not (math.isfinite(self.duration_s) and self.duration_s > 0):
+            return None
+        rate = self.measured_bytes * 8 / self.duration_s / 1e6
+        return rate if rate <= MAX_PLAUSIBLE_MBPS else None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AddressVerdict:
+    """What one peer found when asked to dial one of this node's addresses."""
+
+    peer_id: str
+    """The peer that tried."""
+    multiaddr: str
+    """The address it was asked to dial."""
+    verdict: str
+    """dialed, refused, timeout, ip_mismatch, unsupported, unreachable or not_tried."""
+    detail: str
+    """The error, or the IP the peer saw this node connect from (for ip_mismatch)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProbeReport:
+    """What `ProbeService.measure` found out about this node's links."""
+
+    upload_mbps: float | None
+    """Best upload bandwidth, Mbit/s, to any one peer or to all answering peers at once; None if none measured."""
+    download_mbps: float | None
+    """Best download bandwidth, Mbit/s, from any one peer or from all answering peers at once; None if none measured."""
+    reachable: bool | None
+    """True if a peer could dial one of our addresses, False if peers tried and none could, None if none tried."""
+    verdicts: tuple[AddressVerdict, ...]
+    """Every dial-back attempt, per peer and address."""
+    observed_ips: tuple[str, ...]
+    """The IPs peers saw this node connect from (its public IP, behind a NAT)."""
+    answered_peers: tuple[str, ...]
+    """Peers that answered at least one probe."""
+    failures: tuple[str, ...]
+    """One sentence per peer or probe that failed or was refused."""
+
+
+def without_peer_suffix(address: str, peer: str) -> str:
+    """`address` without a trailing `/p2p/<peer>`."""
+    suffix = f"/p2p/{peer}"
+    return address[: -len(suffix)] if address.endswith(suffix) else address
+
+
+def remaining_s(deadline: float) -> float:
+    """Seconds left until the monotonic `deadline`, never negative."""
+    return max(deadline - time.monotonic(), 0.0)
+
+
+def short_peer(peer: str) -> str:
+    """A peer id shortened for log lines."""
+    return "…" + peer[-8:]
+
+
+def one_line(error: BaseException) -> str:
+    """The first line of an error's message, or its type's name."""
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
