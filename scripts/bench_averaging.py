@@ -47,7 +47,8 @@ from benchlib import (
     say,
     write_json,
 )
-from wanlab import Host, HostSpec, Lab, Scenario
+
+from crowdtrain.testing.wanlab import Host, HostSpec, Lab, Scenario
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HETERO_SCENARIO = REPO_ROOT / "scripts" / "scenarios" / "hetero.toml"

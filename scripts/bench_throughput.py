@@ -57,11 +57,11 @@ from benchlib import (
     start_swarm,
     write_json,
 )
-from wanlab import Lab, Scenario
 
 from crowdtrain.data import load_token_stream
 from crowdtrain.manifest import RunManifest, load_run_file
 from crowdtrain.models import load_tokenizer, model_kind, training_loss
+from crowdtrain.testing.wanlab import Lab, Scenario
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HETERO_SCENARIO = REPO_ROOT / "scripts" / "scenarios" / "hetero.toml"

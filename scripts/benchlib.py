@@ -23,24 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
+from crowdtrain.testing.fixtures import TINY_MODEL_TOML as TINY_MODEL_TOML  # one copy for tests and benchmarks
+
 T = TypeVar("T")
-
-TINY_MODEL_TOML = """
-[model.config]
-vocab_size = 260
-hidden_size = 64
-intermediate_size = 128
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 4
-max_position_embeddings = 64
-tie_word_embeddings = true
-
-[data]
-sequence_length = 32
-"""
-"""A run file's model and data tables for a tiny LM, so a global step takes seconds on two shared cores; the
-benchmarks' tiny runs and the tests' (tests/harness.py) are built from it."""
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"

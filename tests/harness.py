@@ -14,9 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from crowdtrain.dht.swarm import process_stats
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from benchlib import TINY_MODEL_TOML as TINY_MODEL_TOML  # noqa: E402  (one copy for the tests and the benchmarks)
+from crowdtrain.testing.fixtures import TINY_MODEL_TOML as TINY_MODEL_TOML  # one copy for tests and benchmarks
 
 T = TypeVar("T")
 

@@ -12,11 +12,8 @@ from typing import Any
 
 import pytest
 
+from crowdtrain.testing.wanlab import Host, HostSpec, Lab, Scenario
 from tests.harness import FAST_HEARTBEAT_ENV, await_condition
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-
-from wanlab import Host, HostSpec, Lab, Scenario  # noqa: E402
 
 pytestmark = [
     pytest.mark.swarm,

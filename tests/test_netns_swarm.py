@@ -11,11 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from crowdtrain.testing.wanlab import HostSpec, Lab, Scenario
 from tests.harness import FAST_HEARTBEAT_ENV, await_condition
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-
-from wanlab import HostSpec, Lab, Scenario  # noqa: E402
 
 pytestmark = [
     pytest.mark.swarm,

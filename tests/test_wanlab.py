@@ -9,9 +9,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-
-from wanlab import PREFIX, HostSpec, Lab, Scenario, cleanup  # noqa: E402
+from crowdtrain.testing.wanlab import PREFIX, HostSpec, Lab, Scenario, cleanup
 
 pytestmark = [
     pytest.mark.swarm,

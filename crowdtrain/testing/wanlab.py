@@ -17,7 +17,7 @@ Each host is a namespace `ctlab<id>-<name><i>` with one veth into a bridge in th
 an address in 10.<lab>.0.0/24 (only our own namespaces; nothing is routed anywhere else). Caps are
 token-bucket (`tbf`) qdiscs: upload on the host's end of the veth, download on the bridge's end
 (`netem` doesn't exist on these machines, so links add no latency). `Lab` is a context manager that
-tears everything down on exit, on error and on Ctrl-C; `python scripts/wanlab.py --cleanup` removes
+tears everything down on exit, on error and on Ctrl-C; `python -m crowdtrain.testing.wanlab --cleanup` removes
 leftovers of a lab that was SIGKILLed. Run as root.
 """
 
@@ -194,6 +194,7 @@ def _raise_keyboard_interrupt(*_: object) -> None:
 
 
 def main() -> None:
+    """`python -m crowdtrain.testing.wanlab`: create a lab from a scenario file and run a command in every host."""
     parser = argparse.ArgumentParser(description="Create a WAN lab and run a command in every host.")
     parser.add_argument("scenario", nargs="?", type=Path, help="scenario TOML file")
     parser.add_argument("--cleanup", action="store_true", help="remove leftovers of killed labs and exit")
