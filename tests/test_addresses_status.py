@@ -323,3 +323,10 @@ def test_render_without_manifest_or_measurements() -> None:
 def test_render_of_an_empty_swarm() -> None:
     text = rendered(summarize("demo", listing(), []), now=0.0)
     assert "0 peers" in text and "peer" in text and "address" in text
+
+
+def test_render_shows_markup_in_a_peers_record_as_text() -> None:
+    # A peer's record is anyone's: "[/bold]" as its device crashed `crowdtrain status` (rich parsed it as markup).
+    hostile = proto.PeerStatus(peer_id=PEER_B, last_seen=1000.0, device="[/bold][red]gpu", roles=["[link=x]t"])
+    text = rendered(summarize("demo", listing(), [hostile]), now=1000.0)
+    assert "[/bold][red]gpu" in text and "[link=x]t" in text

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import stat
 import subprocess
@@ -51,13 +50,16 @@ def test_two_fresh_identities_differ(tmp_path: Path) -> None:
     assert first.peer_id != second.peer_id
 
 
-def test_identity_readable_by_others_is_loaded_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620])
+def test_identity_open_to_other_users_is_refused_and_left_untouched(tmp_path: Path, mode: int) -> None:
+    # whoever reads the key can sign records as this node: refused, as ssh refuses an open private key
     path = tmp_path / "identity.key"
-    created = load_or_create_identity(path)
-    path.chmod(0o644)
-    with caplog.at_level(logging.WARNING, logger="crowdtrain.node.identity"):
-        assert load_identity(path).peer_id == created.peer_id
-    assert "chmod 600" in caplog.text
+    load_or_create_identity(path)
+    data = path.read_bytes()
+    path.chmod(mode)
+    with pytest.raises(BadInputError, match="chmod 600"):
+        load_identity(path)
+    assert path.read_bytes() == data and stat.S_IMODE(path.stat().st_mode) == mode
 
 
 def _wrapped(key_type: int, data: bytes) -> bytes:

@@ -188,7 +188,9 @@ def render(snapshot: dict[str, Any], now: float) -> Group:
     for column in (*columns, "share", "last seen", "address"):
         table.add_column(column, justify="right" if column in numeric else "left", no_wrap=True)
     for peer in snapshot["peers"]:
-        table.add_row(
+        # Every cell as plain Text: these strings come from peers' records, and rich parses a str cell as markup
+        # (a device named "[/bold]" crashed `crowdtrain status`).
+        cells = (
             "…" + peer["peer_id"][-8:],
             ",".join(peer["roles"]),
             peer["device"],
@@ -202,6 +204,7 @@ def render(snapshot: dict[str, Any], now: float) -> Group:
             f"{max(now - peer['last_seen'], 0):.0f} s ago",
             shareable_address(peer["multiaddrs"]) if peer["multiaddrs"] else "—",
         )
+        table.add_row(*(Text(cell) for cell in cells))
     return Group(summary, table)
 
 

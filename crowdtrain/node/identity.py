@@ -43,13 +43,17 @@ def load_identity(path: Path) -> Identity:
         data = path.read_bytes()
     except OSError as e:
         raise BadInputError(f"Cannot read identity file {path}: {e.strerror}.") from None
-    if stat.S_IMODE(path.stat().st_mode) & 0o077:
-        logger.warning(f"identity file {path} is readable by other users; run: chmod 600 {path}")
     key = _parse_key(data)
     if key is None:
         raise BadInputError(
             f"{path} is not a crowdtrain identity (a libp2p RSA private key); "
             "pass --identity with the right file, or move this one away to create a new identity."
+        )
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        # Whoever can read the key can sign records as this node: refused, as ssh refuses an open private key.
+        raise BadInputError(
+            f"Identity file {path} can be read or written by other users (mode {mode:04o}); run: chmod 600 {path}"
         )
     private_key = RSAPrivateKey.__new__(RSAPrivateKey)
     private_key.__setstate__(
