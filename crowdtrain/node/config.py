@@ -68,6 +68,11 @@ class NodeConfig:
     """Seconds between two checkpoints while training, written in the background; one more at exit."""
     metrics_port: int = 0
     """TCP port of a Prometheus endpoint on 127.0.0.1 (never on other interfaces); 0 turns it off."""
+    data_paths: tuple[str, ...] = ()
+    """Local folders a run joined from the swarm may train on; a joiner reads no other local path a remote
+    manifest names (the founder's own run file is not limited)."""
+    max_parameters: int = 2_000_000_000
+    """The largest model, in parameters, this node accepts from a run it joins."""
     log_format: str = "text"
     """text for people, json for machines."""
     verbose: int = 0
@@ -91,6 +96,7 @@ class NodeConfig:
             "bandwidth_probe_interval_s",
             "max_experts",
             "replica_average_interval_s",
+            "max_parameters",
         )
         if self.num_threads < 0:
             raise ValueError(f"num_threads must not be negative, got {self.num_threads}")

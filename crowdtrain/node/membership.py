@@ -16,6 +16,7 @@ from crowdtrain.manifest import RunManifest, load_run_file
 from crowdtrain.models import check_model_spec, load_tokenizer, model_kind
 from crowdtrain.node.config import NodeConfig
 from crowdtrain.node.identity import Identity
+from crowdtrain.node.limits import available_memory_bytes, check_remote_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def resolve_membership(dht: hivemind.DHT, config: NodeConfig, identity: Identity
     if config.run_id:
         if config.run_id not in runs:
             raise BadInputError(f"The swarm holds no run named {config.run_id!r}; runs here: {_describe(runs)}.")
-        return _join(runs[config.run_id])
+        return _join(runs[config.run_id], config)
     if not runs:
         raise CrowdtrainError(
             "The swarm answered but holds no run yet; found one by running `crowdtrain run` "
@@ -51,7 +52,7 @@ def resolve_membership(dht: hivemind.DHT, config: NodeConfig, identity: Identity
         )
     if len(runs) > 1:
         raise BadInputError(f"The swarm holds {len(runs)} runs: {_describe(runs)}; pass --run-id to choose one.")
-    return _join(next(iter(runs.values())))
+    return _join(next(iter(runs.values())), config)
 
 
 def _await_runs(dht: hivemind.DHT, run_id: str, timeout_s: float) -> dict[str, RunListing]:
@@ -77,8 +78,16 @@ def _found(manifest: RunManifest, identity: Identity) -> Membership:
     return Membership(manifest=manifest, signed_bytes=sign_manifest(manifest, identity.private_key), founded=True)
 
 
-def _join(listing: RunListing) -> Membership:
+def _join(listing: RunListing, config: NodeConfig | None = None) -> Membership:
+    """Join the swarm's run; `config` given: the run came from the DHT and must fit this node's limits."""
     manifest = listing.published.manifest
+    if config is not None:
+        check_remote_manifest(
+            manifest,
+            data_paths=config.data_paths,
+            max_parameters=config.max_parameters,
+            available_bytes=available_memory_bytes(),
+        )
     logger.info(f"joining run {manifest.run_id!r} founded by {listing.published.founder_peer_id}")
     return Membership(manifest=manifest, signed_bytes=listing.signed_bytes, founded=False)
 
