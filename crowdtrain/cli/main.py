@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--identity", metavar="PATH", help="identity key file (default: <state-dir>/identity.key)")
     run.add_argument("--run-file", metavar="RUN.toml|PRESET", help="found a run from this manifest or preset (demo)")
+    run.add_argument(
+        "--run-key", metavar="PEER_ID", help="accept only a run founded by this peer (the founder prints it)"
+    )
     run.add_argument("--device", metavar="auto|cpu|cuda[:N]", help="device to train on (default: auto)")
     run.add_argument("--role", metavar="ROLE", help="auto, trainer, aggregator, expert-host or client (default: auto)")
     run.add_argument("--config", metavar="NODE.toml", help="TOML file with any of these settings")
@@ -138,7 +141,7 @@ def _print_ready(info: Any, state_dir: str) -> None:
     for address in info.multiaddrs:
         print(f"  {address}")
     print("To join from another machine, run:")
-    print(f"  crowdtrain run --initial-peers {info.join_address}")
+    print(f"  crowdtrain run --initial-peers {info.join_address} --run-key {info.run_key}")
     print("To watch the swarm from this machine, run:")
     state_flag = "" if state_dir == "~/.crowdtrain" else f" --state-dir {state_dir}"
     print(f"  crowdtrain status --watch 2{state_flag}", flush=True)

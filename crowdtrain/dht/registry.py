@@ -31,8 +31,12 @@ class RunListing:
     publishers: frozenset[bytes]
 
 
-def list_runs(dht: hivemind.DHT, timeout_s: float) -> dict[str, RunListing]:
-    """Every run whose manifest is in the DHT, by run_id; for a contested run_id the oldest wins."""
+def list_runs(dht: hivemind.DHT, timeout_s: float, founder: str | None = None) -> dict[str, RunListing]:
+    """Every run whose manifest is in the DHT, by run_id; for a contested run_id the oldest wins.
+
+    `founder` (a run key: the founder's peer ID) keeps only manifests that founder signed: anyone can publish a
+    manifest for any run_id (with an older `created_at`, it would win), so a pinned node looks at no other.
+    """
     entries = _get_dictionary(dht, keys.RUNS_KEY, timeout_s)
     by_run: dict[str, list[tuple[PublishedManifest, bytes, bytes]]] = defaultdict(list)
     for publisher, value in entries.items():
@@ -40,6 +44,12 @@ def list_runs(dht: hivemind.DHT, timeout_s: float) -> dict[str, RunListing]:
             published = open_manifest(value)
         except RecordError as e:
             logger.debug(f"skipped a manifest record: {e}")
+            continue
+        if founder is not None and published.founder_peer_id != founder:
+            logger.warning(
+                f"ignored a manifest for run {published.manifest.run_id!r} signed by {published.founder_peer_id}, "
+                f"not by the run key {founder}"
+            )
             continue
         by_run[published.manifest.run_id].append((published, value, publisher))
     return {run_id: _pick_canonical(candidates) for run_id, candidates in by_run.items()}

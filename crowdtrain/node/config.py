@@ -42,6 +42,9 @@ class NodeConfig:
     """Founder only: a run manifest TOML file or a preset name (demo)."""
     run_id: str = ""
     """The run to join when the swarm holds several, or the name of a run being founded."""
+    run_key: str = ""
+    """The founder's peer ID the run's manifest must be signed by (printed next to the join command); empty:
+    the first founder this node saw for the run (kept in <state_dir>/runs.json), and no other after."""
     device: str = "auto"
     """auto, cpu, cuda or cuda:N."""
     role: str = "auto"

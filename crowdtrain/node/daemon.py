@@ -70,6 +70,8 @@ class ReadyInfo:
     join_address: str
     roles: tuple[str, ...]
     device: str
+    run_key: str
+    """The founder's peer ID: joiners pass it as --run-key to accept no other founder's manifest."""
 
 
 class Daemon:
@@ -133,6 +135,7 @@ class Daemon:
                 join_address=shareable_address(list(multiaddrs)),
                 roles=(self.config.role,),
                 device=device,
+                run_key=membership.founder_peer_id,
             )
         )
         beating = threading.Thread(target=heartbeat.run, args=(self.stop,), name="heartbeat", daemon=True)
@@ -325,7 +328,7 @@ class Heartbeat:
     def _republish_manifest(self) -> None:
         self.next_manifest_at = time.monotonic() + MANIFEST_REFRESH_S
         if not self.membership.founded:
-            listing = list_runs(self.dht, DHT_CALL_TIMEOUT_S).get(self.status.run_id)
+            listing = list_runs(self.dht, DHT_CALL_TIMEOUT_S, self.membership.founder_peer_id).get(self.status.run_id)
             others = listing.publishers - {self.owner} if listing else frozenset()
             already_publishing = listing is not None and self.owner in listing.publishers
             if len(others) >= MANIFEST_PUBLISHERS and not already_publishing:

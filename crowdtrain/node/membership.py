@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import hivemind
 
@@ -21,6 +24,8 @@ from crowdtrain.node.limits import available_memory_bytes, check_remote_manifest
 logger = logging.getLogger(__name__)
 
 LOOKUP_TIMEOUT_S = 10.0
+RUN_KEYS_FILE = "runs.json"
+"""In the state dir: the founder (run key) of every run this node founded or joined."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,20 +36,64 @@ class Membership:
     signed_bytes: bytes
     founded: bool
     """True when this node founded the run (it then always republishes the manifest)."""
+    founder_peer_id: str
+    """The run key: the peer whose key signed the manifest; this node accepts no other founder's."""
 
 
 def resolve_membership(dht: hivemind.DHT, config: NodeConfig, identity: Identity) -> Membership:
-    """Found a run (no initial peers, or a run file naming a run the swarm lacks) or join one."""
+    """Found a run (no initial peers, or a run file naming a run the swarm lacks) or join one; the run's founder
+    is pinned in the state dir, and a later different founder for the same run is refused."""
+    membership = _resolve(dht, config, identity)
+    pin_founder(config.state_path / RUN_KEYS_FILE, membership.manifest.run_id, membership.founder_peer_id)
+    return membership
+
+
+def pin_founder(path: Path, run_id: str, founder_peer_id: str) -> None:
+    """Remember the run's founder on first sight; refuse, with one sentence, a different one later."""
+    pins = _read_pins(path)
+    pinned = pins.get(run_id)
+    if pinned == founder_peer_id:
+        return
+    if pinned is not None:
+        raise BadInputError(
+            f"Run {run_id!r} is now published by founder {founder_peer_id}, but this node joined it under founder "
+            f"{pinned}; refusing a manifest from another key (pass --run-key {founder_peer_id} to accept the new "
+            f"founder, or remove {path})."
+        )
+    pins[run_id] = founder_peer_id
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(pins, indent=1, sort_keys=True))
+    os.replace(temporary, path)
+
+
+def _read_pins(path: Path) -> dict[str, str]:
+    try:
+        pins = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise BadInputError(
+            f"Cannot read {path}: {e}; fix or remove it (it lists the founders of runs joined)."
+        ) from None
+    if not isinstance(pins, dict) or not all(isinstance(v, str) for v in pins.values()):
+        raise BadInputError(f"{path} is not a map of run ids to founders; fix or remove it.")
+    return pins
+
+
+def _resolve(dht: hivemind.DHT, config: NodeConfig, identity: Identity) -> Membership:
     if not config.initial_peers:
         return _found(load_run_file(config.run_file or "demo", run_id=config.run_id or None), identity)
     wanted = load_run_file(config.run_file, run_id=config.run_id or None) if config.run_file else None
-    runs = _await_runs(dht, wanted.run_id if wanted else config.run_id, config.bootstrap_timeout_s)
+    founder = config.run_key or None
+    runs = _await_runs(dht, wanted.run_id if wanted else config.run_id, config.bootstrap_timeout_s, founder)
     if wanted is not None:
         return _found_or_join_same(wanted, runs.get(wanted.run_id), identity)
     if config.run_id:
         if config.run_id not in runs:
             raise BadInputError(f"The swarm holds no run named {config.run_id!r}; runs here: {_describe(runs)}.")
         return _join(runs[config.run_id], config)
+    if not runs and founder is not None:
+        raise BadInputError(f"The swarm holds no run founded by {founder} (--run-key); check the key you were given.")
     if not runs:
         raise CrowdtrainError(
             "The swarm answered but holds no run yet; found one by running `crowdtrain run` "
@@ -55,12 +104,12 @@ def resolve_membership(dht: hivemind.DHT, config: NodeConfig, identity: Identity
     return _join(next(iter(runs.values())), config)
 
 
-def _await_runs(dht: hivemind.DHT, run_id: str, timeout_s: float) -> dict[str, RunListing]:
+def _await_runs(dht: hivemind.DHT, run_id: str, timeout_s: float, founder: str | None) -> dict[str, RunListing]:
     """Poll the runs key with backoff until a run (or the wanted one) shows up, or time runs out."""
     deadline = time.monotonic() + timeout_s
     delay_s = 0.25
     while True:
-        runs = list_runs(dht, timeout_s=min(LOOKUP_TIMEOUT_S, max(deadline - time.monotonic(), 1.0)))
+        runs = list_runs(dht, min(LOOKUP_TIMEOUT_S, max(deadline - time.monotonic(), 1.0)), founder)
         if (run_id in runs) if run_id else runs:
             return runs
         if time.monotonic() + delay_s > deadline:
@@ -75,7 +124,10 @@ def _found(manifest: RunManifest, identity: Identity) -> Membership:
     model_kind(manifest.model)
     manifest = dataclasses.replace(manifest, created_at=time.time())
     logger.info(f"founding run {manifest.run_id!r} ({manifest.model.architecture})")
-    return Membership(manifest=manifest, signed_bytes=sign_manifest(manifest, identity.private_key), founded=True)
+    signed = sign_manifest(manifest, identity.private_key)
+    return Membership(
+        manifest=manifest, signed_bytes=signed, founded=True, founder_peer_id=identity.peer_id.to_base58()
+    )
 
 
 def _join(listing: RunListing, config: NodeConfig | None = None) -> Membership:
@@ -89,7 +141,12 @@ def _join(listing: RunListing, config: NodeConfig | None = None) -> Membership:
             available_bytes=available_memory_bytes(),
         )
     logger.info(f"joining run {manifest.run_id!r} founded by {listing.published.founder_peer_id}")
-    return Membership(manifest=manifest, signed_bytes=listing.signed_bytes, founded=False)
+    return Membership(
+        manifest=manifest,
+        signed_bytes=listing.signed_bytes,
+        founded=False,
+        founder_peer_id=listing.published.founder_peer_id,
+    )
 
 
 def _found_or_join_same(wanted: RunManifest, existing: RunListing | None, identity: Identity) -> Membership:
