@@ -161,3 +161,15 @@ def test_expert_hosts_are_not_in_the_averaging_plan() -> None:
     host.roles.append("expert-host")
     plan = Planner("a", PROBLEM).update(ME, [_status("b"), host])
     assert set(plan.roles) == {"a", "b"}
+
+
+def test_one_peer_claiming_huge_numbers_counts_as_at_most_64_times_the_median() -> None:
+    # self-reported values within the records' physical limits can still be lies: with 3+ peers, outliers are capped
+    liar = _status("z", compute=9e6, mbps=300_000.0)
+    peers = {peer.peer_id: peer for peer in swarm_capabilities("a", ME, [_status("b"), _status("c"), liar])}
+    median = quantize(100.0)
+    assert peers["z"].samples_per_second == 64 * median
+    assert peers["z"].upload_mbps == 64 * median and peers["z"].download_mbps == 64 * median
+    assert peers["b"].samples_per_second == median
+    two = {peer.peer_id: peer for peer in swarm_capabilities("a", ME, [liar])}
+    assert two["z"].samples_per_second == quantize(9e6), "with two peers there is no median to speak of"

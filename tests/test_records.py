@@ -407,3 +407,22 @@ def test_identity_file_peer_id_is_the_one_p2pd_derives(tmp_path: Path) -> None:
     from_file = PeerID.from_identity((tmp_path / "identity.key").read_bytes())
     assert created.peer_id == from_file
     assert peer_id_of_owner(owner_marker(created.private_key)) == from_file
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("measured_samples_per_second", float("inf")),
+        ("measured_samples_per_second", 1e308),  # idled every honest node's plan
+        ("samples_per_second", 2e7),
+        ("upload_mbps", 1e9),  # made its sender the plan's aggregator
+        ("download_mbps", float("nan")),
+        ("aggregation_share", 1e300),  # reduced the whole vector alone
+        ("aggregation_share", 1.5),
+        ("loss", float("inf")),
+    ],
+)
+def test_peer_status_with_an_unphysical_number_is_rejected(identity: Identity, field: str, value: float) -> None:
+    status = status_of(peer_id_of(identity), **{field: value})
+    with pytest.raises(RecordError, match=field):
+        decode_peer_status(status.SerializeToString(), owner_marker(identity.private_key))

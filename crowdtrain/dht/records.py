@@ -109,6 +109,17 @@ def open_manifest(data: bytes) -> PublishedManifest:
     return PublishedManifest(manifest=manifest, founder_peer_id=peer_id_of_public_key(founder_key).to_base58())
 
 
+PHYSICAL_LIMITS = {
+    "samples_per_second": 1e7,
+    "measured_samples_per_second": 1e7,
+    "upload_mbps": 400_000.0,
+    "download_mbps": 400_000.0,
+    "aggregation_share": 1.0,
+}
+"""No honest node reports more: a record beyond one of these is refused, not trusted (a claimed 1e308 samples/s
+idled every honest node's plan, 1e9 Mbit/s made its sender the aggregator)."""
+
+
 def encode_peer_status(status: proto.PeerStatus) -> bytes:
     """Serialize a PeerStatus, refusing one over the size cap."""
     data = status.SerializeToString()
@@ -134,7 +145,7 @@ def decode_peer_status(data: bytes, owner: bytes) -> proto.PeerStatus:
         "aggregation_share",
     ):
         value = getattr(status, name)
-        if not math.isfinite(value) or (value < 0 and name != "loss"):
+        if not math.isfinite(value) or (value < 0 and name != "loss") or value > PHYSICAL_LIMITS.get(name, math.inf):
             raise RecordError(f"peer status has an invalid {name}: {value}")
     if len(status.plan_digest) > MAX_PLAN_DIGEST_CHARS:
         raise RecordError(f"peer status has a plan_digest longer than {MAX_PLAN_DIGEST_CHARS} characters")

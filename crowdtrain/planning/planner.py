@@ -13,6 +13,7 @@ matchmaking (averaging/partition.py).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -73,6 +74,8 @@ def swarm_capabilities(
     compute = _median([m.samples_per_second for m in measured], default=1.0)
     upload = _median([m.upload_mbps for m in measured], default=DEFAULT_BANDWIDTH_MBPS)
     download = _median([m.download_mbps for m in measured], default=DEFAULT_BANDWIDTH_MBPS)
+    if len(measured) >= MIN_PEERS_FOR_OUTLIERS:
+        measured = [_within_outlier_ratio(m, compute, upload, download) for m in measured]
     return [
         PeerCapabilities(
             peer_id=peer_id,
@@ -84,6 +87,25 @@ def swarm_capabilities(
         )
         for (peer_id, _), m in zip(entries, measured, strict=True)
     ]
+
+
+MIN_PEERS_FOR_OUTLIERS = 3
+OUTLIER_RATIO = 64.0
+"""With 3+ peers, no peer's compute or bandwidth counts for more than this many times the swarm's median: the
+numbers are self-reported, and one peer claiming a huge value would otherwise idle the others or take every
+round's aggregation. An honest GPU among CPUs can be this much faster: it is then planned as if it were 64x."""
+
+
+def _within_outlier_ratio(m: OwnCapabilities, compute: float, upload: float, download: float) -> OwnCapabilities:
+    def capped(value: float | None, median: float) -> float | None:
+        return value if value is None else min(value, OUTLIER_RATIO * median)
+
+    return dataclasses.replace(
+        m,
+        samples_per_second=capped(m.samples_per_second, compute),
+        upload_mbps=capped(m.upload_mbps, upload),
+        download_mbps=capped(m.download_mbps, download),
+    )
 
 
 def quantize(value: float) -> float:
