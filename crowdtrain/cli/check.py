@@ -34,6 +34,7 @@ from crowdtrain.node.addresses import DEFAULT_PORT, resolve_listen
 from crowdtrain.node.config import CheckConfig
 from crowdtrain.planning.plan import compute_plan
 from crowdtrain.planning.planner import OwnCapabilities, plan_problem, swarm_capabilities
+from crowdtrain.training.modes import mode_class
 from crowdtrain.training.throughput import CACHE_FILE as THROUGHPUT_CACHE
 from crowdtrain.training.throughput import measure_throughput
 
@@ -217,7 +218,7 @@ def _plan(manifest: RunManifest, result: dict[str, Any], statuses: list[proto.Pe
         reachable=bool(result["reachable"]),
     )
     # The daemons' own planning code, so the role shown is the one the node would take.
-    peers = swarm_capabilities(me, own, statuses, aggregate_only=manifest.averaging.mode == "gradients")
+    peers = swarm_capabilities(me, own, statuses, aggregate_only=mode_class(manifest).has_auxiliary_aggregators)
     num_parameters = spec_parameter_count(manifest.model, load_tokenizer(manifest.model).vocab_size)
     plan = compute_plan(peers, plan_problem(manifest, num_parameters))
     return {
