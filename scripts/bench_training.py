@@ -37,7 +37,6 @@ from benchlib import (
     NOISE_CAVEAT,
     POLL_S,
     START_TIMEOUT_S,
-    TINY_MODEL_TOML,
     BenchError,
     LineReader,
     MemoryPeaks,
@@ -65,6 +64,7 @@ from crowdtrain.data import WindowSampler, load_token_stream, peer_seed_from_pee
 from crowdtrain.manifest import RunManifest, demo, load_run_file
 from crowdtrain.models import build_model, load_tokenizer, model_kind, training_loss
 from crowdtrain.models.build import ModelKind
+from crowdtrain.testing.fixtures import tiny_run_file
 from crowdtrain.training.checkpoint import Checkpoint, list_checkpoints, load_checkpoint
 from crowdtrain.training.loop import run_seed
 
@@ -81,24 +81,6 @@ WARMUP_S = 10.0
 """Standalone workers train this long before their measured interval starts."""
 THROUGHPUT_TARGET_RATIO = 0.8
 MEMORY_TARGET_MIB = 1000.0
-
-TINY_RUN_TOML = (
-    """\
-run_id = "bench-tiny"
-target_batch_size = {target_batch_size}
-"""
-    + TINY_MODEL_TOML
-    + """
-[optimizer]
-learning_rate = 0.005
-warmup_steps = 0
-total_steps = 1000
-
-[averaging]
-matchmaking_time_s = 2.0
-timeout_s = 15.0
-"""
-)
 
 
 class CheckpointClock:
@@ -226,7 +208,7 @@ def run_standalone_worker(cache_dir: Path) -> None:
 
 def bench_convergence(groups: ProcessGroups, root: Path, num_steps: int, target_batch_size: int) -> dict[str, Any]:
     run_file = root / "tiny.toml"
-    run_file.write_text(TINY_RUN_TOML.format(target_batch_size=target_batch_size))
+    run_file.write_text(tiny_run_file("bench-tiny", target_batch_size))
     run = run_tiny_swarm(groups, root, run_file, num_steps)
     say("convergence: scoring the founder's checkpoints, then training the single-process references")
     # The seed hashes created_at, which the founder stamps when it publishes the run.

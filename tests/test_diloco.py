@@ -9,30 +9,23 @@ from typing import Any
 
 import pytest
 
-from tests.harness import TINY_MODEL_TOML, Daemon, await_condition, start_daemon, status_json
+from crowdtrain.testing.fixtures import tiny_run_file
+from tests.harness import Daemon, await_condition, start_daemon, status_json
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 
-RUN_FILE = f"""
-run_id = "tiny-diloco"
-target_batch_size = 128
-{TINY_MODEL_TOML}
-[optimizer]
-learning_rate = 0.005
-warmup_steps = 0
-total_steps = 1000
-
-[averaging]
-mode = "diloco"
-matchmaking_time_s = 2.0
-timeout_s = 15.0
-
+RUN_FILE = tiny_run_file(
+    "tiny-diloco",
+    128,
+    averaging='mode = "diloco"',
+    sections="""
 [diloco]
 inner_steps = 16
 outer_learning_rate = 0.7
 outer_momentum = 0.9
 compression = "int8"
-"""
+""",
+)
 
 ENV = {"CROWDTRAIN_MICRO_BATCH_SIZE": "8", "CROWDTRAIN_NUM_THREADS": "1"}
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from crowdtrain.testing.fixtures import tiny_run_file
 from tests.harness import TINY_MODEL_TOML, Daemon, await_condition, crowdtrain, group_alive, start_daemon, status_json
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
@@ -21,26 +22,18 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
 _TINY = tomllib.loads(TINY_MODEL_TOML)
 HIDDEN_SIZE, SEQUENCE_LENGTH = _TINY["model"]["config"]["hidden_size"], _TINY["data"]["sequence_length"]
 # Two DMoE layers over a 2x2 grid: 8 experts, 4 per host, so each host serves half the grid.
-RUN_FILE = f"""
-run_id = "tiny-moe"
-target_batch_size = 128
-{TINY_MODEL_TOML}
-[optimizer]
-learning_rate = 0.005
-warmup_steps = 0
-total_steps = 1000
-
-[averaging]
-matchmaking_time_s = 2.0
-timeout_s = 15.0
-
+RUN_FILE = tiny_run_file(
+    "tiny-moe",
+    128,
+    sections="""
 [moe]
 grid = [2, 2]
 expert_hidden_size = 64
 k = 2
 forward_timeout_s = 5.0
 backward_timeout_s = 5.0
-"""
+""",
+)
 
 ENV = {
     "CROWDTRAIN_MICRO_BATCH_SIZE": "8",

@@ -11,24 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from tests.harness import TINY_MODEL_TOML, Daemon, await_condition, group_alive, start_daemon, status_json
+from crowdtrain.testing.fixtures import tiny_run_file
+from tests.harness import Daemon, await_condition, group_alive, start_daemon, status_json
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 
 # A tiny model and batch, so a global step takes seconds on two shared cores.
-RUN_FILE = f"""
-run_id = "tiny"
-target_batch_size = 1024
-{TINY_MODEL_TOML}
-[optimizer]
-learning_rate = 0.005
-warmup_steps = 0
-total_steps = 1000
-
-[averaging]
-matchmaking_time_s = 2.0
-timeout_s = 15.0
-"""
+RUN_FILE = tiny_run_file("tiny", 1024)
 
 PLATEAU_NOISE = 0.1
 """How much a plateaued EMA loss of the tiny model wanders between epochs."""
@@ -202,7 +191,7 @@ def test_restart_resumes_from_checkpoint(tmp_path: Path) -> None:
 
 def test_parameters_mode_trains_with_local_steps(tmp_path: Path) -> None:
     run_file = tmp_path / "tiny.toml"
-    run_file.write_text(RUN_FILE.replace('run_id = "tiny"', 'run_id = "tiny-moshpit"') + 'mode = "parameters"\n')
+    run_file.write_text(tiny_run_file("tiny-moshpit", 1024, averaging='mode = "parameters"'))
     founder = start_daemon(tmp_path / "node0", "--run-file", str(run_file), env=TRAIN_ENV).await_ready()
     joiner = start_daemon(tmp_path / "node1", initial_peers=[founder.address], env=TRAIN_ENV).await_ready()
     await_epoch(founder, [founder, joiner], 4, timeout_s=150)

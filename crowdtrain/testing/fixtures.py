@@ -16,3 +16,22 @@ sequence_length = 32
 """
 """A run file's model and data tables for a tiny LM, so a global step takes seconds on two shared cores; the
 benchmarks' tiny runs and the tests' (tests/harness.py) are built from it."""
+
+
+def tiny_run_file(run_id: str, target_batch_size: int, *, averaging: str = "", sections: str = "") -> str:
+    """A whole run file for the tiny model: a fast optimizer, short averaging timeouts; `averaging` adds lines to
+    the [averaging] table, `sections` adds tables after it."""
+    return f"""
+run_id = "{run_id}"
+target_batch_size = {target_batch_size}
+{TINY_MODEL_TOML}
+[optimizer]
+learning_rate = 0.005
+warmup_steps = 0
+total_steps = 1000
+
+[averaging]
+matchmaking_time_s = 2.0
+timeout_s = 15.0
+{averaging}
+{sections}"""
