@@ -1,6 +1,7 @@
 """crowdtrain: a peer-to-peer volunteer training daemon built on hivemind.
 
 Package map, from the top down; a package may import only those below it (tests/test_layers.py):
+  testing/    the WAN lab and the tiny run file shared by tests and benchmarks (nothing imports it)
   cli/        the command line: `run`, `status`, `check`; flags, exit codes, rendering of reports
   node/       the daemon's lifecycle: config, identity, state dir, join, heartbeats, leave
   training/   the training loop, checkpoints, the throughput probe
@@ -13,6 +14,7 @@ Package map, from the top down; a package may import only those below it (tests/
   dht/        the run's DHT schema: key names, record codecs, validators, bootstrap
   manifest    the run manifest: what a run trains, on what, and how (types, presets, TOML)
   structured  typed parsing of mappings (TOML, env) and protobuf messages into frozen dataclasses
+  roles       Role: what a node does for its run (trainer, aggregator, expert-host, client)
   proto/      protobuf records stored in the DHT and the node's own RPC messages
   errors      exceptions that carry the CLI's exit code
 See ARCHITECTURE.md for how a global step flows through them.

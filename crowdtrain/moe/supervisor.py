@@ -18,10 +18,11 @@ from crowdtrain.moe.experts import build_expert
 from crowdtrain.moe.hosting import ExpertHost, HostOptions
 from crowdtrain.moe.placement import choose_experts
 from crowdtrain.moe.replicas import ReplicaError, ReplicaService, flat_parameters, mix_into, num_values
+from crowdtrain.roles import Role
 
 logger = logging.getLogger(__name__)
 
-EXPERT_HOST_ROLE = "expert-host"
+EXPERT_HOST_ROLE = Role.EXPERT_HOST
 LOOKUP_TIMEOUT_S = 10.0
 
 

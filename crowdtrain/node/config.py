@@ -15,13 +15,14 @@ from typing import Any, TypeVar
 from hivemind.utils.multiaddr import Multiaddr
 
 from crowdtrain.errors import BadInputError
+from crowdtrain.roles import AUTO, Role
 from crowdtrain.structured import FieldError, from_mapping
 
 T = TypeVar("T")
 
 ENV_PREFIX = "CROWDTRAIN_"
 DEFAULT_STATE_DIR = "~/.crowdtrain"
-ROLES = ("auto", "trainer", "aggregator", "expert-host", "client")
+ROLES = (AUTO, *Role)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,7 +48,7 @@ class NodeConfig:
     the first founder this node saw for the run (kept in <state_dir>/runs.json), and no other after."""
     device: str = "auto"
     """auto, cpu, cuda or cuda:N."""
-    role: str = "auto"
+    role: str = AUTO
     """auto (decided by the swarm), trainer, aggregator, expert-host or client."""
     bootstrap_timeout_s: float = 20.0
     """Give up when no initial peer answers within this many seconds."""

@@ -40,6 +40,7 @@ from crowdtrain.node.metrics import MetricsEndpoint, start_metrics_endpoint
 from crowdtrain.node.statedir import exclusive_state_dir, remove_node_file, write_node_file
 from crowdtrain.planning.planner import plan_problem
 from crowdtrain.planning.roles import LinkProber, NodeRoles
+from crowdtrain.roles import AUTO, Role
 from crowdtrain.training.loop import Trainer, TrainerOptions
 from crowdtrain.training.modes import mode_class
 from crowdtrain.training.progress import Progress
@@ -103,7 +104,7 @@ class Daemon:
             listen=resolve_listen(self.config.listen),
             announce=self.config.announce,
             identity_path=str(identity.path),
-            client_mode=self.config.role == "client",
+            client_mode=self.config.role == Role.CLIENT,
             bootstrap_timeout_s=self.config.bootstrap_timeout_s,
         )
 
@@ -118,7 +119,7 @@ class Daemon:
         if self.config.metrics_port:  # before anything else starts: a port in use stops the node right away
             metrics = start_metrics_endpoint(progress, self.config.metrics_port)
             logger.info(f"serving metrics on http://127.0.0.1:{metrics.port}/metrics")
-        if self.config.role not in ("client", "expert-host"):
+        if self.config.role not in (Role.CLIENT, Role.EXPERT_HOST):
             # Serving peers' probes from before node.json exists: a node that says it is up answers them.
             self.probes = ProbeService(dht)
             self.probes.start()
@@ -143,7 +144,7 @@ class Daemon:
         left = threading.Event()
         threading.Thread(target=_enforce_leave_deadline, args=(self.stop, left, state_path), daemon=True).start()
         try:
-            if self.config.role == "expert-host":
+            if self.config.role == Role.EXPERT_HOST:
                 self._expert_host(dht, identity, membership, heartbeat).run(self.stop)
             else:
                 # Measured after the node is up and visible: the model's first import and the probes take a while.
@@ -202,7 +203,7 @@ class Daemon:
             aggregate_only=auxiliary_aggregators,
         )
         roles.record_throughput(samples_per_second)
-        if self.config.role != "client":
+        if self.config.role != Role.CLIENT:
             assert self.probes is not None, "started in _serve, before the node announced itself ready"
             prober = LinkProber(self.probes, roles, statuses, peer_id, multiaddrs)
             prober.probe_once()  # before the optimizer is built: a node nobody can dial must be a client
@@ -233,7 +234,7 @@ class Daemon:
         def known_peers() -> list[proto.PeerStatus]:
             statuses = list_peer_statuses(dht, run_id, DHT_CALL_TIMEOUT_S)
             # Pure expert hosts never average: counting them would misplace Moshpit keys and raise false alarms.
-            return [status for status in statuses if set(status.roles) != {"expert-host"}]
+            return [status for status in statuses if set(status.roles) != {Role.EXPERT_HOST}]
 
         return Trainer(
             dht=dht,
@@ -271,9 +272,9 @@ class Heartbeat:
             multiaddrs=multiaddrs,
             run_id=membership.manifest.run_id,
             # until measured: what the node was told, and reachable unless it said otherwise
-            roles=["trainer" if config.role == "auto" else config.role],
-            reachable=config.role != "client",
-            role_override="" if config.role == "auto" else config.role,
+            roles=[Role.TRAINER if config.role == AUTO else config.role],
+            reachable=config.role != Role.CLIENT,
+            role_override="" if config.role == AUTO else config.role,
         )
         self.next_manifest_at = 0.0
         self.experts: tuple[str, ...] = ()
@@ -359,12 +360,12 @@ def _enforce_leave_deadline(stop: threading.Event, left: threading.Event, state_
 
 def _check_role_fits(role: str, manifest: RunManifest) -> None:
     """Refuse, with a sentence, a --role this run has no use for."""
-    if role == "expert-host" and manifest.moe is None:
+    if role == Role.EXPERT_HOST and manifest.moe is None:
         raise BadInputError(
             f"Run {manifest.run_id!r} is a dense run with no experts to host; use --role trainer, or found a DMoE "
             "run (e.g. --run-file demo-moe)."
         )
-    if role == "aggregator" and not mode_class(manifest).has_auxiliary_aggregators:
+    if role == Role.AGGREGATOR and not mode_class(manifest).has_auxiliary_aggregators:
         raise BadInputError(
             f"Run {manifest.run_id!r} trains in {manifest.averaging.mode} mode, where every peer steps its own "
             "replica, so --role aggregator has nothing to aggregate; use --role auto or trainer."

@@ -53,9 +53,11 @@ from dataclasses import dataclass
 
 from scipy.optimize import OptimizeResult, linprog
 
+from crowdtrain.roles import Role
+
 logger = logging.getLogger(__name__)
 
-ROLES = ("trainer", "aggregator", "client")
+ROLES = (Role.TRAINER, Role.AGGREGATOR, Role.CLIENT)
 """The roles a plan assigns, in the order a role tuple lists them."""
 BYTES_PER_MEGABIT = 125_000
 MIN_BANDWIDTH_MBPS = 1e-3
@@ -94,7 +96,7 @@ class PeerCapabilities:
                 raise ValueError(f"{name} of peer {self.peer_id} must be a finite number >= 0, got {value!r}")
         if self.forced_role is not None and self.forced_role not in ROLES:
             raise ValueError(f"forced_role must be one of {', '.join(ROLES)} or None, got {self.forced_role!r}")
-        if self.forced_role == "aggregator" and not self.reachable:
+        if self.forced_role == Role.AGGREGATOR and not self.reachable:
             raise ValueError(
                 f"peer {self.peer_id} is forced to aggregate but peers cannot dial it: "
                 "open its port or announce a reachable address, or give it another role"
@@ -250,17 +252,17 @@ def _make_swarm(peers: Sequence[PeerCapabilities], problem: PlanProblem) -> _Swa
 
 def _can_aggregate(peer: PeerCapabilities) -> bool:
     # A zero bandwidth is taken as tiny for the time, but a part is never handed to a dead link unless forced.
-    if peer.forced_role == "aggregator":
+    if peer.forced_role == Role.AGGREGATOR:
         return True
-    return peer.reachable and peer.forced_role != "client" and min(peer.upload_mbps, peer.download_mbps) > 0
+    return peer.reachable and peer.forced_role != Role.CLIENT and min(peer.upload_mbps, peer.download_mbps) > 0
 
 
 def _fixed_computes(peer: PeerCapabilities) -> bool | None:
-    if peer.forced_role == "trainer":
+    if peer.forced_role == Role.TRAINER:
         return True
-    if peer.forced_role == "aggregator" or peer.samples_per_second == 0:
+    if peer.forced_role == Role.AGGREGATOR or peer.samples_per_second == 0:
         return False
-    return True if peer.forced_role == "client" else None
+    return True if peer.forced_role == Role.CLIENT else None
 
 
 def _search(swarm: _Swarm, problem: PlanProblem) -> _Solution:
@@ -437,12 +439,12 @@ def _make_plan(
     throughput: float,
     solver: str,
 ) -> Plan:
-    roles = {}
+    roles: dict[str, tuple[str, ...]] = {}
     for i, peer_id in enumerate(swarm.peer_ids):
-        aggregates = (shares is not None and shares[i] > 0) or swarm.forced[i] == "aggregator"
-        client = not swarm.reachable[i] or swarm.forced[i] == "client"
-        held = {"trainer": x[i], "aggregator": aggregates, "client": client}
-        roles[peer_id] = tuple(role for role in ROLES if held[role])
+        aggregates = (shares is not None and shares[i] > 0) or swarm.forced[i] == Role.AGGREGATOR
+        client = not swarm.reachable[i] or swarm.forced[i] == Role.CLIENT
+        held = {Role.TRAINER: x[i], Role.AGGREGATOR: aggregates, Role.CLIENT: client}
+        roles[peer_id] = tuple(str(role) for role in ROLES if held[role])
     return Plan(
         roles=roles,
         shares={} if shares is None else dict(zip(swarm.peer_ids, shares, strict=True)),

@@ -30,6 +30,7 @@ from crowdtrain.planning.plan import (
     PlanProblem,
     compute_plan,
 )
+from crowdtrain.roles import Role
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def swarm_capabilities(
             upload_mbps=upload if m.upload_mbps is None else m.upload_mbps,
             download_mbps=download if m.download_mbps is None else m.download_mbps,
             reachable=m.reachable,
-            forced_role=_forced_role(m) or (None if aggregate_only or not m.reachable else "trainer"),
+            forced_role=_forced_role(m) or (None if aggregate_only or not m.reachable else Role.TRAINER),
         )
         for (peer_id, _), m in zip(entries, measured, strict=True)
     ]
@@ -137,7 +138,7 @@ def plan_digest(plan: Plan) -> str:
 
 def takes_part_in_averaging(status: proto.PeerStatus) -> bool:
     """Whether a peer trains or aggregates the dense model (expert hosts only serve DMoE experts)."""
-    return "expert-host" not in status.roles
+    return Role.EXPERT_HOST not in status.roles
 
 
 def _measured(status: proto.PeerStatus) -> OwnCapabilities:
@@ -156,8 +157,8 @@ def _forced_role(capabilities: OwnCapabilities) -> str | None:
     role = capabilities.role_override
     if role not in ROLES:
         return None
-    if role == "aggregator" and not capabilities.reachable:
-        return "client"  # nobody can send it parts; the plan may not make it aggregate
+    if role == Role.AGGREGATOR and not capabilities.reachable:
+        return Role.CLIENT  # nobody can send it parts; the plan may not make it aggregate
     return role
 
 

@@ -19,6 +19,7 @@ from crowdtrain import proto
 from crowdtrain.links.probes import MAX_PROBED_PEERS
 from crowdtrain.planning.plan import PlanProblem
 from crowdtrain.planning.planner import OwnCapabilities, Planner, takes_part_in_averaging
+from crowdtrain.roles import Role
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ PROBE_TIMEOUT_S = 30.0
 """Bound on one round of link probes against up to 3 peers."""
 NO_PEERS_RETRY_S = 30.0
 """How soon a node with no peers to probe against, or with more peers than its last round asked, probes again."""
-PLAN_ROLES = ("trainer", "aggregator", "client")
+PLAN_ROLES = (Role.TRAINER, Role.AGGREGATOR, Role.CLIENT)
 """`--role` values the plan honours as overrides; `auto` leaves the choice to the plan."""
 
 
@@ -59,7 +60,7 @@ class NodeRoles:
             samples_per_second=None,
             upload_mbps=None,
             download_mbps=None,
-            reachable=override != "client",
+            reachable=override != Role.CLIENT,
             role_override=override,
         )
         self.reachability_measured = False
@@ -80,7 +81,7 @@ class NodeRoles:
                 own = replace(own, upload_mbps=report.upload_mbps)
             if report.download_mbps is not None:
                 own = replace(own, download_mbps=report.download_mbps)
-            if report.reachable is not None and own.role_override != "client":
+            if report.reachable is not None and own.role_override != Role.CLIENT:
                 if self.reachability_measured and report.reachable != own.reachable:
                     logger.warning(
                         f"peers {'can' if report.reachable else 'can no longer'} dial this node; its averaging "
@@ -122,7 +123,7 @@ class NodeRoles:
         roles = self.planner.own_roles()
         if roles:
             return roles
-        return (self.own.role_override,) if self.own.role_override else ("trainer",)
+        return (self.own.role_override,) if self.own.role_override else (Role.TRAINER,)
 
     def fill_status(self, status: proto.PeerStatus) -> None:
         """Write this node's capabilities, roles and share into its status record."""
