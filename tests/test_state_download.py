@@ -153,6 +153,7 @@ def test_a_high_epoch_moves_the_learning_rate_schedule_in_one_step() -> None:
         reference.optimizer.step()
         reference.step()
     averager: Any = object.__new__(PlannedStateAverager)
+    averager._parent_pid = -1  # hivemind's __del__ shuts down only what this process started
     averager.scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1)], lr=1.0), schedule)
     averager.local_epoch = 2500
     averager._update_scheduler()
