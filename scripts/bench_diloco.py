@@ -62,13 +62,13 @@ METRICS_PORT = 29400
 
 
 def scrape(port: int) -> dict[str, float]:
-    """The daemon's crowdtrain_* gauges (no labels)."""
+    """The daemon's crowdtrain_* gauges and counters without labels (a counter's `_total` suffix dropped)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     values = {}
     for line in text.splitlines():
         if line.startswith("crowdtrain_") and "{" not in line:
             name, _, value = line.partition(" ")
-            values[name] = float(value)
+            values[name.removesuffix("_total")] = float(value)
     return values
 
 
