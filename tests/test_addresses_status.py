@@ -13,10 +13,11 @@ import pytest
 from rich.console import Console, Group
 
 from crowdtrain import proto
+from crowdtrain.cli.runs import choose_run
 from crowdtrain.cli.status import render, summarize
 from crowdtrain.dht.records import PublishedManifest
 from crowdtrain.dht.registry import RunListing
-from crowdtrain.errors import BadInputError
+from crowdtrain.errors import BadInputError, CrowdtrainError
 from crowdtrain.manifest import demo
 from crowdtrain.node import addresses
 from crowdtrain.node.addresses import port_is_free, resolve_listen, shareable_address
@@ -281,6 +282,20 @@ def test_summary_without_manifest_or_peers() -> None:
     assert empty["peers"] == []
     assert (empty["run"]["epoch"], empty["run"]["num_peers"], empty["run"]["samples_accumulated"]) == (0, 0, 0)
     assert empty["run"]["eta_s"] is None
+
+
+def test_choose_run_by_name_or_the_only_one() -> None:
+    runs = {"demo": listing(), "other": listing()}
+    assert choose_run(runs, "other") == "other"
+    assert choose_run({"demo": listing()}, "") == "demo"
+    with pytest.raises(BadInputError, match="The swarm holds no run named 'x'; runs here: demo, other[.]$"):
+        choose_run(runs, "x")
+    with pytest.raises(BadInputError, match="The swarm holds 2 runs: demo, other; pass --run-id to choose one[.]$"):
+        choose_run(runs, "")
+    with pytest.raises(CrowdtrainError, match="^The swarm answered but holds no run yet[.]$"):
+        choose_run({}, "")
+    with pytest.raises(CrowdtrainError, match="^The swarm answered but holds no run yet; there is nothing to do[.]$"):
+        choose_run({}, "", empty_note="; there is nothing to do")
 
 
 # --- status: render ----------------------------------------------------------------------------

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 from hivemind.p2p import PeerID
 
 from crowdtrain.errors import BadInputError
-from crowdtrain.node.config import NodeConfig, StatusConfig, resolve_config
+from crowdtrain.node.config import (
+    CheckConfig,
+    MachineSettings,
+    NodeConfig,
+    StatusConfig,
+    SwarmSettings,
+    resolve_config,
+)
+from crowdtrain.roles import Role
 
 PEER_ID = PeerID(b"\x12\x20" + hashlib.sha256(b"a peer").digest()).to_base58()
 INITIAL_PEER = f"/ip4/127.0.0.1/tcp/31330/p2p/{PEER_ID}"
@@ -185,3 +194,55 @@ def test_status_config_layers_the_same_way(tmp_path: Path) -> None:
     assert (config.run_id, config.watch_s) == ("env", 0.5)
     with pytest.raises(BadInputError, match="watch"):
         resolve_config(StatusConfig, {"watch_s": -1.0}, env={})
+
+
+SHARED_ENV = {
+    "CROWDTRAIN_INITIAL_PEERS": INITIAL_PEER,
+    "CROWDTRAIN_STATE_DIR": "/env/state",
+    "CROWDTRAIN_RUN_ID": "env-run",
+    "CROWDTRAIN_BOOTSTRAP_TIMEOUT_S": "3",
+    "CROWDTRAIN_LOG_FORMAT": "json",
+    "CROWDTRAIN_VERBOSE": "2",
+}
+
+
+@pytest.mark.parametrize("cls", [NodeConfig, StatusConfig, CheckConfig])
+def test_every_command_takes_the_swarm_settings_from_the_same_variables(cls: type[SwarmSettings]) -> None:
+    config = resolve_config(cls, {}, env=SHARED_ENV)
+    assert (config.initial_peers, config.state_dir, config.run_id) == ((INITIAL_PEER,), "/env/state", "env-run")
+    assert (config.bootstrap_timeout_s, config.log_format, config.verbose) == (3.0, "json", 2)
+    assert config.state_path == Path("/env/state")
+    with pytest.raises(BadInputError, match="bootstrap_timeout_s must be positive"):
+        resolve_config(cls, {"bootstrap_timeout_s": 0.0}, env={})
+    with pytest.raises(BadInputError, match="initial_peers .* lacks the peer id"):
+        resolve_config(cls, {"initial_peers": ("/ip4/127.0.0.1/tcp/31330",)}, env={})
+
+
+@pytest.mark.parametrize("cls", [NodeConfig, CheckConfig])
+def test_run_and_check_share_the_machine_settings(cls: type[MachineSettings], tmp_path: Path) -> None:
+    config_file = write_toml(tmp_path, 'device = "cpu"\nmicro_batch_size = 4\nlisten = ["/ip4/127.0.0.1/tcp/1"]\n')
+    config = resolve_config(cls, {"num_threads": 2}, env={"CROWDTRAIN_DEVICE": "cuda:1"}, config_file=config_file)
+    assert (config.device, config.micro_batch_size, config.num_threads) == ("cuda:1", 4, 2)
+    assert config.listen == ("/ip4/127.0.0.1/tcp/1",)
+    with pytest.raises(BadInputError, match="device must be auto, cpu, cuda or cuda:N"):
+        resolve_config(cls, {"device": "tpu"}, env={})
+    with pytest.raises(BadInputError, match="num_threads must not be negative"):
+        resolve_config(cls, {"num_threads": -1}, env={})
+
+
+def test_the_shared_settings_are_defined_once() -> None:
+    shared = {field.name for field in fields(SwarmSettings)}
+    machine = {field.name for field in fields(MachineSettings)} - shared
+    assert shared == {"initial_peers", "state_dir", "run_id", "bootstrap_timeout_s", "log_format", "verbose"}
+    assert machine == {"listen", "announce", "device", "micro_batch_size", "num_threads"}
+    assert issubclass(NodeConfig, MachineSettings) and issubclass(CheckConfig, MachineSettings)
+    assert issubclass(StatusConfig, SwarmSettings) and not issubclass(StatusConfig, MachineSettings)
+
+
+@pytest.mark.parametrize(
+    ("role", "fixed"), [("auto", None), ("trainer", Role.TRAINER), ("expert-host", Role.EXPERT_HOST)]
+)
+def test_fixed_role_is_the_role_or_none_for_auto(role: str, fixed: Role | None) -> None:
+    assert NodeConfig(role=role).fixed_role is fixed
+    with pytest.raises(ValueError, match="role must be one of auto, trainer, aggregator, expert-host, client"):
+        NodeConfig(role="boss")

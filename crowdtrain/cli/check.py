@@ -22,10 +22,10 @@ from rich.table import Table
 from rich.text import Text
 
 from crowdtrain import __version__, proto
-from crowdtrain.dht.registry import RunListing, list_peer_statuses, list_runs
+from crowdtrain.cli.runs import choose_run
+from crowdtrain.dht.registry import list_peer_statuses, list_runs
 from crowdtrain.dht.swarm import SwarmOptions, join_swarm
 from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
-from crowdtrain.errors import BadInputError, CrowdtrainError
 from crowdtrain.links.probes import MAX_PROBED_PEERS, ProbeReport, ProbeService
 from crowdtrain.manifest import RunManifest, demo
 from crowdtrain.models import load_tokenizer, precision_for_device, spec_parameter_count
@@ -100,7 +100,8 @@ def _swarm_report(config: CheckConfig) -> dict[str, Any]:
         make_validators(RSAPrivateKey()),
     )
     try:
-        listing = _choose_run(list_runs(dht, LOOKUP_TIMEOUT_S), config.run_id)
+        runs = list_runs(dht, LOOKUP_TIMEOUT_S)
+        listing = runs[choose_run(runs, config.run_id, empty_note="; there is nothing to check against")]
         manifest = listing.published.manifest
         dht.add_validators([CrowdtrainRecordValidator([manifest.run_id])])
         statuses = list_peer_statuses(dht, manifest.run_id, LOOKUP_TIMEOUT_S)
@@ -127,22 +128,6 @@ def _swarm_report(config: CheckConfig) -> dict[str, Any]:
         "fix": _fix(report, port) if report.reachable is False else None,
         "statuses": statuses,
     }
-
-
-def _choose_run(runs: dict[str, RunListing], run_id: str) -> RunListing:
-    if run_id:
-        if run_id not in runs:
-            raise BadInputError(
-                f"The swarm holds no run named {run_id!r}; runs here: {', '.join(sorted(runs)) or 'none'}."
-            )
-        return runs[run_id]
-    if not runs:
-        raise CrowdtrainError("The swarm answered but holds no run yet; there is nothing to check against.")
-    if len(runs) > 1:
-        raise BadInputError(
-            f"The swarm holds {len(runs)} runs: {', '.join(sorted(runs))}; pass --run-id to choose one."
-        )
-    return next(iter(runs.values()))
 
 
 def _probe(

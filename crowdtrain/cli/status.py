@@ -17,10 +17,10 @@ from rich.text import Text
 
 from crowdtrain import proto
 from crowdtrain.averaging.phases import PhaseTimes
+from crowdtrain.cli.runs import choose_run
 from crowdtrain.dht.registry import RunListing, list_peer_statuses, list_runs
 from crowdtrain.dht.swarm import SwarmOptions, join_swarm
 from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
-from crowdtrain.errors import BadInputError, CrowdtrainError
 from crowdtrain.manifest import RunManifest, expert_uids
 from crowdtrain.moe.placement import grid_coverage
 from crowdtrain.node.addresses import shareable_address
@@ -42,7 +42,7 @@ def show_status(config: StatusConfig, stop: threading.Event, console: Console) -
         make_validators(RSAPrivateKey()),
     )
     try:
-        run_id = _choose_run(list_runs(dht, LOOKUP_TIMEOUT_S), run_id)
+        run_id = choose_run(list_runs(dht, LOOKUP_TIMEOUT_S), run_id)
         dht.add_validators([CrowdtrainRecordValidator([run_id])])
         if config.watch_s == 0:
             _print_once(dht, run_id, config.json, console)
@@ -63,22 +63,6 @@ def _target(config: StatusConfig) -> tuple[tuple[str, ...], str]:
     daemon = find_local_daemon(config.state_path)
     addresses = sorted(daemon["multiaddrs"], key=lambda address: "/ip4/127." not in address)
     return tuple(addresses), config.run_id or str(daemon.get("run_id", ""))
-
-
-def _choose_run(runs: dict[str, RunListing], run_id: str) -> str:
-    if run_id:
-        if run_id not in runs:
-            raise BadInputError(
-                f"The swarm holds no run named {run_id!r}; runs here: {', '.join(sorted(runs)) or 'none'}."
-            )
-        return run_id
-    if not runs:
-        raise CrowdtrainError("The swarm answered but holds no run yet.")
-    if len(runs) > 1:
-        raise BadInputError(
-            f"The swarm holds {len(runs)} runs: {', '.join(sorted(runs))}; pass --run-id to choose one."
-        )
-    return next(iter(runs))
 
 
 def collect(dht: hivemind.DHT, run_id: str) -> dict[str, Any]:

@@ -26,40 +26,65 @@ ROLES = (AUTO, *Role)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class NodeConfig:
-    """Everything `crowdtrain run` needs; validated on construction."""
+class SwarmSettings:
+    """The settings every command shares (`_add_swarm_flags`): which swarm, which run, where the state is, logs.
+
+    Defined once: `run`, `status` and `check` take them from the same flags, CROWDTRAIN_* variables and TOML keys.
+    """
 
     initial_peers: tuple[str, ...] = ()
-    """Multiaddrs ending in /p2p/<peer id> of peers already in the swarm; empty founds a new run."""
+    """Multiaddrs ending in /p2p/<peer id> of peers already in the swarm. Empty: `run` founds a new run,
+    `status` asks the local daemon (found through node.json), `check` measures this machine alone (the demo model)."""
+    state_dir: str = DEFAULT_STATE_DIR
+    """This node's state: identity, node.json, lock, checkpoints and the cached throughput measurement."""
+    run_id: str = ""
+    """The run to join, show or check when the swarm holds several, or the name of a run being founded."""
+    bootstrap_timeout_s: float = 20.0
+    """Give up when no initial peer answers within this many seconds."""
+    log_format: str = "text"
+    """Log lines for people (text) or machines (json); `--json` chooses the output format of status and check."""
+    verbose: int = 0
+    """`run`: 0 crowdtrain's info, 1 hivemind's info too; `status` and `check`: 0 warnings only, 1 info; 2: debug."""
+
+    @property
+    def state_path(self) -> Path:
+        """`state_dir` with ~ expanded."""
+        return Path(self.state_dir).expanduser()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MachineSettings(SwarmSettings):
+    """The settings of the commands that use this machine's network and device: `run` and `check`."""
+
     listen: tuple[str, ...] = ()
     """Multiaddrs to listen on; empty: all interfaces on the default port, or a free one if taken."""
     announce: tuple[str, ...] = ()
-    """Multiaddrs peers should dial (e.g. a public address with a forwarded port)."""
-    state_dir: str = DEFAULT_STATE_DIR
-    """Directory of this node's identity, node.json, lock and (later) checkpoints."""
+    """Multiaddrs peers should dial (e.g. a public address with a forwarded port); empty: the listen addresses."""
+    device: str = "auto"
+    """auto, cpu, cuda or cuda:N."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward pass on this node (lower it when memory is short); the throughput probe's too."""
+    num_threads: int = 0
+    """CPU threads torch may use for training; 0 leaves torch's default (one per core)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeConfig(MachineSettings):
+    """Everything `crowdtrain run` needs; validated on construction."""
+
     identity: str = ""
     """Path of the identity key; empty means <state_dir>/identity.key."""
     run_file: str = ""
     """Founder only: a run manifest TOML file or a preset name (demo)."""
-    run_id: str = ""
-    """The run to join when the swarm holds several, or the name of a run being founded."""
     run_key: str = ""
     """The founder's peer ID the run's manifest must be signed by (printed next to the join command); empty:
     the first founder this node saw for the run (kept in <state_dir>/runs.json), and no other after."""
-    device: str = "auto"
-    """auto, cpu, cuda or cuda:N."""
     role: str = AUTO
     """auto (decided by the swarm), trainer, aggregator, expert-host or client."""
-    bootstrap_timeout_s: float = 20.0
-    """Give up when no initial peer answers within this many seconds."""
     status_interval_s: float = 5.0
     """Seconds between two refreshes of this node's status record."""
     status_ttl_s: float = 20.0
     """Seconds a status record outlives its last refresh (how long a crashed node stays listed)."""
-    micro_batch_size: int = 8
-    """Samples per forward/backward pass on this node (lower it when memory is short)."""
-    num_threads: int = 0
-    """CPU threads torch may use for training; 0 leaves torch's default (one per core)."""
     bandwidth_probe_interval_s: float = 600.0
     """Seconds between two measurements of this node's links against peers (the first comes at start)."""
     max_experts: int = 16
@@ -77,22 +102,14 @@ class NodeConfig:
     manifest names (the founder's own run file is not limited)."""
     max_parameters: int = 2_000_000_000
     """The largest model, in parameters, this node accepts from a run it joins."""
-    log_format: str = "text"
-    """text for people, json for machines."""
-    verbose: int = 0
-    """0: crowdtrain's info; 1: hivemind's info too; 2: debug."""
 
     def __post_init__(self) -> None:
-        check_multiaddrs(self.initial_peers, "initial_peers", need_peer_id=True)
-        check_multiaddrs(self.listen, "listen")
-        check_multiaddrs(self.announce, "announce")
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        _check_machine_settings(self)
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be a TCP port (1-65535) or 0 for off, got {self.metrics_port}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        _check_positive(self, "bootstrap_timeout_s", "status_interval_s", "status_ttl_s", "micro_batch_size")
+        _check_positive(self, "status_interval_s", "status_ttl_s")
         _check_positive(
             self,
             "checkpoint_keep",
@@ -102,52 +119,33 @@ class NodeConfig:
             "replica_average_interval_s",
             "max_parameters",
         )
-        if self.num_threads < 0:
-            raise ValueError(f"num_threads must not be negative, got {self.num_threads}")
         if self.status_ttl_s <= self.status_interval_s:
             raise ValueError("status_ttl_s must be longer than status_interval_s, or records expire between refreshes")
-        _check_log_options(self.log_format, self.verbose)
 
     @property
-    def state_path(self) -> Path:
-        return Path(self.state_dir).expanduser()
+    def fixed_role(self) -> Role | None:
+        """The role `--role` fixes, or None for `--role auto` (measurement and the plan decide)."""
+        return None if self.role == AUTO else Role(self.role)
 
     @property
     def identity_path(self) -> Path:
+        """The identity key's path: `identity`, or <state_dir>/identity.key."""
         return Path(self.identity).expanduser() if self.identity else self.state_path / "identity.key"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class StatusConfig:
+class StatusConfig(SwarmSettings):
     """Everything `crowdtrain status` needs."""
 
-    initial_peers: tuple[str, ...] = ()
-    """Peers of the swarm to inspect; empty: the local daemon found through node.json."""
-    state_dir: str = DEFAULT_STATE_DIR
-    """Where the local daemon keeps node.json."""
-    run_id: str = ""
-    """The run to show when the swarm holds several."""
     json: bool = False
     """Print one JSON object instead of a table."""
     watch_s: float = 0.0
     """Refresh every this many seconds until Ctrl-C; 0 prints once."""
-    bootstrap_timeout_s: float = 20.0
-    """Give up when no initial peer answers within this many seconds."""
-    log_format: str = "text"
-    """text or json (for the log lines; the output format is chosen by `json`)."""
-    verbose: int = 0
-    """0: warnings only; 1: info; 2: debug."""
 
     def __post_init__(self) -> None:
-        check_multiaddrs(self.initial_peers, "initial_peers", need_peer_id=True)
+        _check_swarm_settings(self)
         if self.watch_s < 0:
             raise ValueError(f"watch must not be negative, got {self.watch_s}")
-        _check_positive(self, "bootstrap_timeout_s")
-        _check_log_options(self.log_format, self.verbose)
-
-    @property
-    def state_path(self) -> Path:
-        return Path(self.state_dir).expanduser()
 
 
 def check_multiaddrs(values: tuple[str, ...], name: str, *, need_peer_id: bool = False) -> None:
@@ -177,6 +175,23 @@ def _check_log_options(log_format: str, verbose: int) -> None:
         raise ValueError(f"log_format must be text or json, got {log_format!r}")
     if verbose < 0:
         raise ValueError("verbose must not be negative")
+
+
+def _check_swarm_settings(settings: SwarmSettings) -> None:
+    check_multiaddrs(settings.initial_peers, "initial_peers", need_peer_id=True)
+    _check_positive(settings, "bootstrap_timeout_s")
+    _check_log_options(settings.log_format, settings.verbose)
+
+
+def _check_machine_settings(settings: MachineSettings) -> None:
+    _check_swarm_settings(settings)
+    check_multiaddrs(settings.listen, "listen")
+    check_multiaddrs(settings.announce, "announce")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", settings.device):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {settings.device!r}")
+    _check_positive(settings, "micro_batch_size")
+    if settings.num_threads < 0:
+        raise ValueError(f"num_threads must not be negative, got {settings.num_threads}")
 
 
 def resolve_config(
@@ -232,49 +247,16 @@ def environment() -> dict[str, str]:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class CheckConfig:
+class CheckConfig(MachineSettings):
     """Everything `crowdtrain check` needs: the pre-flight of a volunteer's machine."""
 
-    initial_peers: tuple[str, ...] = ()
-    """Peers of the swarm to measure against; empty measures this machine alone (the demo model)."""
-    listen: tuple[str, ...] = ()
-    """Multiaddrs to listen on while checking; empty: as `run` (all interfaces, the default port)."""
-    announce: tuple[str, ...] = ()
-    """Multiaddrs peers are asked to dial back (as `run --announce`); empty: the listen addresses."""
-    state_dir: str = DEFAULT_STATE_DIR
-    """Where the throughput measurement is cached (shared with the daemon)."""
-    run_id: str = ""
-    """The run whose model is measured when the swarm holds several."""
-    device: str = "auto"
-    """auto, cpu, cuda or cuda:N."""
     json: bool = False
     """Print one JSON object instead of a table."""
-    micro_batch_size: int = 8
-    """Samples per forward/backward pass in the throughput probe (as the daemon's)."""
-    num_threads: int = 0
-    """CPU threads torch may use; 0 leaves torch's default."""
     throughput_s: float = 3.0
     """Seconds of timed training steps in the throughput probe (when not cached)."""
     probe_timeout_s: float = 60.0
     """Bound on the bandwidth and dial-back probes against all peers together."""
-    bootstrap_timeout_s: float = 20.0
-    """Give up when no initial peer answers within this many seconds."""
-    log_format: str = "text"
-    """text or json (for the log lines; the output format is chosen by `json`)."""
-    verbose: int = 0
-    """0: warnings only; 1: info; 2: debug."""
 
     def __post_init__(self) -> None:
-        check_multiaddrs(self.initial_peers, "initial_peers", need_peer_id=True)
-        check_multiaddrs(self.listen, "listen")
-        check_multiaddrs(self.announce, "announce")
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        _check_positive(self, "micro_batch_size", "throughput_s", "probe_timeout_s", "bootstrap_timeout_s")
-        if self.num_threads < 0:
-            raise ValueError(f"num_threads must not be negative, got {self.num_threads}")
-        _check_log_options(self.log_format, self.verbose)
-
-    @property
-    def state_path(self) -> Path:
-        return Path(self.state_dir).expanduser()
+        _check_machine_settings(self)
+        _check_positive(self, "throughput_s", "probe_timeout_s")
