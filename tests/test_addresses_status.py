@@ -8,13 +8,14 @@ import logging
 import math
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from rich.console import Console, Group
 
 from crowdtrain import proto
 from crowdtrain.cli.runs import choose_run
-from crowdtrain.cli.status import render, summarize
+from crowdtrain.cli.status import StatusReport, render, summarize
 from crowdtrain.dht.records import PublishedManifest
 from crowdtrain.dht.registry import RunListing
 from crowdtrain.errors import BadInputError, CrowdtrainError
@@ -174,15 +175,20 @@ def statuses() -> list[proto.PeerStatus]:
     ]
 
 
+def summary_json(run_id: str, listing: RunListing | None, statuses: list[proto.PeerStatus]) -> dict[str, Any]:
+    """The `status --json` object of a summary: what scripts and the README's contract read."""
+    return summarize(run_id, listing, statuses).to_json()
+
+
 def test_summary_has_the_contract_fields() -> None:
-    snapshot = summarize("demo", listing(), statuses())
+    snapshot = summary_json("demo", listing(), statuses())
     assert RUN_KEYS <= snapshot["run"].keys()
     assert all(PEER_KEYS <= peer.keys() for peer in snapshot["peers"])
     assert json.loads(json.dumps(snapshot)) == snapshot  # plain JSON types only
 
 
 def test_summary_of_the_run() -> None:
-    run = summarize("demo", listing(target_batch_size=256), statuses())["run"]
+    run = summary_json("demo", listing(target_batch_size=256), statuses())["run"]
     assert run["run_id"] == "demo"
     assert run["epoch"] == 5
     assert run["samples_accumulated"] == 56  # only peers at the newest epoch
@@ -195,8 +201,78 @@ def test_summary_of_the_run() -> None:
     assert run["created_at"] == 1000.0
 
 
+def test_summary_json_is_the_documented_object_key_for_key() -> None:
+    # `status --json` is a contract: the report's JSON keeps the keys, their order, the values and the nulls.
+    snapshot = summary_json("demo", listing(), statuses())
+    assert list(snapshot) == ["run", "peers"]
+    assert snapshot["run"] == {
+        "run_id": "demo",
+        "epoch": 5,
+        "samples_accumulated": 56,
+        "target_batch_size": 256,
+        "samples_per_second": 40.0,
+        "eta_s": 5.0,
+        "num_peers": 3,
+        "partial_averages": 0,
+        "num_aggregators": 0,
+        "plans_agree": None,
+        "model": "LlamaForCausalLM",
+        "founder": FOUNDER,
+        "created_at": 1000.0,
+        "expert_grid": None,
+    }
+    assert list(snapshot["run"]) == [
+        "run_id",
+        "epoch",
+        "samples_accumulated",
+        "target_batch_size",
+        "samples_per_second",
+        "eta_s",
+        "num_peers",
+        "partial_averages",
+        "num_aggregators",
+        "plans_agree",
+        "model",
+        "founder",
+        "created_at",
+        "expert_grid",
+    ]
+    assert list(snapshot["peers"][0]) == [
+        "peer_id",
+        "roles",
+        "device",
+        "samples_per_second",
+        "samples_accumulated",
+        "epoch",
+        "loss",
+        "upload_mbps",
+        "download_mbps",
+        "reachable",
+        "reachability_measured",
+        "aggregation_share",
+        "plan_digest",
+        "measured_samples_per_second",
+        "role_override",
+        "experts",
+        "version",
+        "last_seen",
+        "multiaddrs",
+        "partial_averages",
+        "local_steps",
+        "phase_times_s",
+    ]
+
+
+def test_the_report_is_typed_and_frozen() -> None:
+    report = summarize("demo", listing(), statuses())
+    assert report.run.epoch == 5 and report.run.eta_s == 5.0 and report.run.expert_grid is None
+    assert report.peers[0].roles == ("trainer", "aggregator") and report.peers[1].loss is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.run.epoch = 6  # type: ignore[misc]
+
+
 def test_summary_of_each_peer() -> None:
-    first, second, _ = summarize("demo", listing(), statuses())["peers"]
+    first, second, _ = summary_json("demo", listing(), statuses())["peers"]
     assert first == {
         "peer_id": PEER_A,
         "roles": ["trainer", "aggregator"],
@@ -228,7 +304,7 @@ def test_summary_of_each_peer() -> None:
 
 def test_phase_times_of_a_peer_that_completed_a_step() -> None:
     phases = proto.PhaseTimes(compute_s=3.5, wait_s=0.25, matchmaking_s=0.5, allreduce_s=1.0, optimizer_step_s=0.125)
-    snapshot = summarize("demo", None, [proto.PeerStatus(peer_id=PEER_A, phase_times=phases), *statuses()[1:]])
+    snapshot = summary_json("demo", None, [proto.PeerStatus(peer_id=PEER_A, phase_times=phases), *statuses()[1:]])
     first, second, _ = snapshot["peers"]
     assert first["phase_times_s"] == {
         "compute": 3.5,
@@ -244,7 +320,7 @@ def test_phase_times_of_a_peer_that_completed_a_step() -> None:
 
 
 def test_loss_of_zero_is_not_unset() -> None:
-    peer = summarize("demo", None, [proto.PeerStatus(peer_id=PEER_A, loss=0.0, upload_mbps=0.0)])["peers"][0]
+    peer = summary_json("demo", None, [proto.PeerStatus(peer_id=PEER_A, loss=0.0, upload_mbps=0.0)])["peers"][0]
     assert peer["loss"] == 0.0 and peer["upload_mbps"] == 0.0 and peer["download_mbps"] is None
 
 
@@ -256,7 +332,7 @@ def test_eta_from_target_and_throughput(
     target: int, accumulated: int, samples_per_second: float, eta_s: float | None
 ) -> None:
     status = proto.PeerStatus(peer_id=PEER_A, samples_accumulated=accumulated, samples_per_second=samples_per_second)
-    assert summarize("demo", listing(target), [status])["run"]["eta_s"] == eta_s
+    assert summary_json("demo", listing(target), [status])["run"]["eta_s"] == eta_s
 
 
 @pytest.mark.parametrize(
@@ -270,15 +346,15 @@ def test_plans_agree_when_every_peer_with_a_plan_has_the_same_digest(
         proto.PeerStatus(peer_id=peer, plan_digest=digest)
         for peer, digest in zip((PEER_A, PEER_B), digests, strict=True)
     ]
-    snapshot = summarize("demo", None, peers)
+    snapshot = summary_json("demo", None, peers)
     assert snapshot["run"]["plans_agree"] is agree
     assert [peer["plan_digest"] for peer in snapshot["peers"]] == [digest or None for digest in digests]
 
 
 def test_summary_without_manifest_or_peers() -> None:
-    run = summarize("demo", None, statuses())["run"]
+    run = summary_json("demo", None, statuses())["run"]
     assert run["target_batch_size"] is None and run["eta_s"] is None and run["founder"] is None
-    empty = summarize("demo", listing(), [])
+    empty = summary_json("demo", listing(), [])
     assert empty["peers"] == []
     assert (empty["run"]["epoch"], empty["run"]["num_peers"], empty["run"]["samples_accumulated"]) == (0, 0, 0)
     assert empty["run"]["eta_s"] is None
@@ -301,8 +377,8 @@ def test_choose_run_by_name_or_the_only_one() -> None:
 # --- status: render ----------------------------------------------------------------------------
 
 
-def rendered(snapshot: dict, now: float) -> str:
-    group = render(snapshot, now)
+def rendered(report: StatusReport, now: float) -> str:
+    group = render(report, now)
     assert isinstance(group, Group)
     console = Console(record=True, width=240, color_system=None)  # as `status` piped
     console.print(group)

@@ -108,17 +108,18 @@ def test_status_shows_the_grid_coverage_of_a_dmoe_run() -> None:
         proto.PeerStatus(peer_id="QmB", roles=["expert-host"], experts=uids[30:50], run_id="demo-moe", last_seen=1.0),
         proto.PeerStatus(peer_id="QmC", roles=["trainer"], run_id="demo-moe", last_seen=1.0),
     ]
-    snapshot = summarize("demo-moe", listing, hosts)
+    report = summarize("demo-moe", listing, hosts)
+    snapshot = report.to_json()
     grid = snapshot["run"]["expert_grid"]
     assert (grid["live"], grid["total"], grid["min_replicas"], grid["max_replicas"]) == (50, 64, 0, 2)
     assert grid["replicas"][uids[35]] == 2
     assert snapshot["peers"][0]["experts"] == uids[:40]
     dense = summarize("demo", dataclasses.replace(listing, published=PublishedManifest(demo(), "QmF")), hosts[2:])
-    assert dense["run"]["expert_grid"] is None
+    assert dense.run.expert_grid is None and dense.to_json()["run"]["expert_grid"] is None
     from rich.console import Console
 
     console = Console(width=240, record=True)
-    console.print(render(snapshot, now=2.0))
+    console.print(render(report, now=2.0))
     assert "experts 50/64 live, replicas 0-2" in console.export_text()
 
 

@@ -6,6 +6,8 @@ import json
 import math
 import threading
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import hivemind
@@ -22,7 +24,7 @@ from crowdtrain.dht.registry import RunListing, list_peer_statuses, list_runs
 from crowdtrain.dht.swarm import SwarmOptions, join_swarm
 from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
 from crowdtrain.manifest import RunManifest, expert_uids
-from crowdtrain.moe.placement import grid_coverage
+from crowdtrain.moe.placement import GridCoverage, grid_coverage
 from crowdtrain.node.addresses import shareable_address
 from crowdtrain.node.config import StatusConfig
 from crowdtrain.node.statedir import find_local_daemon
@@ -65,50 +67,194 @@ def _target(config: StatusConfig) -> tuple[tuple[str, ...], str]:
     return tuple(addresses), config.run_id or str(daemon.get("run_id", ""))
 
 
-def collect(dht: hivemind.DHT, run_id: str) -> dict[str, Any]:
-    """The status JSON object of one run: {"run": {...}, "peers": [...]}."""
+@dataclass(frozen=True, slots=True)
+class PeerView:
+    """One peer as `status` shows it, from its status record; fields in the order of its JSON object."""
+
+    peer_id: str
+    roles: tuple[str, ...]
+    """As the peer published them (any peer's record may carry any string: never parsed into Role here)."""
+    device: str
+    samples_per_second: float
+    samples_accumulated: int
+    epoch: int
+    loss: float | None
+    upload_mbps: float | None
+    download_mbps: float | None
+    reachable: bool
+    reachability_measured: bool
+    aggregation_share: float
+    plan_digest: str | None
+    measured_samples_per_second: float
+    role_override: str | None
+    experts: tuple[str, ...]
+    version: str
+    last_seen: float
+    multiaddrs: tuple[str, ...]
+    partial_averages: int
+    local_steps: int
+    phase_times: PhaseTimes | None
+    """The peer's last completed global step; None until it completed one."""
+
+    @classmethod
+    def from_status(cls, status: proto.PeerStatus) -> PeerView:
+        """The view of one status record; unset optional fields are None."""
+
+        def optional(name: str) -> float | None:
+            return getattr(status, name) if status.HasField(name) else None
+
+        return cls(
+            peer_id=status.peer_id,
+            roles=tuple(status.roles),
+            device=status.device,
+            samples_per_second=status.samples_per_second,
+            samples_accumulated=status.samples_accumulated,
+            epoch=status.epoch,
+            loss=optional("loss"),
+            upload_mbps=optional("upload_mbps"),
+            download_mbps=optional("download_mbps"),
+            reachable=status.reachable,
+            reachability_measured=status.reachability_measured,
+            aggregation_share=status.aggregation_share,
+            plan_digest=status.plan_digest or None,
+            measured_samples_per_second=status.measured_samples_per_second,
+            role_override=status.role_override or None,
+            experts=tuple(status.experts),
+            version=status.version,
+            last_seen=status.last_seen,
+            multiaddrs=tuple(status.multiaddrs),
+            partial_averages=status.partial_averages,
+            local_steps=status.local_steps,
+            phase_times=PhaseTimes.from_proto(status.phase_times) if status.HasField("phase_times") else None,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The peer's object in `status --json` (a contract: keys, order and nulls as documented in the README)."""
+        return {
+            "peer_id": self.peer_id,
+            "roles": list(self.roles),
+            "device": self.device,
+            "samples_per_second": self.samples_per_second,
+            "samples_accumulated": self.samples_accumulated,
+            "epoch": self.epoch,
+            "loss": self.loss,
+            "upload_mbps": self.upload_mbps,
+            "download_mbps": self.download_mbps,
+            "reachable": self.reachable,
+            "reachability_measured": self.reachability_measured,
+            "aggregation_share": self.aggregation_share,
+            "plan_digest": self.plan_digest,
+            "measured_samples_per_second": self.measured_samples_per_second,
+            "role_override": self.role_override,
+            "experts": list(self.experts),
+            "version": self.version,
+            "last_seen": self.last_seen,
+            "multiaddrs": list(self.multiaddrs),
+            "partial_averages": self.partial_averages,
+            "local_steps": self.local_steps,
+            "phase_times_s": None if self.phase_times is None else self.phase_times.to_json(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """The run as `status` sums it up from its manifest and its peers; fields in the order of its JSON object."""
+
+    run_id: str
+    epoch: int
+    """The newest epoch any peer is at."""
+    samples_accumulated: int
+    """Samples toward the newest epoch (peers at older ones are stragglers)."""
+    target_batch_size: int | None
+    samples_per_second: float
+    eta_s: float | None
+    num_peers: int
+    partial_averages: int
+    num_aggregators: int
+    plans_agree: bool | None
+    """Whether every peer that has a plan follows the same one (None until any has one)."""
+    model: str | None
+    founder: str | None
+    created_at: float | None
+    expert_grid: GridCoverage | None
+    """A DMoE run's coverage; None for a dense run or without a manifest."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The "run" object of `status --json`."""
+        return {
+            "run_id": self.run_id,
+            "epoch": self.epoch,
+            "samples_accumulated": self.samples_accumulated,
+            "target_batch_size": self.target_batch_size,
+            "samples_per_second": self.samples_per_second,
+            "eta_s": self.eta_s,
+            "num_peers": self.num_peers,
+            "partial_averages": self.partial_averages,
+            "num_aggregators": self.num_aggregators,
+            "plans_agree": self.plans_agree,
+            "model": self.model,
+            "founder": self.founder,
+            "created_at": self.created_at,
+            "expert_grid": None if self.expert_grid is None else self.expert_grid.to_json(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReport:
+    """One snapshot of a run: what `status` renders as a table or prints as JSON."""
+
+    run: RunSummary
+    peers: tuple[PeerView, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """The `status --json` object: {"run": {...}, "peers": [...]}."""
+        return {"run": self.run.to_json(), "peers": [peer.to_json() for peer in self.peers]}
+
+
+def collect(dht: hivemind.DHT, run_id: str) -> StatusReport:
+    """The status report of one run, from the swarm's records."""
     listing = list_runs(dht, LOOKUP_TIMEOUT_S).get(run_id)
     statuses = list_peer_statuses(dht, run_id, LOOKUP_TIMEOUT_S)
     return summarize(run_id, listing, statuses)
 
 
-def summarize(run_id: str, listing: RunListing | None, statuses: list[proto.PeerStatus]) -> dict[str, Any]:
+def summarize(run_id: str, listing: RunListing | None, statuses: list[proto.PeerStatus]) -> StatusReport:
     """Pure: the run summary and peer list from the manifest and the peers' status records."""
-    peers = [_peer_json(status) for status in statuses]
-    epoch = max((peer["epoch"] for peer in peers), default=0)
-    accumulated = sum(peer["samples_accumulated"] for peer in peers if peer["epoch"] == epoch)
-    samples_per_second = sum(peer["samples_per_second"] for peer in peers)
+    peers = tuple(PeerView.from_status(status) for status in statuses)
+    epoch = max((peer.epoch for peer in peers), default=0)
+    accumulated = sum(peer.samples_accumulated for peer in peers if peer.epoch == epoch)
+    samples_per_second = sum(peer.samples_per_second for peer in peers)
     manifest = listing.published.manifest if listing else None
     target = manifest.target_batch_size if manifest else None
-    run: dict[str, Any] = {
-        "run_id": run_id,
-        "epoch": epoch,
-        "samples_accumulated": accumulated,
-        "target_batch_size": target,
-        "samples_per_second": samples_per_second,
-        "eta_s": _eta_s(accumulated, target, samples_per_second),
-        "num_peers": len(peers),
-        "partial_averages": sum(peer["partial_averages"] for peer in peers),
-        "num_aggregators": sum(1 for peer in peers if peer["aggregation_share"] > 0),
-        "plans_agree": _plans_agree(peers),
-        "model": manifest.model.architecture if manifest else None,
-        "founder": listing.published.founder_peer_id if listing else None,
-        "created_at": manifest.created_at if manifest else None,
-        "expert_grid": _expert_grid(manifest, peers),
-    }
-    return {"run": run, "peers": peers}
+    run = RunSummary(
+        run_id=run_id,
+        epoch=epoch,
+        samples_accumulated=accumulated,
+        target_batch_size=target,
+        samples_per_second=samples_per_second,
+        eta_s=_eta_s(accumulated, target, samples_per_second),
+        num_peers=len(peers),
+        partial_averages=sum(peer.partial_averages for peer in peers),
+        num_aggregators=sum(1 for peer in peers if peer.aggregation_share > 0),
+        plans_agree=_plans_agree(peers),
+        model=manifest.model.architecture if manifest else None,
+        founder=listing.published.founder_peer_id if listing else None,
+        created_at=manifest.created_at if manifest else None,
+        expert_grid=_expert_grid(manifest, peers),
+    )
+    return StatusReport(run=run, peers=peers)
 
 
-def _expert_grid(manifest: RunManifest | None, peers: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _expert_grid(manifest: RunManifest | None, peers: Sequence[PeerView]) -> GridCoverage | None:
     """A DMoE run's coverage: experts served by a live host out of the grid, and replicas per expert."""
     if manifest is None or manifest.moe is None:
         return None
-    return grid_coverage(expert_uids(manifest), [peer["experts"] for peer in peers]).to_json()
+    return grid_coverage(expert_uids(manifest), [peer.experts for peer in peers])
 
 
-def _plans_agree(peers: list[dict[str, Any]]) -> bool | None:
+def _plans_agree(peers: Sequence[PeerView]) -> bool | None:
     """Whether every peer that has a plan follows the same one (None until any has one)."""
-    digests = {peer["plan_digest"] for peer in peers if peer["plan_digest"]}
+    digests = {peer.plan_digest for peer in peers if peer.plan_digest}
     return None if not digests else len(digests) == 1
 
 
@@ -118,75 +264,40 @@ def _eta_s(accumulated: int, target: int | None, samples_per_second: float) -> f
     return max(target - accumulated, 0) / samples_per_second
 
 
-def _peer_json(status: proto.PeerStatus) -> dict[str, Any]:
-    def optional(name: str) -> float | None:
-        return getattr(status, name) if status.HasField(name) else None
-
-    return {
-        "peer_id": status.peer_id,
-        "roles": list(status.roles),
-        "device": status.device,
-        "samples_per_second": status.samples_per_second,
-        "samples_accumulated": status.samples_accumulated,
-        "epoch": status.epoch,
-        "loss": optional("loss"),
-        "upload_mbps": optional("upload_mbps"),
-        "download_mbps": optional("download_mbps"),
-        "reachable": status.reachable,
-        "reachability_measured": status.reachability_measured,
-        "aggregation_share": status.aggregation_share,
-        "plan_digest": status.plan_digest or None,
-        "measured_samples_per_second": status.measured_samples_per_second,
-        "role_override": status.role_override or None,
-        "experts": list(status.experts),
-        "version": status.version,
-        "last_seen": status.last_seen,
-        "multiaddrs": list(status.multiaddrs),
-        "partial_averages": status.partial_averages,
-        "local_steps": status.local_steps,
-        "phase_times_s": _phase_times_json(status),
-    }
-
-
-def _phase_times_json(status: proto.PeerStatus) -> dict[str, float] | None:
-    """Phase name -> seconds of the peer's last completed global step; None until it completed one."""
-    return PhaseTimes.from_proto(status.phase_times).to_json() if status.HasField("phase_times") else None
-
-
-def render(snapshot: dict[str, Any], now: float) -> Group:
+def render(report: StatusReport, now: float) -> Group:
     """A one-line run summary over a table of peers."""
-    run = snapshot["run"]
-    eta = "—" if run["eta_s"] is None else f"{run['eta_s']:.0f} s"
-    target = run["target_batch_size"] if run["target_batch_size"] is not None else "?"
+    run = report.run
+    eta = "—" if run.eta_s is None else f"{run.eta_s:.0f} s"
+    target = run.target_batch_size if run.target_batch_size is not None else "?"
     summary = Text.assemble(
         ("run ", "dim"),
-        (run["run_id"], "bold"),
-        f"  epoch {run['epoch']}  samples {run['samples_accumulated']}/{target}",
-        f"  {run['samples_per_second']:.1f} samples/s  ETA {eta}  {run['num_peers']} peers",
-        (f"  {run['partial_averages']} partial averages rejected", "yellow") if run["partial_averages"] else "",
-        _describe_expert_grid(run.get("expert_grid")),
+        (run.run_id, "bold"),
+        f"  epoch {run.epoch}  samples {run.samples_accumulated}/{target}",
+        f"  {run.samples_per_second:.1f} samples/s  ETA {eta}  {run.num_peers} peers",
+        (f"  {run.partial_averages} partial averages rejected", "yellow") if run.partial_averages else "",
+        _describe_expert_grid(run.expert_grid),
     )
     table = Table(box=None, header_style="bold")  # columns never wrap: a narrow terminal crops instead
     numeric = ("samples/s", "epoch", "loss", "solo steps", "up/dn Mbit/s", "share")
     columns = ("peer", "roles", "device", "samples/s", "epoch", "loss", "solo steps", "up/dn Mbit/s", "reach")
     for column in (*columns, "share", "last seen", "address"):
         table.add_column(column, justify="right" if column in numeric else "left", no_wrap=True)
-    for peer in snapshot["peers"]:
+    for peer in report.peers:
         # Every cell as plain Text: these strings come from peers' records, and rich parses a str cell as markup
         # (a device named "[/bold]" crashed `crowdtrain status`).
         cells = (
-            "…" + peer["peer_id"][-8:],
-            ",".join(peer["roles"]),
-            peer["device"],
-            f"{peer['samples_per_second']:.1f}",
-            str(peer["epoch"]),
-            "—" if peer["loss"] is None or math.isnan(peer["loss"]) else f"{peer['loss']:.3f}",
-            str(peer["local_steps"]),
-            f"{_mbps(peer['upload_mbps'])}/{_mbps(peer['download_mbps'])}",
+            "…" + peer.peer_id[-8:],
+            ",".join(peer.roles),
+            peer.device,
+            f"{peer.samples_per_second:.1f}",
+            str(peer.epoch),
+            "—" if peer.loss is None or math.isnan(peer.loss) else f"{peer.loss:.3f}",
+            str(peer.local_steps),
+            f"{_mbps(peer.upload_mbps)}/{_mbps(peer.download_mbps)}",
             _reachability(peer),
-            f"{peer['aggregation_share']:.0%}" if peer["aggregation_share"] else "—",
-            f"{max(now - peer['last_seen'], 0):.0f} s ago",
-            shareable_address(peer["multiaddrs"]) if peer["multiaddrs"] else "—",
+            f"{peer.aggregation_share:.0%}" if peer.aggregation_share else "—",
+            f"{max(now - peer.last_seen, 0):.0f} s ago",
+            shareable_address(list(peer.multiaddrs)) if peer.multiaddrs else "—",
         )
         table.add_row(*(Text(cell) for cell in cells))
     return Group(summary, table)
@@ -196,29 +307,31 @@ def _mbps(value: float | None) -> str:
     return "?" if value is None else f"{value:.0f}"
 
 
-def _reachability(peer: dict[str, Any]) -> str:
-    if not peer["reachable"]:
+def _reachability(peer: PeerView) -> str:
+    if not peer.reachable:
         return "no"
-    return "yes" if peer["reachability_measured"] else "assumed"
+    return "yes" if peer.reachability_measured else "assumed"
 
 
-def _describe_expert_grid(grid: dict[str, Any] | None) -> tuple[str, str] | str:
+def _describe_expert_grid(grid: GridCoverage | None) -> tuple[str, str] | str:
     if grid is None:
         return ""
-    style = "" if grid["live"] == grid["total"] else "yellow"
+    coverage = grid.to_json()  # the replica range as the JSON shows it
+    style = "" if grid.num_live == grid.num_total else "yellow"
     return (
-        f"  experts {grid['live']}/{grid['total']} live, replicas {grid['min_replicas']}-{grid['max_replicas']}",
+        f"  experts {grid.num_live}/{grid.num_total} live, "
+        f"replicas {coverage['min_replicas']}-{coverage['max_replicas']}",
         style,
     )
 
 
 def _print_once(dht: hivemind.DHT, run_id: str, as_json: bool, console: Console) -> None:
-    snapshot = collect(dht, run_id)
+    report = collect(dht, run_id)
     if as_json:
-        console.file.write(json.dumps(snapshot) + "\n")
+        console.file.write(json.dumps(report.to_json()) + "\n")
         console.file.flush()
     else:
-        console.print(render(snapshot, time.time()))
+        console.print(render(report, time.time()))
 
 
 def _watch_table(dht: hivemind.DHT, run_id: str, interval_s: float, stop: threading.Event, console: Console) -> None:
