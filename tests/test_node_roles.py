@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from crowdtrain import proto
 from crowdtrain.planning.plan import PlanProblem
 from crowdtrain.planning.roles import LinkProber, NodeRoles
+from crowdtrain.roles import Role
 
 PROBLEM = PlanProblem(vector_size_bytes=1_000_000, target_batch_size=256)
 
@@ -31,7 +32,7 @@ def peer(peer_id: str, *, reachable: bool = True) -> proto.PeerStatus:
     )
 
 
-def make_roles(role: str = "auto", statuses: Sequence[proto.PeerStatus] = ()) -> NodeRoles:
+def make_roles(role: Role | None = None, statuses: Sequence[proto.PeerStatus] = ()) -> NodeRoles:
     return NodeRoles(peer_id="me", problem=PROBLEM, role=role, list_statuses=lambda: list(statuses))
 
 
@@ -68,14 +69,22 @@ def test_a_failed_probe_round_keeps_what_was_measured_before() -> None:
 
 
 def test_role_client_is_never_overturned_by_a_probe() -> None:
-    roles = make_roles("client")
+    roles = make_roles(Role.CLIENT)
     roles.record_links(Report(upload_mbps=30.0, download_mbps=40.0, reachable=True))
     assert roles.is_client and roles.roles() == ("client",)
 
 
+def test_an_override_travels_as_its_string_and_expert_host_is_none_of_the_plans() -> None:
+    status = proto.PeerStatus()
+    make_roles(Role.CLIENT).fill_status(status)
+    assert status.role_override == "client" and type(status.role_override) is str
+    host = make_roles(Role.EXPERT_HOST)
+    assert host.own.role_override == "" and host.roles() == ("trainer",)
+
+
 def test_forced_aggregator_computes_nothing_and_takes_a_share() -> None:
     # with two computing peers there is traffic to take over (a lone trainer would aggregate alone for free)
-    roles = make_roles("aggregator", statuses=[peer("a"), peer("b")])
+    roles = make_roles(Role.AGGREGATOR, statuses=[peer("a"), peer("b")])
     roles.record_throughput(80.0)
     share = roles.replan()
     assert share is not None and share > 0

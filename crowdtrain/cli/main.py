@@ -135,7 +135,7 @@ def _run(args: dict[str, Any]) -> int:
 
 def _print_ready(info: Any, state_dir: str) -> None:
     role = "founded" if info.founded else "joined"
-    roles = "its role chosen by measurement" if info.roles == ("auto",) else f"as {', '.join(info.roles)}"
+    roles = "its role chosen by measurement" if info.role is None else f"as {info.role.value}"
     print(f"crowdtrain {__version__}: peer {info.peer_id} {role} run '{info.run_id}', {roles}, on {info.device}")
     print("Visible addresses:")
     for address in info.multiaddrs:

@@ -40,7 +40,7 @@ from crowdtrain.node.metrics import MetricsEndpoint, start_metrics_endpoint
 from crowdtrain.node.statedir import exclusive_state_dir, remove_node_file, write_node_file
 from crowdtrain.planning.planner import plan_problem
 from crowdtrain.planning.roles import LinkProber, NodeRoles
-from crowdtrain.roles import AUTO, Role
+from crowdtrain.roles import Role
 from crowdtrain.training.loop import Trainer, TrainerOptions
 from crowdtrain.training.modes import mode_class
 from crowdtrain.training.progress import Progress
@@ -69,7 +69,8 @@ class ReadyInfo:
     founded: bool
     multiaddrs: tuple[str, ...]
     join_address: str
-    roles: tuple[str, ...]
+    role: Role | None
+    """The role `--role` fixed, or None when measurement and the plan choose it (`--role auto`)."""
     device: str
     run_key: str
     """The founder's peer ID: joiners pass it as --run-key to accept no other founder's manifest."""
@@ -104,14 +105,14 @@ class Daemon:
             listen=resolve_listen(self.config.listen),
             announce=self.config.announce,
             identity_path=str(identity.path),
-            client_mode=self.config.role == Role.CLIENT,
+            client_mode=self.config.fixed_role == Role.CLIENT,
             bootstrap_timeout_s=self.config.bootstrap_timeout_s,
         )
 
     def _serve(self, dht: hivemind.DHT, identity: Identity, device: str) -> None:
         membership = resolve_membership(dht, self.config, identity)
         run_id = membership.manifest.run_id
-        _check_role_fits(self.config.role, membership.manifest)
+        _check_role_fits(self.config.fixed_role, membership.manifest)
         dht.add_validators([CrowdtrainRecordValidator([run_id])])
         multiaddrs = tuple(str(address) for address in dht.get_visible_maddrs())
         progress = Progress()
@@ -119,7 +120,7 @@ class Daemon:
         if self.config.metrics_port:  # before anything else starts: a port in use stops the node right away
             metrics = start_metrics_endpoint(progress, self.config.metrics_port)
             logger.info(f"serving metrics on http://127.0.0.1:{metrics.port}/metrics")
-        if self.config.role not in (Role.CLIENT, Role.EXPERT_HOST):
+        if self.config.fixed_role not in (Role.CLIENT, Role.EXPERT_HOST):
             # Serving peers' probes from before node.json exists: a node that says it is up answers them.
             self.probes = ProbeService(dht)
             self.probes.start()
@@ -134,7 +135,7 @@ class Daemon:
                 founded=membership.founded,
                 multiaddrs=multiaddrs,
                 join_address=shareable_address(list(multiaddrs)),
-                roles=(self.config.role,),
+                role=self.config.fixed_role,
                 device=device,
                 run_key=membership.founder_peer_id,
             )
@@ -144,7 +145,7 @@ class Daemon:
         left = threading.Event()
         threading.Thread(target=_enforce_leave_deadline, args=(self.stop, left, state_path), daemon=True).start()
         try:
-            if self.config.role == Role.EXPERT_HOST:
+            if self.config.fixed_role == Role.EXPERT_HOST:
                 self._expert_host(dht, identity, membership, heartbeat).run(self.stop)
             else:
                 # Measured after the node is up and visible: the model's first import and the probes take a while.
@@ -198,12 +199,12 @@ class Daemon:
         roles = NodeRoles(
             peer_id=peer_id,
             problem=plan_problem(manifest, num_parameters),
-            role=self.config.role,
+            role=self.config.fixed_role,
             list_statuses=statuses,
             aggregate_only=auxiliary_aggregators,
         )
         roles.record_throughput(samples_per_second)
-        if self.config.role != Role.CLIENT:
+        if self.config.fixed_role != Role.CLIENT:
             assert self.probes is not None, "started in _serve, before the node announced itself ready"
             prober = LinkProber(self.probes, roles, statuses, peer_id, multiaddrs)
             prober.probe_once()  # before the optimizer is built: a node nobody can dial must be a client
@@ -272,9 +273,9 @@ class Heartbeat:
             multiaddrs=multiaddrs,
             run_id=membership.manifest.run_id,
             # until measured: what the node was told, and reachable unless it said otherwise
-            roles=[Role.TRAINER if config.role == AUTO else config.role],
-            reachable=config.role != Role.CLIENT,
-            role_override="" if config.role == AUTO else config.role,
+            roles=[(config.fixed_role or Role.TRAINER).value],
+            reachable=config.fixed_role != Role.CLIENT,
+            role_override=config.fixed_role.value if config.fixed_role else "",
         )
         self.next_manifest_at = 0.0
         self.experts: tuple[str, ...] = ()
@@ -358,7 +359,7 @@ def _enforce_leave_deadline(stop: threading.Event, left: threading.Event, state_
     os._exit(1)
 
 
-def _check_role_fits(role: str, manifest: RunManifest) -> None:
+def _check_role_fits(role: Role | None, manifest: RunManifest) -> None:
     """Refuse, with a sentence, a --role this run has no use for."""
     if role == Role.EXPERT_HOST and manifest.moe is None:
         raise BadInputError(

@@ -48,14 +48,15 @@ class NodeRoles:
         *,
         peer_id: str,
         problem: PlanProblem,
-        role: str,
+        role: Role | None,
         list_statuses: Callable[[], Sequence[proto.PeerStatus]],
         aggregate_only: bool = True,
     ):
-        """`aggregate_only`: whether the run lets a peer aggregate without computing (gradients mode)."""
+        """`role`: the one `--role` fixed (None: auto); `aggregate_only`: whether the run lets a peer aggregate
+        without computing (gradients mode)."""
         self.peer_id, self.list_statuses = peer_id, list_statuses
         self.planner = Planner(peer_id, problem, aggregate_only=aggregate_only)
-        override = role if role in PLAN_ROLES else ""
+        override = role.value if role in PLAN_ROLES else ""  # the status record's field: a string
         self.own = OwnCapabilities(
             samples_per_second=None,
             upload_mbps=None,
