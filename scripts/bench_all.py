@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchlib import NOISE_CAVEAT, environment_json, print_table, say, write_json
+from crowdtrain.testing.bench import NOISE_CAVEAT, environment_json, print_table, say, write_json
+from crowdtrain.testing.processes import raise_keyboard_interrupt
 
 SCRIPTS = Path(__file__).resolve().parent
 BENCHMARK_TIMEOUT_S = 3600.0
@@ -139,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("the benchmarks need root: they create network namespaces", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # run_benchmark's finally then stops the child
+    signal.signal(signal.SIGTERM, raise_keyboard_interrupt)  # run_benchmark's finally then stops the child
     args.out.mkdir(parents=True, exist_ok=True)
     scripts = ["bench_averaging.py", "bench_throughput.py", "bench_dht.py", "bench_footprint.py", "bench_moe.py"]
     if not args.quick:
@@ -161,10 +162,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_table(f"Summary ({'quick' if args.quick else 'full'}, commit {summary['commit']})", ["", "value"], rows)
     print(f"wrote {args.out / 'summary.json'}\n{NOISE_CAVEAT}")
     return 0 if all(run["exit_code"] == 0 for run in runs.values()) else 1
-
-
-def _raise_keyboard_interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

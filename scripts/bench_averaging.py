@@ -33,25 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchlib import (
-    NOISE_CAVEAT,
-    START_TIMEOUT_S,
-    BenchError,
-    LineReader,
-    ProcessGroups,
-    child_env,
-    environment_json,
-    log_tail,
-    print_table,
-    pyplot,
-    say,
-    write_json,
-)
-
+from crowdtrain.testing import bench
+from crowdtrain.testing.processes import HarnessError, LineReader, ProcessGroups, child_env, log_tail
+from crowdtrain.testing.swarm import START_TIMEOUT_S
 from crowdtrain.testing.wanlab import Host, HostSpec, Lab, Scenario
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-HETERO_SCENARIO = REPO_ROOT / "scripts" / "scenarios" / "hetero.toml"
+HETERO_SCENARIO = bench.REPO_ROOT / "scripts" / "scenarios" / "hetero.toml"
 BYTES_PER_MB = 1_000_000
 """S is in MB of float32 values (10^6 bytes), B in Mbit/s (10^6 bits/s)."""
 GLOO_PORT = 29_500
@@ -264,8 +251,8 @@ class Worker:
     def next_json(self, timeout_s: float, what: str) -> dict[str, Any]:
         try:
             return json.loads(self.reader.next_line(timeout_s, what))
-        except BenchError as e:
-            raise BenchError(f"{e}; worker log ends:\n{log_tail(self.log_path)}") from None
+        except HarnessError as e:
+            raise HarnessError(f"{e}; worker log ends:\n{log_tail(self.log_path)}") from None
 
 
 def start_worker(
@@ -278,7 +265,7 @@ def start_worker(
     for name, value in options.items():
         if value is not None:
             command += [f"--{name.replace('_', '-')}", str(value)]
-    env = child_env(PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = child_env(PYTHONPATH=os.pathsep.join([str(bench.REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
     with open(log_path, "ab") as log:
         process = groups.start(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
     return Worker(host=host, process=process, reader=LineReader(process.stdout), log_path=log_path)
@@ -326,7 +313,7 @@ def run_variant(
     host, started by the first variant that needs them and kept for the next (each worker swaps its averager
     for the variant's; the DHTs start once per lab); a variant that fails kills them, the next starts anew.
     """
-    say(f"averaging: {variant.name} ({variant.description}) on {len(lab.hosts)} hosts")
+    bench.say(f"averaging: {variant.name} ({variant.description}) on {len(lab.hosts)} hosts")
     common = {"size_bytes": size_bytes, "world_size": len(lab.hosts), "timeout": round_timeout_s}
     common["master"] = lab.hosts[0].address
     workers: list[Worker] = []
@@ -347,7 +334,7 @@ def run_variant(
                 worker.next_json(round_timeout_s * 2, f"round {number} in {worker.host.name}") for worker in workers
             ]
             rounds.append(summarize_round(results, len(lab.hosts)))
-            say(f"averaging: {variant.name} round {number}: {describe_round(rounds[-1])}")
+            bench.say(f"averaging: {variant.name} round {number}: {describe_round(rounds[-1])}")
     except BaseException:
         if workers is averagers:
             averagers.clear()  # in an unknown state: the next variant starts fresh workers
@@ -448,7 +435,7 @@ def bench_uniform(
                 results[variant.name] = run_variant(
                     groups, lab, variant, size_bytes, args.rounds, timeout_s, shares, log_dir, averagers
                 )
-            except BenchError as e:
+            except HarnessError as e:
                 traceback.print_exc()
                 results[variant.name] = {"error": str(e), "allreduce_s": None}
                 groups.kill_all()  # the variant's workers (shared ones included: run_variant let go of them)
@@ -494,7 +481,7 @@ def print_uniform(result: dict[str, Any]) -> None:
                 variant.description,
             ]
         )
-    print_table(
+    bench.print_table(
         f"Averaging: {result['size_mb']:g} MB over {result['num_peers']} peers at {result['bandwidth_mbps']:g} Mbit/s",
         ["", "good rounds", "all-reduce s (median)", "× bound", "with matchmaking s", "what"],
         rows,
@@ -571,7 +558,7 @@ def bench_hetero(
                 results[variant.name] = run_variant(
                     groups, lab, variant, size_bytes, args.rounds, timeout_s, per_host, log_dir, averagers
                 )
-            except BenchError as e:
+            except HarnessError as e:
                 traceback.print_exc()
                 results[variant.name] = {"error": str(e), "allreduce_s": None}
                 groups.kill_all()  # the variant's workers (shared ones included: run_variant let go of them)
@@ -579,7 +566,9 @@ def bench_hetero(
     plan_s = results["plan"]["allreduce_s"]
     return {
         "scenario": str(
-            args.scenario.relative_to(REPO_ROOT) if args.scenario.is_relative_to(REPO_ROOT) else args.scenario
+            args.scenario.relative_to(bench.REPO_ROOT)
+            if args.scenario.is_relative_to(bench.REPO_ROOT)
+            else args.scenario
         ),
         "hosts": [{"name": h.name, "upload_mbps": h.upload_mbps, "download_mbps": h.download_mbps} for h in lab.hosts],
         "size_mb": args.hetero_size_mb,
@@ -607,7 +596,7 @@ def print_hetero(result: dict[str, Any]) -> None:
         rounds = f"{r.get('num_good_rounds', 0)}/{r.get('num_rounds', 0)}"
         rows.append([variant.name, rounds, r["allreduce_s"], r["predicted_s"], r.get("step_s"), variant.description])
     hosts = ", ".join(f"{h['name']} {min(h['upload_mbps'], h['download_mbps']):g}" for h in result["hosts"])
-    print_table(
+    bench.print_table(
         f"Averaging on {result['scenario']} ({hosts} Mbit/s): {result['size_mb']:g} MB, fp16 on the wire in every row",
         ["", "good rounds", "all-reduce s (median)", "predicted s", "with matchmaking s", "partition"],
         rows,
@@ -620,7 +609,7 @@ def print_hetero(result: dict[str, Any]) -> None:
 
 
 def plot(results: dict[str, Any], path: Path) -> bool:
-    plt = pyplot()
+    plt = bench.pyplot()
     if plt is None:
         return False
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
@@ -643,24 +632,19 @@ def plot(results: dict[str, Any], path: Path) -> bool:
         right.set_xticks(list(positions), names, rotation=15)
         right.set(ylabel="all-reduce time, s", title=f"hetero: {hetero['size_mb']:g} MB (fp16 on the wire)")
         right.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+    return bench.save_figure(plt, figure, path)
 
 
 # --- Entry point ----------------------------------------------------------------------------------------------------
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller vectors and fewer rounds")
+    parser = bench.bench_parser(__doc__, "smaller vectors and fewer rounds")
     parser.add_argument(
         "--smoke",
         action="store_true",
         help="the smallest run: uniform mode, crowdtrain and gloo, 2 peers, 2 MB, 1 round",
     )
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (bench-results/)")
     parser.add_argument("--mode", choices=("uniform", "hetero", "both"), default="both")
     parser.add_argument("--peers", type=int, help="uniform: peers N (default 4)")
     parser.add_argument("--size-mb", type=float, help="uniform: S in MB of float32 (default 100, quick 20)")
@@ -704,13 +688,12 @@ def run_modes(args: argparse.Namespace, groups: ProcessGroups, log_dir: Path, re
                 results[mode] = bench_hetero(groups, args, log_dir, variants)
                 print_hetero(results[mode])
         except Exception as e:  # record it and go on: the other mode's numbers are still worth having
-            traceback.print_exc()
-            results[mode] = {"error": f"{type(e).__name__}: {e}"}
+            bench.record_failure(results, mode, e)
             ok = False
         finally:
             groups.kill_all()
         results["environment"]["load_average_at_end"] = os.getloadavg()
-        write_json(args.out / "averaging.json", results)
+        bench.write_json(args.out / "averaging.json", results)
     return ok
 
 
@@ -723,7 +706,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("bench_averaging needs root: it creates network namespaces", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"caveat": NOISE_CAVEAT, "environment": environment_json(args.quick)}
+    results: dict[str, Any] = {"caveat": bench.NOISE_CAVEAT, "environment": bench.environment_json(args.quick)}
     log_dir = args.out / "logs" / "averaging"
     log_dir.mkdir(parents=True, exist_ok=True)
     groups = ProcessGroups()
@@ -735,10 +718,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         groups.kill_all()
     png = args.out / "averaging.png"
-    print(
-        f"wrote {args.out / 'averaging.json'}" + (f" and {png}" if plot(results, png) else " (no matplotlib: no plot)")
-    )
-    print(NOISE_CAVEAT)
+    bench.say_written(args.out / "averaging.json", png, plot(results, png))
+    print(bench.NOISE_CAVEAT)
     return 0 if ok else 1
 
 

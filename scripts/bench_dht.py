@@ -11,7 +11,6 @@ Prints a table; writes <out>/dht.json and <out>/dht.png (latency distributions).
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import signal
@@ -24,26 +23,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchlib import (
-    KILL_TIMEOUT_S,
-    NOISE_CAVEAT,
-    PGRP,
-    START_TIMEOUT_S,
-    MemoryPeaks,
-    await_condition,
-    environment_json,
-    group_alive,
-    memory_json,
-    print_table,
-    pyplot,
-    say,
-    write_json,
-)
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from crowdtrain.dht.swarm import SupervisedDHT, SwarmOptions, join_swarm
 from crowdtrain.dht.validator import make_validators
+from crowdtrain.testing import bench
+from crowdtrain.testing.processes import KILL_TIMEOUT_S, await_condition, raise_keyboard_interrupt
+from crowdtrain.testing.procfs import group_alive
+from crowdtrain.testing.swarm import START_TIMEOUT_S
 
 OPERATION_TIMEOUT_S = 30.0
 """One store or get that has not finished after this long counts as failed."""
@@ -73,7 +61,7 @@ def start_nodes(num_nodes: int, started: list[SupervisedDHT], release: threading
             for _ in range(count):
                 started.append(join_swarm(options, make_validators(RSAPrivateKey())))
                 if len(started) % 8 == 0:
-                    say(f"dht: {len(started)}/{num_nodes} nodes up")
+                    bench.say(f"dht: {len(started)}/{num_nodes} nodes up")
         except BaseException as e:  # reported by the main thread, which stops waiting
             errors.append(e)
         release.wait()
@@ -166,20 +154,20 @@ def bench_dht(num_nodes: int, num_keys: int) -> dict[str, Any]:
     rng = random.Random(SEED)
     nodes: list[SupervisedDHT] = []
     release = threading.Event()
-    memory = MemoryPeaks([])
+    memory = bench.MemoryPeaks([])
     try:
-        say(f"dht: starting {num_nodes} nodes (join_swarm, crowdtrain's validators) on loopback")
+        bench.say(f"dht: starting {num_nodes} nodes (join_swarm, crowdtrain's validators) on loopback")
         startup_s = start_nodes(num_nodes, nodes, release)
-        memory = MemoryPeaks([node.pid for node in nodes], by=PGRP)  # each node leads a group of its own
+        memory = bench.MemoryPeaks([node.pid for node in nodes], by="pgrp")  # each node leads a group of its own
         memory.poll()
         keys = [(f"bench-dht-{index}", f"value-{index}-{rng.getrandbits(64):x}") for index in range(num_keys)]
         writers = [rng.randrange(num_nodes) for _ in keys]
         readers = [rng.choice([i for i in range(num_nodes) if i != writer]) for writer in writers]
-        say(f"dht: {num_nodes} nodes up in {startup_s:.0f} s; {num_keys} stores, then {num_keys} gets")
+        bench.say(f"dht: {num_nodes} nodes up in {startup_s:.0f} s; {num_keys} stores, then {num_keys} gets")
         stores = run_operations(nodes, [(w, store_job(k, v)) for w, (k, v) in zip(writers, keys, strict=True)])
         gets = run_operations(nodes, [(r, get_job(k, v)) for r, (k, v) in zip(readers, keys, strict=True)])
         killed = sorted(rng.sample(range(num_nodes), round(num_nodes * KILL_FRACTION)))
-        say(f"dht: SIGKILL {len(killed)} nodes, then {num_keys} gets through the survivors")
+        bench.say(f"dht: SIGKILL {len(killed)} nodes, then {num_keys} gets through the survivors")
         for index in killed:
             kill_node(nodes[index])
         survivors = [i for i in range(num_nodes) if i not in killed]
@@ -192,7 +180,7 @@ def bench_dht(num_nodes: int, num_keys: int) -> dict[str, Any]:
         for killer in killers:
             killer.join()
         release.set()
-    per_node = [memory_json(memory.groups[node.pid]) for node in nodes]
+    per_node = [bench.memory_json(memory.groups[node.pid]) for node in nodes]
     return {
         "num_nodes": num_nodes,
         "num_keys": num_keys,
@@ -218,7 +206,7 @@ def print_dht(result: dict[str, Any]) -> None:
             (f"get after SIGKILL of {result['num_killed']}", result["get_after_kill"]),
         )
     ]
-    print_table(
+    bench.print_table(
         f"DHT: {result['num_nodes']} nodes on loopback ({result['num_nodes']} started in {result['startup_s']:.0f} s)",
         ["", "operations", "success", "p50 ms", "p99 ms", "max ms"],
         rows,
@@ -232,7 +220,7 @@ def print_dht(result: dict[str, Any]) -> None:
 
 
 def plot(result: dict[str, Any], path: Path) -> bool:
-    plt = pyplot()
+    plt = bench.pyplot()
     if plt is None:
         return False
     figure, axes = plt.subplots(figsize=(7, 4.5))
@@ -243,47 +231,21 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     axes.set_title(f"DHT, {result['num_nodes']} nodes on loopback")
     axes.grid(alpha=0.3)
     axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+    return bench.save_figure(plt, figure, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer keys")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (bench-results/)")
+    parser = bench.bench_parser(__doc__, "fewer keys")
     parser.add_argument("--nodes", type=int, help="DHT nodes (default 32)")
     parser.add_argument("--keys", type=int, help="keys stored and read (default 400, quick 64)")
     args = parser.parse_args(argv)
     num_nodes, num_keys = args.nodes or 32, args.keys or (64 if args.quick else 400)
     if num_nodes < 4:
         parser.error("--nodes must be at least 4, so that 25% of them is at least one")
-    results: dict[str, Any] = {"caveat": NOISE_CAVEAT, "environment": environment_json(args.quick)}
-    try:
-        results["dht"] = bench_dht(num_nodes, num_keys)
-    except KeyboardInterrupt:
-        print("interrupted; every DHT node was killed", file=sys.stderr)
-        return 130
-    except Exception as e:  # the JSON records the failure, so bench_all reports it
-        results["dht"] = {"error": f"{type(e).__name__}: {e}"}
-        write_json(args.out / "dht.json", results)
-        raise
-    results["environment"]["load_average_at_end"] = os.getloadavg()
-    print_dht(results["dht"])
-    write_json(args.out / "dht.json", results)
-    png = args.out / "dht.png"
-    print(
-        f"wrote {args.out / 'dht.json'}" + (f" and {png}" if plot(results["dht"], png) else " (no matplotlib: no plot)")
-    )
-    print(NOISE_CAVEAT)
-    return 0
-
-
-def _raise_keyboard_interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
+    report = bench.Report("dht", print_dht, plot, "every DHT node was killed")
+    return bench.run_benchmark(report, args.out, args.quick, lambda: bench_dht(num_nodes, num_keys))
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
     sys.exit(main())

@@ -19,16 +19,9 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
-from benchlib import (
-    START_TIMEOUT_S,
-    ProcessGroups,
-    await_condition,
-    child_env,
-    print_table,
-    say,
-    start_node,
-    write_json,
-)
+from crowdtrain.testing.bench import print_table, say, write_json
+from crowdtrain.testing.processes import ProcessGroups, await_condition, child_env
+from crowdtrain.testing.swarm import START_TIMEOUT_S, start_daemon
 
 RUN_FILE = """
 run_id = "bench-diloco"
@@ -88,7 +81,7 @@ def run_arm(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 CROWDTRAIN_CHECKPOINT_INTERVAL_S="100000",
             )
             peers = ["--run-file", str(run_file)] if index == 0 else ["--initial-peers", nodes[0].address]
-            node = start_node(groups, root / mode / f"node{index}", peers, env)
+            node = start_daemon(groups, root / mode / f"node{index}", *peers, env=env)
             await_condition(node.ready, START_TIMEOUT_S, f"{mode} daemon {index} to start")
             nodes.append(node)
         say(f"{mode}: 2 daemons up; {args.warmup_s:g} s warm-up, then {args.window_s:g} s measured")

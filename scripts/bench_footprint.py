@@ -14,42 +14,30 @@ CPU is also split into the daemon's own process and the others. Writes <out>/foo
 
 from __future__ import annotations
 
-import argparse
-import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from bench_training import MICRO_BATCH_SIZE
-from benchlib import (
-    NOISE_CAVEAT,
-    POLL_S,
-    START_TIMEOUT_S,
+
+from crowdtrain.testing import bench
+from crowdtrain.testing.processes import (
     LineReader,
-    MemoryPeaks,
     Poller,
     ProcessGroups,
-    StatusWatcher,
     await_condition,
     child_env,
-    cpu_seconds_by_process,
-    cpu_use,
-    environment_json,
-    memory_json,
-    print_table,
-    pyplot,
-    save_logs,
-    say,
-    start_node,
-    write_json,
+    raise_keyboard_interrupt,
 )
+from crowdtrain.testing.procfs import cpu_seconds_by_process
+from crowdtrain.testing.swarm import START_TIMEOUT_S, StatusWatcher, start_daemon
 
 TRAINING_TIMEOUT_S = 300.0
+PREFIX = "crowdtrain-bench-footprint-"
 HEARTBEAT_INTERVAL_S = 5.0
 """The daemon's default status interval: the idle node stores a record this often."""
 
@@ -69,25 +57,25 @@ while True:  # a heartbeat-sized record every interval, as an idle daemon's stat
 
 def measure(pgids: Sequence[int], duration_s: float, check_alive: Any) -> dict[int, dict[str, Any]]:
     """Peak memory and mean CPU of each process group in `pgids` over the same `duration_s` seconds."""
-    memory = MemoryPeaks(list(pgids))
+    memory = bench.MemoryPeaks(list(pgids))
     with Poller([memory.poll], period_s=1.0):
         started, before = time.monotonic(), cpu_seconds_by_process(list(pgids))
         while (left_s := started + duration_s - time.monotonic()) > 0:
             check_alive()
-            time.sleep(min(POLL_S, left_s))
+            time.sleep(min(bench.POLL_S, left_s))
         ended, after = time.monotonic(), cpu_seconds_by_process(list(pgids))
     return {
         pgid: {
             "duration_s": duration_s,
-            "memory": memory_json(memory.groups[pgid]),
-            "cpu": cpu_use(before, after, pgid, ended - started),
+            "memory": bench.memory_json(memory.groups[pgid]),
+            "cpu": bench.cpu_use(before, after, pgid, ended - started),
         }
         for pgid in pgids
     }
 
 
 def measure_dht_node(groups: ProcessGroups, duration_s: float) -> dict[str, Any]:
-    say(f"footprint: a bare crowdtrain DHT node for {duration_s:g} s")
+    bench.say(f"footprint: a bare crowdtrain DHT node for {duration_s:g} s")
     command = [sys.executable, "-c", IDLE_NODE, str(HEARTBEAT_INTERVAL_S)]
     process = groups.start(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=child_env(), text=True)
     LineReader(process.stdout).next_line(START_TIMEOUT_S, "the idle DHT node to start")  # type: ignore[arg-type]
@@ -105,12 +93,12 @@ def measure_daemons(groups: ProcessGroups, root: Path, duration_s: float) -> dic
     """An idle (`--role aggregator`) and a training daemon of the demo preset, each founding its own run,
     measured in the same window once both settled."""
     roles = {"idle": "aggregator", "training": "trainer"}
-    say(f"footprint: an idle and a training daemon (demo preset, separate runs) for {duration_s:g} s")
+    bench.say(f"footprint: an idle and a training daemon (demo preset, separate runs) for {duration_s:g} s")
     env = child_env(
         CROWDTRAIN_MICRO_BATCH_SIZE=str(MICRO_BATCH_SIZE), CROWDTRAIN_NUM_THREADS="1", CROWDTRAIN_STATUS_INTERVAL_S="2"
     )
     nodes = {
-        state: start_node(groups, root / role, ["--run-file", "demo", "--role", role], env)
+        state: start_daemon(groups, root / role, "--run-file", "demo", "--role", role, env=env)
         for state, role in roles.items()
     }
     for state, node in nodes.items():
@@ -156,7 +144,7 @@ def print_footprint(result: dict[str, Any]) -> None:
         names = sorted({process["name"] for process in memory["processes_at_peak"]})
         rows.append([name, memory["peak_rss_mib"], memory["pss_at_peak_mib"], cpu["cores"],
                      cpu["cores_daemon_process"], cpu["cores_other_processes"], ", ".join(names)])  # fmt: skip
-    print_table(
+    bench.print_table(
         "Footprint: all processes of the session (CPU in cores kept busy)",
         ["", "peak RSS MiB", "PSS at peak MiB", "CPU", "CPU leader", "CPU others", "processes"],
         rows,
@@ -164,7 +152,7 @@ def print_footprint(result: dict[str, Any]) -> None:
 
 
 def plot(result: dict[str, Any], path: Path) -> bool:
-    plt = pyplot()
+    plt = bench.pyplot()
     if plt is None:
         return False
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -175,51 +163,25 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     left.legend()
     right.bar(names, [result[n]["cpu"]["cores"] for n in names])
     right.set(ylabel="cores", title="CPU")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+    return bench.save_figure(plt, figure, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="shorter windows")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (bench-results/)")
+    parser = bench.bench_parser(__doc__, "shorter windows")
     parser.add_argument("--duration", type=float, help="seconds measured in each state (default 60, quick 10)")
     args = parser.parse_args(argv)
     duration_s = args.duration or (10.0 if args.quick else 60.0)
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    results: dict[str, Any] = {"caveat": NOISE_CAVEAT, "environment": environment_json(args.quick)}
-    groups = ProcessGroups()
-    try:
-        with tempfile.TemporaryDirectory(prefix="crowdtrain-bench-footprint-") as directory:
-            try:
-                results["footprint"] = measure_daemons(groups, Path(directory), duration_s)
-                if not args.quick:  # a reference row: left out of the 10-minute quick run
-                    results["footprint"]["dht_node"] = measure_dht_node(groups, duration_s)
-            finally:
-                groups.kill_all()
-                save_logs(Path(directory), args.out / "logs" / "footprint")
-    except KeyboardInterrupt:
-        print("interrupted; every child process was killed", file=sys.stderr)
-        return 130
-    except Exception as e:  # the JSON records the failure, so bench_all reports it
-        results["footprint"] = {"error": f"{type(e).__name__}: {e}"}
-        write_json(args.out / "footprint.json", results)
-        raise
-    finally:
-        groups.kill_all()
-    results["environment"]["load_average_at_end"] = os.getloadavg()
-    print_footprint(results["footprint"])
-    write_json(args.out / "footprint.json", results)
-    png = args.out / "footprint.png"
-    saved = plot(results["footprint"], png)
-    print(f"wrote {args.out / 'footprint.json'}" + (f" and {png}" if saved else " (no matplotlib: no plot)"))
-    return 0
+    signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
 
+    def measure_all(groups: ProcessGroups, root: Path) -> dict[str, Any]:
+        result = measure_daemons(groups, root, duration_s)
+        if not args.quick:  # a reference row: left out of the 10-minute quick run
+            result["dht_node"] = measure_dht_node(groups, duration_s)
+        return result
 
-def _raise_keyboard_interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
+    report = bench.Report("footprint", print_footprint, plot, caveat_at_end=False)
+    log_dir = args.out / "logs" / "footprint"
+    return bench.run_benchmark(report, args.out, args.quick, lambda: bench.with_children(PREFIX, log_dir, measure_all))
 
 
 if __name__ == "__main__":

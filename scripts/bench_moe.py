@@ -24,10 +24,8 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -36,29 +34,6 @@ from typing import Any, TypeVar
 
 import hivemind
 import torch
-from benchlib import (
-    LOOPBACK,
-    NOISE_CAVEAT,
-    POLL_S,
-    REPO_ROOT,
-    START_TIMEOUT_S,
-    TINY_MODEL_TOML,
-    BenchError,
-    Node,
-    ProcessGroups,
-    StatusWatcher,
-    await_condition,
-    child_env,
-    environment_json,
-    log_tail,
-    print_table,
-    progress_rate,
-    pyplot,
-    save_logs,
-    say,
-    start_node,
-    write_json,
-)
 from hivemind.moe import RemoteExpert, get_experts
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from moe_hivemind_expert import EXPERT_CLASS
@@ -66,6 +41,17 @@ from moe_hivemind_expert import EXPERT_CLASS
 from crowdtrain.manifest import PRESETS, RunManifest, expert_uids, load_run_file
 from crowdtrain.moe.experts import MAX_BATCH_SEQUENCES
 from crowdtrain.moe.hosting import NUM_CONNECTION_HANDLERS
+from crowdtrain.testing import bench
+from crowdtrain.testing.fixtures import TINY_MODEL_TOML
+from crowdtrain.testing.processes import (
+    HarnessError,
+    ProcessGroups,
+    await_condition,
+    child_env,
+    log_tail,
+    raise_keyboard_interrupt,
+)
+from crowdtrain.testing.swarm import LOOPBACK, START_TIMEOUT_S, Daemon, StatusWatcher, start_daemon
 
 T = TypeVar("T")
 
@@ -182,7 +168,7 @@ MODES = {
 
 
 def run_bounded(function: Callable[[], T], timeout_s: float, what: str) -> T:
-    """`function()` on a daemon thread; BenchError if it has not returned after `timeout_s`."""
+    """`function()` on a daemon thread; HarnessError if it has not returned after `timeout_s`."""
     box: queue.Queue[tuple[bool, Any]] = queue.Queue(1)
 
     def target() -> None:
@@ -195,7 +181,7 @@ def run_bounded(function: Callable[[], T], timeout_s: float, what: str) -> T:
     try:
         ok, value = box.get(timeout=timeout_s)
     except queue.Empty:
-        raise BenchError(f"timed out after {timeout_s:g} s waiting for {what}") from None
+        raise HarnessError(f"timed out after {timeout_s:g} s waiting for {what}") from None
     if not ok:
         raise value
     return value
@@ -205,7 +191,7 @@ def run_bounded(function: Callable[[], T], timeout_s: float, what: str) -> T:
 
 
 def serving_env() -> dict[str, str]:
-    pythonpath = os.pathsep.join([str(REPO_ROOT), str(SCRIPTS), os.environ.get("PYTHONPATH", "")])
+    pythonpath = os.pathsep.join([str(bench.REPO_ROOT), str(SCRIPTS), os.environ.get("PYTHONPATH", "")])
     threads = {name: SERVER_THREADS for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     return child_env(PYTHONPATH=pythonpath, CROWDTRAIN_NUM_THREADS=SERVER_THREADS, **threads)
 
@@ -213,7 +199,7 @@ def serving_env() -> dict[str, str]:
 def start_crowdtrain_host(groups: ProcessGroups, root: Path) -> tuple[str, str]:
     """A demo-moe expert-host daemon serving one expert; (its multiaddr, the expert's uid)."""
     args = ["--run-file", PRESET, "--role", "expert-host"]
-    node = start_node(groups, root / "crowdtrain-host", args, {**serving_env(), "CROWDTRAIN_MAX_EXPERTS": "1"})
+    node = start_daemon(groups, root / "crowdtrain-host", *args, env={**serving_env(), "CROWDTRAIN_MAX_EXPERTS": "1"})
     await_condition(node.ready, START_TIMEOUT_S, "the crowdtrain expert host to start")
 
     def served_uid() -> str | None:
@@ -238,7 +224,7 @@ def start_hivemind_server(groups: ProcessGroups, root: Path, uid: str, hidden_si
 
     def address() -> str | None:
         if process.poll() is not None:
-            raise BenchError(f"hivemind-server exited with code {process.returncode}:\n{log_tail(log_path)}")
+            raise HarnessError(f"hivemind-server exited with code {process.returncode}:\n{log_tail(log_path)}")
         found = re.search(r"Running DHT node on \['(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)'", log_path.read_text())
         return found.group(1) if found else None
 
@@ -250,7 +236,7 @@ def find_expert(dht: hivemind.DHT, uid: str) -> RemoteExpert:
     await_condition(lambda: dht.get(uid, latest=True), FIND_TIMEOUT_S, f"{uid} announced in the DHT", poll_s=1)
     (expert,) = get_experts(dht, [uid])
     if expert is None:
-        raise BenchError(f"hivemind's get_experts did not find {uid}, although the DHT holds its announcement")
+        raise HarnessError(f"hivemind's get_experts did not find {uid}, although the DHT holds its announcement")
     return expert
 
 
@@ -273,7 +259,7 @@ class ExpertCaller:
         outputs.backward(self.output_grad)
         elapsed_ms = (time.perf_counter() - began) * 1000
         if outputs.shape != inputs.shape or inputs.grad is None:
-            raise BenchError(f"the expert answered {tuple(outputs.shape)} for {tuple(inputs.shape)}, or no gradient")
+            raise HarnessError(f"the expert answered {tuple(outputs.shape)} for {tuple(inputs.shape)}, or no gradient")
         return elapsed_ms
 
     def attempt(self) -> float | None:
@@ -294,7 +280,7 @@ class ExpertCaller:
             except Exception as e:
                 failures += 1
                 if failures > 5:
-                    raise BenchError(f"warm-up calls keep failing: {e}") from e
+                    raise HarnessError(f"warm-up calls keep failing: {e}") from e
                 time.sleep(1.0)
 
     def sequential(self, num_calls: int) -> list[float]:
@@ -319,7 +305,7 @@ class ExpertCaller:
         for thread in threads:
             thread.join(max(stop_at + CALL_TIMEOUT_S - time.perf_counter(), 0))
         if any(thread.is_alive() for thread in threads):
-            raise BenchError(f"a concurrent call ran past {CALL_TIMEOUT_S:g} s")
+            raise HarnessError(f"a concurrent call ran past {CALL_TIMEOUT_S:g} s")
         return latencies, time.perf_counter() - began
 
 
@@ -352,7 +338,7 @@ def measure_server(address: str, uid: str, manifest: RunManifest, sizes: Sizes) 
             RemoteExpertWorker.run_coroutine(expert.p2p.shutdown())
         dht.shutdown()
     if len(sequential) < num_failed_sequential or len(concurrent) < num_failed_concurrent or not concurrent:
-        raise BenchError(f"most calls failed; the first failure: {caller.failures[0]}")
+        raise HarnessError(f"most calls failed; the first failure: {caller.failures[0]}")
     return {
         "sequential": {
             **latency_stats(sequential),
@@ -374,11 +360,11 @@ def measure_server(address: str, uid: str, manifest: RunManifest, sizes: Sizes) 
 def bench_serving(groups: ProcessGroups, root: Path, sizes: Sizes) -> dict[str, Any]:
     manifest = PRESETS[PRESET]()
     hidden_size = int(manifest.model.config["hidden_size"])
-    say("serving: a crowdtrain expert-host daemon serving one demo-moe expert")
+    bench.say("serving: a crowdtrain expert-host daemon serving one demo-moe expert")
     address, uid = start_crowdtrain_host(groups, root)
     crowdtrain = measure_server(address, uid, manifest, sizes)
     groups.kill_all()  # one server at a time
-    say(f"serving: hivemind-server hosting {uid} as the same expert class")
+    bench.say(f"serving: hivemind-server hosting {uid} as the same expert class")
     address = start_hivemind_server(groups, root, uid, hidden_size)
     hivemind_server = measure_server(address, uid, manifest, sizes)
     groups.kill_all()
@@ -421,8 +407,8 @@ def serving_summary(
 
 @dataclass
 class Swarm:
-    hosts: list[Node]
-    trainer: Node
+    hosts: list[Daemon]
+    trainer: Daemon
     watcher: StatusWatcher
 
     def check_alive(self) -> None:
@@ -461,22 +447,22 @@ def start_dmoe_swarm(groups: ProcessGroups, root: Path, run_file: str, env: dict
     what this benchmark measures; were the margin lost on a loaded machine, the churn ends in a re-check, and
     the measurement waits for every host to serve its own share (await_training).
     """
-    founder = start_node(groups, root / "host0", ["--run-file", run_file, "--role", "expert-host"], env)
+    founder = start_daemon(groups, root / "host0", "--run-file", run_file, "--role", "expert-host", env=env)
     await_condition(founder.ready, START_TIMEOUT_S, "the founding expert host to start")
     joining = ["--initial-peers", founder.address]
-    trainer = start_node(groups, root / "trainer", [*joining, "--role", "trainer"], env)
+    trainer = start_daemon(groups, root / "trainer", *joining, "--role", "trainer", env=env)
     swarm = Swarm([founder], trainer, StatusWatcher(groups, founder.address, STATUS_INTERVAL_S, root / "status.log"))
     await_condition(partial(num_server_starts, founder), START_TIMEOUT_S, "the founding host to serve experts")
     for index in range(1, num_hosts):
-        host = start_node(groups, root / f"host{index}", [*joining, "--role", "expert-host"], env)
+        host = start_daemon(groups, root / f"host{index}", *joining, "--role", "expert-host", env=env)
         swarm.hosts.append(host)
         await_condition(host.ready, START_TIMEOUT_S, f"expert host {index} to start")
-        say(f"training: expert host {index} is up")
+        bench.say(f"training: expert host {index} is up")
     await_condition(trainer.ready, START_TIMEOUT_S, "the trainer to start")
     return swarm
 
 
-def num_server_starts(host: Node) -> int:
+def num_server_starts(host: Daemon) -> int:
     """How often the host has (re)started its expert server so far, from its log."""
     host.check_alive()
     return len(re.findall(r"\] serving \d+ experts: ", host.log_path.read_text(errors="replace")))
@@ -496,15 +482,15 @@ def measure_window(swarm: Swarm, duration_s: float, zero: float) -> dict[str, An
     started = time.monotonic()
     while (left_s := started + duration_s - time.monotonic()) > 0:
         swarm.check_alive()
-        time.sleep(min(POLL_S, left_s))
+        time.sleep(min(bench.POLL_S, left_s))
     snapshots = swarm.watcher.between(started, time.monotonic())
     restarts = [num_server_starts(host) - before for host, before in zip(swarm.hosts, starts_before, strict=True)]
     reported = [rate for _, snapshot in snapshots if (rate := trainer_rate(swarm, snapshot)) is not None]
-    from_progress = progress_rate(snapshots)
+    from_progress = bench.progress_rate(snapshots)
     self_reported = statistics.fmean(reported) if reported else None
     samples_per_s = from_progress if from_progress else self_reported
     if not samples_per_s:
-        raise BenchError(f"the trainer reported no progress in {duration_s:g} s ({len(snapshots)} status samples)")
+        raise HarnessError(f"the trainer reported no progress in {duration_s:g} s ({len(snapshots)} status samples)")
     live = [grid(snapshot)["live"] for _, snapshot in snapshots]
     return {
         "duration_s": duration_s,
@@ -539,7 +525,7 @@ def settle(swarm: Swarm, seconds: float) -> None:
     until = time.monotonic() + seconds
     while time.monotonic() < until:
         swarm.check_alive()
-        time.sleep(POLL_S)
+        time.sleep(bench.POLL_S)
 
 
 def kill_hosts(groups: ProcessGroups, swarm: Swarm, total: int, per_host: int, zero: float) -> dict[str, Any]:
@@ -577,7 +563,7 @@ def progress_series(watcher: StatusWatcher, zero: float) -> list[list[float]]:
 def swarm_env(per_host: int) -> dict[str, str]:
     """Every daemon of the swarm: hosts serve `per_host` experts at most, one torch thread, fast heartbeats."""
     return child_env(
-        PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(bench.REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
         CROWDTRAIN_MAX_EXPERTS=str(per_host),
         CROWDTRAIN_NUM_THREADS="1",
         CROWDTRAIN_MICRO_BATCH_SIZE=str(MICRO_BATCH_SIZE),
@@ -592,18 +578,22 @@ def bench_training(groups: ProcessGroups, root: Path, sizes: Sizes, smoke: bool)
     num_hosts = sizes.num_hosts
     per_host = total // num_hosts
     env = swarm_env(per_host)
-    say(f"training: {num_hosts} expert hosts of {per_host} experts each ({total} in all), then 1 trainer")
+    bench.say(f"training: {num_hosts} expert hosts of {per_host} experts each ({total} in all), then 1 trainer")
     began = time.monotonic()
     swarm = start_dmoe_swarm(groups, root, run_file, env, sizes.num_hosts)
     await_training(swarm, total, per_host)
     startup_s = time.monotonic() - began
-    say(f"training: every expert live after {startup_s:.0f} s; {sizes.warmup_s:g} s warm-up, then {sizes.window_s:g} s")
+    bench.say(
+        f"training: every expert live after {startup_s:.0f} s; {sizes.warmup_s:g} s warm-up, then {sizes.window_s:g} s"
+    )
     settle(swarm, sizes.warmup_s)
     zero = time.monotonic()
     before = measure_window(swarm, sizes.window_s, zero)
-    say(f"training: SIGKILL {NUM_KILLED_HOSTS} of {num_hosts} hosts ({NUM_KILLED_HOSTS * per_host} experts)")
+    bench.say(f"training: SIGKILL {NUM_KILLED_HOSTS} of {num_hosts} hosts ({NUM_KILLED_HOSTS * per_host} experts)")
     kill = kill_hosts(groups, swarm, total, per_host, zero)
-    say(f"training: the grid shrank after {kill['seconds_until_grid_shrank']:.0f} s; measuring {sizes.window_s:g} s")
+    bench.say(
+        f"training: the grid shrank after {kill['seconds_until_grid_shrank']:.0f} s; measuring {sizes.window_s:g} s"
+    )
     settle(swarm, sizes.warmup_s)
     after = measure_window(swarm, sizes.window_s, zero)
     live_at_end = grid(swarm.latest())["live"]
@@ -655,7 +645,7 @@ def print_serving(result: dict[str, Any]) -> None:
         for part in ("sequential", "concurrent")
     ]
     shape = " x ".join(str(size) for size in result["batch_shape"])
-    print_table(
+    bench.print_table(
         f"Expert serving: {result['expert']} ({result['expert_uid']}), forward+backward of [{shape}], "
         f"{result['server_threads']} torch thread per server",
         ["", "crowdtrain", "hivemind-server", "crowdtrain / hivemind"],
@@ -683,7 +673,7 @@ def print_training(result: dict[str, Any]) -> None:
         ]
         for label, window in windows
     ]
-    print_table(
+    bench.print_table(
         f"DMoE training: {result['run']}, {result['num_hosts']} hosts x {result['max_experts_per_host']} experts, "
         f"1 trainer, {result['all_live']['duration_s']:g} s windows",
         ["", "trainer samples/s", "from", "live experts (min, max)", "expert server restarts"],
@@ -709,7 +699,7 @@ def print_training(result: dict[str, Any]) -> None:
 
 
 def plot(results: dict[str, Any], path: Path) -> bool:
-    plt = pyplot()
+    plt = bench.pyplot()
     if plt is None:
         return False
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -734,13 +724,10 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     right.set(xlabel="seconds since the first measured window began", ylabel="samples")
     right.set_title(f"DMoE training as {training.get('killed_fraction_of_experts', 0.25):.0%} of experts die")
     right.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+    return bench.save_figure(plt, figure, path)
 
 
-def run_parts(args: argparse.Namespace, groups: ProcessGroups, root: Path, results: dict[str, Any]) -> bool:
+def run_parts(args: argparse.Namespace, groups: ProcessGroups, root: Path, *, results: dict[str, Any]) -> bool:
     """Each part in turn; a failed part is recorded and the next one still runs."""
     sizes = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
     ok = True
@@ -754,53 +741,41 @@ def run_parts(args: argparse.Namespace, groups: ProcessGroups, root: Path, resul
         try:
             results[name] = run_part()
         except Exception as e:  # the other part's numbers are still worth having
-            traceback.print_exc()
-            print(f"\n{name} failed: {e}", file=sys.stderr)
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
+            bench.record_failure(results, name, e)
             ok = False
         finally:
-            say(f"{name}: stopping its processes")
+            bench.say(f"{name}: stopping its processes")
             groups.kill_all()
         if "error" not in results[name]:
             print_part(results[name])
         results["environment"]["load_average_at_end"] = os.getloadavg()
-        write_json(args.out / "moe.json", results)
+        bench.write_json(args.out / "moe.json", results)
     return ok
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer calls and shorter training windows (~3 minutes)")
+    parser = bench.bench_parser(__doc__, "fewer calls and shorter training windows (~3 minutes)")
     parser.add_argument("--smoke", action="store_true", help="the smallest run of every part (~85 s)")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (bench-results/)")
     parser.add_argument("--part", choices=("serving", "training"), help="run only this part (default: both)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # the client, like the servers: more threads only spin on two busy cores
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
-    results: dict[str, Any] = {"caveat": NOISE_CAVEAT, "mode": mode, "environment": environment_json(args.quick)}
-    groups = ProcessGroups()
+    results: dict[str, Any] = {
+        "caveat": bench.NOISE_CAVEAT,
+        "mode": mode,
+        "environment": bench.environment_json(args.quick),
+    }
+    log_dir = args.out / "logs" / "moe"
     try:
-        with tempfile.TemporaryDirectory(prefix="crowdtrain-bench-moe-") as directory:
-            try:
-                ok = run_parts(args, groups, Path(directory), results)
-            finally:
-                groups.kill_all()  # before the state dirs go away
-                save_logs(Path(directory), args.out / "logs" / "moe")
+        ok = bench.with_children("crowdtrain-bench-moe-", log_dir, partial(run_parts, args, results=results))
     except KeyboardInterrupt:
         print("interrupted; every child process was killed", file=sys.stderr)
         return 130
-    finally:
-        groups.kill_all()
     png = args.out / "moe.png"
-    saved = plot(results, png)
-    print(f"wrote {args.out / 'moe.json'}" + (f" and {png}" if saved else " (no matplotlib: no plot)"))
-    print(NOISE_CAVEAT)
+    bench.say_written(args.out / "moe.json", png, plot(results, png))
+    print(bench.NOISE_CAVEAT)
     return 0 if ok else 1
-
-
-def _raise_keyboard_interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

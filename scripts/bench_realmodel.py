@@ -26,7 +26,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -37,32 +36,6 @@ from typing import Any
 
 import torch
 from bench_training import initial_model, load_sampler
-from benchlib import (
-    MIB,
-    NOISE_CAVEAT,
-    POLL_S,
-    START_TIMEOUT_S,
-    BenchError,
-    LineReader,
-    MemoryPeaks,
-    Node,
-    Poller,
-    ProcessGroups,
-    StatusWatcher,
-    await_condition,
-    child_env,
-    environment_json,
-    exit_when_orphaned,
-    memory_json,
-    print_table,
-    progress_rate,
-    pyplot,
-    raise_keyboard_interrupt,
-    save_logs,
-    say,
-    start_swarm,
-    write_json,
-)
 
 from crowdtrain.data import load_token_stream
 from crowdtrain.manifest import PRESETS, RunManifest, load_run_file
@@ -75,6 +48,36 @@ from crowdtrain.models import (
     precision_for_device,
     training_loss,
 )
+from crowdtrain.testing.bench import (
+    MIB,
+    NOISE_CAVEAT,
+    POLL_S,
+    MemoryPeaks,
+    await_window,
+    bench_parser,
+    environment_json,
+    memory_json,
+    print_table,
+    progress_rate,
+    pyplot,
+    save_figure,
+    say,
+    say_written,
+    train_counting_window,
+    with_children,
+    write_json,
+)
+from crowdtrain.testing.processes import (
+    HarnessError,
+    LineReader,
+    Poller,
+    ProcessGroups,
+    await_condition,
+    child_env,
+    exit_when_orphaned,
+    raise_keyboard_interrupt,
+)
+from crowdtrain.testing.swarm import START_TIMEOUT_S, Daemon, StatusWatcher, start_swarm
 
 RUN_ID = "bench-realmodel"
 STATUS_INTERVAL_S = 2.0
@@ -101,7 +104,7 @@ def bench_manifest(args: argparse.Namespace) -> RunManifest:
     """The preset with the benchmark's sequence length, target batch and matchmaking time."""
     preset = PRESETS[args.model]()
     if preset.moe is not None:
-        raise BenchError(f"--model {args.model} is a DMoE run: this benchmark compares dense models")
+        raise HarnessError(f"--model {args.model} is a DMoE run: this benchmark compares dense models")
     averaging = preset.averaging
     if args.matchmaking_s is not None:
         averaging = dataclasses.replace(averaging, matchmaking_time_s=args.matchmaking_s)
@@ -132,7 +135,7 @@ def write_run_file(manifest: RunManifest, path: Path) -> None:
                     lines += [f"{key} = {_toml_value(value)}" for key, value in sub_table.items()]
     path.write_text("\n".join(lines) + "\n")
     if load_run_file(str(path)) != manifest:
-        raise BenchError(f"the run file {path} does not read back as the benchmark's manifest")
+        raise HarnessError(f"the run file {path} does not read back as the benchmark's manifest")
 
 
 def _toml_value(value: Any) -> str:
@@ -146,7 +149,7 @@ def _toml_value(value: Any) -> str:
         return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{json.dumps(key)} = {_toml_value(item)}" for key, item in value.items()) + "}"
-    raise BenchError(f"cannot write {value!r} into a run file")
+    raise HarnessError(f"cannot write {value!r} into a run file")
 
 
 def resolve_precision(setting: str, device: str) -> str:
@@ -261,19 +264,12 @@ def run_hivemind_worker(args: argparse.Namespace) -> None:
         micro_step += 1
 
     train_micro_batch()
-    print(json.dumps({"ready": True}), flush=True)
-    window = [float(value) for value in sys.stdin.readline().split()]
-    if len(window) != 2:
-        raise SystemExit("the benchmark that started this worker is gone")
+    window = await_window()
     counted = {"samples": 0}
     threading.Thread(
         target=_report_at_window_end, args=(optimizer, window, counted, loop), name="report", daemon=True
     ).start()
-    while True:  # micro-batches that began and ended inside the window count
-        began = time.time()
-        train_micro_batch()
-        if began >= window[0] and time.time() <= window[1]:
-            counted["samples"] += loop.micro_batch
+    train_counting_window(train_micro_batch, window, counted, loop.micro_batch)
 
 
 def _report_at_window_end(optimizer: Any, window: list[float], counted: dict[str, int], loop: MicroBatches) -> None:
@@ -447,7 +443,7 @@ def measure_crowdtrain(bench: Bench, num_peers: int) -> dict[str, Any]:
 class SwarmSettled:
     """True once every daemon is in status with its throughput probed and every trainer reports samples/s."""
 
-    def __init__(self, nodes: list[Node], watcher: StatusWatcher, peer_ids: list[str]) -> None:
+    def __init__(self, nodes: list[Daemon], watcher: StatusWatcher, peer_ids: list[str]) -> None:
         self.nodes, self.watcher, self.peer_ids = nodes, watcher, peer_ids
         self.waiting_for = ""
 
@@ -476,7 +472,7 @@ def swarm_result(snapshots: list[tuple[float, dict[str, Any]]], peer_ids: list[s
     """The window's samples/s from the progress slope, and what the status records say about its rounds and plan."""
     complete = [(t, s) for t, s in snapshots if {p["peer_id"] for p in s["peers"]} >= set(peer_ids)]
     if not complete:
-        raise BenchError("no status snapshot of the measured window listed every daemon")
+        raise HarnessError("no status snapshot of the measured window listed every daemon")
     first, last = complete[0][1], complete[-1][1]
 
     def per_peer(snapshot: dict[str, Any], key: str) -> dict[str, Any]:
@@ -619,10 +615,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     axes.set(xlabel="peers (processes on one machine)", ylabel="swarm samples/s",
              title=f"{settings['model']} on {settings['device']} ({settings['precision']})")  # fmt: skip
     axes.legend(loc="upper center", ncol=3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+    return save_figure(plt, figure, path)
 
 
 def prepare(args: argparse.Namespace, groups: ProcessGroups, root: Path) -> tuple[Bench, dict[str, Any]]:
@@ -654,7 +647,7 @@ def prepare(args: argparse.Namespace, groups: ProcessGroups, root: Path) -> tupl
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every arm trains (cpu)")
     parser.add_argument("--model", help="a run preset (default llama-85m)")
     parser.add_argument("--peers", type=int, nargs="+", help="peer counts (default cpu: 1 2; cuda: 1 2 4)")
@@ -668,7 +661,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--precision", choices=("auto", "fp32", "bf16", "fp16"), help="the loops' precision (default: crowdtrain's)"
     )
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (bench-results/)")
     for hidden in ("--plain-worker", "--hivemind-worker"):
         parser.add_argument(hidden, action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--run-file", "--initial-peer"):
@@ -700,15 +692,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {"caveat": NOISE_CAVEAT, "environment": environment_json(False)}
     results.update({"plain": {}, "hivemind": {}, "crowdtrain": {}})
     json_path = args.out / "realmodel.json"
-    groups = ProcessGroups()
+
+    def measure(groups: ProcessGroups, root: Path) -> None:
+        bench, results["settings"] = prepare(args, groups, root)
+        run_arms(bench, results, lambda: write_json(json_path, results))
+
     try:
-        with tempfile.TemporaryDirectory(prefix="crowdtrain-bench-realmodel-") as directory:
-            try:
-                bench, results["settings"] = prepare(args, groups, Path(directory))
-                run_arms(bench, results, lambda: write_json(json_path, results))
-            finally:
-                groups.kill_all()  # before the state dirs go away
-                save_logs(Path(directory), args.out / "logs" / "realmodel")
+        with_children("crowdtrain-bench-realmodel-", args.out / "logs" / "realmodel", measure)
     except KeyboardInterrupt:
         print("interrupted; every child process was killed", file=sys.stderr)
         return 130
@@ -716,8 +706,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["error"] = f"{type(e).__name__}: {e}"
         write_json(json_path, results)
         raise
-    finally:
-        groups.kill_all()
     results["environment"]["load_average_at_end"] = os.getloadavg()
     add_ratios(results)
     arms = [results["plain"], *results["hivemind"].values(), *results["crowdtrain"].values()]
@@ -725,8 +713,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_json(json_path, results)
     print_results(results)
     png = args.out / "realmodel.png"
-    saved = plot(results, png)
-    print(f"wrote {json_path}" + (f" and {png}" if saved else " (no matplotlib: no plot)"))
+    say_written(json_path, png, plot(results, png))
     print(NOISE_CAVEAT)
     return 1 if results["failed_arms"] else 0
 

@@ -23,7 +23,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -33,38 +32,25 @@ from typing import Any
 
 import torch
 from bench_training import MICRO_BATCH_SIZE, WARMUP_S, initial_model, load_sampler, measure_standalone
-from benchlib import (
-    NOISE_CAVEAT,
-    POLL_S,
-    LineReader,
-    MemoryPeaks,
-    Poller,
-    ProcessGroups,
-    StatusWatcher,
-    await_condition,
-    child_env,
-    cpu_seconds_by_process,
-    cpu_use,
-    environment_json,
-    exit_when_orphaned,
-    memory_json,
-    print_table,
-    progress_rate,
-    pyplot,
-    raise_keyboard_interrupt,
-    save_logs,
-    say,
-    start_swarm,
-    write_json,
-)
 
 from crowdtrain.data import load_token_stream
 from crowdtrain.manifest import RunManifest, load_run_file
 from crowdtrain.models import load_tokenizer, model_kind, training_loss
+from crowdtrain.testing import bench
+from crowdtrain.testing.processes import (
+    LineReader,
+    Poller,
+    ProcessGroups,
+    await_condition,
+    child_env,
+    exit_when_orphaned,
+    raise_keyboard_interrupt,
+)
+from crowdtrain.testing.procfs import cpu_seconds_by_process
+from crowdtrain.testing.swarm import StatusWatcher, start_swarm
 from crowdtrain.testing.wanlab import Lab, Scenario
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-HETERO_SCENARIO = REPO_ROOT / "scripts" / "scenarios" / "hetero.toml"
+HETERO_SCENARIO = bench.REPO_ROOT / "scripts" / "scenarios" / "hetero.toml"
 STATUS_INTERVAL_S = 2.0
 TRAINING_TIMEOUT_S = 300.0
 """For every daemon to report samples/s, or every hivemind worker to finish its first micro-batch."""
@@ -125,10 +111,7 @@ def run_hivemind_worker(args: argparse.Namespace) -> None:
         micro_step += 1
 
     train_micro_batch()
-    print(json.dumps({"ready": True}), flush=True)
-    window = [float(value) for value in sys.stdin.readline().split()]
-    if len(window) != 2:
-        raise SystemExit("the benchmark that started this worker is gone")
+    window = bench.await_window()
     counted = {"samples": 0}
     first_epoch = optimizer.local_epoch
 
@@ -142,11 +125,7 @@ def run_hivemind_worker(args: argparse.Namespace) -> None:
                           "epochs": [first_epoch, optimizer.local_epoch]}), flush=True)  # fmt: skip
 
     threading.Thread(target=report_at_window_end, name="report", daemon=True).start()
-    while True:  # micro-batches that began and ended inside the window count
-        began = time.time()
-        train_micro_batch()
-        if began >= window[0] and time.time() <= window[1]:
-            counted["samples"] += MICRO_BATCH_SIZE
+    bench.train_counting_window(train_micro_batch, window, counted, MICRO_BATCH_SIZE)
 
 
 def start_hivemind_workers(
@@ -172,7 +151,7 @@ def measure_hivemind(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     duration_s, warmup_s = args.duration, args.warmup
-    say(f"throughput: {len(lab.hosts)} hivemind.Optimizer loops (default settings), one per host")
+    bench.say(f"throughput: {len(lab.hosts)} hivemind.Optimizer loops (default settings), one per host")
     initial_peer = "-"
     for host, (process, reader) in zip(lab.hosts, workers, strict=True):
         process.stdin.write(f"dht {initial_peer}\n")  # type: ignore[union-attr]
@@ -183,7 +162,7 @@ def measure_hivemind(
     for host, (_, reader) in zip(lab.hosts, workers, strict=True):
         reader.next_line(TRAINING_TIMEOUT_S, f"hivemind worker in {host.name} to train")
     pgids = [process.pid for process, _ in workers]
-    memory = MemoryPeaks(pgids)
+    memory = bench.MemoryPeaks(pgids)
     with Poller([memory.poll], period_s=1.0):
         start = time.time() + warmup_s
         for process, _ in workers:
@@ -203,9 +182,9 @@ def measure_hivemind(
         "samples_per_second": sum(result["samples_per_second"] for result in results),
         "num_global_steps_in_window": max(r["epochs"][1] for r in results) - min(r["epochs"][0] for r in results),
         "cpu_cores_per_host": [
-            cpu_use(cpu_before, cpu_after, pgid, cpu_ended - cpu_started)["cores"] for pgid in pgids
+            bench.cpu_use(cpu_before, cpu_after, pgid, cpu_ended - cpu_started)["cores"] for pgid in pgids
         ],
-        "memory_per_host": [memory_json(memory.groups[pgid]) for pgid in pgids],
+        "memory_per_host": [bench.memory_json(memory.groups[pgid]) for pgid in pgids],
     }
 
 
@@ -216,7 +195,7 @@ def measure_crowdtrain(
     groups: ProcessGroups, lab: Lab, run_file: Path, root: Path, args: argparse.Namespace
 ) -> dict[str, Any]:
     duration_s, warmup_s = args.duration, args.warmup
-    say(f"throughput: {len(lab.hosts)} crowdtrain daemons, one per host")
+    bench.say(f"throughput: {len(lab.hosts)} crowdtrain daemons, one per host")
     env = child_env(
         CROWDTRAIN_MICRO_BATCH_SIZE=str(MICRO_BATCH_SIZE),
         CROWDTRAIN_NUM_THREADS="1",
@@ -247,25 +226,25 @@ def measure_crowdtrain(
         )
         if reason != waiting_for[0]:  # say what the wait is for whenever it changes: start-up is most of the time
             waiting_for[0] = reason
-            say(f"throughput: waiting for the swarm: {reason or 'settled'}")
+            bench.say(f"throughput: waiting for the swarm: {reason or 'settled'}")
         return not reason and bool(trainers)
 
     pgids = [node.process.pid for node in nodes]
-    memory = MemoryPeaks(pgids)
+    memory = bench.MemoryPeaks(pgids)
     with Poller([memory.poll], period_s=1.0):
         await_condition(all_settled, TRAINING_TIMEOUT_S, "every daemon to probe and every trainer to train")
-        say(f"throughput: the swarm trains; {warmup_s:g} s warm-up, then measuring {duration_s:g} s")
+        bench.say(f"throughput: the swarm trains; {warmup_s:g} s warm-up, then measuring {duration_s:g} s")
         time.sleep(warmup_s)  # a warm-up interval, not a synchronisation: the same one the other loops get
         started, cpu_before = time.monotonic(), cpu_seconds_by_process(pgids)
         while (left_s := started + duration_s - time.monotonic()) > 0:  # fail if a node dies
             for node in nodes:
                 node.check_alive()
-            time.sleep(min(POLL_S, left_s))
+            time.sleep(min(bench.POLL_S, left_s))
         ended, cpu_after = time.monotonic(), cpu_seconds_by_process(pgids)
         snapshots = watcher.between(started, ended)
     for process in [watcher.process, *(node.process for node in nodes)]:
         groups.kill(process)
-    rate = progress_rate(snapshots)
+    rate = bench.progress_rate(snapshots)
     epochs = [snapshot["run"]["epoch"] for _, snapshot in snapshots]
     last = snapshots[-1][1] if snapshots else {"peers": []}
     return {
@@ -277,15 +256,15 @@ def measure_crowdtrain(
         "aggregation_shares_at_end": {p["peer_id"]: p.get("aggregation_share") for p in last["peers"]},
         "links_at_end_mbps": {p["peer_id"]: [p.get("upload_mbps"), p.get("download_mbps")] for p in last["peers"]},
         "partial_averages_at_end": last.get("run", {}).get("partial_averages"),
-        "cpu_cores_per_host": [cpu_use(cpu_before, cpu_after, pgid, ended - started)["cores"] for pgid in pgids],
-        "memory_per_host": [memory_json(memory.groups[pgid]) for pgid in pgids],
+        "cpu_cores_per_host": [bench.cpu_use(cpu_before, cpu_after, pgid, ended - started)["cores"] for pgid in pgids],
+        "memory_per_host": [bench.memory_json(memory.groups[pgid]) for pgid in pgids],
     }
 
 
 # --- The benchmark ---------------------------------------------------------------------------------------------
 
 
-def bench_throughput(groups: ProcessGroups, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+def bench_throughput(groups: ProcessGroups, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     run_file = root / "throughput.toml"
     run_file.write_text(RUN_TOML.format(target_batch_size=args.batch))
     manifest: RunManifest = load_run_file(str(run_file))
@@ -357,7 +336,7 @@ def print_throughput(result: dict[str, Any]) -> None:
             "num_global_steps_in_window"), sum(result["hivemind"].get("cpu_cores_per_host", []))],
     ]  # fmt: skip
     hosts = ", ".join(f"{h['name']} {min(h['upload_mbps'], h['download_mbps']):g}" for h in result["hosts"])
-    print_table(
+    bench.print_table(
         f"Throughput on {result['scenario']} ({hosts} Mbit/s), B = {result['target_batch_size']}, "
         f"{result['duration_s']:g} s",
         ["", "global samples/s", "global steps in window", "CPU cores"],
@@ -375,7 +354,7 @@ def print_throughput(result: dict[str, Any]) -> None:
 
 
 def plot(result: dict[str, Any], path: Path) -> bool:
-    plt = pyplot()
+    plt = bench.pyplot()
     if plt is None:
         return False
     figure, axes = plt.subplots(figsize=(7, 4.5))
@@ -383,16 +362,11 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     values = [result[key]["samples_per_second"] or 0.0 for key in ("standalone", "crowdtrain", "hivemind")]
     axes.bar(names, values, color=["grey", "C0", "C1"])
     axes.set(ylabel="samples/s", title=f"{result['scenario']}: global throughput, B = {result['target_batch_size']}")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+    return bench.save_figure(plt, figure, path)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a shorter window and a smaller global batch")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (bench-results/)")
+    parser = bench.bench_parser(__doc__, "a shorter window and a smaller global batch")
     parser.add_argument("--scenario", type=Path, default=HETERO_SCENARIO, help="the scenario TOML")
     parser.add_argument("--batch", type=int, help="global batch B (default 512, quick 256)")
     parser.add_argument("--duration", type=float, help="measured seconds of each swarm (default 120, quick 30)")
@@ -427,33 +401,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
-    results: dict[str, Any] = {"caveat": NOISE_CAVEAT, "environment": environment_json(args.quick)}
-    groups = ProcessGroups()
+    report = bench.Report("throughput", print_throughput, plot, "every child process was killed and the lab torn down")
     log_dir = args.out / "logs" / "throughput"
-    try:
-        with tempfile.TemporaryDirectory(prefix="crowdtrain-bench-throughput-") as directory:
-            try:
-                results["throughput"] = bench_throughput(groups, args, Path(directory))
-            finally:
-                groups.kill_all()
-                save_logs(Path(directory), log_dir)
-    except KeyboardInterrupt:
-        print("interrupted; every child process was killed and the lab torn down", file=sys.stderr)
-        return 130
-    except Exception as e:  # the JSON records the failure, so bench_all reports it
-        results["throughput"] = {"error": f"{type(e).__name__}: {e}"}
-        write_json(args.out / "throughput.json", results)
-        raise
-    finally:
-        groups.kill_all()
-    results["environment"]["load_average_at_end"] = os.getloadavg()
-    print_throughput(results["throughput"])
-    write_json(args.out / "throughput.json", results)
-    png = args.out / "throughput.png"
-    saved = plot(results["throughput"], png)
-    print(f"wrote {args.out / 'throughput.json'}" + (f" and {png}" if saved else " (no matplotlib: no plot)"))
-    print(NOISE_CAVEAT)
-    return 0
+    prefix = "crowdtrain-bench-throughput-"
+    measure = functools.partial(bench_throughput, args=args)
+    return bench.run_benchmark(report, args.out, args.quick, lambda: bench.with_children(prefix, log_dir, measure))
 
 
 if __name__ == "__main__":

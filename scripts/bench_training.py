@@ -22,49 +22,24 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from benchlib import (
-    MIB,
-    NOISE_CAVEAT,
-    POLL_S,
-    START_TIMEOUT_S,
-    BenchError,
-    LineReader,
-    MemoryPeaks,
-    Node,
-    Poller,
-    ProcessGroups,
-    StatusWatcher,
-    await_condition,
-    child_env,
-    cpu_seconds_by_process,
-    cpu_use,
-    environment_json,
-    memory_json,
-    print_table,
-    progress_rate,
-    pyplot,
-    save_logs,
-    say,
-    start_swarm,
-    summarize_snapshots,
-)
 
 from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.data import WindowSampler, load_token_stream, peer_seed_from_peer_id
 from crowdtrain.manifest import RunManifest, demo, load_run_file
 from crowdtrain.models import build_model, load_tokenizer, model_kind, training_loss
 from crowdtrain.models.build import ModelKind
+from crowdtrain.testing import bench, processes
 from crowdtrain.testing.fixtures import tiny_run_file
+from crowdtrain.testing.procfs import cpu_seconds_by_process
+from crowdtrain.testing.swarm import START_TIMEOUT_S, Daemon, StatusWatcher, start_swarm
 from crowdtrain.training.checkpoint import Checkpoint, list_checkpoints, load_checkpoint
 from crowdtrain.training.loop import run_seed
 
@@ -206,11 +181,13 @@ def run_standalone_worker(cache_dir: Path) -> None:
 # --- 1. Convergence ---------------------------------------------------------------------------------------------
 
 
-def bench_convergence(groups: ProcessGroups, root: Path, num_steps: int, target_batch_size: int) -> dict[str, Any]:
+def bench_convergence(
+    groups: processes.ProcessGroups, root: Path, num_steps: int, target_batch_size: int
+) -> dict[str, Any]:
     run_file = root / "tiny.toml"
     run_file.write_text(tiny_run_file("bench-tiny", target_batch_size))
     run = run_tiny_swarm(groups, root, run_file, num_steps)
-    say("convergence: scoring the founder's checkpoints, then training the single-process references")
+    bench.say("convergence: scoring the founder's checkpoints, then training the single-process references")
     # The seed hashes created_at, which the founder stamps when it publishes the run.
     manifest = dataclasses.replace(load_run_file(str(run_file)), created_at=run.created_at)
     sampler = load_sampler(manifest, root / "data-cache", "bench-single-process")
@@ -260,26 +237,26 @@ class TinySwarmRun:
     peer_epochs_at_end: dict[str, int]
 
 
-def run_tiny_swarm(groups: ProcessGroups, root: Path, run_file: Path, num_steps: int) -> TinySwarmRun:
+def run_tiny_swarm(groups: processes.ProcessGroups, root: Path, run_file: Path, num_steps: int) -> TinySwarmRun:
     """Train the tiny run with 3 daemons until `num_steps` global steps after all of them train together."""
-    env = child_env(
+    env = processes.child_env(
         CROWDTRAIN_MICRO_BATCH_SIZE=str(MICRO_BATCH_SIZE),
         CROWDTRAIN_NUM_THREADS="1",
         CROWDTRAIN_CHECKPOINT_KEEP="1000000",
         CROWDTRAIN_CHECKPOINT_INTERVAL_S="0.001",  # every epoch: the convergence arm scores each global step
         CROWDTRAIN_STATUS_INTERVAL_S="1",
     )
-    say(f"convergence: starting {NUM_CONVERGENCE_NODES} daemons on {run_file.name}")
+    bench.say(f"convergence: starting {NUM_CONVERGENCE_NODES} daemons on {run_file.name}")
     started = time.time()
     nodes = start_swarm(groups, root / "convergence", NUM_CONVERGENCE_NODES, ["--run-file", str(run_file)], env)
     peer_ids = [node.node_info["peer_id"] for node in nodes]
     watcher = StatusWatcher(groups, nodes[0].address, 2.0, root / "status-convergence.log")
     # The founder trains alone while the joiners start, for many of the tiny run's short epochs on a busy
     # machine: compare from the first epoch all of them computed together.
-    together = await_condition(
+    together = processes.await_condition(
         lambda: _training_together(nodes, watcher, peer_ids), TRAINING_TIMEOUT_S, "all daemons at the same epoch"
     )
-    say(f"convergence: all daemons train at epoch {together['run']['epoch']}; {num_steps} global steps to go")
+    bench.say(f"convergence: all daemons train at epoch {together['run']['epoch']}; {num_steps} global steps to go")
     clock = CheckpointClock(nodes[0].state_dir / "checkpoints" / together["run"]["run_id"])
     start_epoch, final_epoch = await_founder_epochs(nodes, clock, together["run"]["epoch"] + 1, num_steps, started)
     peer_epochs_at_end = {peer["peer_id"]: peer["epoch"] for peer in (watcher.latest() or {}).get("peers", [])}
@@ -294,7 +271,7 @@ def run_tiny_swarm(groups: ProcessGroups, root: Path, run_file: Path, num_steps:
     )
 
 
-def _training_together(nodes: list[Node], watcher: StatusWatcher, peer_ids: list[str]) -> dict[str, Any] | None:
+def _training_together(nodes: list[Daemon], watcher: StatusWatcher, peer_ids: list[str]) -> dict[str, Any] | None:
     """The status snapshot in which every daemon trains (samples/s > 0) at one and the same epoch, if any."""
     for node in nodes:
         node.check_alive()
@@ -307,7 +284,7 @@ def _training_together(nodes: list[Node], watcher: StatusWatcher, peer_ids: list
 
 
 def await_founder_epochs(
-    nodes: list[Node], clock: CheckpointClock, first_epoch: int, num_steps: int, started: float
+    nodes: list[Daemon], clock: CheckpointClock, first_epoch: int, num_steps: int, started: float
 ) -> tuple[int, int]:
     """Wait, at most EPOCH_TIMEOUT_S per global step, until the founder checkpointed `num_steps` epochs past
     `first_epoch`; returns the (start, final) checkpoints to compare: exact unless the founder skipped one."""
@@ -321,8 +298,10 @@ def await_founder_epochs(
             latest = max(clock.times, default=0)
             return latest if latest > since else None
 
-        reached = await_condition(newer_epoch, EPOCH_TIMEOUT_S, f"global epoch {reached + 1} of the tiny swarm")
-        say(f"convergence: founder at epoch {reached} after {clock.times[reached] - started:.0f} s")
+        reached = processes.await_condition(
+            newer_epoch, EPOCH_TIMEOUT_S, f"global epoch {reached + 1} of the tiny swarm"
+        )
+        bench.say(f"convergence: founder at epoch {reached} after {clock.times[reached] - started:.0f} s")
     start = min(epoch for epoch in clock.times if epoch >= first_epoch)
     return start, min(epoch for epoch in clock.times if epoch >= start + num_steps)
 
@@ -337,7 +316,7 @@ def score_checkpoints(
     checkpoints = [load_checkpoint(path, model) for path in list_checkpoints(directory)]
     checkpoints = [checkpoint for checkpoint in checkpoints if checkpoint.epoch <= final_epoch]
     if not checkpoints:
-        raise BenchError(f"the founder left no checkpoint in {directory}")
+        raise processes.HarnessError(f"the founder left no checkpoint in {directory}")
     for checkpoint in checkpoints:
         model.load_state_dict(checkpoint.model_state)
         steps.append(checkpoint.epoch)
@@ -379,7 +358,7 @@ def print_convergence(result: dict[str, Any]) -> None:
         [step, swarm.get(step), single[step], swarm[step] / single[step] if step in swarm else None, from_initial[step]]
         for step in sorted(single)
     ]
-    print_table(
+    bench.print_table(
         f"Convergence: held-out loss, {result['num_nodes']} daemons vs one process (B={result['target_batch_size']})",
         ["global step", "swarm", "single process", "swarm / single", "single from step 0"],
         rows,
@@ -406,7 +385,7 @@ def print_convergence(result: dict[str, Any]) -> None:
 
 def plot_convergence(result: dict[str, Any], path: Path) -> bool:
     """The curves against the global step; False when matplotlib is not installed."""
-    plt = pyplot()
+    plt = bench.pyplot()
     if plt is None:
         return False
     from matplotlib.ticker import MaxNLocator
@@ -423,16 +402,15 @@ def plot_convergence(result: dict[str, Any], path: Path) -> bool:
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.grid(alpha=0.3)
     axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+    return bench.save_figure(plt, figure, path)
 
 
 # --- 2 and 3. Throughput and memory ---------------------------------------------------------------------------
 
 
-def bench_throughput(groups: ProcessGroups, root: Path, num_processes: int, duration_s: float) -> dict[str, Any]:
+def bench_throughput(
+    groups: processes.ProcessGroups, root: Path, num_processes: int, duration_s: float
+) -> dict[str, Any]:
     cache_dir = root / "data-cache"
     load_token_stream(demo().data, load_tokenizer(demo().model), cache_dir)  # tokenise once, not per worker
     standalone = measure_standalone(groups, root, cache_dir, num_processes, duration_s)
@@ -455,23 +433,23 @@ def bench_throughput(groups: ProcessGroups, root: Path, num_processes: int, dura
 
 
 def measure_standalone(
-    groups: ProcessGroups,
+    groups: processes.ProcessGroups,
     root: Path,
     cache_dir: Path,
     num_processes: int,
     duration_s: float,
     warmup_s: float = WARMUP_S,
 ) -> dict[str, Any]:
-    say(f"throughput: {num_processes} standalone torch loops, {warmup_s:g} s warm-up, then {duration_s:g} s")
+    bench.say(f"throughput: {num_processes} standalone torch loops, {warmup_s:g} s warm-up, then {duration_s:g} s")
     command = [sys.executable, str(Path(__file__).resolve()), "--standalone-worker", "--cache-dir", str(cache_dir)]
     workers, readers = [], []
     for index in range(num_processes):
         with open(root / f"standalone{index}.log", "wb") as log:
             worker = groups.start(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
         workers.append(worker)
-        readers.append(LineReader(worker.stdout))  # type: ignore[arg-type]
-    memory = MemoryPeaks([worker.pid for worker in workers])
-    with Poller([memory.poll], period_s=1.0):
+        readers.append(processes.LineReader(worker.stdout))  # type: ignore[arg-type]
+    memory = bench.MemoryPeaks([worker.pid for worker in workers])
+    with processes.Poller([memory.poll], period_s=1.0):
         for index, reader in enumerate(readers):
             reader.next_line(START_TIMEOUT_S, f"standalone worker {index} to start")
         start = time.time() + warmup_s
@@ -484,7 +462,7 @@ def measure_standalone(
         ]
     for worker in workers:
         groups.kill(worker)
-    peak_rss = [memory.groups[worker.pid].peak_rss_bytes / MIB for worker in workers]
+    peak_rss = [memory.groups[worker.pid].peak_rss_bytes / bench.MIB for worker in workers]
     return {
         "warmup_s": warmup_s,
         "per_process": results,
@@ -493,43 +471,43 @@ def measure_standalone(
     }
 
 
-def measure_swarm(groups: ProcessGroups, root: Path, num_nodes: int, duration_s: float) -> dict[str, Any]:
-    env = child_env(
+def measure_swarm(groups: processes.ProcessGroups, root: Path, num_nodes: int, duration_s: float) -> dict[str, Any]:
+    env = processes.child_env(
         CROWDTRAIN_MICRO_BATCH_SIZE=str(MICRO_BATCH_SIZE),
         CROWDTRAIN_NUM_THREADS="1",
         CROWDTRAIN_STATUS_INTERVAL_S=f"{SWARM_STATUS_INTERVAL_S:g}",
     )
-    say(f"throughput: starting {num_nodes} daemons on the demo preset")
+    bench.say(f"throughput: starting {num_nodes} daemons on the demo preset")
     nodes = start_swarm(groups, root, num_nodes, ["--run-file", "demo"], env)
     peer_ids = [node.node_info["peer_id"] for node in nodes]
-    memory = MemoryPeaks([node.process.pid for node in nodes])
-    with Poller([memory.poll], period_s=1.0):
+    memory = bench.MemoryPeaks([node.process.pid for node in nodes])
+    with processes.Poller([memory.poll], period_s=1.0):
         watcher = StatusWatcher(groups, nodes[0].address, SWARM_STATUS_INTERVAL_S, root / "status.log")
-        await_condition(
+        processes.await_condition(
             lambda: _all_training(nodes, watcher, peer_ids), TRAINING_TIMEOUT_S, "every daemon to report samples/s"
         )
-        say(f"throughput: every daemon trains; measuring {duration_s:g} s")
+        bench.say(f"throughput: every daemon trains; measuring {duration_s:g} s")
         pgids = [process.pid for process in (watcher.process, *(node.process for node in nodes))]
         started, cpu_before = time.monotonic(), cpu_seconds_by_process(pgids)
         while (left_s := started + duration_s - time.monotonic()) > 0:  # the measured interval; fail if a node dies
             for node in nodes:
                 node.check_alive()
-            time.sleep(min(POLL_S, left_s))
+            time.sleep(min(bench.POLL_S, left_s))
         ended, cpu_after = time.monotonic(), cpu_seconds_by_process(pgids)
         snapshots = watcher.between(started, ended)
     for process in [watcher.process, *(node.process for node in nodes)]:
         groups.kill(process)
     return {
-        **summarize_snapshots([snapshot for _, snapshot in snapshots], peer_ids),
-        "samples_per_second_from_progress": progress_rate(snapshots),
+        **bench.summarize_snapshots([snapshot for _, snapshot in snapshots], peer_ids),
+        "samples_per_second_from_progress": bench.progress_rate(snapshots),
         "status_interval_s": SWARM_STATUS_INTERVAL_S,
-        "cpu_per_node": [cpu_use(cpu_before, cpu_after, pgid, ended - started) for pgid in pgids[1:]],
-        "cpu_status_reader": cpu_use(cpu_before, cpu_after, pgids[0], ended - started)["cores"],
-        "memory_per_node": [memory_json(memory.groups[node.process.pid]) for node in nodes],
+        "cpu_per_node": [bench.cpu_use(cpu_before, cpu_after, pgid, ended - started) for pgid in pgids[1:]],
+        "cpu_status_reader": bench.cpu_use(cpu_before, cpu_after, pgids[0], ended - started)["cores"],
+        "memory_per_node": [bench.memory_json(memory.groups[node.process.pid]) for node in nodes],
     }
 
 
-def _all_training(nodes: list[Node], watcher: StatusWatcher, peer_ids: list[str]) -> bool:
+def _all_training(nodes: list[Daemon], watcher: StatusWatcher, peer_ids: list[str]) -> bool:
     for node in nodes:
         node.check_alive()
     snapshot = watcher.latest()
@@ -554,7 +532,7 @@ def print_throughput(result: dict[str, Any]) -> None:
     rows.append([f"swarm sum (mean of {swarm['num_status_samples']} status samples)", swarm["samples_per_second"]])
     rows.append(["swarm, from its progress (epoch × B + accumulated)", swarm["samples_per_second_from_progress"]])
     rows.append(["status reader (measurement overhead)", None, swarm["cpu_status_reader"], None, None])
-    print_table(
+    bench.print_table(
         f"Throughput: {result['num_processes']} processes for {result['duration_s']:g} s (CPU in cores kept busy)",
         ["", "samples/s", "CPU", "CPU daemon process", "CPU p2pd, DHT, averagers"],
         [row + [None] * (5 - len(row)) for row in rows],
@@ -588,7 +566,7 @@ def print_memory(memory: dict[str, Any]) -> None:
         for index, node in enumerate(memory["per_node"])
     ]
     rows += [[f"standalone {i}", rss, None, 1] for i, rss in enumerate(memory["standalone_peak_rss_mib_per_process"])]
-    print_table(
+    bench.print_table(
         "Memory: peak RSS per daemon session (all its processes) during the throughput run",
         ["", "peak RSS MiB", "PSS at peak MiB", "processes"],
         rows,
@@ -603,9 +581,7 @@ def print_memory(memory: dict[str, Any]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a reduced run of a few minutes")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (bench-results/)")
+    parser = bench.bench_parser(__doc__, "a reduced run of a few minutes")
     parser.add_argument("--epochs", type=int, help="convergence: global steps E (default 12, quick 6)")
     parser.add_argument("--batch", type=int, help="convergence: target batch size B (default 1024, quick 512)")
     parser.add_argument("--processes", type=int, help="throughput: processes and daemons N (default 4, quick 3)")
@@ -622,7 +598,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_phases(args: argparse.Namespace, groups: ProcessGroups, root: Path, results: dict[str, Any]) -> bool:
+def run_phases(
+    args: argparse.Namespace, groups: processes.ProcessGroups, root: Path, *, results: dict[str, Any]
+) -> bool:
     """Each phase in turn, results saved after each; a failed phase is recorded and the next one still runs."""
     json_path = args.out / "training.json"
     ok = True
@@ -634,9 +612,7 @@ def run_phases(args: argparse.Namespace, groups: ProcessGroups, root: Path, resu
         try:
             results[name] = run_phase()
         except Exception as e:  # record the failure and go on: the other phase's numbers are still worth having
-            traceback.print_exc()
-            print(f"\n{name} failed: {e}", file=sys.stderr)
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
+            bench.record_failure(results, name, e)
             ok = False
         finally:
             groups.kill_all()
@@ -650,8 +626,8 @@ def run_phases(args: argparse.Namespace, groups: ProcessGroups, root: Path, resu
             results["memory"] = memory_summary(results[name])
             print_memory(results["memory"])
         results["environment"]["load_average_at_end"] = os.getloadavg()
-        json_path.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {json_path}\n{NOISE_CAVEAT}")
+        bench.write_json(json_path, results)
+    print(f"wrote {json_path}\n{bench.NOISE_CAVEAT}")
     return ok
 
 
@@ -663,27 +639,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # One torch thread for the in-process reference: on two busy cores more threads only spin (25x slower).
     torch.set_num_threads(1)
-
-    def on_sigterm(_signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    print(NOISE_CAVEAT, flush=True)
+    signal.signal(signal.SIGTERM, processes.raise_keyboard_interrupt)
+    print(bench.NOISE_CAVEAT, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"caveat": NOISE_CAVEAT, "environment": environment_json(args.quick)}
-    groups = ProcessGroups()
+    results: dict[str, Any] = {"caveat": bench.NOISE_CAVEAT, "environment": bench.environment_json(args.quick)}
     try:
-        with tempfile.TemporaryDirectory(prefix="crowdtrain-bench-") as directory:
-            try:
-                return 0 if run_phases(args, groups, Path(directory), results) else 1
-            finally:
-                groups.kill_all()  # before the state dirs go away
-                save_logs(Path(directory), args.out / "logs")
+        ok = bench.with_children(
+            "crowdtrain-bench-", args.out / "logs", functools.partial(run_phases, args, results=results)
+        )
     except KeyboardInterrupt:
         print("interrupted; every child process was killed", file=sys.stderr)
         return 130
-    finally:
-        groups.kill_all()
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -14,8 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from crowdtrain.testing.fixtures import tiny_run_file
-from tests.harness import TINY_MODEL_TOML, Daemon, await_condition, crowdtrain, group_alive, start_daemon, status_json
+from crowdtrain.testing.fixtures import TINY_MODEL_TOML, tiny_run_file
+from crowdtrain.testing.processes import await_condition
+from crowdtrain.testing.procfs import session_alive
+from crowdtrain.testing.swarm import Daemon, crowdtrain, status_json
+from tests.harness import start_daemon
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
 
@@ -103,7 +106,7 @@ def test_dmoe_swarm_trains_loses_a_host_and_heals(tmp_path: Path) -> None:
     assert (grid["live"], grid["total"], grid["min_replicas"], grid["max_replicas"]) == (8, 8, 1, 1)
 
     host1.signal(signal.SIGKILL)
-    await_condition(lambda: not group_alive(host1.process.pid), 20, "every process of the killed host to exit")
+    await_condition(lambda: not session_alive(host1.process.pid), 20, "every process of the killed host to exit")
     epoch_at_kill = max(max(epochs(trainer)) for trainer in trainers)
     await_epoch(trainers, epoch_at_kill + 2, 120, "trainers to keep training on the surviving experts")
     shrunk = await_snapshot(host2, lambda s: live_experts(s) == 4, 60, "the killed host's experts to leave the grid")

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
+from crowdtrain.testing.processes import await_condition
 from crowdtrain.testing.wanlab import Host, HostSpec, Lab, Scenario
-from tests.harness import FAST_HEARTBEAT_ENV, await_condition
+from tests.harness import FAST_HEARTBEAT_ENV
 
 pytestmark = [
     pytest.mark.swarm,

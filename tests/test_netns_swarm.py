@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from crowdtrain.testing.processes import await_condition
 from crowdtrain.testing.wanlab import HostSpec, Lab, Scenario
-from tests.harness import FAST_HEARTBEAT_ENV, await_condition
+from tests.harness import FAST_HEARTBEAT_ENV
 
 pytestmark = [
     pytest.mark.swarm,

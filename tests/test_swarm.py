@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import await_condition, group_alive, peer_ids, start_daemon, status_json
+from crowdtrain.testing.processes import await_condition
+from crowdtrain.testing.procfs import children, command_line, session_alive
+from crowdtrain.testing.swarm import peer_ids, status_json
+from tests.harness import start_daemon
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
@@ -88,11 +91,11 @@ def test_sigterm_leaves_status_at_once_and_sigkill_when_the_record_expires(tmp_p
     assert leaver.wait(timeout_s=30) == 0
     snapshot = status_json("--initial-peers", founder.address)
     assert peer_ids(snapshot) == {founder.peer_id, victim.peer_id}, "a clean exit withdraws the record at once"
-    await_condition(lambda: not group_alive(leaver.process.pid), 10, "p2pd and the DHT process to exit too")
+    await_condition(lambda: not session_alive(leaver.process.pid), 10, "p2pd and the DHT process to exit too")
 
     victim.signal(signal.SIGKILL)
     victim.wait()
-    await_condition(lambda: not group_alive(victim.process.pid), 15, "the victim's p2pd and DHT process to exit")
+    await_condition(lambda: not session_alive(victim.process.pid), 15, "the victim's p2pd and DHT process to exit")
     await_condition(
         lambda: peer_ids(status_json("--initial-peers", founder.address)) == {founder.peer_id},
         timeout_s=40,
@@ -107,19 +110,12 @@ def test_daemon_exits_1_when_its_dht_process_dies(tmp_path: Path) -> None:
     assert daemon.wait(timeout_s=60) == 1, "exits within the leave deadline, even if hivemind blocks"
     assert "the DHT process died unexpectedly" in daemon.log()
     assert not (tmp_path / "node0" / "node.json").exists()
-    await_condition(lambda: not group_alive(daemon.process.pid), 15, "no process of the daemon left behind")
+    await_condition(lambda: not session_alive(daemon.process.pid), 15, "no process of the daemon left behind")
 
 
 def _dht_process_of(daemon_pid: int) -> int | None:
     """The child of the daemon whose own child is p2pd."""
-    for child in _children(daemon_pid):
-        if any(b"p2pd" in Path(f"/proc/{grandchild}/cmdline").read_bytes() for grandchild in _children(child)):
+    for child in children(daemon_pid):
+        if any(b"p2pd" in command_line(grandchild) for grandchild in children(child)):
             return child
     return None
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []

@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from crowdtrain.testing.fixtures import tiny_run_file
-from tests.harness import Daemon, await_condition, group_alive, start_daemon, status_json
+from crowdtrain.testing.processes import await_condition
+from crowdtrain.testing.procfs import session_alive
+from crowdtrain.testing.swarm import Daemon, status_json
+from tests.harness import start_daemon
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 
@@ -95,7 +98,7 @@ def test_peers_train_survive_a_killed_peer_and_a_late_joiner_syncs(tmp_path: Pat
     victim, survivors = daemons[2], daemons[:2]
     victim.signal(signal.SIGKILL)
     # its DHT process, p2pd and hivemind's averager processes die with it, not as orphans
-    await_condition(lambda: not group_alive(victim.process.pid), 20, "every process of the killed daemon to exit")
+    await_condition(lambda: not session_alive(victim.process.pid), 20, "every process of the killed daemon to exit")
     after_kill = max(peer["epoch"] for peer in snapshot["peers"])
     await_epoch(survivors[0], survivors, after_kill + 2, timeout_s=150)
 
