@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -413,6 +414,17 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
+def measured_or_error(groups: ProcessGroups, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A variant's result, or its error (all-reduce time None) once every worker was killed: shared ones too, as
+    run_variant let go of them."""
+    try:
+        return run()
+    except HarnessError as e:
+        traceback.print_exc()
+        groups.kill_all()
+        return {"error": str(e), "allreduce_s": None}
+
+
 # --- 1. Uniform links -------------------------------------------------------------------------------------------
 
 
@@ -431,14 +443,8 @@ def bench_uniform(
         shares = {host.name: {"share": 1 / args.peers, "matchmaking_time": matchmaking} for host in lab.hosts}
         averagers: list[Worker] = []
         for variant in variants:
-            try:
-                results[variant.name] = run_variant(
-                    groups, lab, variant, size_bytes, args.rounds, timeout_s, shares, log_dir, averagers
-                )
-            except HarnessError as e:
-                traceback.print_exc()
-                results[variant.name] = {"error": str(e), "allreduce_s": None}
-                groups.kill_all()  # the variant's workers (shared ones included: run_variant let go of them)
+            run = functools.partial(run_variant, groups, lab, variant, size_bytes, args.rounds, timeout_s, shares)
+            results[variant.name] = measured_or_error(groups, functools.partial(run, log_dir, averagers))
     crowdtrain, fp32 = results["crowdtrain"]["allreduce_s"], results.get("crowdtrain_fp32", {}).get("allreduce_s")
     return {
         "num_peers": args.peers,
@@ -554,14 +560,8 @@ def bench_hetero(
         timeout_s = max(ROUND_TIMEOUT_FLOOR_S, TIMEOUT_OVER_BOUND * max(predicted.values()))
         averagers: list[Worker] = []
         for variant in variants:
-            try:
-                results[variant.name] = run_variant(
-                    groups, lab, variant, size_bytes, args.rounds, timeout_s, per_host, log_dir, averagers
-                )
-            except HarnessError as e:
-                traceback.print_exc()
-                results[variant.name] = {"error": str(e), "allreduce_s": None}
-                groups.kill_all()  # the variant's workers (shared ones included: run_variant let go of them)
+            run = functools.partial(run_variant, groups, lab, variant, size_bytes, args.rounds, timeout_s, per_host)
+            results[variant.name] = measured_or_error(groups, functools.partial(run, log_dir, averagers))
             results[variant.name]["predicted_s"] = predicted[variant.name]
     plan_s = results["plan"]["allreduce_s"]
     return {

@@ -48,6 +48,7 @@ from crowdtrain.models import (
     precision_for_device,
     training_loss,
 )
+from crowdtrain.testing import processes
 from crowdtrain.testing.bench import (
     MIB,
     NOISE_CAVEAT,
@@ -66,16 +67,6 @@ from crowdtrain.testing.bench import (
     train_counting_window,
     with_children,
     write_json,
-)
-from crowdtrain.testing.processes import (
-    HarnessError,
-    LineReader,
-    Poller,
-    ProcessGroups,
-    await_condition,
-    child_env,
-    exit_when_orphaned,
-    raise_keyboard_interrupt,
 )
 from crowdtrain.testing.swarm import START_TIMEOUT_S, Daemon, StatusWatcher, start_swarm
 
@@ -104,7 +95,7 @@ def bench_manifest(args: argparse.Namespace) -> RunManifest:
     """The preset with the benchmark's sequence length, target batch and matchmaking time."""
     preset = PRESETS[args.model]()
     if preset.moe is not None:
-        raise HarnessError(f"--model {args.model} is a DMoE run: this benchmark compares dense models")
+        raise processes.HarnessError(f"--model {args.model} is a DMoE run: this benchmark compares dense models")
     averaging = preset.averaging
     if args.matchmaking_s is not None:
         averaging = dataclasses.replace(averaging, matchmaking_time_s=args.matchmaking_s)
@@ -135,7 +126,7 @@ def write_run_file(manifest: RunManifest, path: Path) -> None:
                     lines += [f"{key} = {_toml_value(value)}" for key, value in sub_table.items()]
     path.write_text("\n".join(lines) + "\n")
     if load_run_file(str(path)) != manifest:
-        raise HarnessError(f"the run file {path} does not read back as the benchmark's manifest")
+        raise processes.HarnessError(f"the run file {path} does not read back as the benchmark's manifest")
 
 
 def _toml_value(value: Any) -> str:
@@ -149,7 +140,7 @@ def _toml_value(value: Any) -> str:
         return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{json.dumps(key)} = {_toml_value(item)}" for key, item in value.items()) + "}"
-    raise HarnessError(f"cannot write {value!r} into a run file")
+    raise processes.HarnessError(f"cannot write {value!r} into a run file")
 
 
 def resolve_precision(setting: str, device: str) -> str:
@@ -296,7 +287,7 @@ class Bench:
     """What every arm shares: the options, the run file, the data cache and where children keep their files."""
 
     args: argparse.Namespace
-    groups: ProcessGroups
+    groups: processes.ProcessGroups
     root: Path
     run_file: Path
     manifest: RunManifest
@@ -333,9 +324,9 @@ class GpuMemoryPeak:
         self.peak_mib = max(self.peak_mib or 0.0, used)
 
 
-def measuring_memory(bench: Bench, pids: Sequence[int]) -> tuple[MemoryPeaks, GpuMemoryPeak, Poller]:
+def measuring_memory(bench: Bench, pids: Sequence[int]) -> tuple[MemoryPeaks, GpuMemoryPeak, processes.Poller]:
     memory, gpu = MemoryPeaks(pids), GpuMemoryPeak(bench.args.device == "cuda")
-    return memory, gpu, Poller([memory.poll, gpu.poll], period_s=1.0)
+    return memory, gpu, processes.Poller([memory.poll, gpu.poll], period_s=1.0)
 
 
 def memory_result(memory: MemoryPeaks, gpu: GpuMemoryPeak, pids: Sequence[int]) -> dict[str, Any]:
@@ -356,7 +347,7 @@ def measure_plain(bench: Bench) -> dict[str, Any]:
             bench.worker_command("--plain-worker"), stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
             text=True,
         )  # fmt: skip
-    reader = LineReader(worker.stdout)  # type: ignore[arg-type]
+    reader = processes.LineReader(worker.stdout)  # type: ignore[arg-type]
     memory, gpu, poller = measuring_memory(bench, [worker.pid])
     with poller:
         timeout_s = TRAINING_TIMEOUT_S + args.warmup_s + args.window_s + REPORT_MARGIN_S
@@ -368,13 +359,13 @@ def measure_plain(bench: Bench) -> dict[str, Any]:
 def measure_hivemind(bench: Bench, num_peers: int) -> dict[str, Any]:
     args = bench.args
     say(f"hivemind: {num_peers} hivemind.Optimizer workers, one process each")
-    workers: list[tuple[subprocess.Popen, LineReader]] = []
+    workers: list[tuple[subprocess.Popen, processes.LineReader]] = []
     initial_peer = "-"
     for index in range(num_peers):
         command = bench.worker_command("--hivemind-worker", "--index", str(index), "--initial-peer", initial_peer)
         with open(bench.root / f"hivemind-{num_peers}peers-{index}.log", "wb") as log:
             process = bench.groups.start(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
-        reader = LineReader(process.stdout)  # type: ignore[arg-type]
+        reader = processes.LineReader(process.stdout)  # type: ignore[arg-type]
         workers.append((process, reader))
         started = json.loads(reader.next_line(START_TIMEOUT_S, f"hivemind worker {index} to start its DHT"))
         if index == 0:  # the first one's DHT is the others' initial peer
@@ -412,7 +403,7 @@ def measure_hivemind(bench: Bench, num_peers: int) -> dict[str, Any]:
 def measure_crowdtrain(bench: Bench, num_peers: int) -> dict[str, Any]:
     args = bench.args
     say(f"crowdtrain: {num_peers} daemons, one process each")
-    env = child_env(
+    env = processes.child_env(
         CROWDTRAIN_DEVICE=args.device,
         CROWDTRAIN_MICRO_BATCH_SIZE=str(args.micro_batch),
         CROWDTRAIN_NUM_THREADS=str(args.threads),
@@ -426,7 +417,7 @@ def measure_crowdtrain(bench: Bench, num_peers: int) -> dict[str, Any]:
     memory, gpu, poller = measuring_memory(bench, pids)
     with poller:
         settled = SwarmSettled(nodes, watcher, peer_ids)
-        await_condition(settled, TRAINING_TIMEOUT_S, "every daemon to probe and every trainer to train")
+        processes.await_condition(settled, TRAINING_TIMEOUT_S, "every daemon to probe and every trainer to train")
         say(f"crowdtrain: the swarm trains; {args.warmup_s:g} s warm-up, then measuring {args.window_s:g} s")
         time.sleep(args.warmup_s)  # a warm-up interval, not a synchronisation: the other arms get the same
         started = time.monotonic()
@@ -472,7 +463,7 @@ def swarm_result(snapshots: list[tuple[float, dict[str, Any]]], peer_ids: list[s
     """The window's samples/s from the progress slope, and what the status records say about its rounds and plan."""
     complete = [(t, s) for t, s in snapshots if {p["peer_id"] for p in s["peers"]} >= set(peer_ids)]
     if not complete:
-        raise HarnessError("no status snapshot of the measured window listed every daemon")
+        raise processes.HarnessError("no status snapshot of the measured window listed every daemon")
     first, last = complete[0][1], complete[-1][1]
 
     def per_peer(snapshot: dict[str, Any], key: str) -> dict[str, Any]:
@@ -618,7 +609,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     return save_figure(plt, figure, path)
 
 
-def prepare(args: argparse.Namespace, groups: ProcessGroups, root: Path) -> tuple[Bench, dict[str, Any]]:
+def prepare(args: argparse.Namespace, groups: processes.ProcessGroups, root: Path) -> tuple[Bench, dict[str, Any]]:
     """The run file, the data cache and the settings every arm shares."""
     manifest = bench_manifest(args)
     run_file = root / "realmodel.toml"
@@ -683,17 +674,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.plain_worker or args.hivemind_worker:
-        threading.Thread(target=exit_when_orphaned, daemon=True).start()
+        threading.Thread(target=processes.exit_when_orphaned, daemon=True).start()
         (run_plain_worker if args.plain_worker else run_hivemind_worker)(args)
         return 0
     torch.set_num_threads(1)  # this process only coordinates
-    signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
+    signal.signal(signal.SIGTERM, processes.raise_keyboard_interrupt)
     print(NOISE_CAVEAT, flush=True)
     results: dict[str, Any] = {"caveat": NOISE_CAVEAT, "environment": environment_json(False)}
     results.update({"plain": {}, "hivemind": {}, "crowdtrain": {}})
     json_path = args.out / "realmodel.json"
 
-    def measure(groups: ProcessGroups, root: Path) -> None:
+    def measure(groups: processes.ProcessGroups, root: Path) -> None:
         bench, results["settings"] = prepare(args, groups, root)
         run_arms(bench, results, lambda: write_json(json_path, results))
 
