@@ -371,6 +371,11 @@ def refresh_moshpit_bits(
     Moshpit schedule, and resetting it would undo that.
     """
     averager = optimizer.state_averager if optimizer.use_local_updates else optimizer.grad_averager
+    return refresh_group_bits(averager, own_peer_id, peer_ids, averaging)
+
+
+def refresh_group_bits(averager: Any, own_peer_id: str, peer_ids: Iterable[str], averaging: AveragingSpec) -> bool:
+    """`refresh_moshpit_bits` for one hivemind averager."""
     wanted = moshpit_bits(own_peer_id, peer_ids, averaging)
     current = averager.get_group_bits()
     if len(wanted) == len(current):

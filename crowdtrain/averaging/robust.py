@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,8 +106,8 @@ def checked_parts(
     if len(usable) < 3:
         return [part for _, part, _ in usable], [weight for _, _, weight in usable], dropped
     norms = [float(part.float().norm()) for _, part, _ in usable]
-    median_norm = _median([norm for norm in norms])
-    median_weight = _median([weight for _, _, weight in usable])
+    median_norm = statistics.median_low(norms)
+    median_weight = statistics.median_low([weight for _, _, weight in usable])
     kept: list[tuple[int, torch.Tensor, float]] = []
     for (sender, part, weight), norm in zip(usable, norms, strict=True):
         allowed = NORM_LIMIT * median_norm * math.sqrt(max(1.0, median_weight / weight))
@@ -115,11 +116,6 @@ def checked_parts(
         else:
             kept.append((sender, part, weight))
     return [part for _, part, _ in kept], [weight for _, _, weight in kept], dropped
-
-
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    return ordered[(len(ordered) - 1) // 2]
 
 
 class _PartCollector:

@@ -76,8 +76,7 @@ class StateTemplate:
     @property
     def max_bytes(self) -> int:
         """Bytes the whole download may take on the wire."""
-        sizes = (math.prod(spec.shape) * torch.empty((), dtype=spec.dtype).element_size() for spec in self.tensors)
-        return sum(sizes) + STREAM_OVERHEAD_BYTES
+        return sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in self.tensors) + STREAM_OVERHEAD_BYTES
 
 
 def epoch_ceiling(created_at: float, now: float) -> int:

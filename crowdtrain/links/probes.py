@@ -45,6 +45,7 @@ from crowdtrain.links.protocol import (
     NAMESPACE,
     TARGET_PROBE_S,
     AddressVerdict,
+    ArrivalTimer,
     BandwidthSample,
     ProbeReport,
     T,
@@ -97,27 +98,20 @@ class ProbeService(P2PService):
         await self._drain(requests)
 
     async def _receive(self, requests: AsyncIterator[proto.UploadChunk], total_bytes: int) -> proto.UploadResult:
-        received = measured = 0
-        first_at = last_at = 0.0
+        timer = ArrivalTimer()
         try:
             async with asyncio.timeout(self.limits.probe_time_limit_s):
                 async for chunk in requests:
-                    if received >= total_bytes:
+                    if timer.received >= total_bytes:
                         continue  # bytes beyond the announced size are not timed (the time limit bounds them)
-                    now = time.perf_counter()
-                    if received == 0:
-                        first_at = now
-                    else:
-                        measured += len(chunk.payload)
-                    received += len(chunk.payload)
-                    last_at = now
+                    timer.arrived(len(chunk.payload))
         except TimeoutError:
             pass
         return proto.UploadResult(
-            received_bytes=received,
-            measured_bytes=measured,
-            duration_s=last_at - first_at,
-            truncated=received < total_bytes,
+            received_bytes=timer.received,
+            measured_bytes=timer.measured,
+            duration_s=timer.duration_s,
+            truncated=timer.received < total_bytes,
         )
 
     async def _drain(self, requests: AsyncIterator[proto.UploadChunk]) -> None:
@@ -460,8 +454,7 @@ class ProbeService(P2PService):
 
     async def _download(self, peer: PeerID, num_bytes: int, deadline: float) -> BandwidthSample | proto.ProbeRefusal:
         stub: Any = self.get_stub(self.require_p2p(), peer, namespace=NAMESPACE)
-        received = measured = 0
-        first_at = last_at = 0.0
+        timer = ArrivalTimer()
         truncated = False
         try:
             async with asyncio.timeout(min(self._call_timeout_s(), remaining_s(deadline))):
@@ -470,16 +463,10 @@ class ProbeService(P2PService):
                     async for chunk in responses:
                         if chunk.HasField("refusal"):
                             return chunk.refusal
-                        now = time.perf_counter()
-                        if received == 0:
-                            first_at = now
-                        else:
-                            measured += len(chunk.payload)
-                        received += len(chunk.payload)
-                        last_at = now
+                        timer.arrived(len(chunk.payload))
                 finally:
                     await responses.aclose()
         except TimeoutError:
             truncated = True  # report what arrived by then
-        truncated = truncated or received < num_bytes
-        return BandwidthSample(measured_bytes=measured, duration_s=last_at - first_at, truncated=truncated)
+        truncated = truncated or timer.received < num_bytes
+        return BandwidthSample(measured_bytes=timer.measured, duration_s=timer.duration_s, truncated=truncated)

@@ -63,6 +63,29 @@ class BandwidthSample:
         return rate if rate <= MAX_PLAUSIBLE_MBPS else None
 
 
+class ArrivalTimer:
+    """Times a probe's chunks as they arrive: the clock starts at the first chunk, whose bytes are not timed."""
+
+    def __init__(self) -> None:
+        self.received = self.measured = 0
+        self.first_at = self.last_at = 0.0
+
+    def arrived(self, num_bytes: int) -> None:
+        """One chunk of `num_bytes` arrived now."""
+        now = time.perf_counter()
+        if self.received == 0:
+            self.first_at = now
+        else:
+            self.measured += num_bytes
+        self.received += num_bytes
+        self.last_at = now
+
+    @property
+    def duration_s(self) -> float:
+        """Seconds from the first chunk's arrival to the last one's."""
+        return self.last_at - self.first_at
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AddressVerdict:
     """What one peer found when asked to dial one of this node's addresses."""

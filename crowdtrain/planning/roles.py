@@ -144,7 +144,7 @@ class NodeRoles:
 
 
 class LinkService(Protocol):
-    """The requester side of the probe RPCs (node/probes.py's ProbeService)."""
+    """The requester side of the probe RPCs (links/probes.py's ProbeService)."""
 
     def measure(
         self,

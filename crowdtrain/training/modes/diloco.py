@@ -26,7 +26,13 @@ from typing import Any
 import torch
 from hivemind.optim.progress_tracker import ProgressTracker
 
-from crowdtrain.averaging.collaboration import chunk_timeout_s, keep_sigint_handler, moshpit_bits
+from crowdtrain.averaging.collaboration import (
+    LOAD_STATE_TIMEOUT_S,
+    chunk_timeout_s,
+    keep_sigint_handler,
+    moshpit_bits,
+    refresh_group_bits,
+)
 from crowdtrain.averaging.compression import compression_for
 from crowdtrain.averaging.partition import EXPECTED_ROUND_FAILURES
 from crowdtrain.averaging.phases import Phase, wait_for_round
@@ -40,7 +46,6 @@ from crowdtrain.training.progress import Progress
 
 logger = logging.getLogger(__name__)
 
-LOAD_STATE_TIMEOUT_S = 120.0
 SYNC_RETRY_S = 10.0
 """After a state download, the next one waits this long: a swarm whose progress records claim a later round
 than any donor serves (a peer lying about its progress) must not make every micro-batch a download."""
@@ -136,11 +141,8 @@ class DiLoCoMode(TrainingMode):
 
     def apply_swarm_view(self, view: SwarmView) -> None:
         self.averager.set_share(view.plan_share)
-        wanted = moshpit_bits(
-            self.context.peer_id, [status.peer_id for status in view.statuses], self.context.manifest.averaging
-        )
-        if len(wanted) != len(self.averager.get_group_bits()):
-            self.averager.set_group_bits(wanted)
+        peer_ids = [status.peer_id for status in view.statuses]
+        refresh_group_bits(self.averager, self.context.peer_id, peer_ids, self.context.manifest.averaging)
 
     def report(self, progress: Progress) -> None:
         progress.epoch = self.round
