@@ -1,6 +1,6 @@
 """Probe RPCs between peers: upload and download bandwidth, and dial-back reachability.
 
-A node serves three RPCs (`proto/probes.proto`) on hivemind's P2P layer and measures itself with them:
+A node serves three RPCs (`proto/crowdtrain.proto`) on hivemind's P2P layer and measures itself with them:
 
 - upload: the requester streams N bytes; the server times their arrival and replies;
 - download: the server streams N bytes; the requester times their arrival;

@@ -1,6 +1,6 @@
 """Replicas of one expert on several hosts: copy a live replica's weights, and average with replicas.
 
-Every expert host serves `rpc_expert_parameters` (`proto/experts.proto`): the current parameters of an
+Every expert host serves `rpc_expert_parameters` (`proto/crowdtrain.proto`): the current parameters of an
 expert it serves, as float32 values in the module's parameter order. A host that starts serving an
 expert another live host serves copies that host's weights instead of starting from its checkpoint
 or the initial weights; a host serving a replicated expert periodically pulls one other replica's

@@ -208,3 +208,105 @@ class PhaseTimes(_message.Message):
     optimizer_step_s: float
     state_download_s: float
     def __init__(self, compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., matchmaking_s: _Optional[float] = ..., allreduce_s: _Optional[float] = ..., state_averaging_s: _Optional[float] = ..., optimizer_step_s: _Optional[float] = ..., state_download_s: _Optional[float] = ...) -> None: ...
+
+class ProbeRefusal(_message.Message):
+    __slots__ = ("reason", "retry_after_s")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    retry_after_s: float
+    def __init__(self, reason: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
+
+class UploadChunk(_message.Message):
+    __slots__ = ("total_bytes", "payload")
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    total_bytes: int
+    payload: bytes
+    def __init__(self, total_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class UploadResult(_message.Message):
+    __slots__ = ("refusal", "received_bytes", "measured_bytes", "duration_s", "truncated")
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    refusal: ProbeRefusal
+    received_bytes: int
+    measured_bytes: int
+    duration_s: float
+    truncated: bool
+    def __init__(self, refusal: _Optional[_Union[ProbeRefusal, _Mapping]] = ..., received_bytes: _Optional[int] = ..., measured_bytes: _Optional[int] = ..., duration_s: _Optional[float] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
+class DownloadRequest(_message.Message):
+    __slots__ = ("num_bytes",)
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_bytes: int
+    def __init__(self, num_bytes: _Optional[int] = ...) -> None: ...
+
+class DownloadChunk(_message.Message):
+    __slots__ = ("refusal", "payload")
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    refusal: ProbeRefusal
+    payload: bytes
+    def __init__(self, refusal: _Optional[_Union[ProbeRefusal, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class DialBackRequest(_message.Message):
+    __slots__ = ("multiaddrs",)
+    MULTIADDRS_FIELD_NUMBER: _ClassVar[int]
+    multiaddrs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, multiaddrs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DialAttempt(_message.Message):
+    __slots__ = ("multiaddr", "verdict", "detail")
+    class Verdict(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        DIALED: _ClassVar[DialAttempt.Verdict]
+        REFUSED: _ClassVar[DialAttempt.Verdict]
+        TIMEOUT: _ClassVar[DialAttempt.Verdict]
+        IP_MISMATCH: _ClassVar[DialAttempt.Verdict]
+        UNSUPPORTED: _ClassVar[DialAttempt.Verdict]
+        UNREACHABLE: _ClassVar[DialAttempt.Verdict]
+        NOT_TRIED: _ClassVar[DialAttempt.Verdict]
+    DIALED: DialAttempt.Verdict
+    REFUSED: DialAttempt.Verdict
+    TIMEOUT: DialAttempt.Verdict
+    IP_MISMATCH: DialAttempt.Verdict
+    UNSUPPORTED: DialAttempt.Verdict
+    UNREACHABLE: DialAttempt.Verdict
+    NOT_TRIED: DialAttempt.Verdict
+    MULTIADDR_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    multiaddr: str
+    verdict: DialAttempt.Verdict
+    detail: str
+    def __init__(self, multiaddr: _Optional[str] = ..., verdict: _Optional[_Union[DialAttempt.Verdict, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class DialBackResult(_message.Message):
+    __slots__ = ("refusal", "attempts", "observed_ip")
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_IP_FIELD_NUMBER: _ClassVar[int]
+    refusal: ProbeRefusal
+    attempts: _containers.RepeatedCompositeFieldContainer[DialAttempt]
+    observed_ip: str
+    def __init__(self, refusal: _Optional[_Union[ProbeRefusal, _Mapping]] = ..., attempts: _Optional[_Iterable[_Union[DialAttempt, _Mapping]]] = ..., observed_ip: _Optional[str] = ...) -> None: ...
+
+class ExpertParametersRequest(_message.Message):
+    __slots__ = ("uid",)
+    UID_FIELD_NUMBER: _ClassVar[int]
+    uid: str
+    def __init__(self, uid: _Optional[str] = ...) -> None: ...
+
+class ExpertParametersChunk(_message.Message):
+    __slots__ = ("found", "num_values", "payload")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    NUM_VALUES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    num_values: int
+    payload: bytes
+    def __init__(self, found: _Optional[bool] = ..., num_values: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
