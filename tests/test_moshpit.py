@@ -7,9 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 import hivemind
 import pytest
 import torch
+from hivemind.utils.timed_storage import get_dht_time
 
 from crowdtrain.averaging.collaboration import moshpit_bits
-from crowdtrain.averaging.grid import bits_per_coordinate, initial_group_bits
+from crowdtrain.averaging.grid import GroupSizeMixin, bits_per_coordinate, expected_group_size, initial_group_bits
 from crowdtrain.manifest import AveragingSpec
 
 
@@ -88,6 +89,49 @@ def test_four_averagers_in_groups_of_two_reach_the_exact_mean_in_two_rounds() ->
             dht.shutdown()
 
 
+class _SizedAverager(GroupSizeMixin, hivemind.averaging.DecentralizedAverager):
+    pass
+
+
+def test_expected_group_size_counts_the_swarm_up_to_a_group() -> None:
+    assert [expected_group_size(n, 16) for n in (1, 2, 5, 16, 40)] == [2, 2, 5, 16, 16]
+
+
+def test_a_group_closes_once_every_expected_peer_joined_not_at_the_end_of_matchmaking() -> None:
+    # Two peers of a run whose groups hold 16: hivemind alone closes the group only when the leader's matchmaking
+    # time runs out (120 s here); with the expected size set, it closes as soon as both are in (seconds).
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+    values = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 6.0])]
+    averagers = [
+        _SizedAverager(
+            [value.clone()],
+            dht=dht,
+            prefix="group-size-test",
+            target_group_size=16,
+            min_matchmaking_time=120.0,
+            request_timeout=2.0,
+            start=True,
+        )
+        for value, dht in zip(values, (first, second), strict=True)
+    ]
+    try:
+        for averager in averagers:
+            averager.set_target_group_size(expected_group_size(2, 16))
+        started = get_dht_time()
+        controls = [averager.step(scheduled_time=started, timeout=130, wait=False) for averager in averagers]
+        # The bound is a quarter of the matchmaking time: without the expected size, no result before 120 s.
+        gathered = [control.result(timeout=30) for control in controls]
+        assert all(result is not None for result in gathered), "the group closed when both peers were in"
+        for averager in averagers:
+            assert torch.allclose(_tensor(averager), (values[0] + values[1]) / 2)
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in (first, second):
+            dht.shutdown()
+
+
 def _tensor(averager: hivemind.averaging.DecentralizedAverager) -> torch.Tensor:
     with averager.get_tensors() as tensors:
         return tensors[0].clone()
@@ -103,24 +147,39 @@ class _StubAverager:
     def set_group_bits(self, bits: str) -> None:
         self.bits = bits
 
+    def set_target_group_size(self, size: int) -> None:
+        self.target_group_size = size
+
 
 class _StubOptimizer:
     use_local_updates = False
 
     def __init__(self, bits: str):
         self.grad_averager = _StubAverager(bits)
+        self.state_averager = _StubAverager("")
 
 
 def test_group_key_is_reseeded_only_when_the_swarm_crosses_the_group_size() -> None:
-    from crowdtrain.averaging.collaboration import refresh_moshpit_bits
+    from crowdtrain.averaging.collaboration import refresh_moshpit_groups
 
     spec = AveragingSpec(group_size=2, grid_dims=2)
     optimizer = _StubOptimizer("")
-    assert not refresh_moshpit_bits(optimizer, "a", ["b"], spec)  # type: ignore[arg-type]
-    assert refresh_moshpit_bits(optimizer, "c", ["a", "b", "d"], spec)  # type: ignore[arg-type]
+    assert not refresh_moshpit_groups(optimizer, "a", ["b"], spec)  # type: ignore[arg-type]
+    assert refresh_moshpit_groups(optimizer, "c", ["a", "b", "d"], spec)  # type: ignore[arg-type]
     assert optimizer.grad_averager.bits == "1"
     optimizer.grad_averager.bits = "0"  # hivemind rotated it after a round: must be left alone
-    assert not refresh_moshpit_bits(optimizer, "c", ["a", "b", "d", "e"], spec)  # type: ignore[arg-type]
+    assert not refresh_moshpit_groups(optimizer, "c", ["a", "b", "d", "e"], spec)  # type: ignore[arg-type]
     assert optimizer.grad_averager.bits == "0"
-    assert refresh_moshpit_bits(optimizer, "c", ["a"], spec)  # type: ignore[arg-type]
+    assert refresh_moshpit_groups(optimizer, "c", ["a"], spec)  # type: ignore[arg-type]
     assert optimizer.grad_averager.bits == ""
+
+
+def test_both_averagers_close_groups_at_the_swarm_size_up_to_a_group() -> None:
+    from crowdtrain.averaging.collaboration import refresh_moshpit_groups
+
+    spec = AveragingSpec(group_size=4, grid_dims=2)
+    optimizer = _StubOptimizer("")
+    refresh_moshpit_groups(optimizer, "a", ["b", "c", "a"], spec)  # type: ignore[arg-type]
+    assert optimizer.grad_averager.target_group_size == optimizer.state_averager.target_group_size == 3
+    refresh_moshpit_groups(optimizer, "a", list("bcdefg"), spec)  # type: ignore[arg-type]
+    assert optimizer.grad_averager.target_group_size == optimizer.state_averager.target_group_size == 4

@@ -24,7 +24,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain.averaging.compression import compression_for
 from crowdtrain.averaging.exact import ExactGradientAverager
-from crowdtrain.averaging.grid import initial_group_bits
+from crowdtrain.averaging.grid import GroupSizeMixin, expected_group_size, initial_group_bits
 from crowdtrain.averaging.partition import PlanSharesMixin
 from crowdtrain.averaging.phases import Phase, PhaseAccumulator, wait_for_round
 from crowdtrain.averaging.schedule import learning_rate_factor
@@ -44,7 +44,9 @@ LOAD_STATE_TIMEOUT_S = 120.0
 STATE_AVERAGING_EVERY_EPOCHS = 5
 
 
-class PlannedStateAverager(PlanSharesMixin, TrainingStateAverager, VerifiedStateDownloadMixin, TrafficCountingAverager):
+class PlannedStateAverager(
+    PlanSharesMixin, GroupSizeMixin, TrainingStateAverager, VerifiedStateDownloadMixin, TrafficCountingAverager
+):
     """hivemind's TrainingStateAverager whose all-reduce partition follows the plan's shares; its rounds count
     their bytes, the time the training thread waits for one is a phase of the step, and a state downloaded
     from a peer is verified against this node's own before it is loaded (averaging/state_download.py)."""
@@ -362,21 +364,31 @@ def moshpit_bits(own_peer_id: str, peer_ids: Iterable[str], averaging: Averaging
     return initial_group_bits(ranked.index(own_peer_id), len(ranked), averaging.group_size, averaging.grid_dims)
 
 
-def refresh_moshpit_bits(
+def refresh_moshpit_groups(
     optimizer: hivemind.Optimizer, own_peer_id: str, peer_ids: Iterable[str], averaging: AveragingSpec
 ) -> bool:
-    """Re-seed the group key when the swarm crossed the group size (one group <-> a grid); True if changed.
+    """Fit the optimizer's averaging groups to the swarm of `own_peer_id` and `peer_ids` (every peer that may
+    average, started or not): the group size matchmaking closes a group at, and the group key, re-seeded when
+    the swarm crossed the group size (one group <-> a grid). True if the key was re-seeded.
 
     Within one regime the key is left alone: hivemind rotates it after every round, which is the
     Moshpit schedule, and resetting it would undo that.
     """
-    averager = optimizer.state_averager if optimizer.use_local_updates else optimizer.grad_averager
-    return refresh_group_bits(averager, own_peer_id, peer_ids, averaging)
+    peer_ids = set(peer_ids)
+    if optimizer.use_local_updates:
+        return refresh_groups(optimizer.state_averager, own_peer_id, peer_ids, averaging)
+    # Gradients mode: the key is the gradient rounds'; the parameter rounds every few epochs (one group, no grid
+    # key) also close as soon as the swarm is in.
+    size = expected_group_size(len(peer_ids | {own_peer_id}), averaging.group_size)
+    optimizer.state_averager.set_target_group_size(size)
+    return refresh_groups(optimizer.grad_averager, own_peer_id, peer_ids, averaging)
 
 
-def refresh_group_bits(averager: Any, own_peer_id: str, peer_ids: Iterable[str], averaging: AveragingSpec) -> bool:
-    """`refresh_moshpit_bits` for one hivemind averager."""
-    wanted = moshpit_bits(own_peer_id, peer_ids, averaging)
+def refresh_groups(averager: Any, own_peer_id: str, peer_ids: Iterable[str], averaging: AveragingSpec) -> bool:
+    """`refresh_moshpit_groups` for one hivemind averager (a GroupSizeMixin)."""
+    peers = set(peer_ids) | {own_peer_id}
+    averager.set_target_group_size(expected_group_size(len(peers), averaging.group_size))
+    wanted = moshpit_bits(own_peer_id, peers, averaging)
     current = averager.get_group_bits()
     if len(wanted) == len(current):
         return False

@@ -18,6 +18,7 @@ import torch
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.optim.grad_averager import GradientAverager
 
+from crowdtrain.averaging.grid import GroupSizeMixin
 from crowdtrain.averaging.partition import PartialAverageError, PlanSharesMixin
 
 
@@ -59,7 +60,7 @@ class ExactRoundsMixin:
             raise
 
 
-class ExactGradientAverager(ExactRoundsMixin, PlanSharesMixin, GradientAverager):
+class ExactGradientAverager(ExactRoundsMixin, PlanSharesMixin, GroupSizeMixin, GradientAverager):
     """hivemind's GradientAverager that fails a round instead of returning a partial average, and splits
     each round by the plan's shares."""
 

@@ -17,6 +17,7 @@ import torch
 from hivemind.compression import CompressionInfo
 
 from crowdtrain.averaging.exact import ExactRoundsMixin
+from crowdtrain.averaging.grid import GroupSizeMixin
 from crowdtrain.averaging.partition import PlanSharesMixin
 from crowdtrain.averaging.state_download import StateTemplate, VerifiedStateDownloadMixin
 from crowdtrain.averaging.traffic import TrafficCountingAverager
@@ -25,7 +26,9 @@ OuterState = tuple[dict[str, Any], list[torch.Tensor]]
 """(metadata with at least `epoch`, tensors) as a peer serves it and a joiner loads it."""
 
 
-class PseudoGradientAverager(ExactRoundsMixin, PlanSharesMixin, VerifiedStateDownloadMixin, TrafficCountingAverager):
+class PseudoGradientAverager(
+    ExactRoundsMixin, PlanSharesMixin, GroupSizeMixin, VerifiedStateDownloadMixin, TrafficCountingAverager
+):
     """Averages pseudo-gradients; `outer_state` gives what joiners download, `template` what a download must match."""
 
     def __init__(

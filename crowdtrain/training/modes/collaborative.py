@@ -19,7 +19,7 @@ from crowdtrain.averaging.collaboration import (
     discard_local_gradients,
     make_optimizer,
     moshpit_bits,
-    refresh_moshpit_bits,
+    refresh_moshpit_groups,
     set_plan_share,
 )
 from crowdtrain.training.modes.base import ModeContext, SwarmView, TrainingMode
@@ -53,7 +53,7 @@ class CollaborativeMode(TrainingMode):
             and compute is not None
             and not compute.micro_step.precision.uses_grad_scaler,
         )
-        set_plan_share(self.optimizer, context.swarm.plan_share)
+        self.apply_swarm_view(context.swarm)  # the plan's share, the group size
 
     accumulates_gradients = False
     """Whether micro-batches' gradients add up to the global batch before the optimizer steps."""
@@ -81,7 +81,7 @@ class CollaborativeMode(TrainingMode):
     def apply_swarm_view(self, view: SwarmView) -> None:
         set_plan_share(self.optimizer, view.plan_share)
         peer_ids = [status.peer_id for status in view.statuses]
-        refresh_moshpit_bits(self.optimizer, self.context.peer_id, peer_ids, self.context.manifest.averaging)
+        refresh_moshpit_groups(self.optimizer, self.context.peer_id, peer_ids, self.context.manifest.averaging)
 
     def report(self, progress: Progress) -> None:
         optimizer = self.optimizer

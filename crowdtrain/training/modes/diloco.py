@@ -31,7 +31,7 @@ from crowdtrain.averaging.collaboration import (
     chunk_timeout_s,
     keep_sigint_handler,
     moshpit_bits,
-    refresh_group_bits,
+    refresh_groups,
 )
 from crowdtrain.averaging.compression import compression_for
 from crowdtrain.averaging.partition import EXPECTED_ROUND_FAILURES
@@ -101,7 +101,7 @@ class DiLoCoMode(TrainingMode):
                 template=self._template,
                 start=True,
             )
-        self.averager.set_share(context.swarm.plan_share)
+        self.apply_swarm_view(context.swarm)  # the plan's share, the group size
         self.tracker = ProgressTracker(
             dht=context.dht,
             prefix=run_prefix,
@@ -142,7 +142,7 @@ class DiLoCoMode(TrainingMode):
     def apply_swarm_view(self, view: SwarmView) -> None:
         self.averager.set_share(view.plan_share)
         peer_ids = [status.peer_id for status in view.statuses]
-        refresh_group_bits(self.averager, self.context.peer_id, peer_ids, self.context.manifest.averaging)
+        refresh_groups(self.averager, self.context.peer_id, peer_ids, self.context.manifest.averaging)
 
     def report(self, progress: Progress) -> None:
         progress.epoch = self.round
