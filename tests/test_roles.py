@@ -39,9 +39,15 @@ def test_measured_links_an_undialable_client_and_an_auxiliary_aggregator(tmp_pat
         wanted = (founder.peer_id, hidden.peer_id, helper.peer_id)
         if not set(wanted) <= peers.keys() or peers[hidden.peer_id]["reachability_measured"] is False:
             return None
+        # The founder serves one bandwidth probe per direction at a time: a joiner whose first round came while
+        # the other's ran was refused and measures in a later round.
+        if any(peers[joiner]["upload_mbps"] is None for joiner in (hidden.peer_id, helper.peer_id)):
+            return None
         return peers
 
-    peers = await_condition(settled, 120, "all three peers published, the hidden one's reachability measured", 1)
+    peers = await_condition(
+        settled, 120, "all three peers published, the hidden one's reachability and both joiners' links measured", 1
+    )
     hidden_status, helper_status = peers[hidden.peer_id], peers[helper.peer_id]
     # nobody could open a connection to the announced address: a client that trains but never aggregates
     assert hidden_status["reachable"] is False
