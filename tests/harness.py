@@ -6,8 +6,9 @@ Every daemon a test starts goes into STARTED; conftest kills all of them, with t
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from crowdtrain.testing import swarm
 from crowdtrain.testing.processes import ProcessGroups
@@ -40,3 +41,11 @@ def start_daemon(
 def kill_all_started() -> None:
     """Kill every process of every session this test started (daemons, their DHT processes, p2pd)."""
     STARTED.kill_all()
+
+
+def shut_down(averagers: Iterable[Any], dhts: Iterable[Any]) -> None:
+    """Shut down a test's in-process averagers, then the DHTs they talk through."""
+    for averager in averagers:
+        averager.shutdown()
+    for dht in dhts:
+        dht.shutdown()

@@ -12,6 +12,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from crowdtrain.averaging.collaboration import moshpit_bits
 from crowdtrain.averaging.grid import GroupSizeMixin, bits_per_coordinate, expected_group_size, initial_group_bits
 from crowdtrain.manifest import AveragingSpec
+from tests.harness import shut_down
 
 
 def test_small_swarm_shares_one_group() -> None:
@@ -83,10 +84,7 @@ def test_four_averagers_in_groups_of_two_reach_the_exact_mean_in_two_rounds() ->
         for averager in averagers:
             assert torch.allclose(_tensor(averager), mean), "exact mean after d=2 rounds"
     finally:
-        for averager in averagers:
-            averager.shutdown()
-        for dht in dhts:
-            dht.shutdown()
+        shut_down(averagers, dhts)
 
 
 class _SizedAverager(GroupSizeMixin, hivemind.averaging.DecentralizedAverager):
@@ -126,10 +124,7 @@ def test_a_group_closes_once_every_expected_peer_joined_not_at_the_end_of_matchm
         for averager in averagers:
             assert torch.allclose(_tensor(averager), (values[0] + values[1]) / 2)
     finally:
-        for averager in averagers:
-            averager.shutdown()
-        for dht in (first, second):
-            dht.shutdown()
+        shut_down(averagers, (first, second))
 
 
 def _tensor(averager: hivemind.averaging.DecentralizedAverager) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 from hivemind.averaging.allreduce import AveragingMode
 
 from crowdtrain.averaging.partition import PlannedAverager, PlanSharesMixin, group_fractions
+from tests.harness import shut_down
 
 NODE, CLIENT = AveragingMode.NODE, AveragingMode.CLIENT
 
@@ -104,7 +105,4 @@ def test_averagers_split_the_vector_by_their_shares_and_reach_the_exact_mean() -
         # fractions are in the group's peer order; as a multiset they are the shares
         assert sorted(rounds[0]) == pytest.approx(sorted(shares))
     finally:
-        for averager in averagers:
-            averager.shutdown()
-        for dht in dhts:
-            dht.shutdown()
+        shut_down(averagers, dhts)

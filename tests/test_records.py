@@ -344,14 +344,21 @@ def test_merged_validators_guard_runs_registered_later(identity: Identity) -> No
     assert composite.validate(garbage) is False
 
 
+def assert_rejected_under_crowdtrain_keys(
+    identity: Identity, validator: CompositeValidator, value: object, under_peers_key: bool
+) -> None:
+    """`value`, stored under the peers key or the runs key, fails validation."""
+    key = keys.peers_key(RUN_ID) if under_peers_key else keys.RUNS_KEY
+    record = signed(validator, make_record(key, owner_marker(identity.private_key), value))
+    assert validator.validate(record) is False
+
+
 @FAST
 @given(value=st.binary(max_size=512), under_peers_key=st.booleans())
 def test_validator_rejects_arbitrary_bytes_under_crowdtrain_keys(
     identity: Identity, validator: CompositeValidator, value: bytes, under_peers_key: bool
 ) -> None:
-    key = keys.peers_key(RUN_ID) if under_peers_key else keys.RUNS_KEY
-    record = signed(validator, make_record(key, owner_marker(identity.private_key), value))
-    assert validator.validate(record) is False
+    assert_rejected_under_crowdtrain_keys(identity, validator, value, under_peers_key)
 
 
 MSGPACK_OBJECTS = st.recursive(
@@ -371,9 +378,7 @@ MSGPACK_OBJECTS = st.recursive(
 def test_validator_rejects_arbitrary_msgpack_values_under_crowdtrain_keys(
     identity: Identity, validator: CompositeValidator, value: object, under_peers_key: bool
 ) -> None:
-    key = keys.peers_key(RUN_ID) if under_peers_key else keys.RUNS_KEY
-    record = signed(validator, make_record(key, owner_marker(identity.private_key), value))
-    assert validator.validate(record) is False
+    assert_rejected_under_crowdtrain_keys(identity, validator, value, under_peers_key)
 
 
 @FAST

@@ -20,6 +20,7 @@ from crowdtrain.averaging.robust import (
     trimmed_mean,
 )
 from crowdtrain.averaging.traffic import AggregationSettings, TrafficCountingAverager
+from tests.harness import shut_down
 
 HONEST = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.2, 1.8, 3.1]), torch.tensor([0.8, 2.2, 2.9])]
 HONEST_MEAN = torch.stack(HONEST).mean(dim=0)
@@ -127,10 +128,7 @@ def test_one_peer_of_four_sending_huge_values_does_not_move_the_honest_average()
             with averager.get_tensors() as tensors:
                 assert torch.allclose(tensors[0], HONEST_MEAN, atol=0.5), tensors[0]
     finally:
-        for averager in averagers:
-            averager.shutdown()
-        for dht in dhts:
-            dht.shutdown()
+        shut_down(averagers, dhts)
 
 
 def test_a_straggler_averaged_over_few_samples_is_noisier_but_kept_and_zero_weights_are_left_out() -> None:

@@ -24,6 +24,7 @@ from crowdtrain.averaging.state_download import (
     optimizer_tensor_specs,
 )
 from crowdtrain.averaging.traffic import AveragingTraffic
+from tests.harness import shut_down
 
 TEMPLATE = StateTemplate(
     (TensorSpec((3, 4), torch.float32), TensorSpec((), torch.float32, non_negative=True)), epoch_ceiling=10
@@ -137,10 +138,7 @@ def test_a_joiner_skips_a_poisoned_donor_and_loads_the_honest_state() -> None:
         assert all(torch.isfinite(parameter).all() for parameter in joiner_model.parameters())
         assert joiner.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
     finally:
-        for averager in averagers:
-            averager.shutdown()
-        for dht in dhts:
-            dht.shutdown()
+        shut_down(averagers, dhts)
 
 
 def test_a_high_epoch_moves_the_learning_rate_schedule_in_one_step() -> None:

@@ -10,6 +10,7 @@ import torch
 
 from crowdtrain.averaging.partition import PlannedAverager
 from crowdtrain.averaging.traffic import AveragingTraffic, TrafficCountingAverager
+from tests.harness import shut_down
 
 
 class _CountingAverager(PlannedAverager, TrafficCountingAverager):
@@ -49,7 +50,4 @@ def test_each_peer_counts_the_parts_it_sends_and_receives_as_sender_and_reducer(
         # Each peer sends its half for the other (and gets the average back), and reduces the other's half.
         assert traffic[0].totals() == traffic[1].totals() == (2 * half_bytes, 2 * half_bytes)
     finally:
-        for averager in averagers:
-            averager.shutdown()
-        for dht in (first, second):
-            dht.shutdown()
+        shut_down(averagers, (first, second))
