@@ -717,9 +717,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         groups.kill_all()
-    png = args.out / "averaging.png"
-    bench.say_written(args.out / "averaging.json", png, plot(results, png))
-    print(bench.NOISE_CAVEAT)
+    bench.say_plotted(args.out, "averaging", plot, results)
     return 0 if ok else 1
 
 

@@ -772,9 +772,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; every child process was killed", file=sys.stderr)
         return 130
-    png = args.out / "moe.png"
-    bench.say_written(args.out / "moe.json", png, plot(results, png))
-    print(bench.NOISE_CAVEAT)
+    bench.say_plotted(args.out, "moe", plot, results)
     return 0 if ok else 1
 
 

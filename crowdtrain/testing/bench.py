@@ -261,6 +261,13 @@ def say_written(json_path: Path, png: Path, saved: bool) -> None:
     print(f"wrote {json_path}" + (f" and {png}" if saved else " (no matplotlib: no plot)"))
 
 
+def say_plotted(out: Path, name: str, plot: Callable[[Any, Path], bool], results: Any) -> None:
+    """Plot `results` into <out>/<name>.png, name it and <out>/<name>.json as written, then the noise caveat."""
+    png = out / f"{name}.png"
+    say_written(out / f"{name}.json", png, plot(results, png))
+    print(NOISE_CAVEAT)
+
+
 def bench_parser(doc: str | None, quick_help: str | None = None) -> argparse.ArgumentParser:
     """A benchmark's parser: its docstring's first line, --quick (where `quick_help` is given) and --out."""
     parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
