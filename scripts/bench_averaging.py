@@ -608,11 +608,9 @@ def print_hetero(result: dict[str, Any]) -> None:
         print(f"{key} = {_fmt(result[key])}   (predicted by the plan's cost model: {_fmt(result['predicted_' + key])})")
 
 
-def plot(results: dict[str, Any], path: Path) -> bool:
-    plt = bench.pyplot()
-    if plt is None:
-        return False
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+@bench.plot_to_png(1, 2, figsize=(11, 4.5))
+def plot(results: dict[str, Any], axes: Any) -> None:
+    left, right = axes
     if "uniform" in results and "error" not in results["uniform"]:
         uniform = results["uniform"]
         names = [v.name for v in UNIFORM_VARIANTS if v.name in uniform["variants"]]
@@ -632,7 +630,6 @@ def plot(results: dict[str, Any], path: Path) -> bool:
         right.set_xticks(list(positions), names, rotation=15)
         right.set(ylabel="all-reduce time, s", title=f"hetero: {hetero['size_mb']:g} MB (fp16 on the wire)")
         right.legend()
-    return bench.save_figure(plt, figure, path)
 
 
 # --- Entry point ----------------------------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from hivemind.utils.crypto import RSAPrivateKey
@@ -219,11 +218,8 @@ def print_dht(result: dict[str, Any]) -> None:
     )
 
 
-def plot(result: dict[str, Any], path: Path) -> bool:
-    plt = bench.pyplot()
-    if plt is None:
-        return False
-    figure, axes = plt.subplots(figsize=(7, 4.5))
+@bench.plot_to_png(figsize=(7, 4.5))
+def plot(result: dict[str, Any], axes: Any) -> None:
     for name, label in (("store", "store"), ("get", "get"), ("get_after_kill", "get after 25% SIGKILLed")):
         latencies = sorted(result[name]["latencies_ms"])
         axes.plot(latencies, [(i + 1) / len(latencies) for i in range(len(latencies))], label=label)
@@ -231,7 +227,6 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     axes.set_title(f"DHT, {result['num_nodes']} nodes on loopback")
     axes.grid(alpha=0.3)
     axes.legend()
-    return bench.save_figure(plt, figure, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

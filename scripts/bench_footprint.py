@@ -151,11 +151,9 @@ def print_footprint(result: dict[str, Any]) -> None:
     )
 
 
-def plot(result: dict[str, Any], path: Path) -> bool:
-    plt = bench.pyplot()
-    if plt is None:
-        return False
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+@bench.plot_to_png(1, 2, figsize=(10, 4))
+def plot(result: dict[str, Any], axes: Any) -> None:
+    left, right = axes
     names = [name for name in ("idle", "training", "dht_node") if name in result]
     left.bar(names, [result[n]["memory"]["peak_rss_mib"] for n in names], label="peak RSS")
     left.bar(names, [result[n]["memory"]["pss_at_peak_mib"] for n in names], width=0.5, label="PSS at peak")
@@ -163,7 +161,6 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     left.legend()
     right.bar(names, [result[n]["cpu"]["cores"] for n in names])
     right.set(ylabel="cores", title="CPU")
-    return bench.save_figure(plt, figure, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -698,11 +698,9 @@ def print_training(result: dict[str, Any]) -> None:
         )
 
 
-def plot(results: dict[str, Any], path: Path) -> bool:
-    plt = bench.pyplot()
-    if plt is None:
-        return False
-    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+@bench.plot_to_png(1, 2, figsize=(12, 4.5))
+def plot(results: dict[str, Any], axes: Any) -> None:
+    left, right = axes
     serving = results.get("serving", {})
     for name, label in (("crowdtrain", "crowdtrain expert-host"), ("hivemind_server", "hivemind-server")):
         latencies = sorted(serving.get(name, {}).get("sequential_latencies_ms", []))
@@ -724,7 +722,6 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     right.set(xlabel="seconds since the first measured window began", ylabel="samples")
     right.set_title(f"DMoE training as {training.get('killed_fraction_of_experts', 0.25):.0%} of experts die")
     right.grid(alpha=0.3)
-    return bench.save_figure(plt, figure, path)
 
 
 def run_parts(args: argparse.Namespace, groups: ProcessGroups, root: Path, *, results: dict[str, Any]) -> bool:

@@ -353,16 +353,12 @@ def print_throughput(result: dict[str, Any]) -> None:
         print(f"{key} = {'—' if value is None else f'{value:.3f}'}")
 
 
-def plot(result: dict[str, Any], path: Path) -> bool:
-    plt = bench.pyplot()
-    if plt is None:
-        return False
-    figure, axes = plt.subplots(figsize=(7, 4.5))
+@bench.plot_to_png(figsize=(7, 4.5))
+def plot(result: dict[str, Any], axes: Any) -> None:
     names = ["standalone sum", "crowdtrain", "hivemind defaults"]
     values = [result[key]["samples_per_second"] or 0.0 for key in ("standalone", "crowdtrain", "hivemind")]
     axes.bar(names, values, color=["grey", "C0", "C1"])
     axes.set(ylabel="samples/s", title=f"{result['scenario']}: global throughput, B = {result['target_batch_size']}")
-    return bench.save_figure(plt, figure, path)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

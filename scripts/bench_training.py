@@ -383,14 +383,11 @@ def print_convergence(result: dict[str, Any]) -> None:
     print(f"  the swarm started from the reference's initial weights: {'yes' if check['ok'] else 'NO'}")
 
 
-def plot_convergence(result: dict[str, Any], path: Path) -> bool:
-    """The curves against the global step; False when matplotlib is not installed."""
-    plt = bench.pyplot()
-    if plt is None:
-        return False
+@bench.plot_to_png(figsize=(7, 4.5))
+def plot_convergence(result: dict[str, Any], axes: Any) -> None:
+    """Draw the curves against the global step."""
     from matplotlib.ticker import MaxNLocator
 
-    figure, axes = plt.subplots(figsize=(7, 4.5))
     swarm, single = result["swarm"], result["single_process"]
     from_initial = result["single_process_from_initial_weights"]
     axes.plot(swarm["steps"], swarm["eval_loss"], marker="o", label=f"crowdtrain, {result['num_nodes']} daemons")
@@ -402,7 +399,6 @@ def plot_convergence(result: dict[str, Any], path: Path) -> bool:
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.grid(alpha=0.3)
     axes.legend()
-    return bench.save_figure(plt, figure, path)
 
 
 # --- 2 and 3. Throughput and memory ---------------------------------------------------------------------------

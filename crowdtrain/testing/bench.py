@@ -7,6 +7,7 @@ Used by scripts/bench_*.py; nothing here starts a network of its own.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import os
@@ -236,6 +237,27 @@ def pyplot() -> Any:
     except ImportError:
         return None
     return plt
+
+
+def plot_to_png(
+    *grid: int, figsize: tuple[float, float]
+) -> Callable[[Callable[[Any, Any], None]], Callable[[Any, Path], bool]]:
+    """Make `draw(results, axes)` a plot function `(results, path) -> bool`: it draws a figure of `grid`
+    subplots and saves it to `path` (True), or does nothing without matplotlib (False)."""
+
+    def decorate(draw: Callable[[Any, Any], None]) -> Callable[[Any, Path], bool]:
+        @functools.wraps(draw)
+        def plot(results: Any, path: Path) -> bool:
+            plt = pyplot()
+            if plt is None:
+                return False
+            figure, axes = plt.subplots(*grid, figsize=figsize)
+            draw(results, axes)
+            return save_figure(plt, figure, path)
+
+        return plot
+
+    return decorate
 
 
 def save_logs(root: Path, destination: Path) -> None:
