@@ -235,12 +235,7 @@ def measure_crowdtrain(
         await_condition(all_settled, TRAINING_TIMEOUT_S, "every daemon to probe and every trainer to train")
         bench.say(f"throughput: the swarm trains; {warmup_s:g} s warm-up, then measuring {duration_s:g} s")
         time.sleep(warmup_s)  # a warm-up interval, not a synchronisation: the same one the other loops get
-        started, cpu_before = time.monotonic(), cpu_seconds_by_process(pgids)
-        while (left_s := started + duration_s - time.monotonic()) > 0:  # fail if a node dies
-            for node in nodes:
-                node.check_alive()
-            time.sleep(min(bench.POLL_S, left_s))
-        ended, cpu_after = time.monotonic(), cpu_seconds_by_process(pgids)
+        started, ended, cpu_before, cpu_after = bench.measured_window(nodes, duration_s, pgids)
         snapshots = watcher.between(started, ended)
     for process in [watcher.process, *(node.process for node in nodes)]:
         groups.kill(process)

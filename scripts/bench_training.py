@@ -38,7 +38,6 @@ from crowdtrain.models import build_model, load_tokenizer, model_kind, training_
 from crowdtrain.models.build import ModelKind
 from crowdtrain.testing import bench, processes
 from crowdtrain.testing.fixtures import tiny_run_file
-from crowdtrain.testing.procfs import cpu_seconds_by_process
 from crowdtrain.testing.swarm import START_TIMEOUT_S, Daemon, StatusWatcher, start_swarm
 from crowdtrain.training.checkpoint import Checkpoint, list_checkpoints, load_checkpoint
 from crowdtrain.training.loop import run_seed
@@ -484,12 +483,7 @@ def measure_swarm(groups: processes.ProcessGroups, root: Path, num_nodes: int, d
         )
         bench.say(f"throughput: every daemon trains; measuring {duration_s:g} s")
         pgids = [process.pid for process in (watcher.process, *(node.process for node in nodes))]
-        started, cpu_before = time.monotonic(), cpu_seconds_by_process(pgids)
-        while (left_s := started + duration_s - time.monotonic()) > 0:  # the measured interval; fail if a node dies
-            for node in nodes:
-                node.check_alive()
-            time.sleep(min(bench.POLL_S, left_s))
-        ended, cpu_after = time.monotonic(), cpu_seconds_by_process(pgids)
+        started, ended, cpu_before, cpu_after = bench.measured_window(nodes, duration_s, pgids)
         snapshots = watcher.between(started, ended)
     for process in [watcher.process, *(node.process for node in nodes)]:
         groups.kill(process)

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from crowdtrain.testing.processes import HarnessError, ProcessGroups
-from crowdtrain.testing.procfs import Unit, command_name, cpu_model, memory_kib, processes
+from crowdtrain.testing.procfs import Unit, command_name, cpu_model, cpu_seconds_by_process, memory_kib, processes
+from crowdtrain.testing.swarm import Daemon
 
 T = TypeVar("T")
 
@@ -82,6 +83,20 @@ class MemoryPeaks:
                 memory.peak_rss_bytes = rss
                 memory.pss_at_peak_bytes = sum(round(process["pss_mib"] * MIB) for process in unit)
                 memory.processes_at_peak = unit
+
+
+def measured_window(
+    nodes: Sequence[Daemon], duration_s: float, pgids: list[int]
+) -> tuple[float, float, dict[tuple[int, int], tuple[str, float]], dict[tuple[int, int], tuple[str, float]]]:
+    """Wait out a measured window of `duration_s`, failing as soon as a node dies: its start and end
+    (monotonic seconds) and the CPU seconds of `pgids`' sessions at each (for cpu_use)."""
+    started, cpu_before = time.monotonic(), cpu_seconds_by_process(pgids)
+    while (left_s := started + duration_s - time.monotonic()) > 0:
+        for node in nodes:
+            node.check_alive()
+        time.sleep(min(POLL_S, left_s))
+    ended, cpu_after = time.monotonic(), cpu_seconds_by_process(pgids)
+    return started, ended, cpu_before, cpu_after
 
 
 def cpu_use(
