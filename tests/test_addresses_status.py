@@ -260,6 +260,7 @@ def test_summary_json_is_the_documented_object_key_for_key() -> None:
         "partial_averages",
         "local_steps",
         "phase_times_s",
+        "training",
     ]
 
 
@@ -296,6 +297,7 @@ def test_summary_of_each_peer() -> None:
         "measured_samples_per_second": 0.0,
         "role_override": None,
         "phase_times_s": None,
+        "training": None,
     }
     assert isinstance(second["roles"], list) and second["roles"] == ["trainer"]
     assert (second["loss"], second["upload_mbps"], second["download_mbps"]) == (None, None, None)
@@ -317,6 +319,28 @@ def test_phase_times_of_a_peer_that_completed_a_step() -> None:
     }
     assert second["phase_times_s"] is None  # no global step completed yet
     assert json.loads(json.dumps(snapshot)) == snapshot
+
+
+def test_training_mode_and_round_of_a_diloco_peer() -> None:
+    training = proto.TrainingStatus(
+        mode="diloco", compression="int8", inner_step=3, inner_steps=8, round_bytes_sent=5 * 2**20,
+        compute_utilisation=0.96,
+    )  # fmt: skip
+    report = summarize("demo", None, [proto.PeerStatus(peer_id=PEER_A, training=training), *statuses()[1:]])
+    first = report.peers[0].to_json()
+    assert first["training"] == {
+        "mode": "diloco",
+        "compression": "int8",
+        "inner_step": 3,
+        "inner_steps": 8,
+        "round_bytes_sent": 5 * 2**20,
+        "compute_utilisation": 0.96,
+    }
+    assert report.peers[1].to_json()["training"] is None
+    console = Console(width=400, record=True)
+    console.print(render(report, now=1000.0))
+    table = console.export_text()
+    assert "diloco 3/8 int8" in table and "96%" in table and "5.0 MiB" in table
 
 
 def test_loss_of_zero_is_not_unset() -> None:

@@ -146,3 +146,17 @@ def test_the_wait_for_a_round_gives_up_at_its_timeout() -> None:
     control = FakeRound(clock, [AveragingStage.LOOKING_FOR_GROUP] * 100)
     wait_for_round(control, phases, timeout_s=5.0)
     assert len(control.polls) == 5 and phases.complete_step().matchmaking_s == 5.0
+
+
+def test_a_rounds_compute_utilisation_and_bytes_reach_the_status_message() -> None:
+    from crowdtrain.training.progress import Progress
+
+    progress = Progress(mode="diloco", compression="int8", inner_steps=8, inner_step=2)
+    assert progress.training_status() is None  # no round completed yet
+    progress.complete_round(compute_s=9.0, wall_s=10.0, bytes_sent=1234)
+    message = progress.training_status()
+    assert message is not None
+    assert (message.mode, message.compression, message.inner_step, message.inner_steps) == ("diloco", "int8", 2, 8)
+    assert message.round_bytes_sent == 1234 and message.compute_utilisation == pytest.approx(0.9)
+    progress.complete_round(compute_s=12.0, wall_s=10.0, bytes_sent=0)  # clocks of two threads: never over 1
+    assert progress.compute_utilisation == 1.0

@@ -226,6 +226,35 @@ def test_peer_status_with_a_bogus_phase_time_is_rejected(identity: Identity, pha
         decode_peer_status(status.SerializeToString(), owner_marker(identity.private_key))
 
 
+def test_peer_status_with_a_training_status_round_trips(identity: Identity) -> None:
+    training = proto.TrainingStatus(
+        mode="diloco", compression="int8", inner_step=8, inner_steps=8, round_bytes_sent=2**40, compute_utilisation=1.0
+    )
+    status = status_of(peer_id_of(identity), training=training)
+    decoded = decode_peer_status(encode_peer_status(status), owner_marker(identity.private_key))
+    assert decoded.HasField("training") and decoded.training == training
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"compute_utilisation": float("nan")}, "compute_utilisation"),
+        ({"compute_utilisation": 1.5}, "compute_utilisation"),
+        ({"compute_utilisation": -0.1}, "compute_utilisation"),
+        ({"mode": "x" * 17}, "training.mode"),
+        ({"compression": "[/bold]" * 3}, "training.compression"),
+        ({"inner_step": 9, "inner_steps": 8}, "inner step"),
+        ({"inner_step": 0, "inner_steps": 10**12}, "inner step"),
+    ],
+)
+def test_peer_status_with_a_bogus_training_status_is_rejected(
+    identity: Identity, fields: dict[str, object], match: str
+) -> None:
+    status = status_of(peer_id_of(identity), training=proto.TrainingStatus(**fields))
+    with pytest.raises(RecordError, match=match):
+        decode_peer_status(status.SerializeToString(), owner_marker(identity.private_key))
+
+
 def test_peer_status_that_is_not_protobuf_is_rejected(identity: Identity) -> None:
     with pytest.raises(RecordError, match="PeerStatus"):
         decode_peer_status(b"\xff\xff\xff", owner_marker(identity.private_key))

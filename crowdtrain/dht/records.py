@@ -31,6 +31,10 @@ MAX_PLAN_DIGEST_CHARS = 32
 """Cap on a PeerStatus: ample for a node with a few hundred experts and a dozen addresses."""
 MAX_PHASE_SECONDS = 86_400.0
 """Cap on each phase time of a global step in a PeerStatus: a day; writers clamp to it, readers reject more."""
+MAX_MODE_NAME_CHARS = 16
+"""Cap on a PeerStatus's training mode and compression names."""
+MAX_INNER_STEPS = 1_000_000
+"""Cap on a PeerStatus's inner steps per outer round: the manifest's own bound on `diloco.inner_steps`."""
 
 M = TypeVar("M", proto.PeerStatus, proto.SignedManifest)
 
@@ -153,7 +157,18 @@ def decode_peer_status(data: bytes, owner: bytes) -> proto.PeerStatus:
         seconds = getattr(status.phase_times, field.name)
         if not (math.isfinite(seconds) and 0.0 <= seconds <= MAX_PHASE_SECONDS):
             raise RecordError(f"peer status has an invalid phase_times.{field.name}: {seconds}")
+    _check_training_status(status.training)
     return status
+
+
+def _check_training_status(training: proto.TrainingStatus) -> None:
+    for name in ("mode", "compression"):
+        if len(getattr(training, name)) > MAX_MODE_NAME_CHARS:
+            raise RecordError(f"peer status has a training.{name} longer than {MAX_MODE_NAME_CHARS} characters")
+    if training.inner_steps > MAX_INNER_STEPS or training.inner_step > training.inner_steps:
+        raise RecordError(f"peer status has an invalid inner step {training.inner_step} of {training.inner_steps}")
+    if not (math.isfinite(training.compute_utilisation) and 0.0 <= training.compute_utilisation <= 1.0):
+        raise RecordError(f"peer status has an invalid training.compute_utilisation: {training.compute_utilisation}")
 
 
 def _parse(message_type: type[M], data: bytes) -> M:

@@ -313,6 +313,9 @@ class Heartbeat:
         self.status.local_steps = progress.num_local_steps
         if progress.phase_times is not None:
             self.status.phase_times.CopyFrom(progress.phase_times.to_proto())
+        training = progress.training_status()
+        if training is not None:
+            self.status.training.CopyFrom(training)
         if progress.loss is not None:
             self.status.loss = progress.loss
         self.status.last_seen = time.time()

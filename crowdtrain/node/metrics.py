@@ -77,6 +77,18 @@ class ProgressCollector(Collector):
             "Serialized tensor-part bytes this node received in all-reduce rounds (payload, without framing).",
             value=progress.averaging_bytes_received,
         )
+        if progress.compute_utilisation is not None:
+            yield GaugeMetricFamily(
+                "crowdtrain_compute_utilisation",
+                "Share of the last completed round's wall time this node spent computing (forward and backward).",
+                value=progress.compute_utilisation,
+            )
+        if progress.inner_steps:
+            yield GaugeMetricFamily(
+                "crowdtrain_inner_step",
+                "diloco: global batches the swarm completed in the current outer round (of H inner steps).",
+                value=progress.inner_step,
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

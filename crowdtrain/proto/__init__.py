@@ -25,6 +25,7 @@ from crowdtrain.proto.crowdtrain_pb2 import (
     ProbeRefusal,
     RunManifest,
     SignedManifest,
+    TrainingStatus,
     UploadChunk,
     UploadResult,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "ProbeRefusal",
     "RunManifest",
     "SignedManifest",
+    "TrainingStatus",
     "UploadChunk",
     "UploadResult",
 ]

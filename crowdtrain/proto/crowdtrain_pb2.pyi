@@ -134,7 +134,7 @@ class SignedManifest(_message.Message):
     def __init__(self, manifest: _Optional[bytes] = ..., founder_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("peer_id", "version", "state", "roles", "device", "samples_per_second", "epoch", "loss", "upload_mbps", "download_mbps", "reachable", "experts", "multiaddrs", "last_seen", "samples_accumulated", "run_id", "partial_averages", "local_steps", "measured_samples_per_second", "aggregation_share", "role_override", "reachability_measured", "plan_digest", "phase_times")
+    __slots__ = ("peer_id", "version", "state", "roles", "device", "samples_per_second", "epoch", "loss", "upload_mbps", "download_mbps", "reachable", "experts", "multiaddrs", "last_seen", "samples_accumulated", "run_id", "partial_averages", "local_steps", "measured_samples_per_second", "aggregation_share", "role_override", "reachability_measured", "plan_digest", "phase_times", "training")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ONLINE: _ClassVar[PeerStatus.State]
@@ -165,6 +165,7 @@ class PeerStatus(_message.Message):
     REACHABILITY_MEASURED_FIELD_NUMBER: _ClassVar[int]
     PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PHASE_TIMES_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     version: str
     state: PeerStatus.State
@@ -189,7 +190,24 @@ class PeerStatus(_message.Message):
     reachability_measured: bool
     plan_digest: str
     phase_times: PhaseTimes
-    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[PeerStatus.State, str]] = ..., roles: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., epoch: _Optional[int] = ..., loss: _Optional[float] = ..., upload_mbps: _Optional[float] = ..., download_mbps: _Optional[float] = ..., reachable: _Optional[bool] = ..., experts: _Optional[_Iterable[str]] = ..., multiaddrs: _Optional[_Iterable[str]] = ..., last_seen: _Optional[float] = ..., samples_accumulated: _Optional[int] = ..., run_id: _Optional[str] = ..., partial_averages: _Optional[int] = ..., local_steps: _Optional[int] = ..., measured_samples_per_second: _Optional[float] = ..., aggregation_share: _Optional[float] = ..., role_override: _Optional[str] = ..., reachability_measured: _Optional[bool] = ..., plan_digest: _Optional[str] = ..., phase_times: _Optional[_Union[PhaseTimes, _Mapping]] = ...) -> None: ...
+    training: TrainingStatus
+    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[PeerStatus.State, str]] = ..., roles: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., epoch: _Optional[int] = ..., loss: _Optional[float] = ..., upload_mbps: _Optional[float] = ..., download_mbps: _Optional[float] = ..., reachable: _Optional[bool] = ..., experts: _Optional[_Iterable[str]] = ..., multiaddrs: _Optional[_Iterable[str]] = ..., last_seen: _Optional[float] = ..., samples_accumulated: _Optional[int] = ..., run_id: _Optional[str] = ..., partial_averages: _Optional[int] = ..., local_steps: _Optional[int] = ..., measured_samples_per_second: _Optional[float] = ..., aggregation_share: _Optional[float] = ..., role_override: _Optional[str] = ..., reachability_measured: _Optional[bool] = ..., plan_digest: _Optional[str] = ..., phase_times: _Optional[_Union[PhaseTimes, _Mapping]] = ..., training: _Optional[_Union[TrainingStatus, _Mapping]] = ...) -> None: ...
+
+class TrainingStatus(_message.Message):
+    __slots__ = ("mode", "compression", "inner_step", "inner_steps", "round_bytes_sent", "compute_utilisation")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_UTILISATION_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    compression: str
+    inner_step: int
+    inner_steps: int
+    round_bytes_sent: int
+    compute_utilisation: float
+    def __init__(self, mode: _Optional[str] = ..., compression: _Optional[str] = ..., inner_step: _Optional[int] = ..., inner_steps: _Optional[int] = ..., round_bytes_sent: _Optional[int] = ..., compute_utilisation: _Optional[float] = ...) -> None: ...
 
 class PhaseTimes(_message.Message):
     __slots__ = ("compute_s", "wait_s", "matchmaking_s", "allreduce_s", "state_averaging_s", "optimizer_step_s", "state_download_s")

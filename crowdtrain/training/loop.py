@@ -22,7 +22,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain import proto
 from crowdtrain.averaging.exact import new_partial_counter
-from crowdtrain.averaging.phases import PhaseAccumulator
+from crowdtrain.averaging.phases import PhaseAccumulator, PhaseTimes
 from crowdtrain.averaging.traffic import AveragingTraffic
 from crowdtrain.data import BatchPrefetcher, WindowSampler, load_token_stream, peer_seed_from_peer_id
 from crowdtrain.manifest import RunManifest
@@ -110,6 +110,8 @@ class Trainer:
         self._next_expert_warning_at = 0.0
         self._checkpoint_writer: CheckpointWriter | None = None
         self._checkpoint_schedule: CheckpointSchedule | None = None
+        self._round_started_at = time.monotonic()
+        self._round_bytes_at_start = 0
 
     def run(self, stop: threading.Event) -> None:
         manifest, options = self.manifest, self.options
@@ -137,6 +139,8 @@ class Trainer:
             if restored is not None:
                 mode.load_state_dict(restored.optimizer_state)
             self.progress.epoch = mode.epoch
+            self.progress.mode, self.progress.compression = mode.name, mode.compression
+            self._round_started_at = time.monotonic()
             if sampler is None:
                 self._assist(mode, stop)
             else:
@@ -217,8 +221,7 @@ class Trainer:
             mode.report(self.progress)
             if mode.epoch != last_epoch:
                 last_epoch = mode.epoch
-                self.progress.phase_times = self.phases.complete_step()
-                logger.info(f"epoch {mode.epoch}: aggregated for the swarm; {self.progress.phase_times.describe()}")
+                logger.info(f"epoch {mode.epoch}: aggregated for the swarm; {self._complete_round().describe()}")
                 mode.apply_swarm_view(self._watched(self._read_swarm()))
 
     def _wait_for_experts(self, error: ExpertsUnavailableError, stop: threading.Event) -> None:
@@ -230,13 +233,26 @@ class Trainer:
 
     def _on_new_epoch(self, model: torch.nn.Module, mode: TrainingMode) -> None:
         loss = "?" if self.progress.loss is None else f"{self.progress.loss:.3f}"
-        self.progress.phase_times = phases = self.phases.complete_step()
+        phases = self._complete_round()
         logger.info(
             f"epoch {mode.epoch}: loss {loss}, {self.progress.samples_per_second:.1f} samples/s on this node"
-            f"; {phases.describe()}"
+            f"; {phases.describe()}; computing {self.progress.compute_utilisation:.0%} of the time"
         )
         self._checkpoint_if_due(model, mode)
         self._replan_in_background(mode)
+
+    def _complete_round(self) -> PhaseTimes:
+        """Close the round (global step or outer round) that just completed: its phases, the share of its wall
+        time spent computing, the averaging bytes sent during it."""
+        now, progress = time.monotonic(), self.progress
+        progress.phase_times = phases = self.phases.complete_step()
+        progress.complete_round(
+            compute_s=phases.compute_s,
+            wall_s=now - self._round_started_at,
+            bytes_sent=progress.averaging_bytes_sent - self._round_bytes_at_start,
+        )
+        self._round_started_at, self._round_bytes_at_start = now, progress.averaging_bytes_sent
+        return phases
 
     def _read_swarm(self) -> SwarmView:
         """The plan's share for this node and the peers that synchronise, from the DHT (one or two DHT reads)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from crowdtrain import proto
 from crowdtrain.averaging.phases import PhaseTimes
 
 THROUGHPUT_EMA_ALPHA = 0.1
@@ -31,6 +32,18 @@ class Progress:
     """Serialized tensor-part bytes this node sent in averaging rounds since it started, B."""
     averaging_bytes_received: int = 0
     """Serialized tensor-part bytes this node received in averaging rounds since it started, B."""
+    mode: str = ""
+    """The run's training mode (`averaging.mode`); "" until training started."""
+    compression: str = ""
+    """The wire encoding of the mode's averaging rounds."""
+    inner_step: int = 0
+    """diloco: global batches the swarm completed in the current outer round; 0 in other modes."""
+    inner_steps: int = 0
+    """diloco: H, global batches per outer round; 0 in other modes."""
+    round_bytes_sent: int | None = None
+    """Averaging bytes sent during the last completed round (global step or outer round); None before one."""
+    compute_utilisation: float | None = None
+    """Time computing / wall time over the last completed round, in [0, 1]; None before one."""
 
     def observe(self, loss: float, num_samples: int, elapsed_s: float) -> None:
         """Fold one micro-step into the exponential moving averages."""
@@ -40,3 +53,22 @@ class Progress:
             rate if self.samples_per_second == 0 else (1 - alpha) * self.samples_per_second + alpha * rate
         )
         self.loss = loss if self.loss is None else (1 - alpha) * self.loss + alpha * loss
+
+    def complete_round(self, *, compute_s: float, wall_s: float, bytes_sent: int) -> None:
+        """A round (global step or outer round) completed after `wall_s` seconds, `compute_s` of them computing,
+        `bytes_sent` averaging bytes sent during it."""
+        self.round_bytes_sent = max(bytes_sent, 0)
+        self.compute_utilisation = min(max(compute_s / wall_s, 0.0), 1.0) if wall_s > 0 else 0.0
+
+    def training_status(self) -> proto.TrainingStatus | None:
+        """The PeerStatus message of the mode and its last round; None until a round completed."""
+        if not self.mode or self.round_bytes_sent is None or self.compute_utilisation is None:
+            return None
+        return proto.TrainingStatus(
+            mode=self.mode,
+            compression=self.compression,
+            inner_step=self.inner_step,
+            inner_steps=self.inner_steps,
+            round_bytes_sent=self.round_bytes_sent,
+            compute_utilisation=self.compute_utilisation,
+        )

@@ -75,6 +75,11 @@ class TrainingMode(abc.ABC):
         self.context = context
 
     @property
+    def compression(self) -> str:
+        """The wire encoding of this mode's averaging rounds (the manifest's `averaging.compression`)."""
+        return self.context.manifest.averaging.compression
+
+    @property
     @abc.abstractmethod
     def epoch(self) -> int:
         """The global step this replica is at; it changes when the swarm steps or a joiner downloads state."""

@@ -9,9 +9,10 @@ the next round from it. Communication: one model-sized all-reduce per H global b
 global batch in `gradients` mode.
 
 A joiner, or a peer whose round failed while the swarm has others, downloads θ₀, the outer momentum and the
-round from a peer (verified, averaging/state_download.py) before its next micro-batch. Not built yet: the
+round from a peer (verified, averaging/state_download.py) before its next micro-batch. `crowdtrain status`
+shows the inner step of H, the bytes of the last round and the compute utilisation. Not built yet: the
 outer all-reduce overlapped with the next inner steps, fragment streaming, top-k compression with error
-feedback, adaptive H, and mode details in `crowdtrain status`.
+feedback, adaptive H.
 """
 
 from __future__ import annotations
@@ -144,8 +145,15 @@ class DiLoCoMode(TrainingMode):
         peer_ids = [status.peer_id for status in view.statuses]
         refresh_groups(self.averager, self.context.peer_id, peer_ids, self.context.manifest.averaging)
 
+    @property
+    def compression(self) -> str:
+        return self.spec.compression
+
     def report(self, progress: Progress) -> None:
         progress.epoch = self.round
+        progress.inner_steps = self.spec.inner_steps
+        global_batches = self.tracker.global_progress.samples_accumulated // self.context.manifest.target_batch_size
+        progress.inner_step = min(global_batches, self.spec.inner_steps)
         progress.samples_accumulated = self.samples
         progress.num_partial_averages = self.context.partial_counter.value
         progress.num_local_steps = self.num_local_rounds
