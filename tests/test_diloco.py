@@ -14,13 +14,14 @@ from tests.harness import Daemon, await_condition, start_daemon, status_json
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 
+INNER_STEPS = 16
 RUN_FILE = tiny_run_file(
     "tiny-diloco",
     128,
     averaging='mode = "diloco"',
-    sections="""
+    sections=f"""
 [diloco]
-inner_steps = 16
+inner_steps = {INNER_STEPS}
 outer_learning_rate = 0.7
 outer_momentum = 0.9
 compression = "int8"
@@ -55,12 +56,22 @@ def test_two_peers_average_outer_rounds_and_learn_and_a_joiner_takes_the_swarms_
     )
     snapshot = snapshot_when(founder, [founder, second], max(averaged_rounds(founder)), timeout_s=60)
     assert snapshot["run"]["run_id"] == "tiny-diloco"
+    daemons = {founder.peer_id: founder, second.peer_id: second}
     for peer in snapshot["peers"]:
         assert peer["loss"] is not None and peer["loss"] < math.log(260) - 1.0, "the swarm learned"
         assert peer["partial_averages"] == 0
+        # status shows the mode: H, the round's bytes (an averaged round sent some), the time spent computing
+        training = peer["training"]
+        assert (training["mode"], training["compression"], training["inner_steps"]) == ("diloco", "int8", INNER_STEPS)
+        assert 0 <= training["inner_step"] <= INNER_STEPS
+        assert 0 < training["compute_utilisation"] <= 1
+        if peer["epoch"] in averaged_rounds(daemons[peer["peer_id"]]):  # the round it shows was averaged
+            assert training["round_bytes_sent"] > 0
     assert snapshot["run"]["epoch"] >= 4
-    # a late joiner downloads the outer state (verified) and continues from the swarm's round
+    # a late joiner downloads the outer state (verified) and continues from the swarm's round, at least the
+    # last one averaged before it started (the swarm goes on averaging while it joins)
+    averaged_before_joining = max(averaged_rounds(founder) & averaged_rounds(second))
     late = start_daemon(tmp_path / "node2", initial_peers=[founder.address], env=ENV).await_ready()
     await_condition(lambda: "took the swarm's state of outer round" in late.log(), 120, "the joiner to sync")
     joined_round = int(re.findall(r"took the swarm's state of outer round (\d+)", late.log())[0])
-    assert joined_round >= max(averaged_rounds(founder) & averaged_rounds(second))
+    assert joined_round >= averaged_before_joining
