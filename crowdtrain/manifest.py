@@ -25,8 +25,9 @@ from crowdtrain import proto
 from crowdtrain.errors import BadInputError
 from crowdtrain.structured import FieldError, from_mapping, from_message, to_message
 
-PROTOCOL_VERSION = 1
-"""Bumped when nodes of different versions can no longer train together."""
+PROTOCOL_VERSION = 2
+"""Bumped when nodes of different versions can no longer train together. 2: a reducer sends back the encoded
+average, not a delta (averaging/traffic.py)."""
 
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 MAX_MODEL_CONFIG_BYTES = 16 * 1024

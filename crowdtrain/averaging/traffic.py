@@ -5,11 +5,21 @@ What is counted is the serialized tensor payload of every part (after compressio
 framing and matchmaking are left out. The counters live in shared memory: the averager runs in a
 child process, and the daemon reads them for its metrics.
 
-The all-reduce runner built here is also where each reducer's robust aggregation is plugged in.
+The all-reduce runner built here is also where each reducer's robust aggregation is plugged in, and where
+every member of a group ends a round with the one average its reducers encoded. hivemind's reducer sends each
+sender the average minus that sender's part *as the reducer decoded it*, and the sender adds this delta to its
+exact part: with a lossy encoding (fp16, int8) every member ended with the average plus its own encoding
+error, so replicas that must stay identical (DiLoCo's global parameters, gradient-mode optimizers) drifted
+apart round after round. Here a reducer sends the encoded average itself and every member, the reducer of a
+part included, takes exactly that. This changes what an all-reduce message means: peers of an older
+crowdtrain (protocol_version 1) can't share a round with these, so the protocol version is 2.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
 import multiprocessing as mp
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -18,14 +28,18 @@ from typing import Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import BannedException
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
 from hivemind.utils.timed_storage import get_dht_time
 
 from crowdtrain.averaging.robust import RobustPartReducer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,6 +93,10 @@ class _CountingAllReduceRunner(AllReduceRunner):
     def __init__(self, *, traffic: AveragingTraffic, aggregation: AggregationSettings, **kwargs: Any):
         self.traffic = traffic
         super().__init__(**kwargs)
+        container = self.tensor_part_container
+        # The runner yields averages, not deltas (a part whose reducer failed yields this peer's own values).
+        container.return_deltas = False
+        self._wire_type: runtime_pb2.CompressionType = container.compression.compression_type
         self.tensor_part_reducer = RobustPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging),
             len(self.sender_peer_ids),
@@ -86,6 +104,72 @@ class _CountingAllReduceRunner(AllReduceRunner):
             max_weight=aggregation.max_weight,
             senders=[str(peer_id) for peer_id in self.sender_peer_ids],
         )
+
+    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
+        # Replaces AllReduceRunner._communicate_with_peer: what comes back from a part's reducer is the encoded
+        # average, taken as it is; as its own reducer, this peer takes its average encoded and decoded the same way.
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        container = self.tensor_part_container
+        if peer_id == self.peer_id:
+            sender_index = self.sender_peer_ids.index(peer_id)
+            for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+                averaged_part = await self.tensor_part_reducer.accumulate_part(
+                    sender_index, part_index, tensor_part, weight=self.weight
+                )
+                encoded = serialize_torch_tensor(averaged_part, self._wire_type)
+                container.register_processed_part(peer_index, part_index, deserialize_torch_tensor(encoded))
+            return
+        try:
+            done_sending = asyncio.Event()
+            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+            part_index = 0
+            async for average in amap_in_executor(
+                functools.partial(_decoded_average, peer_id),
+                aiter_with_timeout(stream, self.reducer_timeout),
+                max_prefetch=container.prefetch,
+            ):
+                container.register_processed_part(peer_index, part_index, average)
+                part_index += 1
+            if part_index != container.num_parts_by_peer[peer_index]:
+                expected = container.num_parts_by_peer[peer_index]
+                raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected {expected}")
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.debug(f"Caught {e!r} when communicating to {peer_id}", exc_info=True)
+            container.register_failed_reducer(peer_index)
+            raise
+
+    async def _accumulate_parts_streaming(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        # Replaces AllReduceRunner._accumulate_parts_streaming: each part's average goes back encoded as the
+        # sender's part came (the same encoding for every sender), not as a delta from the sender's part.
+        part_index = 0
+        try:
+            loop = asyncio.get_event_loop()
+            async for tensor_part, weight, wire_type in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight
+                    )
+                    part_index += 1
+                except BannedException:
+                    logger.debug(f"sender {sender_index} is already banned")
+                    break
+                encoded = await loop.run_in_executor(
+                    None, functools.partial(serialize_torch_tensor, averaged_part, wire_type)
+                )
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
 
     def _get_peer_stub(self, peer: PeerID) -> Any:
         # Wraps AllReduceRunner._get_peer_stub: the one place where this peer, as a sender, opens the stream that
@@ -149,10 +233,18 @@ class TrafficCountingAverager(DecentralizedAverager):
         assert group_id in self._running_groups, f"group {group_id!r} was never registered"
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
-            async for tensor, update in azip(as_aiter(*tensors), runner):
-                tensor.add_(update, alpha=self._averaging_alpha)
+            alpha = self._averaging_alpha  # type: ignore[attr-defined]
+            async for tensor, average in azip(as_aiter(*tensors), runner):
+                # The runner yields averages: copied, so every member holds the same bits (alpha 1, the default).
+                tensor.copy_(average) if alpha == 1 else tensor.lerp_(average, alpha)
                 self.last_updated = get_dht_time()
                 self._state_updated.set()
         else:
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
+
+
+def _decoded_average(reducer: PeerID, message: averaging_pb2.AveragingData) -> torch.Tensor:
+    if message.code != averaging_pb2.AVERAGED_PART:
+        raise AllreduceException(f"{reducer} sent {averaging_pb2.MessageCode.Name(message.code)}")
+    return deserialize_torch_tensor(message.tensor_part)
