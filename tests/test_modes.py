@@ -109,6 +109,9 @@ def test_the_loop_drives_a_mode_through_micro_batches_epochs_and_replans(tmp_pat
     # what the mode reported after the last micro-batch reached the progress the heartbeat publishes
     assert progress.samples_accumulated == 13 and progress.epoch == 3 and progress.num_peers == 3
     assert progress.loss is not None and progress.samples_per_second > 0
+    # each completed epoch closed a round: its share of time computing, its bytes (this mode sends none)
+    assert progress.compute_utilisation is not None and 0 <= progress.compute_utilisation <= 1
+    assert progress.round_bytes_sent == 0
     # epochs 1, 2, 3: the first starts a background read, the later ones apply what the previous one found
     trainer._replanner.shutdown(wait=True)
     assert [view.plan_share for view in mode.views] == [0.25, 0.25]

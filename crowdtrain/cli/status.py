@@ -95,8 +95,9 @@ class PeerView:
     local_steps: int
     phase_times: PhaseTimes | None
     """The peer's last completed global step; None until it completed one."""
-    training: TrainingView | None
-    """The peer's training mode and its last completed round; None until it completed one."""
+    training: proto.TrainingStatus | None
+    """The peer's training mode and its last completed round (a copy of its record's); None until it completed
+    one."""
 
     @classmethod
     def from_status(cls, status: proto.PeerStatus) -> PeerView:
@@ -128,7 +129,7 @@ class PeerView:
             partial_averages=status.partial_averages,
             local_steps=status.local_steps,
             phase_times=PhaseTimes.from_proto(status.phase_times) if status.HasField("phase_times") else None,
-            training=TrainingView.from_proto(status.training) if status.HasField("training") else None,
+            training=_copy(status.training) if status.HasField("training") else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -156,50 +157,26 @@ class PeerView:
             "partial_averages": self.partial_averages,
             "local_steps": self.local_steps,
             "phase_times_s": None if self.phase_times is None else self.phase_times.to_json(),
-            "training": None if self.training is None else self.training.to_json(),
+            "training": None if self.training is None else _training_json(self.training),
         }
 
 
-@dataclass(frozen=True, slots=True)
-class TrainingView:
-    """A peer's training mode and its last completed round (global step or outer round), from its record."""
+def _training_json(training: proto.TrainingStatus) -> dict[str, Any]:
+    """A peer's `training` object in `status --json`: the message's fields, by name, in their order (the record
+    validation has bounded them: names of at most 16 characters, inner step <= H, utilisation in [0, 1])."""
+    return {field.name: getattr(training, field.name) for field in training.DESCRIPTOR.fields}
 
-    mode: str
-    compression: str
-    inner_step: int
-    """diloco: global batches the swarm completed in the current outer round; 0 in other modes."""
-    inner_steps: int
-    """diloco: H, global batches per outer round; 0 in other modes."""
-    round_bytes_sent: int
-    compute_utilisation: float
 
-    @classmethod
-    def from_proto(cls, message: proto.TrainingStatus) -> TrainingView:
-        """From a peer's status, which the record validation has checked (bounded names, utilisation in [0, 1])."""
-        return cls(
-            mode=message.mode,
-            compression=message.compression,
-            inner_step=message.inner_step,
-            inner_steps=message.inner_steps,
-            round_bytes_sent=message.round_bytes_sent,
-            compute_utilisation=message.compute_utilisation,
-        )
+def _copy(training: proto.TrainingStatus) -> proto.TrainingStatus:
+    copy = proto.TrainingStatus()
+    copy.CopyFrom(training)
+    return copy
 
-    def to_json(self) -> dict[str, Any]:
-        """The `training` object of a peer in `status --json`."""
-        return {
-            "mode": self.mode,
-            "compression": self.compression,
-            "inner_step": self.inner_step,
-            "inner_steps": self.inner_steps,
-            "round_bytes_sent": self.round_bytes_sent,
-            "compute_utilisation": self.compute_utilisation,
-        }
 
-    def describe(self) -> str:
-        """The table's mode cell, e.g. "diloco 3/8 int8" or "gradients fp16"."""
-        step = f" {self.inner_step}/{self.inner_steps}" if self.inner_steps else ""
-        return f"{self.mode}{step} {self.compression}".strip()
+def _describe_training(training: proto.TrainingStatus) -> str:
+    """The table's mode cell, e.g. "diloco 3/8 int8" or "gradients fp16"."""
+    step = f" {training.inner_step}/{training.inner_steps}" if training.inner_steps else ""
+    return f"{training.mode}{step} {training.compression}".strip()
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,7 +316,7 @@ def render(report: StatusReport, now: float) -> Group:
             str(peer.epoch),
             "—" if peer.loss is None or math.isnan(peer.loss) else f"{peer.loss:.3f}",
             str(peer.local_steps),
-            "—" if peer.training is None else peer.training.describe(),
+            "—" if peer.training is None else _describe_training(peer.training),
             "—" if peer.training is None else f"{peer.training.compute_utilisation:.0%}",
             "—" if peer.training is None else f"{peer.training.round_bytes_sent / 2**20:.1f} MiB",
             f"{_mbps(peer.upload_mbps)}/{_mbps(peer.download_mbps)}",

@@ -39,10 +39,6 @@ class ProgressCollector(Collector):
             "This node's recent training throughput (moving average), samples/s.",
             value=progress.samples_per_second,
         )
-        if progress.loss is not None:
-            yield GaugeMetricFamily(
-                "crowdtrain_loss", "This node's recent training loss (moving average).", value=progress.loss
-            )
         phases = GaugeMetricFamily(
             "crowdtrain_step_phase_seconds",
             "Seconds the training process spent blocked in each phase of its last completed global step.",
@@ -77,18 +73,23 @@ class ProgressCollector(Collector):
             "Serialized tensor-part bytes this node received in all-reduce rounds (payload, without framing).",
             value=progress.averaging_bytes_received,
         )
-        if progress.compute_utilisation is not None:
-            yield GaugeMetricFamily(
+        # Gauges of values that are not known yet, or mean nothing in this run's mode, are left out.
+        known_later = (
+            ("crowdtrain_loss", "This node's recent training loss (moving average).", progress.loss),
+            (
                 "crowdtrain_compute_utilisation",
                 "Share of the last completed round's wall time this node spent computing (forward and backward).",
-                value=progress.compute_utilisation,
-            )
-        if progress.inner_steps:
-            yield GaugeMetricFamily(
+                progress.compute_utilisation,
+            ),
+            (
                 "crowdtrain_inner_step",
                 "diloco: global batches the swarm completed in the current outer round (of H inner steps).",
-                value=progress.inner_step,
-            )
+                progress.inner_step if progress.inner_steps else None,
+            ),
+        )
+        for name, documentation, value in known_later:
+            if value is not None:
+                yield GaugeMetricFamily(name, documentation, value=value)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

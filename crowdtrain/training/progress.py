@@ -65,10 +65,5 @@ class Progress:
         if not self.mode or self.round_bytes_sent is None or self.compute_utilisation is None:
             return None
         return proto.TrainingStatus(
-            mode=self.mode,
-            compression=self.compression,
-            inner_step=self.inner_step,
-            inner_steps=self.inner_steps,
-            round_bytes_sent=self.round_bytes_sent,
-            compute_utilisation=self.compute_utilisation,
+            **{name: getattr(self, name) for name in proto.TrainingStatus.DESCRIPTOR.fields_by_name}
         )
