@@ -95,14 +95,8 @@ class FakeService:
     def __init__(self, report: Report):
         self.report, self.calls = report, []
 
-    def measure(
-        self,
-        peer_ids: Sequence[str],
-        peer_multiaddrs: Mapping[str, Sequence[str]],
-        own_multiaddrs: Sequence[str],
-        timeout_s: float,
-    ) -> Report:
-        self.calls.append((sorted(peer_ids), dict(peer_multiaddrs), tuple(own_multiaddrs)))
+    def measure(self, peers: Mapping[str, Sequence[str]], own_multiaddrs: Sequence[str], timeout_s: float) -> Report:
+        self.calls.append((sorted(peers), dict(peers), tuple(own_multiaddrs)))
         return self.report
 
 

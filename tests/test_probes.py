@@ -46,7 +46,7 @@ def pair() -> Iterator[Pair]:
 @pytest.mark.timeout(90)
 def test_measure_gives_positive_bandwidth_and_reachability(pair: Pair) -> None:
     server = pair.server.peer_id
-    report = pair.client.measure([server], {server: pair.server_addresses}, pair.client_addresses, timeout_s=40)
+    report = pair.client.measure({server: pair.server_addresses}, pair.client_addresses, timeout_s=40)
     assert report.failures == ()
     assert report.upload_mbps is not None and report.upload_mbps > 0
     assert report.download_mbps is not None and report.download_mbps > 0
@@ -58,7 +58,7 @@ def test_measure_gives_positive_bandwidth_and_reachability(pair: Pair) -> None:
 
 @pytest.mark.timeout(60)
 def test_measure_without_peers_reports_nothing_measured(pair: Pair) -> None:
-    report = pair.client.measure([pair.client.peer_id], {}, pair.client_addresses, timeout_s=5)
+    report = pair.client.measure({pair.client.peer_id: []}, pair.client_addresses, timeout_s=5)
     assert (report.upload_mbps, report.download_mbps, report.reachable) == (None, None, None)
 
 

@@ -259,8 +259,8 @@ def _probe(
     service = ProbeService(dht)
     service.start(serve=False)  # a check only asks; it serves nobody
     try:
-        peers = list(dict.fromkeys(candidates))[:MAX_PROBED_PEERS]
-        return service.peer_id, service.measure(peers, addresses, own, config.probe_timeout_s)
+        peers = {peer: addresses.get(peer, []) for peer in list(dict.fromkeys(candidates))[:MAX_PROBED_PEERS]}
+        return service.peer_id, service.measure(peers, own, config.probe_timeout_s)
     finally:
         service.close()
 

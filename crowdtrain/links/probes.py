@@ -199,15 +199,11 @@ class ProbeService(P2PService):
     # ---- the requester side ----------------------------------------------------------------------
 
     def measure(
-        self,
-        peer_ids: Sequence[str],
-        peer_multiaddrs: Mapping[str, Sequence[str]],
-        own_multiaddrs: Sequence[str],
-        timeout_s: float,
+        self, peers: Mapping[str, Sequence[str]], own_multiaddrs: Sequence[str], timeout_s: float
     ) -> ProbeReport:
-        """Measure this node against up to 3 of `peer_ids` (in that order) within about `timeout_s` seconds.
+        """Measure this node against up to 3 of `peers` (in their order) within about `timeout_s` seconds.
 
-        `peer_multiaddrs` gives each peer's addresses (from its status record) so the p2p daemon can
+        `peers` maps each peer id to its addresses (from its status record; may be empty) so the p2p daemon can
         connect to peers it has not met; `own_multiaddrs` are the addresses peers are asked to dial back.
         Bandwidth is the best over each peer alone and all answering peers at once; reachability is true if any
         peer could dial us.
@@ -216,7 +212,7 @@ class ProbeService(P2PService):
         but the service's own.
         """
         deadline = time.monotonic() + timeout_s
-        coroutine = self._measure(list(peer_ids), peer_multiaddrs, list(own_multiaddrs), deadline)
+        coroutine = self._measure(list(peers), peers, list(own_multiaddrs), deadline)
         return self.run(coroutine, timeout_s + CALL_MARGIN_S)
 
     def probe_upload(self, peer_id: str, num_bytes: int) -> BandwidthSample | proto.ProbeRefusal:

@@ -147,11 +147,7 @@ class LinkService(Protocol):
     """The requester side of the probe RPCs (links/probes.py's ProbeService)."""
 
     def measure(
-        self,
-        peer_ids: Sequence[str],
-        peer_multiaddrs: Mapping[str, Sequence[str]],
-        own_multiaddrs: Sequence[str],
-        timeout_s: float,
+        self, peers: Mapping[str, Sequence[str]], own_multiaddrs: Sequence[str], timeout_s: float
     ) -> LinkReport: ...
 
 
@@ -181,7 +177,7 @@ class LinkProber:
         random.shuffle(peers)
         self.peers_asked = min(len(peers), MAX_PROBED_PEERS)
         addresses = {status.peer_id: list(status.multiaddrs) for status in peers}
-        report = self.service.measure(list(addresses), addresses, self.own_multiaddrs, self.timeout_s)
+        report = self.service.measure(addresses, self.own_multiaddrs, self.timeout_s)
         self.roles.record_links(report)
         logger.info(
             f"link probes: upload {_mbps(report.upload_mbps)}, download {_mbps(report.download_mbps)}, "
