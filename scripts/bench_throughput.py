@@ -47,7 +47,7 @@ from crowdtrain.testing.processes import (
     raise_keyboard_interrupt,
 )
 from crowdtrain.testing.procfs import cpu_seconds_by_process
-from crowdtrain.testing.swarm import StatusWatcher, start_swarm
+from crowdtrain.testing.swarm import StatusWatcher, SwarmSettled, start_swarm
 from crowdtrain.testing.wanlab import Lab, Scenario
 
 HETERO_SCENARIO = bench.REPO_ROOT / "scripts" / "scenarios" / "hetero.toml"
@@ -207,27 +207,7 @@ def measure_crowdtrain(
     peer_ids = [node.node_info["peer_id"] for node in nodes]
     watcher = StatusWatcher(groups, nodes[0].address, STATUS_INTERVAL_S, root / "status.log", launchers[0])
 
-    waiting_for = [""]
-
-    def all_settled() -> bool:
-        # Every daemon ran its throughput probe, and each one the plan has compute reports samples/s (the
-        # plan may leave a slow host out of computing: it then only aggregates, which is crowdtrain's choice).
-        for node in nodes:
-            node.check_alive()
-        peers = {peer["peer_id"]: peer for peer in (watcher.latest() or {}).get("peers", [])}
-        missing = [peer_id for peer_id in peer_ids if peer_id not in peers]
-        unprobed = [p for p in peer_ids if p in peers and not (peers[p].get("measured_samples_per_second") or 0) > 0]
-        trainers = [peer for peer in peers.values() if "trainer" in peer["roles"]]
-        idle = [peer["peer_id"] for peer in trainers if not peer["samples_per_second"] > 0]
-        reason = ", ".join(
-            f"{len(group)} {what}"
-            for group, what in ((missing, "not in status yet"), (unprobed, "not probed"), (idle, "trainers idle"))
-            if group
-        )
-        if reason != waiting_for[0]:  # say what the wait is for whenever it changes: start-up is most of the time
-            waiting_for[0] = reason
-            bench.say(f"throughput: waiting for the swarm: {reason or 'settled'}")
-        return not reason and bool(trainers)
+    all_settled = SwarmSettled(nodes, watcher, peer_ids, lambda line: bench.say(f"throughput: {line}"))
 
     pgids = [node.process.pid for node in nodes]
     memory = bench.MemoryPeaks(pgids)

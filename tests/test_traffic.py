@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import hivemind
 import pytest
@@ -18,65 +19,22 @@ class _CountingAverager(PlannedAverager, TrafficCountingAverager):
     """A plan-partitioned averager counting its bytes, as the optimizer's averagers do."""
 
 
-@pytest.mark.swarm
-@pytest.mark.timeout(120)
-def test_each_peer_counts_the_parts_it_sends_and_receives_as_sender_and_reducer() -> None:
-    num_elements = 1000  # fp32, uncompressed: each peer's half is 2000 bytes on the wire
+def averaged_pair(prefix: str, values: list[torch.Tensor], **options: Any) -> list[torch.Tensor]:
+    """Two counting averagers on loopback holding `values`, one round between them; what each holds after it."""
     first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
-    traffic = [AveragingTraffic.new(), AveragingTraffic.new()]
-    values = [torch.arange(num_elements, dtype=torch.float32) * (rank + 1) for rank in range(2)]
     averagers = [
         _CountingAverager(
             [values[rank].clone()],
             dht=dht,
-            prefix="traffic-test",
+            prefix=prefix,
             target_group_size=2,
             min_group_size=2,
             min_matchmaking_time=2.0,
             request_timeout=2.0,
             share=0.5,
-            traffic=traffic[rank],
             start=True,
-        )
-        for rank, dht in enumerate((first, second))
-    ]
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            gathered = list(pool.map(lambda averager: averager.step(timeout=60), averagers))
-        assert all(result is not None for result in gathered), "both peers found the group"
-        with averagers[0].get_tensors() as tensors:
-            assert torch.allclose(tensors[0], torch.stack(values).mean(dim=0))
-        half_bytes = num_elements // 2 * 4
-        # Each peer sends its half for the other (and gets the average back), and reduces the other's half.
-        assert traffic[0].totals() == traffic[1].totals() == (2 * half_bytes, 2 * half_bytes)
-    finally:
-        shut_down(averagers, (first, second))
-
-
-@pytest.mark.swarm
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("compression", ["int8", "fp16"])
-def test_every_member_ends_a_compressed_round_with_the_same_average(compression: str) -> None:
-    # hivemind sends each sender the average *minus its own part as the reducer decoded it*, and the sender adds
-    # that to its exact part: every member ended with the average plus its own compression error, and replicas
-    # drifted apart round after round. Every member must hold the one average the reducers encoded.
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
-    generator = torch.Generator().manual_seed(0)
-    values = [torch.randn(100_000, generator=generator) * (rank + 1) for rank in range(2)]
-    averagers = [
-        _CountingAverager(
-            [values[rank].clone()],
-            dht=dht,
-            prefix=f"identical-{compression}",
-            target_group_size=2,
-            min_group_size=2,
-            min_matchmaking_time=2.0,
-            request_timeout=2.0,
-            share=0.5,
-            compression=compression_for(compression),
-            start=True,
+            **{name: value[rank] for name, value in options.items()},
         )
         for rank, dht in enumerate((first, second))
     ]
@@ -88,8 +46,35 @@ def test_every_member_ends_a_compressed_round_with_the_same_average(compression:
         for averager in averagers:
             with averager.get_tensors() as tensors:
                 results.append(tensors[0].clone())
-        assert torch.equal(results[0], results[1]), f"replicas differ by up to {(results[0] - results[1]).abs().max()}"
-        mean = torch.stack(values).mean(dim=0)
-        assert (results[0] - mean).abs().mean() < 0.05 * mean.abs().mean()  # the average, within the encoding
+        return results
     finally:
         shut_down(averagers, (first, second))
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(120)
+def test_each_peer_counts_the_parts_it_sends_and_receives_as_sender_and_reducer() -> None:
+    num_elements = 1000  # fp32, uncompressed: each peer's half is 2000 bytes on the wire
+    traffic = [AveragingTraffic.new(), AveragingTraffic.new()]
+    values = [torch.arange(num_elements, dtype=torch.float32) * (rank + 1) for rank in range(2)]
+    results = averaged_pair("traffic-test", values, traffic=traffic)
+    assert torch.allclose(results[0], torch.stack(values).mean(dim=0))
+    half_bytes = num_elements // 2 * 4
+    # Each peer sends its half for the other (and gets the average back), and reduces the other's half.
+    assert traffic[0].totals() == traffic[1].totals() == (2 * half_bytes, 2 * half_bytes)
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("compression", ["int8", "fp16"])
+def test_every_member_ends_a_compressed_round_with_the_same_average(compression: str) -> None:
+    # hivemind sends each sender the average *minus its own part as the reducer decoded it*, and the sender adds
+    # that to its exact part: every member ended with the average plus its own compression error, and replicas
+    # drifted apart round after round. Every member must hold the one average the reducers encoded.
+    generator = torch.Generator().manual_seed(0)
+    values = [torch.randn(100_000, generator=generator) * (rank + 1) for rank in range(2)]
+    encoding = compression_for(compression)
+    results = averaged_pair(f"identical-{compression}", values, compression=[encoding, encoding])
+    assert torch.equal(results[0], results[1]), f"replicas differ by up to {(results[0] - results[1]).abs().max()}"
+    mean = torch.stack(values).mean(dim=0)
+    assert (results[0] - mean).abs().mean() < 0.05 * mean.abs().mean()  # the average, within the encoding

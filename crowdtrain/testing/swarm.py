@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -210,3 +210,35 @@ class StatusWatcher:
         """The snapshots read from `start` to `end` (time.monotonic())."""
         with self._lock:
             return [(read_at, snapshot) for read_at, snapshot in self.snapshots if start <= read_at <= end]
+
+
+class SwarmSettled:
+    """A condition for `await_condition`: true once every daemon is in status with its throughput probed and
+    every trainer the plan has compute reports samples/s (the plan may leave a slow host out of computing: it
+    then only aggregates). `say` hears what the wait is for whenever that changes: start-up takes long."""
+
+    def __init__(
+        self, nodes: Sequence[Daemon], watcher: StatusWatcher, peer_ids: Sequence[str], say: Callable[[str], None]
+    ) -> None:
+        self.nodes, self.watcher, self.peer_ids, self.say = nodes, watcher, peer_ids, say
+        self.waiting_for = ""
+
+    def __call__(self) -> bool:
+        for node in self.nodes:
+            node.check_alive()
+        peers = {peer["peer_id"]: peer for peer in (self.watcher.latest() or {}).get("peers", [])}
+        missing = [peer_id for peer_id in self.peer_ids if peer_id not in peers]
+        unprobed = [
+            p for p in self.peer_ids if p in peers and not (peers[p].get("measured_samples_per_second") or 0) > 0
+        ]
+        trainers = [peer for peer in peers.values() if "trainer" in peer["roles"]]
+        idle = [peer["peer_id"] for peer in trainers if not peer["samples_per_second"] > 0]
+        reason = ", ".join(
+            f"{len(group)} {what}"
+            for group, what in ((missing, "not in status yet"), (unprobed, "not probed"), (idle, "trainers idle"))
+            if group
+        )
+        if reason != self.waiting_for:
+            self.waiting_for = reason
+            self.say(f"waiting for the swarm: {reason or 'settled'}")
+        return not reason and bool(trainers)
