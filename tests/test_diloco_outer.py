@@ -1,0 +1,108 @@
+"""DiLoCo's outer step, exactly: known pseudo-gradients on 2 and 4 real peers give the known update on every one.
+
+Each peer is a real DiLoCoMode (its averager process, its progress tracker, DHTs on loopback) with a tiny replica;
+what its inner steps would have done is written straight into its parameters, so the test knows each
+pseudo-gradient and the samples it stands for. The outer round must average them weighted by samples, apply one
+Nesterov SGD step to the round's global parameters, and leave every peer with the same bits, also when the
+pseudo-gradients travel in int8 (each peer used to keep its own encoding error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+
+import hivemind
+import pytest
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+
+from crowdtrain import proto
+from crowdtrain.averaging.exact import new_partial_counter
+from crowdtrain.manifest import DiLoCoSpec, RunManifest, demo
+from crowdtrain.training.modes.base import ModeContext, SwarmView
+from crowdtrain.training.modes.diloco import DiLoCoMode
+from tests.harness import await_condition
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
+
+OUTER_LR, OUTER_MOMENTUM = 0.5, 0.9
+
+
+def manifest(num_peers: int, compression: str) -> RunManifest:
+    base = demo()
+    return dataclasses.replace(
+        base,
+        run_id=f"outer-{num_peers}-{compression}",
+        target_batch_size=64,
+        averaging=dataclasses.replace(base.averaging, mode="diloco", group_size=4, matchmaking_time_s=2.0),
+        diloco=DiLoCoSpec(
+            inner_steps=1, outer_learning_rate=OUTER_LR, outer_momentum=OUTER_MOMENTUM, compression=compression
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("num_peers", "compression", "tolerance"),
+    [(2, "none", 1e-6), (4, "none", 1e-6), (4, "int8", 0.1)],  # int8: 256 levels over 6 deviations, times 0.95
+)
+def test_every_peer_applies_the_weighted_mean_pseudo_gradient_with_one_nesterov_step(
+    num_peers: int, compression: str, tolerance: float
+) -> None:
+    run = manifest(num_peers, compression)
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dhts = [first] + [
+        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+        for _ in range(num_peers - 1)
+    ]
+    peer_ids = [dht.peer_id.to_base58() for dht in dhts]
+    statuses = [proto.PeerStatus(peer_id=peer_id) for peer_id in peer_ids]
+    start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    replicas = [torch.nn.Parameter(start.clone()) for _ in dhts]
+    modes: list[DiLoCoMode] = []
+    try:
+        for dht, peer_id, replica in zip(dhts, peer_ids, replicas, strict=True):
+            context = ModeContext(
+                dht=dht,
+                manifest=run,
+                peer_id=peer_id,
+                private_key=RSAPrivateKey(),
+                parameters=[replica],
+                compute=None,
+                micro_batch_size=8,
+                client_mode=False,
+                auxiliary=False,
+                swarm=SwarmView(plan_share=None, statuses=statuses),
+                partial_counter=new_partial_counter(),
+            )
+            modes.append(DiLoCoMode(context))
+        # what each peer's inner steps did: a known pseudo-gradient over a known number of samples
+        generator = torch.Generator().manual_seed(num_peers)
+        pseudo_gradients = [torch.randn(3, 4, generator=generator) for _ in modes]
+        samples = [8 * (rank + 1) for rank in range(num_peers)]
+        for mode, replica, pseudo_gradient, num_samples in zip(modes, replicas, pseudo_gradients, samples, strict=True):
+            with torch.no_grad():
+                replica.copy_(start - pseudo_gradient)
+            mode.samples = num_samples
+            mode.tracker.report_local_progress(0, num_samples)
+        await_condition(
+            lambda: all(mode.tracker.global_progress.num_peers == num_peers for mode in modes),
+            60,
+            "every peer's tracker to see the others",
+        )
+        with ThreadPoolExecutor(num_peers) as pool:
+            list(pool.map(lambda mode: mode._outer_round(), modes))
+
+        mean = sum(w * g for w, g in zip(samples, pseudo_gradients, strict=True)) / sum(samples)
+        # Nesterov SGD's first step: the buffer is the gradient, the update (1 + momentum) times it
+        expected = start - OUTER_LR * (1 + OUTER_MOMENTUM) * mean
+        for mode, replica in zip(modes, replicas, strict=True):
+            assert mode.round == 1 and mode.num_local_rounds == 0, "the round was averaged with the whole group"
+            assert torch.allclose(mode.global_parameters[0], expected, atol=tolerance)
+            assert torch.equal(replica.detach(), mode.global_parameters[0]), "the next round starts from them"
+        assert all(torch.equal(mode.global_parameters[0], modes[0].global_parameters[0]) for mode in modes)
+    finally:
+        for mode in modes:
+            mode.close()
+        for dht in dhts:
+            dht.shutdown()
