@@ -5,11 +5,15 @@ and target batch, on loopback, one after the other:
 1. plain        one plain torch loop: AdamW as the manifest, gradients accumulated over the target batch, the
                 precision crowdtrain picks (`auto`: fp32 on CPU; bf16 autocast, or fp16 with a scaler, on CUDA)
 2. hivemind N   N stock `hivemind.Optimizer` workers, one process each: fp16 gradients, the manifest's
-                matchmaking time, the target batch, use_local_updates=False; swarm samples/s is the sum of the
-                samples the workers computed in the window
+                matchmaking time, the target batch, use_local_updates=False; swarm samples/s is the slope of the
+                swarm's progress (epoch * B + samples accumulated) as worker 0's progress tracker sees it, sampled
+                every second; the samples the workers computed in the window are kept beside it
+                (`samples_per_second_computed`: it also counts samples computed past the target batch)
 3. crowdtrain N N `crowdtrain run` daemons; swarm samples/s is the slope of the run's progress (epoch * B +
                 samples accumulated) read by `crowdtrain status --watch`, plus partial averages, solo steps and
                 whether the peers' published plan agrees (shares sum to 1, roles match shares)
+Both swarms are measured the same way, in samples of global batches of the target size: a peer that computes
+past the target while the swarm steps adds samples to a larger batch, not to more of them.
 Arms 2 and 3 run back to back for each peer count. Peak RSS of each arm's processes is sampled; on CUDA also
 the plain loop's torch.cuda.max_memory_allocated and the GPU's memory in use (nvidia-smi, when present).
 Writes <out>/realmodel.json and <out>/realmodel.png; an arm that fails is recorded and the script exits 1.
@@ -68,7 +72,7 @@ from crowdtrain.testing.bench import (
     with_children,
     write_json,
 )
-from crowdtrain.testing.swarm import START_TIMEOUT_S, Daemon, StatusWatcher, start_swarm
+from crowdtrain.testing.swarm import START_TIMEOUT_S, StatusWatcher, SwarmSettled, start_swarm
 
 RUN_ID = "bench-realmodel"
 STATUS_INTERVAL_S = 2.0
@@ -389,11 +393,13 @@ def measure_hivemind(bench: Bench, num_peers: int) -> dict[str, Any]:
     progress = results[0].pop("progress")
     for result in results[1:]:
         result.pop("progress")
+    computed = sum(result["samples_per_second"] for result in results)
+    from_progress = progress_rate(
+        [(t, {"run": {"epoch": 0, "target_batch_size": 1, "samples_accumulated": p}}) for t, p in progress]
+    )
     return {
-        "samples_per_second": sum(result["samples_per_second"] for result in results),
-        "samples_per_second_from_progress": progress_rate(
-            [(t, {"run": {"epoch": 0, "target_batch_size": 1, "samples_accumulated": p}}) for t, p in progress]
-        ),
+        "samples_per_second": computed if from_progress is None else from_progress,
+        "samples_per_second_computed": computed,
         "num_global_steps_in_window": max(r["epochs"][1] for r in results) - min(r["epochs"][0] for r in results),
         "per_worker": results,
         "memory": memory_result(memory, gpu, pids),
@@ -416,7 +422,7 @@ def measure_crowdtrain(bench: Bench, num_peers: int) -> dict[str, Any]:
     pids = [node.process.pid for node in nodes]
     memory, gpu, poller = measuring_memory(bench, pids)
     with poller:
-        settled = SwarmSettled(nodes, watcher, peer_ids)
+        settled = SwarmSettled(nodes, watcher, peer_ids, lambda line: say(f"crowdtrain: {line}"))
         processes.await_condition(settled, TRAINING_TIMEOUT_S, "every daemon to probe and every trainer to train")
         say(f"crowdtrain: the swarm trains; {args.warmup_s:g} s warm-up, then measuring {args.window_s:g} s")
         time.sleep(args.warmup_s)  # a warm-up interval, not a synchronisation: the other arms get the same
@@ -429,34 +435,6 @@ def measure_crowdtrain(bench: Bench, num_peers: int) -> dict[str, Any]:
     for process in [watcher.process, *(node.process for node in nodes)]:
         bench.groups.kill(process)
     return {**swarm_result(snapshots, peer_ids), "memory": memory_result(memory, gpu, pids)}
-
-
-class SwarmSettled:
-    """True once every daemon is in status with its throughput probed and every trainer reports samples/s."""
-
-    def __init__(self, nodes: list[Daemon], watcher: StatusWatcher, peer_ids: list[str]) -> None:
-        self.nodes, self.watcher, self.peer_ids = nodes, watcher, peer_ids
-        self.waiting_for = ""
-
-    def __call__(self) -> bool:
-        for node in self.nodes:
-            node.check_alive()
-        peers = {peer["peer_id"]: peer for peer in (self.watcher.latest() or {}).get("peers", [])}
-        missing = [peer_id for peer_id in self.peer_ids if peer_id not in peers]
-        unprobed = [
-            p for p in self.peer_ids if p in peers and not (peers[p].get("measured_samples_per_second") or 0) > 0
-        ]
-        trainers = [peer for peer in peers.values() if "trainer" in peer["roles"]]
-        idle = [peer["peer_id"] for peer in trainers if not peer["samples_per_second"] > 0]
-        reason = ", ".join(
-            f"{len(group)} {what}"
-            for group, what in ((missing, "not in status yet"), (unprobed, "not probed"), (idle, "trainers idle"))
-            if group
-        )
-        if reason != self.waiting_for:  # say what the wait is for whenever it changes: start-up takes long
-            self.waiting_for = reason
-            say(f"crowdtrain: waiting for the swarm: {reason or 'settled'}")
-        return not reason and bool(trainers)
 
 
 def swarm_result(snapshots: list[tuple[float, dict[str, Any]]], peer_ids: list[str]) -> dict[str, Any]:
