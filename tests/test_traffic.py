@@ -19,6 +19,17 @@ class _CountingAverager(PlannedAverager, TrafficCountingAverager):
     """A plan-partitioned averager counting its bytes, as the optimizer's averagers do."""
 
 
+PAIR: dict[str, Any] = {
+    "target_group_size": 2,
+    "min_group_size": 2,
+    "min_matchmaking_time": 2.0,
+    "request_timeout": 2.0,
+    "share": 0.5,
+    "start": True,
+}
+"""Each averager of a pair: one group of two, matched within seconds, each aggregating half."""
+
+
 def averaged_pair(prefix: str, values: list[torch.Tensor], **options: Any) -> list[torch.Tensor]:
     """Two counting averagers on loopback holding `values`, one round between them; what each holds after it."""
     first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -28,12 +39,7 @@ def averaged_pair(prefix: str, values: list[torch.Tensor], **options: Any) -> li
             [values[rank].clone()],
             dht=dht,
             prefix=prefix,
-            target_group_size=2,
-            min_group_size=2,
-            min_matchmaking_time=2.0,
-            request_timeout=2.0,
-            share=0.5,
-            start=True,
+            **PAIR,
             **{name: value[rank] for name, value in options.items()},
         )
         for rank, dht in enumerate((first, second))
