@@ -218,8 +218,10 @@ def _swarm_target(config: CheckConfig) -> _Target:
         make_validators(RSAPrivateKey()),
     )
     try:
-        runs = list_runs(dht, LOOKUP_TIMEOUT_S)
-        listing = runs[choose_run(runs, config.run_id, empty_note="; there is nothing to check against")]
+        founder = config.run_key or None
+        runs = list_runs(dht, LOOKUP_TIMEOUT_S, founder)
+        chosen = choose_run(runs, config.run_id, founder=founder, empty_note="; there is nothing to check against")
+        listing = runs[chosen]
         manifest = listing.published.manifest
         dht.add_validators([CrowdtrainRecordValidator([manifest.run_id])])
         statuses = list_peer_statuses(dht, manifest.run_id, LOOKUP_TIMEOUT_S)

@@ -35,9 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--identity", metavar="PATH", help="identity key file (default: <state-dir>/identity.key)")
     run.add_argument("--run-file", metavar="RUN.toml|PRESET", help="found a run from this manifest or preset (demo)")
-    run.add_argument(
-        "--run-key", metavar="PEER_ID", help="accept only a run founded by this peer (the founder prints it)"
-    )
     run.add_argument("--device", metavar="auto|cpu|cuda[:N]", help="device to train on (default: auto)")
     run.add_argument("--role", metavar="ROLE", help="auto, trainer, aggregator, expert-host or client (default: auto)")
     run.add_argument("--config", metavar="NODE.toml", help="TOML file with any of these settings")
@@ -64,6 +61,9 @@ def _add_swarm_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="address(es) of peers in the swarm")
     parser.add_argument("--state-dir", metavar="DIR", help="this node's state directory (default: ~/.crowdtrain)")
     parser.add_argument("--run-id", metavar="ID", help="the run to join or show when the swarm holds several")
+    parser.add_argument(
+        "--run-key", metavar="PEER_ID", help="accept only a run founded by this peer (the founder prints it)"
+    )
     parser.add_argument(
         "--bootstrap-timeout",
         type=float,

@@ -8,8 +8,11 @@ from crowdtrain.dht.registry import RunListing
 from crowdtrain.errors import BadInputError, CrowdtrainError
 
 
-def choose_run(runs: Mapping[str, RunListing], run_id: str, *, empty_note: str = "") -> str:
-    """The run named `run_id`, or the swarm's only run; a sentence (ending in `empty_note`) otherwise."""
+def choose_run(runs: Mapping[str, RunListing], run_id: str, *, founder: str | None = None, empty_note: str = "") -> str:
+    """The run named `run_id`, or the swarm's only run; a sentence (ending in `empty_note`) otherwise. `runs`
+    holds only runs `founder` signed when the user gave a run key."""
+    if not runs and founder is not None:
+        raise BadInputError(f"The swarm holds no run founded by {founder} (--run-key); check the key you were given.")
     if run_id:
         if run_id not in runs:
             raise BadInputError(

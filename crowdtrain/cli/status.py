@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,17 +45,19 @@ def show_status(config: StatusConfig, stop: threading.Event, console: Console) -
         make_validators(RSAPrivateKey()),
     )
     try:
-        run_id = choose_run(list_runs(dht, LOOKUP_TIMEOUT_S), run_id)
+        founder = config.run_key or None
+        run_id = choose_run(list_runs(dht, LOOKUP_TIMEOUT_S, founder), run_id, founder=founder)
         dht.add_validators([CrowdtrainRecordValidator([run_id])])
+        read = functools.partial(collect, dht, run_id, founder)
         if config.watch_s == 0:
-            _print_once(dht, run_id, config.json, console)
+            _print_once(read(), config.json, console)
         elif config.json:
             while True:
-                _print_once(dht, run_id, True, console)
+                _print_once(read(), True, console)
                 if stop.wait(config.watch_s):
                     break
         else:
-            _watch_table(dht, run_id, config.watch_s, stop, console)
+            _watch_table(read, config.watch_s, stop, console)
     finally:
         dht.shutdown()
 
@@ -234,9 +237,9 @@ class StatusReport:
         return {"run": self.run.to_json(), "peers": [peer.to_json() for peer in self.peers]}
 
 
-def collect(dht: hivemind.DHT, run_id: str) -> StatusReport:
+def collect(dht: hivemind.DHT, run_id: str, founder: str | None = None) -> StatusReport:
     """The status report of one run, from the swarm's records."""
-    listing = list_runs(dht, LOOKUP_TIMEOUT_S).get(run_id)
+    listing = list_runs(dht, LOOKUP_TIMEOUT_S, founder).get(run_id)
     statuses = list_peer_statuses(dht, run_id, LOOKUP_TIMEOUT_S)
     return summarize(run_id, listing, statuses)
 
@@ -351,8 +354,7 @@ def _describe_expert_grid(grid: GridCoverage | None) -> tuple[str, str] | str:
     )
 
 
-def _print_once(dht: hivemind.DHT, run_id: str, as_json: bool, console: Console) -> None:
-    report = collect(dht, run_id)
+def _print_once(report: StatusReport, as_json: bool, console: Console) -> None:
     if as_json:
         console.file.write(json.dumps(report.to_json()) + "\n")
         console.file.flush()
@@ -360,7 +362,7 @@ def _print_once(dht: hivemind.DHT, run_id: str, as_json: bool, console: Console)
         console.print(render(report, time.time()))
 
 
-def _watch_table(dht: hivemind.DHT, run_id: str, interval_s: float, stop: threading.Event, console: Console) -> None:
-    with Live(render(collect(dht, run_id), time.time()), console=console, auto_refresh=False) as live:
+def _watch_table(read: Callable[[], StatusReport], interval_s: float, stop: threading.Event, console: Console) -> None:
+    with Live(render(read(), time.time()), console=console, auto_refresh=False) as live:
         while not stop.wait(interval_s):
-            live.update(render(collect(dht, run_id), time.time()), refresh=True)
+            live.update(render(read(), time.time()), refresh=True)

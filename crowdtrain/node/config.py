@@ -39,6 +39,10 @@ class SwarmSettings:
     """This node's state: identity, node.json, lock, checkpoints and the cached throughput measurement."""
     run_id: str = ""
     """The run to join, show or check when the swarm holds several, or the name of a run being founded."""
+    run_key: str = ""
+    """The founder's peer ID the run's manifest must be signed by (printed next to the join command): `run`,
+    `status` and `check` look at no manifest another key signed. Empty: `run` takes the first founder this node
+    saw for the run (kept in <state_dir>/runs.json), and no other after; `status` and `check` the oldest."""
     bootstrap_timeout_s: float = 20.0
     """Give up when no initial peer answers within this many seconds."""
     log_format: str = "text"
@@ -76,9 +80,6 @@ class NodeConfig(MachineSettings):
     """Path of the identity key; empty means <state_dir>/identity.key."""
     run_file: str = ""
     """Founder only: a run manifest TOML file or a preset name (demo)."""
-    run_key: str = ""
-    """The founder's peer ID the run's manifest must be signed by (printed next to the join command); empty:
-    the first founder this node saw for the run (kept in <state_dir>/runs.json), and no other after."""
     role: str = AUTO
     """auto (decided by the swarm), trainer, aggregator, expert-host or client."""
     status_interval_s: float = 5.0
