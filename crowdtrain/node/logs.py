@@ -21,7 +21,8 @@ class _AveragingFailureFilter(logging.Filter):
     """hivemind logs a failed averaging round (no group found, peers gone) as an error with a traceback, in the
     averager and again further up. For a volunteer that is an expected event, not a crash: it becomes one warning
     line, and the same exception logged again in this process is dropped (the averager runs in a child process,
-    so a failure may still show once there and once in the trainer). With -v the records pass unchanged."""
+    so a failure may still show once there and once in the trainer). A task of hivemind's whose generator closed
+    while it was cancelled is not logged at all. With -v the records pass unchanged."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,6 +34,10 @@ class _AveragingFailureFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
+        if record.name.startswith("hivemind") and isinstance(error, GeneratorExit):
+            # hivemind's await_cancelled logs a matchmaking task whose generator closed while it was being
+            # cancelled (a pre-scheduled round dropped when no peer was there): nothing failed.
+            return False
         if not record.name.startswith("hivemind") or not isinstance(error, self._expected):
             return True
         if error is self._last:
