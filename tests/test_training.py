@@ -164,7 +164,12 @@ def assert_one_plan_and_whole_rounds(observer: Daemon, daemons: list[Daemon]) ->
     # Steady state: every peer has joined, measured itself and caught up; the next global steps average whole.
     partial_before = snapshot["run"]["partial_averages"]
     later = await_epoch(observer, daemons, snapshot["run"]["epoch"] + 3, timeout_s=120)
-    assert later["run"]["partial_averages"] == partial_before, "no round came back partial between live peers"
+    failed_rounds = [
+        line for daemon in daemons for line in daemon.log().splitlines() if "averaging round failed" in line
+    ]
+    assert later["run"]["partial_averages"] == partial_before, (
+        "no round came back partial between live peers; failed rounds logged:\n" + "\n".join(failed_rounds)
+    )
     for daemon in daemons:
         assert "Traceback" not in daemon.log()
 
