@@ -25,9 +25,10 @@ from crowdtrain import proto
 from crowdtrain.errors import BadInputError
 from crowdtrain.structured import FieldError, from_mapping, from_message, to_message
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped when nodes of different versions can no longer train together. 2: a reducer sends back the encoded
-average, not a delta (averaging/traffic.py)."""
+average, not a delta (averaging/traffic.py). 3: a sender ends its all-reduce stream only after every average
+came back, and a reducer holds a zero-share sender's averages until all are ready, not until that end."""
 
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 MAX_MODEL_CONFIG_BYTES = 16 * 1024

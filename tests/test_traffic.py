@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -11,7 +13,7 @@ import torch
 
 from crowdtrain.averaging.compression import compression_for
 from crowdtrain.averaging.partition import PlannedAverager
-from crowdtrain.averaging.traffic import AveragingTraffic, TrafficCountingAverager
+from crowdtrain.averaging.traffic import AveragingTraffic, TrafficCountingAverager, held_until_all
 from tests.harness import shut_down
 
 
@@ -39,8 +41,7 @@ def averaged_pair(prefix: str, values: list[torch.Tensor], **options: Any) -> li
             [values[rank].clone()],
             dht=dht,
             prefix=prefix,
-            **PAIR,
-            **{name: value[rank] for name, value in options.items()},
+            **(PAIR | {name: value[rank] for name, value in options.items()}),
         )
         for rank, dht in enumerate((first, second))
     ]
@@ -84,3 +85,39 @@ def test_every_member_ends_a_compressed_round_with_the_same_average(compression:
     assert torch.equal(results[0], results[1]), f"replicas differ by up to {(results[0] - results[1]).abs().max()}"
     mean = torch.stack(values).mean(dim=0)
     assert (results[0] - mean).abs().mean() < 0.05 * mean.abs().mean()  # the average, within the encoding
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(120)
+def test_a_sender_that_aggregates_nothing_gets_every_average() -> None:
+    # A member with no share gets its averages only once all are ready, and it (not the reducer) ends the stream
+    # once it holds them all: a reducer that ended first could lose the tail of a slow reader's averages.
+    num_elements = 200_000  # several parts of the part size below, all reduced by the first peer
+    values = [torch.arange(num_elements, dtype=torch.float32) * rank for rank in range(2)]
+    results = averaged_pair("zero-share", values, share=[1.0, 0.0], part_size_bytes=[2**16, 2**16])
+    mean = torch.stack(values).mean(dim=0)
+    assert torch.equal(results[0], mean) and torch.equal(results[1], mean)
+
+
+def test_a_zero_share_senders_averages_are_held_until_all_are_ready() -> None:
+    async def scenario() -> list[tuple[str, int]]:
+        ready: list[tuple[str, int]] = []
+
+        async def averages(count: int) -> AsyncIterator[int]:
+            for index in range(count):
+                ready.append(("ready", index))
+                yield index
+
+        async for index in held_until_all(averages(3), num_parts=3):
+            ready.append(("sent", index))
+        async for index in held_until_all(averages(2), num_parts=3):  # the reducer's stream ended short
+            ready.append(("sent short", index))
+        return ready
+
+    events = asyncio.run(scenario())
+    assert events == [
+        *(("ready", index) for index in range(3)),
+        *(("sent", index) for index in range(3)),
+        *(("ready", index) for index in range(2)),
+        *(("sent short", index) for index in range(2)),
+    ]

@@ -13,6 +13,12 @@ error, so replicas that must stay identical (DiLoCo's global parameters, gradien
 apart round after round. Here a reducer sends the encoded average itself and every member, the reducer of a
 part included, takes exactly that. This changes what an all-reduce message means: peers of an older
 crowdtrain (protocol_version 1) can't share a round with these, so the protocol version is 2.
+
+The sender, not the reducer, closes each all-reduce stream, once it holds every average (protocol 3). p2pd
+resets a stream when its handler's side closes, and a reset drops what the other end had not read yet; a
+reducer that closed as soon as it had sent its last average cost a sender that read slowly (typically one
+that aggregates nothing and gets all its averages at once at the end) that average, and its round came back
+partial: about one round in a hundred between three daemons on a busy CPU.
 """
 
 from __future__ import annotations
@@ -24,22 +30,24 @@ import multiprocessing as mp
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.sharedctypes import Synchronized
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import BannedException
+from hivemind.averaging.partition import BannedException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
+from hivemind.utils.asyncio import achain, aiter_with_timeout, amap_in_executor, as_aiter, azip
 from hivemind.utils.timed_storage import get_dht_time
 
 from crowdtrain.averaging.robust import RobustPartReducer
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,6 +105,10 @@ class _CountingAllReduceRunner(AllReduceRunner):
         # The runner yields averages, not deltas (a part whose reducer failed yields this peer's own values).
         container.return_deltas = False
         self._wire_type: runtime_pb2.CompressionType = container.compression.compression_type
+        # hivemind's own reducer is replaced unused: marked finished, so that its finalizer does not warn of a
+        # round that "received 0.0% of input tensors" in every round.
+        unused: TensorPartReducer = self.tensor_part_reducer  # type: ignore[has-type]
+        unused.finished.set()
         self.tensor_part_reducer = RobustPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging),
             len(self.sender_peer_ids),
@@ -120,33 +132,64 @@ class _CountingAllReduceRunner(AllReduceRunner):
                 container.register_processed_part(peer_index, part_index, deserialize_torch_tensor(encoded))
             return
         try:
-            done_sending = asyncio.Event()
-            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
-            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
-            if self.should_delay_results(self.peer_id):
-                await done_sending.wait()
-            part_index = 0
-            async for average in amap_in_executor(
-                functools.partial(_decoded_average, peer_id),
-                aiter_with_timeout(stream, self.reducer_timeout),
-                max_prefetch=container.prefetch,
-            ):
-                container.register_processed_part(peer_index, part_index, average)
-                part_index += 1
-            if part_index != container.num_parts_by_peer[peer_index]:
+            received = await self._exchange_with_reducer(peer_id, peer_index)
+            if received != container.num_parts_by_peer[peer_index]:
                 expected = container.num_parts_by_peer[peer_index]
-                raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected {expected}")
+                raise AllreduceException(f"peer {peer_id} sent {received} parts, but we expected {expected}")
         except BaseException as e:
             if isinstance(e, Exception):
                 logger.debug(f"Caught {e!r} when communicating to {peer_id}", exc_info=True)
             container.register_failed_reducer(peer_index)
             raise
 
+    async def _exchange_with_reducer(self, peer_id: PeerID, peer_index: int) -> int:
+        """Send this peer's parts to their reducer and take the averages it sends back: how many came."""
+        container = self.tensor_part_container
+        expected = container.num_parts_by_peer[peer_index]
+        done_sending, answered = asyncio.Event(), asyncio.Event()
+        received = 0
+        try:
+            inputs = self._parts_until_answered(peer_index, done_sending, answered)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+            async for average in amap_in_executor(
+                functools.partial(_decoded_average, peer_id),
+                aiter_with_timeout(stream, self.reducer_timeout),
+                max_prefetch=container.prefetch,
+            ):
+                if received == expected:
+                    raise AllreduceException(f"peer {peer_id} sent more than the {expected} parts we expected")
+                container.register_processed_part(peer_index, received, average)
+                received += 1
+                if received == expected:
+                    answered.set()  # our end of the stream closes now; the reducer's follows
+        except TimeoutError:
+            if received != expected:  # a reducer slow to close a stream that gave every average is no failure
+                raise
+        finally:
+            answered.set()
+        return received
+
+    async def _parts_until_answered(
+        self, peer_index: int, done_sending: asyncio.Event, answered: asyncio.Event
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        # This peer's parts for a reducer; the stream's end (hivemind's END_OF_STREAM) follows only once every
+        # average came back. p2pd resets a stream whose handler side closes first, and a reset drops whatever
+        # the other end had not read yet: reducers that closed as soon as they had sent the last average cost
+        # their slow readers that average, and the round came back partial. So the sender closes first.
+        async for message in self._generate_input_for_peer(peer_index):
+            yield message
+        done_sending.set()
+        await answered.wait()
+
     async def _accumulate_parts_streaming(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         # Replaces AllReduceRunner._accumulate_parts_streaming: each part's average goes back encoded as the
-        # sender's part came (the same encoding for every sender), not as a delta from the sender's part.
+        # sender's part came (the same encoding for every sender), not as a delta from the sender's part. The
+        # stream ends when the sender closes it, after it got every average (see _parts_until_answered).
+        num_parts = self.tensor_part_reducer.num_parts
         part_index = 0
         try:
             loop = asyncio.get_event_loop()
@@ -155,6 +198,8 @@ class _CountingAllReduceRunner(AllReduceRunner):
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
+                if part_index == num_parts:
+                    raise AllreduceException(f"sender {sender_index} sent more than the {num_parts} parts expected")
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight
@@ -167,8 +212,11 @@ class _CountingAllReduceRunner(AllReduceRunner):
                     None, functools.partial(serialize_torch_tensor, averaged_part, wire_type)
                 )
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+        except TimeoutError:
+            if part_index != num_parts:  # a sender slow to close a stream that gave every part is no failure
+                raise
         finally:
-            if part_index != self.tensor_part_reducer.num_parts:
+            if part_index != num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
     def _get_peer_stub(self, peer: PeerID) -> Any:
@@ -179,11 +227,53 @@ class _CountingAllReduceRunner(AllReduceRunner):
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        # Wraps AllReduceRunner.rpc_aggregate_part: where this peer, as a reducer, receives a groupmate's parts
-        # and streams the averages back.
-        async for message in super().rpc_aggregate_part(_counted(stream, self.traffic.received_bytes), context):
-            _add(self.traffic.sent_bytes, len(message.tensor_part.buffer))
+        # Replaces AllReduceRunner.rpc_aggregate_part: where this peer, as a reducer, receives a groupmate's parts
+        # and streams the averages back, counting both. A sender that aggregates nothing gets its averages only
+        # once all are ready (hivemind's waited for the end of the sender's stream, which now comes after them).
+        sender_index = self.sender_peer_ids.index(context.remote_id)
+        self.active_senders.add(context.remote_id)
+        if len(self.active_senders) == len(self.sender_peer_ids):
+            self.all_senders_started.set()
+        stream = _counted(stream, self.traffic.received_bytes)
+        try:
+            request: averaging_pb2.AveragingData = await asyncio.wait_for(anext(stream), self.sender_timeout)
+            rejection = self._check_reasons_to_reject(request, context)
+            if rejection is not None:
+                yield rejection
+                return
+            if request.code != averaging_pb2.PART_FOR_AVERAGING:
+                yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+                raise AllreduceException(f"{context.remote_id} sent {averaging_pb2.MessageCode.Name(request.code)}")
+            parts = aiter_with_timeout(achain(as_aiter(request), stream), self.sender_timeout)
+            averages = self._accumulate_parts_streaming(parts, sender_index)
+            if self.should_delay_results(context.remote_id):
+                averages = held_until_all(averages, self.tensor_part_reducer.num_parts)
+            async for message in averages:
+                _add(self.traffic.sent_bytes, len(message.tensor_part.buffer))
+                yield message
+        except BaseException as e:
+            await self._ban_sender(context.remote_id)
+            if not isinstance(e, Exception):
+                raise  # cancelled
+            logger.debug(f"Caught {e!r} when communicating with {context.remote_id}", exc_info=True)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+
+
+async def held_until_all(messages: AsyncIterator[T], num_parts: int) -> AsyncIterator[T]:
+    """`messages`, the first `num_parts` held back until the last of them came (or the stream ended short)."""
+    held: list[T] = []
+    async for message in messages:
+        if len(held) < num_parts:
+            held.append(message)
+            if len(held) < num_parts:
+                continue
+            for ready in held:
+                yield ready
+        else:
             yield message
+    if len(held) < num_parts:
+        for ready in held:
+            yield ready
 
 
 @dataclass(frozen=True, slots=True)
