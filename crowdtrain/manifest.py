@@ -32,6 +32,8 @@ came back, and a reducer holds a zero-share sender's averages until all are read
 
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 MAX_MODEL_CONFIG_BYTES = 16 * 1024
+MAX_CREATED_AT = 1e10
+"""Cap on `created_at`: the year 2286 (a time far beyond it overflowed the state download's epoch bound)."""
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
@@ -53,7 +55,11 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.architecture):
             raise ValueError(f"architecture must be a transformers class name, got {self.architecture!r}")
-        if len(json.dumps(self.config)) > MAX_MODEL_CONFIG_BYTES:
+        try:
+            config_json = json.dumps(self.config, allow_nan=False)
+        except ValueError:
+            raise ValueError("config must hold finite numbers only, not NaN or Infinity") from None
+        if len(config_json) > MAX_MODEL_CONFIG_BYTES:
             raise ValueError(f"config is larger than {MAX_MODEL_CONFIG_BYTES} bytes as JSON")
         if not self.tokenizer:
             raise ValueError("tokenizer must be 'bytes' or a directory")
@@ -274,6 +280,8 @@ class RunManifest:
             )
         if self.target_batch_size < 1:
             raise ValueError(f"target_batch_size must be positive, got {self.target_batch_size}")
+        if not 0.0 <= self.created_at <= MAX_CREATED_AT:
+            raise ValueError(f"created_at must be Unix seconds from 0 to {MAX_CREATED_AT:.0e}, got {self.created_at}")
         if self.moe is not None:
             _check_moe_layers(self.moe, self.model)
         if self.diloco is not None and self.averaging.mode != "diloco":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -64,7 +65,13 @@ def _coerce(hint: Any, value: Any, path: str) -> Any:
 
 def _coerce_scalar(hint: Any, value: Any, path: str) -> Any:
     if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond any double
+            number = math.inf
+        if not math.isfinite(number):
+            raise FieldError(f"field '{path}' must be a finite number, got {str(value)[:40]}")
+        return number
     if hint is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if hint in (str, bool) and type(value) is hint:
@@ -135,9 +142,16 @@ def _is_unset_optional(message: Message, name: str) -> bool:
 
 def _parse_json_object(text: str, name: str) -> dict[str, Any]:
     try:
-        value = json.loads(text) if text else {}
-    except json.JSONDecodeError as e:
+        value = json.loads(text, parse_constant=_refuse_constant) if text else {}
+    except ValueError as e:  # json.JSONDecodeError, or _refuse_constant's
         raise FieldError(f"field '{name}' is not valid JSON: {e}") from None
+    except RecursionError:
+        raise FieldError(f"field '{name}' nests too deeply") from None
     if not isinstance(value, dict):
         raise FieldError(f"field '{name}' must be a JSON object")
     return value
+
+
+def _refuse_constant(constant: str) -> Any:
+    """json.loads takes NaN and Infinity, which JSON does not allow and no config needs."""
+    raise ValueError(f"{constant} is not a JSON number")
