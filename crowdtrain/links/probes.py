@@ -49,9 +49,12 @@ from crowdtrain.links.protocol import (
     BandwidthSample,
     ProbeReport,
     T,
+    dial_back_verdicts,
     one_line,
     remaining_s,
+    retry_after_s,
     short_peer,
+    upload_sample,
     without_peer_suffix,
 )
 from crowdtrain.links.reachability import classify_address, direct_ip, reachability
@@ -306,14 +309,13 @@ class ProbeService(P2PService):
         if isinstance(result, proto.ProbeRefusal):
             failures.append(f"peer {short_peer(peer)} refused the dial-back probe: {result.reason}")
             return []
+        try:
+            verdicts = dial_back_verdicts(peer, result, own)
+        except ValueError as e:
+            failures.append(f"peer {short_peer(peer)} sent a malformed dial-back answer: {e}")
+            return []
         observed.update(ip.strip() for ip in result.observed_ip.split(",")[:MAX_DIALED_ADDRESSES] if ip.strip())
-        names = proto.DialAttempt.Verdict
-        return [
-            AddressVerdict(
-                peer_id=peer, multiaddr=item.multiaddr, verdict=names.Name(item.verdict).lower(), detail=item.detail
-            )
-            for item in result.attempts
-        ]
+        return verdicts
 
     async def _dial_back(
         self, peer: PeerID, own: list[str], timeout_s: float
@@ -372,7 +374,7 @@ class ProbeService(P2PService):
             rate, refusals, errors = await self._joint_flows(direction, sizes, deadline)
             failures += errors
             best = rate if best is None or (rate is not None and rate > best) else best
-            wait_s = max((refusal.retry_after_s for refusal in refusals.values()), default=0.0)
+            wait_s = max((retry_after_s(refusal) for refusal in refusals.values()), default=0.0)
             if wait_s <= 0:
                 break  # every flow ran, or failed or was refused for good
         if best is None:
@@ -416,7 +418,7 @@ class ProbeService(P2PService):
             outcome = await call()
             if not isinstance(outcome, proto.ProbeRefusal):
                 return outcome
-            wait_s = outcome.retry_after_s
+            wait_s = retry_after_s(outcome)
             if wait_s <= 0 or time.monotonic() + wait_s + 1.0 > deadline:
                 return outcome
             await asyncio.sleep(wait_s)  # the server said when it will accept
@@ -439,14 +441,7 @@ class ProbeService(P2PService):
                 result = await anext(responses)
             finally:
                 await responses.aclose()  # the server may stop reading early; don't wait for our writer
-        if result.HasField("refusal"):
-            return result.refusal
-        # The peer's own figures: never more bytes than were sent (BandwidthSample.mbps checks the duration).
-        return BandwidthSample(
-            measured_bytes=min(result.measured_bytes, num_bytes),
-            duration_s=result.duration_s,
-            truncated=result.truncated,
-        )
+        return result.refusal if result.HasField("refusal") else upload_sample(result, num_bytes)
 
     async def _download(self, peer: PeerID, num_bytes: int, deadline: float) -> BandwidthSample | proto.ProbeRefusal:
         stub: Any = self.get_stub(self.require_p2p(), peer, namespace=NAMESPACE)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
+
+from crowdtrain import proto
 
 T = TypeVar("T")
 
@@ -140,3 +143,35 @@ def one_line(error: BaseException) -> str:
     """The first line of an error's message, or its type's name."""
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__
+
+
+def upload_sample(result: proto.UploadResult, sent_bytes: int) -> BandwidthSample:
+    """What a peer's answer to an upload probe of `sent_bytes` says: never more bytes than were sent
+    (`BandwidthSample.mbps` refuses durations and rates that are not physical)."""
+    return BandwidthSample(
+        measured_bytes=min(result.measured_bytes, sent_bytes), duration_s=result.duration_s, truncated=result.truncated
+    )
+
+
+def retry_after_s(refusal: proto.ProbeRefusal) -> float:
+    """Seconds a refusing server asked this node to wait before asking again; 0 (not again) unless the wait is
+    finite and positive: a NaN wait slept forever, and `measure` ran into its own timeout."""
+    wait_s = refusal.retry_after_s
+    return wait_s if math.isfinite(wait_s) and wait_s > 0 else 0.0
+
+
+def dial_back_verdicts(peer: str, result: proto.DialBackResult, asked: Sequence[str]) -> list[AddressVerdict]:
+    """The verdicts of `peer`'s answer to a dial-back request for the addresses `asked`; ValueError for more
+    attempts than the server answers or a verdict this node does not know (that crashed `measure`)."""
+    if len(result.attempts) > min(len(asked), MAX_REPORTED_ADDRESSES):
+        raise ValueError(f"{len(result.attempts)} dial-back attempts answered for {len(asked)} addresses asked")
+    names = proto.DialAttempt.Verdict
+    unknown = [item.verdict for item in result.attempts if item.verdict not in names.values()]
+    if unknown:
+        raise ValueError(f"a dial-back attempt with the unknown verdict {unknown[0]}")
+    return [
+        AddressVerdict(
+            peer_id=peer, multiaddr=item.multiaddr, verdict=names.Name(item.verdict).lower(), detail=item.detail
+        )
+        for item in result.attempts
+    ]
