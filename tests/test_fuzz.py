@@ -1,0 +1,825 @@
+"""Fuzzing every decoder of peer data: at least 10,000 hostile inputs per type, none crashes it, none gets in.
+
+Inputs come two ways, each type from its own seeded `random.Random`, so a failure names the case that reproduces
+it: mutations of genuine encodings made by crowdtrain's own encoders and a real key (bytes flipped, cut, added,
+spliced; fields set to NaN, inf, negative, huge or overlong through the protobuf API, then signed again with a
+valid key, so the content checks run and not only the signature's), and random bytes. A case is hostile when the
+decoder's documented contract says it must be refused. A mutation that leaves its input valid (a base64 bit the
+decoder ignores) is benign: it may be accepted and is not counted. A crash is any error but the documented one.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import json
+import math
+import random
+import re
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from cryptography.hazmat.primitives import serialization
+from google.protobuf.message import DecodeError
+from hivemind.compression import serialize_torch_tensor
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import CompositeValidator, DHTRecord
+from hivemind.proto import runtime_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.serializer import MSGPackSerializer
+
+from crowdtrain import proto
+from crowdtrain.averaging.compression import BoundedInt8
+from crowdtrain.averaging.state_download import StateTemplate, TensorSpec, UnacceptableStateError, check_state
+from crowdtrain.dht import keys
+from crowdtrain.dht.records import (
+    MAX_INNER_STEPS,
+    MAX_MODE_NAME_CHARS,
+    MAX_PEER_STATUS_BYTES,
+    MAX_PHASE_SECONDS,
+    MAX_PLAN_DIGEST_CHARS,
+    PHYSICAL_LIMITS,
+    RecordError,
+    decode_peer_status,
+    encode_peer_status,
+    open_manifest,
+    owner_marker,
+    peer_id_of_owner,
+    sign_manifest,
+)
+from crowdtrain.dht.validator import make_validators
+from crowdtrain.links.protocol import MAX_PLAUSIBLE_MBPS, dial_back_verdicts, retry_after_s, upload_sample
+from crowdtrain.manifest import DiLoCoSpec, RunManifest, demo, demo_moe
+from crowdtrain.structured import FieldError, from_mapping
+
+SEED = 20_251
+CASES_PER_TYPE = 10_000
+RUN_ID = "demo"
+NAN, INF = float("nan"), float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One input: how it was made (to reproduce it), and whether the decoder's contract says it must be refused."""
+
+    label: str
+    data: Any
+    hostile: bool = True
+
+
+@dataclass(slots=True)
+class Tally:
+    """What one decoder did with its cases."""
+
+    hostile: int = 0
+    benign: int = 0
+    crashes: list[str] = field(default_factory=list)
+    accepted: list[str] = field(default_factory=list)
+
+    def summary(self, name: str) -> str:
+        shown = "\n".join([*self.crashes[:5], *self.accepted[:5]])
+        return (
+            f"{name} (seed {SEED}): {self.hostile} hostile and {self.benign} benign cases, "
+            f"{len(self.crashes)} crashes, {len(self.accepted)} hostile accepted\n{shown}"
+        )
+
+
+def fuzz(
+    name: str, decode: Callable[[Any], bool], refusals: tuple[type[BaseException], ...], cases: Iterator[Case]
+) -> Tally:
+    """Feed `decode` (True: accepted) cases until CASES_PER_TYPE hostile ones were tried; `refusals` may be raised."""
+    tally = Tally()
+    for index, case in enumerate(cases):
+        label = f"{name} case {index}: {case.label}"
+        try:
+            accepted = decode(case.data)
+        except refusals:
+            accepted = False
+        except Exception as e:  # the fuzzer's point: anything else is a crash, recorded with its case
+            tally.crashes.append(f"{label} -> {type(e).__name__}: {str(e)[:200]}")
+            accepted = False
+        if case.hostile and accepted:
+            tally.accepted.append(label)
+        tally.hostile += case.hostile
+        tally.benign += not case.hostile
+        if tally.hostile >= CASES_PER_TYPE:
+            return tally
+    raise AssertionError(f"{name}: the case generator ran dry")
+
+
+def assert_all_refused(name: str, tally: Tally) -> None:
+    assert tally.hostile >= CASES_PER_TYPE and tally.crashes == [] and tally.accepted == [], tally.summary(name)
+
+
+# --- mutations -----------------------------------------------------------------------------------------------
+
+
+def random_bytes(rng: random.Random, max_len: int = 512) -> bytes:
+    return rng.randbytes(rng.randrange(max_len + 1))
+
+
+def mutate(rng: random.Random, data: bytes, donors: Sequence[bytes]) -> tuple[str, bytes]:
+    """One byte-level mutation of `data`: flip, cut, extend, insert, delete, duplicate, or splice with a donor."""
+    how = rng.choice(("flip", "truncate", "extend", "insert", "delete", "duplicate", "splice"))
+    at = rng.randrange(len(data) + 1)
+    if how == "flip" and data:
+        at = min(at, len(data) - 1)
+        return f"flip byte {at}", data[:at] + bytes([data[at] ^ rng.randrange(1, 256)]) + data[at + 1 :]
+    if how == "truncate" and data:
+        return f"truncate to {at % len(data)}", data[: at % len(data)]
+    if how == "insert":
+        return f"insert at {at}", data[:at] + random_bytes(rng, 64) + data[at:]
+    if how == "delete":
+        end = rng.randrange(at, len(data) + 1)
+        return f"delete {at}:{end}", data[:at] + data[end:]
+    if how == "duplicate":
+        end = rng.randrange(at, len(data) + 1)
+        return f"duplicate {at}:{end}", data[:end] + data[at:end] + data[end:]
+    if how == "splice":
+        donor = rng.choice(donors)
+        cut = rng.randrange(len(donor) + 1)
+        return f"splice at {at} with a donor from {cut}", data[:at] + donor[cut:]
+    return "extend", data + random_bytes(rng, 64) + b"\x00" * rng.randrange(2)
+
+
+def hostile_float(rng: random.Random) -> float:
+    """A non-finite, negative, huge or denormal double, or one from 8 random bytes (often a NaN payload)."""
+    pool = (NAN, INF, -INF, -1.0, -1e-300, -5e-324, 1e308, 1.7976931348623157e308, -0.0)
+    return rng.choice(pool) if rng.random() < 0.8 else struct.unpack("<d", rng.randbytes(8))[0]
+
+
+def set_path(message: Any, path: str, value: Any) -> None:
+    """Set a dotted field of a protobuf message or a nested dict; a list value replaces a repeated field."""
+    *parents, last = path.split(".")
+    for part in parents:
+        if isinstance(message, dict) and message.get(part) is None:
+            message[part] = {}  # an unset optional table, such as [diloco] in a gradients run
+        message = message[part] if isinstance(message, dict) else getattr(message, part)
+    if isinstance(message, dict):
+        message[last] = value
+    elif isinstance(value, list):
+        del getattr(message, last)[:]
+        getattr(message, last).extend(value)
+    else:
+        setattr(message, last, value)
+
+
+# --- manifests -----------------------------------------------------------------------------------------------
+
+NON_FINITE = [NAN, INF, -INF]
+POSITIVE_FLOAT_ATTACKS = [*NON_FINITE, 0.0, -1.0, -5e-324]
+DILOCO = dataclasses.replace(
+    demo(), averaging=dataclasses.replace(demo().averaging, mode="diloco"), diloco=DiLoCoSpec()
+)
+BASES = {"demo": demo(), "moe": demo_moe(), "diloco": DILOCO}
+BASE_BYTES = {name: manifest.to_bytes() for name, manifest in BASES.items()}
+MANIFEST_ATTACKS: list[tuple[str, str, list[Any]]] = [
+    # (base, field path, values the contract refuses)
+    ("demo", "run_id", ["", "Demo", "x" * 64, "../etc", "a b", "a\x00", "é"]),
+    ("demo", "protocol_version", [0, 2, 4, 2**32 - 1]),
+    ("demo", "created_at", [*NON_FINITE, -1.0, -1e308, 1e300, 1.7976931348623157e308]),
+    ("demo", "target_batch_size", [0]),
+    ("demo", "model.architecture", ["", "a b", "x;import os", "1abc"]),
+    ("demo", "model.tokenizer", [""]),
+    ("demo", "model.precision", ["", "fp8", "x" * 100]),
+    ("demo", "model.config_json", ["[]", "1", "{", "null", '{"a": NaN}', '{"b": Infinity}', '{"c": [-Infinity]}']),
+    ("demo", "model.config_json", ['{"a": ' + "[" * 20_000 + "]" * 20_000 + "}", json.dumps({"a": "x" * 17_000})]),
+    ("demo", "data.source", ["", "ftp", "files", "hf"]),  # files and hf need a path
+    ("demo", "data.sequence_length", [0, 65537, 2**32 - 1]),
+    ("demo", "optimizer.name", ["", "adam", "x" * 1000]),
+    ("demo", "optimizer.learning_rate", POSITIVE_FLOAT_ATTACKS),
+    ("demo", "optimizer.weight_decay", [*NON_FINITE, -0.5, -1e300]),
+    ("demo", "optimizer.warmup_steps", [10_001, 2**32 - 1]),
+    ("demo", "optimizer.total_steps", [0, 9]),
+    ("demo", "averaging.mode", ["", "GRADIENTS", "x" * 1000]),
+    ("demo", "averaging.compression", ["", "zip", "int8"]),
+    ("demo", "averaging.aggregation", ["", "median", "x" * 1000]),
+    ("demo", "averaging.group_size", [0, 1, 3, 6, 2**32 - 1]),
+    ("demo", "averaging.grid_dims", [0, 9, 2**32 - 1]),
+    ("demo", "averaging.timeout_s", POSITIVE_FLOAT_ATTACKS),
+    ("demo", "averaging.matchmaking_time_s", POSITIVE_FLOAT_ATTACKS),
+    ("demo", "diloco.inner_steps", [0, 50]),  # a [diloco] section in a gradients run
+    ("moe", "moe.grid", [[], [0], [257], [1, 1, 1, 1, 1], [256, 256, 2]]),
+    ("moe", "moe.layers", [[4], [1, 1], [1024]]),
+    ("moe", "moe.expert", ["", "cnn"]),
+    ("moe", "moe.expert_hidden_size", [0, 65537]),
+    ("moe", "moe.k", [0, 17]),
+    ("moe", "moe.k_min", [0, 3]),
+    ("moe", "moe.forward_timeout_s", POSITIVE_FLOAT_ATTACKS),
+    ("moe", "moe.backward_timeout_s", POSITIVE_FLOAT_ATTACKS),
+    ("moe", "moe.timeout_after_k_min_s", POSITIVE_FLOAT_ATTACKS),
+    ("moe", "moe.uid_prefix", ["", "1ffn", "x" * 33, "a.b"]),
+    ("moe", "model.config_json", ['{"num_hidden_layers": 4}', '{"num_hidden_layers": NaN, "hidden_size": 8}']),
+    ("diloco", "diloco.inner_steps", [0, 1_000_001]),
+    ("diloco", "diloco.outer_learning_rate", [*POSITIVE_FLOAT_ATTACKS, 10.5, 1e300]),
+    ("diloco", "diloco.outer_momentum", [*NON_FINITE, -0.1, 1.0, 1e300]),
+    ("diloco", "diloco.compression", ["", "zip"]),
+]
+ALL_MANIFEST_ATTACKS = [(base, path, value) for base, path, values in MANIFEST_ATTACKS for value in values]
+
+
+def hostile_manifest_body(base: str, path: str, value: Any) -> bytes:
+    """A RunManifest message with one field set to `value` through the protobuf API."""
+    message = proto.RunManifest.FromString(BASE_BYTES[base])
+    set_path(message, path, value)
+    return message.SerializeToString()
+
+
+def sign_body(body: bytes, key: RSAPrivateKey) -> bytes:
+    """A SignedManifest around `body`, genuinely signed by `key`, whatever `body` holds."""
+    public_key = key.get_public_key().to_bytes()
+    return proto.SignedManifest(
+        manifest=body, founder_public_key=public_key, signature=key.sign(body)
+    ).SerializeToString()
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Two real keys and what was signed with them once, for every test of this module."""
+
+    founder: RSAPrivateKey
+    other: RSAPrivateKey
+    valid_manifest: bytes
+    hostile_manifests: list[tuple[str, bytes]]
+
+
+@pytest.fixture(scope="module")
+def signed() -> Keys:
+    founder, other = RSAPrivateKey(), RSAPrivateKey()
+    valid = sign_manifest(dataclasses.replace(demo(), created_at=1.7e9), founder)
+    hostile = [
+        (
+            f"{path}={str(value)[:40]!r} signed by the founder",
+            sign_body(hostile_manifest_body(base, path, value), founder),
+        )
+        for base, path, value in ALL_MANIFEST_ATTACKS
+    ]
+    body = demo().to_bytes()
+    public_key = founder.get_public_key().to_bytes()
+    forgeries = [
+        ("a body signed by another key", proto.SignedManifest(manifest=body, signature=other.sign(body))),
+        ("the signature of another body", proto.SignedManifest(manifest=body, signature=founder.sign(body + b"x"))),
+        ("no signature", proto.SignedManifest(manifest=body)),
+    ]
+    for _, message in forgeries:
+        message.founder_public_key = public_key
+    forgeries.append(("no key", proto.SignedManifest(manifest=body, signature=founder.sign(body))))
+    hostile += [(label, message.SerializeToString()) for label, message in forgeries]
+    return Keys(founder=founder, other=other, valid_manifest=valid, hostile_manifests=hostile)
+
+
+def same_signed_manifest(data: bytes, original: bytes) -> bool:
+    """Whether `data` holds the same body, signature and founder key as `original` (a harmless re-encoding)."""
+    try:
+        mutated, genuine = proto.SignedManifest.FromString(data), proto.SignedManifest.FromString(original)
+        keys_equal = (
+            serialization.load_ssh_public_key(mutated.founder_public_key).public_numbers()  # type: ignore[union-attr]
+            == serialization.load_ssh_public_key(genuine.founder_public_key).public_numbers()  # type: ignore[union-attr]
+        )
+    except Exception:
+        return False
+    return keys_equal and (mutated.manifest, mutated.signature) == (genuine.manifest, genuine.signature)
+
+
+def signed_manifest_cases(rng: random.Random, signed: Keys) -> Iterator[Case]:
+    donors = [signed.valid_manifest, *(data for _, data in signed.hostile_manifests[:20])]
+    while True:
+        roll = rng.random()
+        if roll < 0.4:
+            label, data = rng.choice(signed.hostile_manifests)
+            if rng.random() < 0.5:
+                how, data = mutate(rng, data, donors)
+                label = f"{label}, then {how}"
+            yield Case(label, data)
+        elif roll < 0.85:
+            how, data = mutate(rng, signed.valid_manifest, donors)
+            yield Case(f"the valid record, {how}", data, hostile=not same_signed_manifest(data, signed.valid_manifest))
+        else:
+            yield Case("random bytes", random_bytes(rng, 2048))
+
+
+def test_open_manifest_refuses_every_hostile_record(signed: Keys) -> None:
+    assert open_manifest(signed.valid_manifest).manifest.created_at == 1.7e9  # the mutations start from a valid one
+    tally = fuzz(
+        "open_manifest",
+        lambda data: open_manifest(data) is not None,
+        (RecordError,),
+        signed_manifest_cases(random.Random(f"{SEED}:open_manifest"), signed),
+    )
+    assert_all_refused("open_manifest", tally)
+
+
+def manifest_body_cases(rng: random.Random) -> Iterator[Case]:
+    while True:
+        if rng.random() < 0.1:
+            yield Case("random bytes", random_bytes(rng))
+            continue
+        attacks = rng.sample(ALL_MANIFEST_ATTACKS, rng.randrange(1, 3))
+        base = attacks[0][0]
+        attacks = [attack for attack in attacks if attack[0] == base]
+        message = proto.RunManifest.FromString(BASE_BYTES[base])
+        message.created_at = rng.uniform(0, 2e9)  # a benign change, so the cases differ beyond their attacks
+        for _, path, value in attacks:
+            set_path(message, path, value)
+        label = ", ".join(f"{path}={str(value)[:40]!r}" for _, path, value in attacks)
+        yield Case(f"{base} with {label}", message.SerializeToString())
+
+
+def test_manifest_from_bytes_refuses_every_hostile_body() -> None:
+    tally = fuzz(
+        "RunManifest.from_bytes",
+        lambda data: RunManifest.from_bytes(data) is not None,
+        (ValueError,),
+        manifest_body_cases(random.Random(f"{SEED}:manifest_body")),
+    )
+    assert_all_refused("RunManifest.from_bytes", tally)
+
+
+WRONG_TYPES: dict[type, list[Any]] = {
+    float: ["7", b"7", True, None, [1.0], {"a": 1}, 10**400],
+    int: ["7", b"7", True, None, [1], {"a": 1}, 3.5, 2.0],
+    str: [7, b"x", True, None, ["x"], {"a": 1}, 3.5],
+    dict: ["x", 7, None, [1], True],
+}
+
+
+def manifest_table_cases(rng: random.Random) -> Iterator[Case]:
+    tables = {name: dataclasses.asdict(manifest) for name, manifest in BASES.items()}
+    while True:
+        roll = rng.random()
+        if roll < 0.5:
+            base, path, value = rng.choice(ALL_MANIFEST_ATTACKS)
+            if path == "model.config_json":
+                path, value = "model.config", {"a": rng.choice(NON_FINITE), "b": "x" * rng.randrange(20_000)}
+            label = f"{path}={str(value)[:40]!r}"
+        elif roll < 0.8:
+            base = rng.choice(list(tables))
+            path = rng.choice(["run_id", "created_at", "target_batch_size", "optimizer.learning_rate",
+                               "averaging.group_size", "averaging.timeout_s", "data.source", "model"])  # fmt: skip
+            current: Any = tables[base]
+            for part in path.split("."):
+                current = current[part]
+            value = rng.choice(WRONG_TYPES[type(current)])
+            label = f"{path} of the wrong type or beyond a double: {str(value)[:40]}"
+        else:
+            base, path, value = rng.choice(list(tables)), rng.choice(["", "model.", "optimizer."]), 1
+            length = rng.choice([rng.randrange(1, 40), rng.randrange(1, 10_000)])
+            path += "".join(rng.choices("abcdefghijklmnopqrstuvwxyz_", k=length))
+            label = f"an unknown field {path[:40]}..."
+        table = json.loads(json.dumps(tables[base]))
+        set_path(table, path, list(value) if isinstance(value, tuple) else value)
+        yield Case(label, table)
+
+
+def test_manifest_tables_with_hostile_fields_are_refused() -> None:
+    tally = fuzz(
+        "from_mapping(RunManifest)",
+        lambda table: from_mapping(RunManifest, table) is not None,
+        (FieldError,),
+        manifest_table_cases(random.Random(f"{SEED}:manifest_table")),
+    )
+    assert_all_refused("from_mapping(RunManifest)", tally)
+
+
+# --- peer statuses -------------------------------------------------------------------------------------------
+
+STATUS_LIMITS = {**PHYSICAL_LIMITS, "loss": INF, "last_seen": INF}
+
+
+def valid_status(peer_id: str) -> proto.PeerStatus:
+    return proto.PeerStatus(
+        peer_id=peer_id, run_id=RUN_ID, version="0.1.0", roles=["trainer"], device="cpu", samples_per_second=12.5,
+        epoch=3, loss=-2.25, upload_mbps=50.0, download_mbps=200.0, last_seen=1.7e9, multiaddrs=["/ip4/1.2.3.4/tcp/1"],
+        measured_samples_per_second=13.0, aggregation_share=0.5, plan_digest="abc",
+        phase_times=proto.PhaseTimes(compute_s=3.0, wait_s=0.5),
+        training=proto.TrainingStatus(mode="diloco", compression="int8", inner_step=3, inner_steps=8),
+    )  # fmt: skip
+
+
+def status_within_contract(data: bytes, owner_peer_id: str) -> bool:
+    """The contract of decode_peer_status restated: parsable, capped, the owner's, every number finite and bounded."""
+    try:
+        status = proto.PeerStatus.FromString(data)
+    except (DecodeError, RuntimeWarning):
+        return False
+    numbers = {name: getattr(status, name) for name in STATUS_LIMITS}
+    phases = [getattr(status.phase_times, f.name) for f in status.phase_times.DESCRIPTOR.fields]
+    training = status.training
+    return (
+        len(data) <= MAX_PEER_STATUS_BYTES
+        and status.peer_id == owner_peer_id
+        and all(math.isfinite(v) and (v >= 0 or n == "loss") and v <= STATUS_LIMITS[n] for n, v in numbers.items())
+        and all(math.isfinite(seconds) and 0 <= seconds <= MAX_PHASE_SECONDS for seconds in phases)
+        and len(status.plan_digest) <= MAX_PLAN_DIGEST_CHARS
+        and max(len(training.mode), len(training.compression)) <= MAX_MODE_NAME_CHARS
+        and training.inner_step <= training.inner_steps <= MAX_INNER_STEPS
+        and 0 <= training.compute_utilisation <= 1
+    )
+
+
+STATUS_ATTACKS: list[tuple[str, Callable[[random.Random], Any]]] = [
+    *((name, hostile_float) for name in STATUS_LIMITS if name != "loss"),
+    *((name, lambda rng, name=name: STATUS_LIMITS[name] * rng.uniform(1.001, 1e6)) for name in PHYSICAL_LIMITS),
+    ("loss", lambda rng: rng.choice(NON_FINITE)),
+    *((f"phase_times.{f.name}", hostile_float) for f in proto.PhaseTimes.DESCRIPTOR.fields),
+    ("phase_times.wait_s", lambda rng: MAX_PHASE_SECONDS * rng.uniform(1.001, 1e6)),
+    ("plan_digest", lambda rng: "x" * rng.randrange(MAX_PLAN_DIGEST_CHARS + 1, 4000)),
+    ("training.mode", lambda rng: "[/bold]" * rng.randrange(3, 500)),
+    ("training.compression", lambda rng: "x" * rng.randrange(MAX_MODE_NAME_CHARS + 1, 4000)),
+    ("training.inner_steps", lambda rng: rng.randrange(MAX_INNER_STEPS + 1, 2**64)),
+    ("training.inner_step", lambda rng: rng.randrange(9, 2**64)),  # beyond inner_steps = 8
+    ("training.compute_utilisation", lambda rng: rng.choice([*NON_FINITE, -0.1, 1.0001, 1e300])),
+    ("peer_id", lambda rng: rng.choice(["", "QmSomeoneElse", "x" * 2000])),
+    ("experts", lambda rng: [f"expert.{i}" for i in range(MAX_PEER_STATUS_BYTES // 8)]),
+]
+
+
+def peer_status_cases(rng: random.Random, owner: bytes, other_owner: bytes) -> Iterator[Case]:
+    peer_id = peer_id_of_owner(owner).to_base58()
+    valid = encode_peer_status(valid_status(peer_id))
+    donors = [valid, encode_peer_status(valid_status(peer_id_of_owner(other_owner).to_base58()))]
+    garbage_owners = [b"", b"garbage", b"[owner:]", b"[owner:ssh-rsa AAAA]", other_owner]
+    while True:
+        roll = rng.random()
+        if roll < 0.45:
+            status = valid_status(peer_id)
+            attacks = rng.sample(STATUS_ATTACKS, rng.randrange(1, 3))
+            values = [(path, make(rng)) for path, make in attacks]
+            for path, value in values:
+                set_path(status, path, value)
+            label = ", ".join(f"{path}={str(value)[:40]!r}" for path, value in values)
+            data = status.SerializeToString()  # hostile unless the values drawn happen to fit (-0.0, 1e308 last_seen)
+            yield Case(label, (data, owner), hostile=not status_within_contract(data, peer_id))
+        elif roll < 0.85:
+            how, data = mutate(rng, valid, donors)
+            yield Case(f"the valid status, {how}", (data, owner), hostile=not status_within_contract(data, peer_id))
+        elif roll < 0.95:
+            yield Case("random bytes", (random_bytes(rng), owner))
+        else:
+            bad_owner = rng.choice([*garbage_owners, random_bytes(rng, 64)])
+            yield Case(f"the valid status under owner {bad_owner[:40]!r}", (valid, bad_owner), bad_owner != owner)
+
+
+def test_decode_peer_status_refuses_every_hostile_status(signed: Keys) -> None:
+    owner, other = owner_marker(signed.founder), owner_marker(signed.other)
+    assert decode_peer_status(encode_peer_status(valid_status(peer_id_of_owner(owner).to_base58())), owner)
+    tally = fuzz(
+        "decode_peer_status",
+        lambda pair: decode_peer_status(*pair) is not None,
+        (RecordError,),
+        peer_status_cases(random.Random(f"{SEED}:peer_status"), owner, other),
+    )
+    assert_all_refused("decode_peer_status", tally)
+
+
+# --- DHT records through the validators hivemind runs --------------------------------------------------------
+
+RUNS_KEY_ID = DHTID.generate(source=keys.RUNS_KEY).to_bytes()
+PEERS_KEY_ID = DHTID.generate(source=keys.peers_key(RUN_ID)).to_bytes()
+
+
+def owned_record(validator: CompositeValidator, key_id: bytes, owner: bytes, value: Any) -> DHTRecord:
+    """A record as hivemind stores it under `owner`'s subkey, signed by the validator's own key."""
+    record = DHTRecord(key_id, MSGPackSerializer.dumps(owner), MSGPackSerializer.dumps(value), 1e10)
+    return dataclasses.replace(record, value=validator.sign_value(record))
+
+
+SIGNATURE_RE = re.compile(rb"\[signature:(.+?)\]")
+
+
+def same_signed_value(value: bytes, original: bytes) -> bool:
+    """Whether `value` holds `original`'s payload and signature (base64 ignores what follows its padding)."""
+    found, genuine = SIGNATURE_RE.findall(value), SIGNATURE_RE.findall(original)
+    try:
+        same_signature = len(found) == 1 and base64.b64decode(found[0]) == base64.b64decode(genuine[0])
+    except binascii.Error:
+        return False
+    return same_signature and SIGNATURE_RE.sub(b"", value) == SIGNATURE_RE.sub(b"", original)
+
+
+def dht_record_cases(rng: random.Random, validator: CompositeValidator, signed: Keys) -> Iterator[Case]:
+    owner = owner_marker(signed.founder)
+    peer_id = peer_id_of_owner(owner).to_base58()
+    valid = [
+        owned_record(validator, RUNS_KEY_ID, owner, signed.valid_manifest),
+        owned_record(validator, PEERS_KEY_ID, owner, encode_peer_status(valid_status(peer_id))),
+    ]
+    status_cases = peer_status_cases(rng, owner, owner_marker(signed.other))
+    statuses = [(case.label, case.data[0]) for _, case in zip(range(80), status_cases, strict=False) if case.hostile]
+    statuses = [(label, data) for label, data in statuses if "under owner" not in label]  # hostile by owner only
+    values: list[tuple[str, bytes, Any]] = [
+        *(("runs", label, data) for label, data in rng.sample(signed.hostile_manifests, 50)),
+        *(("peers", f"status {label}", data) for label, data in statuses),
+        *(("peers", "a manifest", signed.valid_manifest), ("runs", "a status", valid[1].value)),
+        *((rng.choice(["runs", "peers"]), "random bytes", random_bytes(rng)) for _ in range(10)),
+        *(
+            (rng.choice(["runs", "peers"]), f"msgpack {value!r}", value)
+            for value in [None, 7, -1.5, "text", [b"x"], {}]
+        ),
+    ]
+    hostile = [
+        (label, owned_record(validator, RUNS_KEY_ID if key == "runs" else PEERS_KEY_ID, owner, value))
+        for key, label, value in values
+    ]
+    donors = [record.value for record in valid]
+    while True:
+        roll = rng.random()
+        if roll < 0.35:
+            label, record = rng.choice(hostile)
+            yield Case(f"signed {label}", record)
+        elif roll < 0.85:
+            record = rng.choice(valid)
+            part = rng.choice(["value", "subkey"])
+            how, data = mutate(rng, getattr(record, part), donors)
+            label = f"a valid {'manifest' if record is valid[0] else 'status'} record, its {part}: {how}"
+            same = same_signed_value(data, record.value) if part == "value" else data == record.subkey
+            yield Case(label, dataclasses.replace(record, **{part: data}), hostile=not same)
+        else:
+            key_id, subkey = rng.choice([RUNS_KEY_ID, PEERS_KEY_ID]), random_bytes(rng, 64)
+            if rng.random() < 0.5:
+                subkey = MSGPackSerializer.dumps(rng.choice([owner, owner_marker(signed.other)]))
+            yield Case("random subkey and value", DHTRecord(key_id, subkey, random_bytes(rng), rng.choice([1e10, NAN])))
+
+
+def test_validators_refuse_every_hostile_record_without_raising(signed: Keys) -> None:
+    validator = CompositeValidator(make_validators(signed.founder, [RUN_ID]))
+    rng = random.Random(f"{SEED}:dht_record")
+    cases = dht_record_cases(rng, validator, signed)
+    tally = fuzz("validate", validator.validate, (), cases)
+    assert_all_refused("validate", tally)
+
+
+# --- 8-bit tensor parts --------------------------------------------------------------------------------------
+
+
+def int8_within_contract(part: runtime_pb2.Tensor) -> bool:
+    """BoundedInt8's contract restated: a float dtype and a 256-entry codebook before exactly one byte per value."""
+    buffer = bytes(part.buffer)
+    return (
+        part.dtype in ("float32", "float16", "bfloat16")
+        and len(buffer) == 8 + 4 * 256 + math.prod(part.size)
+        and int.from_bytes(buffer[:8], "little", signed=True) == 256
+    )
+
+
+def int8_cases(rng: random.Random) -> Iterator[Case]:
+    valid = [
+        serialize_torch_tensor(torch.randn(shape), runtime_pb2.UNIFORM_8BIT) for shape in [(64,), (4, 16), (3, 5, 7)]
+    ]
+    donors = [part.buffer for part in valid]
+    dtypes = ["", "int64", "float64", "bool", "complex64", "uint8", "float32 ", "torch.float32", "__class__", "Tensor"]
+    while True:
+        part = runtime_pb2.Tensor()
+        part.CopyFrom(rng.choice(valid))
+        roll = rng.random()
+        if roll < 0.3:
+            how, buffer = mutate(rng, part.buffer, donors)
+            part.buffer = buffer
+        elif roll < 0.55:
+            sizes = [rng.choice([0, 1, 2, 64, 2**31, 2**32 - 1, rng.randrange(2**32)]) for _ in range(rng.randrange(6))]
+            how = f"size {sizes}"
+            if rng.random() < 0.3:
+                sizes = [1] * rng.randrange(60, 200) + list(part.size)
+                how = f"{len(sizes)} dimensions"
+            del part.size[:]
+            part.size.extend(sizes)
+        elif roll < 0.7:
+            part.dtype = rng.choice(dtypes)
+            how = f"dtype {part.dtype!r}"
+        elif roll < 0.85:
+            codebook_size = rng.choice([0, 255, 257, -1, 2**62, -(2**63), rng.randrange(-(2**63), 2**63)])
+            part.buffer = codebook_size.to_bytes(8, "little", signed=True) + part.buffer[8:]
+            how = f"codebook size {codebook_size}"
+        else:
+            part.buffer, how = random_bytes(rng, 2000), "a random buffer"
+            del part.size[:]
+            part.size.extend(rng.randrange(40) for _ in range(rng.randrange(4)))
+        yield Case(how, part, hostile=not int8_within_contract(part))
+
+
+def test_bounded_int8_refuses_every_hostile_part() -> None:
+    tally = fuzz(
+        "BoundedInt8.extract",
+        lambda part: BoundedInt8().extract(part) is not None,
+        (ValueError,),
+        int8_cases(random.Random(f"{SEED}:int8")),
+    )
+    assert_all_refused("BoundedInt8.extract", tally)
+
+
+# --- downloaded states ---------------------------------------------------------------------------------------
+
+TEMPLATE = StateTemplate(
+    (
+        TensorSpec((3, 4), torch.float32),
+        TensorSpec((), torch.float32, non_negative=True),
+        TensorSpec((5,), torch.float16, non_negative=True),
+        TensorSpec((2, 2), torch.int64, non_negative=True),
+    ),
+    epoch_ceiling=1_000_000,
+    epoch_floor=5,
+)
+EPOCH_ATTACKS: list[Any] = [-1, -(2**63), 1_000_001, 2**62, 2**64, 10**100, 4, 0, 3.0, NAN, INF, True, "7", None, [7]]
+SHAPE_ATTACKS = [(1,), (4, 3), (3, 4, 1), (12,), (), (0,), (3, 0), (1, 1, 1, 1, 1, 1, 1, 1)]
+DTYPE_ATTACKS = [torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.bool, torch.complex64, torch.uint8]
+
+
+def honest_state(rng: random.Random) -> tuple[dict[str, Any], list[Any]]:
+    tensors = [torch.randn(3, 4), torch.tensor(rng.uniform(0, 9)), torch.rand(5).half(), torch.randint(0, 9, (2, 2))]
+    return {"epoch": rng.randrange(5, 1_000_001), "other": "fields ignored"}, tensors
+
+
+def poison(rng: random.Random, tensors: list[Any]) -> str:
+    """One attack on the tensor list, in place; its description."""
+    index = rng.randrange(len(tensors))
+    spec = TEMPLATE.tensors[index] if index < len(TEMPLATE.tensors) else None
+    tensor = tensors[index]
+    intact = (
+        isinstance(tensor, torch.Tensor)
+        and spec is not None
+        and (tuple(tensor.shape), tensor.dtype) == (spec.shape, spec.dtype)
+    )
+    roll = rng.random()
+    if roll < 0.3 and intact and tensor.is_floating_point():
+        value = rng.choice(NON_FINITE)
+        tensor.view(-1)[rng.randrange(tensor.numel())] = value
+        return f"tensor {index} holds {value}"
+    if roll < 0.45 and intact and spec is not None and spec.non_negative:
+        value = rng.choice([-1, -7, -1e-3] if tensor.is_floating_point() else [-1, -(2**40)])
+        tensor.view(-1)[rng.randrange(tensor.numel())] = value
+        return f"tensor {index} holds {value}"
+    if roll < 0.65 and spec is not None:
+        shape = rng.choice([shape for shape in SHAPE_ATTACKS if shape != spec.shape])
+        tensors[index] = torch.zeros(shape, dtype=spec.dtype)
+        return f"tensor {index} of shape {shape}"
+    if roll < 0.8 and intact and spec is not None:
+        dtype = rng.choice([dtype for dtype in DTYPE_ATTACKS if dtype != spec.dtype])
+        tensors[index] = tensor.to(dtype)
+        return f"tensor {index} of dtype {dtype}"
+    if roll < 0.9 and isinstance(tensor, torch.Tensor):
+        tensors[index] = rng.choice(["a string", None, 1.0, [1.0], torch.zeros(spec.shape if spec else ()).numpy()])
+        return f"tensor {index} is a {type(tensors[index]).__name__}"
+    if rng.random() < 0.5:
+        del tensors[index]
+        return f"tensor {index} missing"
+    tensors.insert(index, torch.zeros(3, 4))
+    return f"an extra tensor at {index}"
+
+
+def state_cases(rng: random.Random) -> Iterator[Case]:
+    while True:
+        metadata, tensors = honest_state(rng)
+        labels = []
+        if rng.random() < 0.3:
+            metadata = rng.choice([{"epoch": rng.choice(EPOCH_ATTACKS)}, [], "epoch", None, b"", {}, 7])
+            labels.append(f"metadata {str(metadata)[:40]}")
+        if not labels or rng.random() < 0.3:
+            for _ in range(rng.randrange(1, 3)):
+                labels.append(poison(rng, tensors))
+                if len(tensors) != len(TEMPLATE.tensors):
+                    break  # a second attack could put the count right again
+        yield Case(", ".join(labels), (metadata, tensors))
+
+
+def test_check_state_refuses_every_hostile_state() -> None:
+    rng = random.Random(f"{SEED}:state")
+    assert check_state(*honest_state(rng), TEMPLATE) >= 5
+    tally = fuzz(
+        "check_state",
+        lambda pair: check_state(*pair, TEMPLATE) is not None,
+        (UnacceptableStateError,),
+        state_cases(rng),
+    )
+    assert_all_refused("check_state", tally)
+
+
+# --- probe answers -------------------------------------------------------------------------------------------
+
+SENT_BYTES = 8 * 1024 * 1024
+
+
+def upload_within_contract(measured_bytes: int, duration_s: float) -> bool:
+    """A plausible answer: some bytes timed over a finite positive time, at a physical rate (bytes capped at sent)."""
+    measured = min(measured_bytes, SENT_BYTES)
+    finite = math.isfinite(duration_s) and duration_s > 0
+    return finite and measured > 0 and measured * 8 / duration_s / 1e6 <= MAX_PLAUSIBLE_MBPS
+
+
+def upload_cases(rng: random.Random) -> Iterator[Case]:
+    while True:
+        roll = rng.random()
+        if roll < 0.85:
+            measured = rng.choice([0, 1, SENT_BYTES, SENT_BYTES + 1, 2**64 - 1, rng.randrange(2**64)])
+            duration = rng.choice([hostile_float(rng), rng.uniform(0, 1e-3), 0.0, rng.uniform(0, 10)])
+            result = proto.UploadResult(measured_bytes=measured, duration_s=duration, received_bytes=measured)
+            yield Case(f"{measured} bytes in {duration} s", result, not upload_within_contract(measured, duration))
+        else:
+            try:
+                result = proto.UploadResult.FromString(random_bytes(rng, 64))
+            except DecodeError:
+                continue  # hivemind's stub refuses what does not parse before crowdtrain sees it
+            contract = upload_within_contract(result.measured_bytes, result.duration_s)
+            yield Case(f"random bytes: {result.measured_bytes} bytes in {result.duration_s} s", result, not contract)
+
+
+def read_upload(result: proto.UploadResult) -> bool:
+    sample = upload_sample(result, SENT_BYTES)
+    return sample.mbps is not None or sample.measured_bytes > SENT_BYTES
+
+
+def test_upload_answers_with_unphysical_figures_give_no_measurement() -> None:
+    assert upload_sample(proto.UploadResult(measured_bytes=10**6, duration_s=0.1), SENT_BYTES).mbps == 80.0
+    tally = fuzz("upload_sample", read_upload, (), upload_cases(random.Random(f"{SEED}:upload")))
+    assert_all_refused("upload_sample", tally)
+
+
+def refusal_cases(rng: random.Random) -> Iterator[Case]:
+    while True:
+        wait_s = hostile_float(rng) if rng.random() < 0.9 else struct.unpack("<d", rng.randbytes(8))[0]
+        refusal = proto.ProbeRefusal(reason=random_bytes(rng, 32).hex(), retry_after_s=wait_s)
+        yield Case(f"retry after {wait_s} s", refusal, hostile=not (math.isfinite(wait_s) and wait_s > 0))
+
+
+def test_refusals_with_unusable_waits_are_not_retried() -> None:
+    assert retry_after_s(proto.ProbeRefusal(retry_after_s=2.5)) == 2.5
+    tally = fuzz(
+        "retry_after_s",
+        lambda refusal: retry_after_s(refusal) != 0.0,
+        (),
+        refusal_cases(random.Random(f"{SEED}:refusal")),
+    )
+    assert_all_refused("retry_after_s", tally)
+
+
+VERDICT_NUMBERS = list(proto.DialAttempt.Verdict.values())
+ASKED = ["/ip4/1.2.3.4/tcp/5", "/ip4/1.2.3.4/udp/5/quic", "/ip6/::1/tcp/7"]
+
+
+def dial_back_cases(rng: random.Random) -> Iterator[Case]:
+    while True:
+        attempts = [
+            proto.DialAttempt(
+                multiaddr=address, verdict=rng.choice(VERDICT_NUMBERS), detail=random_bytes(rng, 16).hex()
+            )
+            for address in ASKED[: rng.randrange(len(ASKED) + 1)]
+        ]
+        result = proto.DialBackResult(attempts=attempts, observed_ip="1.2.3.4")
+        roll = rng.random()
+        if roll < 0.4:
+            extra = rng.randrange(len(ASKED) - len(result.attempts) + 1, 100)
+            result.attempts.extend(proto.DialAttempt(multiaddr="/ip4/6.6.6.6/tcp/1") for _ in range(extra))
+            yield Case(f"{extra} attempts beyond the addresses asked", result)
+        elif roll < 0.8 or not result.attempts:
+            result.attempts.add(verdict=rng.choice([7, 99, -1, 2**31 - 1, -(2**31)]))
+            yield Case(f"an attempt with verdict {result.attempts[-1].verdict}", result)
+        else:
+            how, data = mutate(rng, result.SerializeToString(), [result.SerializeToString()])
+            try:
+                mutated = proto.DialBackResult.FromString(data)
+            except DecodeError:
+                continue
+            within = len(mutated.attempts) <= len(ASKED) and all(a.verdict in VERDICT_NUMBERS for a in mutated.attempts)
+            yield Case(how, mutated, hostile=not within)
+
+
+def test_dial_back_answers_with_unknown_verdicts_or_extra_attempts_are_refused() -> None:
+    assert (
+        dial_back_verdicts("peer", proto.DialBackResult(attempts=[proto.DialAttempt()]), ASKED)[0].verdict == "dialed"
+    )
+    tally = fuzz(
+        "dial_back_verdicts",
+        lambda result: dial_back_verdicts("peer", result, ASKED) is not None,
+        (ValueError,),
+        dial_back_cases(random.Random(f"{SEED}:dial_back")),
+    )
+    assert_all_refused("dial_back_verdicts", tally)
+
+
+# --- what the fuzzer found, kept as plain cases ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        ("created_at", -1e308),  # the state download's epoch bound overflowed: int(inf)
+        ("optimizer.learning_rate", INF),
+        ("optimizer.weight_decay", NAN),
+        ("averaging.timeout_s", INF),
+        ("model.config_json", '{"hidden_size": NaN}'),
+        ("model.config_json", '{"a": ' + "[" * 20_000 + "]" * 20_000 + "}"),  # RecursionError from from_bytes
+    ],
+)
+def test_manifest_findings_are_refused(path: str, value: Any) -> None:
+    with pytest.raises(FieldError):
+        RunManifest.from_bytes(hostile_manifest_body("demo", path, value))
+
+
+def test_probe_answer_findings_are_refused() -> None:
+    assert retry_after_s(proto.ProbeRefusal(retry_after_s=NAN)) == 0.0  # asyncio.sleep(nan) never returned
+    with pytest.raises(ValueError, match="unknown verdict"):  # escaped `measure`
+        dial_back_verdicts("peer", proto.DialBackResult(attempts=[proto.DialAttempt(verdict=99)]), ASKED)
