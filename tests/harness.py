@@ -12,12 +12,6 @@ from typing import Any
 
 from crowdtrain.testing import swarm
 from crowdtrain.testing.processes import ProcessGroups
-from crowdtrain.testing.processes import await_condition as await_condition  # re-exported for the tests
-from crowdtrain.testing.swarm import LOOPBACK as LOOPBACK
-from crowdtrain.testing.swarm import Daemon as Daemon
-from crowdtrain.testing.swarm import crowdtrain as crowdtrain
-from crowdtrain.testing.swarm import peer_ids as peer_ids
-from crowdtrain.testing.swarm import status_json as status_json
 
 FAST_HEARTBEAT_ENV = {"CROWDTRAIN_STATUS_INTERVAL_S": "1", "CROWDTRAIN_STATUS_TTL_S": "30"}
 DAEMON_ENV = {**FAST_HEARTBEAT_ENV, "CROWDTRAIN_NUM_THREADS": "1"}

@@ -13,7 +13,9 @@ from crowdtrain import __version__
 from crowdtrain.cli.check import CheckReport, LinkCheck, NotPlanned, RolePlan, render_check
 from crowdtrain.links.protocol import AddressVerdict
 from crowdtrain.roles import Role
-from tests.harness import LOOPBACK, await_condition, crowdtrain, peer_ids, start_daemon, status_json
+from crowdtrain.testing.processes import await_condition
+from crowdtrain.testing.swarm import LOOPBACK, crowdtrain, peer_ids, status_json
+from tests.harness import start_daemon
 
 FAST_CHECK_ENV = {"CROWDTRAIN_THROUGHPUT_S": "0.5", "CROWDTRAIN_NUM_THREADS": "1"}
 SOME_PEER_ID = "12D3KooWJ7UtzFe9wbyrjmmU4BWCBmeXZ2ei7Mm8NUUGgWPFYCpb"

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import await_condition, crowdtrain, start_daemon
+from crowdtrain.testing.processes import await_condition
+from crowdtrain.testing.swarm import crowdtrain
+from tests.harness import start_daemon
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 

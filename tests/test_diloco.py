@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 
 from crowdtrain.testing.fixtures import tiny_run_file
-from tests.harness import Daemon, await_condition, start_daemon, status_json
+from crowdtrain.testing.processes import await_condition
+from crowdtrain.testing.swarm import Daemon, status_json
+from tests.harness import start_daemon
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 

@@ -20,9 +20,9 @@ from hivemind.utils.crypto import RSAPrivateKey
 from crowdtrain import proto
 from crowdtrain.averaging.exact import new_partial_counter
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, demo
+from crowdtrain.testing.processes import await_condition
 from crowdtrain.training.modes.base import ModeContext, SwarmView
 from crowdtrain.training.modes.diloco import DiLoCoMode
-from tests.harness import await_condition
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 

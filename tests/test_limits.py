@@ -10,7 +10,8 @@ import pytest
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import DataSpec, RunManifest, demo, llama_85m
 from crowdtrain.node.limits import TRAINING_BYTES_PER_PARAMETER, check_remote_manifest
-from tests.harness import crowdtrain, start_daemon
+from crowdtrain.testing.swarm import crowdtrain
+from tests.harness import start_daemon
 from tests.test_cli_errors import assert_plain_failure
 
 GIB = 2**30

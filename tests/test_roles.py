@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
-from tests.harness import await_condition, start_daemon, status_json
+from crowdtrain.testing.processes import await_condition
+from crowdtrain.testing.swarm import status_json
+from tests.harness import start_daemon
 from tests.test_training import RUN_FILE, TRAIN_ENV, await_epoch, peers_by_id
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(360)]

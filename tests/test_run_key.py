@@ -16,7 +16,9 @@ from crowdtrain.dht.validator import make_validators
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import demo
 from crowdtrain.node.membership import pin_founder
-from tests.harness import await_condition, crowdtrain, start_daemon
+from crowdtrain.testing.processes import await_condition
+from crowdtrain.testing.swarm import crowdtrain
+from tests.harness import start_daemon
 from tests.test_cli_errors import assert_plain_failure
 
 
