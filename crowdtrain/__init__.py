@@ -17,6 +17,7 @@ Package map, from the top down; a package may import only those below it (tests/
   roles       Role: what a node does for its run (trainer, aggregator, expert-host, client)
   proto/      protobuf records stored in the DHT and the node's own RPC messages
   errors      exceptions that carry the CLI's exit code
+  files       files kept across restarts: atomic writes, SHA-256 checksums beside them
 See ARCHITECTURE.md for how a global step flows through them.
 """
 

@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from crowdtrain import files as files_module
 from crowdtrain.averaging.schedule import learning_rate_factor
+from crowdtrain.files import write_atomically
 from crowdtrain.manifest import OptimizerSpec, demo
-from crowdtrain.training import checkpoint as checkpoint_module
 from crowdtrain.training.checkpoint import (
     CheckpointError,
     list_checkpoints,
     load_checkpoint,
     load_latest_checkpoint,
     save_checkpoint,
-    write_atomically,
 )
 from crowdtrain.training.checkpoint_writer import (
     CheckpointSchedule,
@@ -264,7 +264,7 @@ def test_a_failed_write_is_one_warning_and_keeps_the_older_checkpoints(
     def disk_full(descriptor: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(checkpoint_module.os, "fsync", disk_full)
+    monkeypatch.setattr(files_module.os, "fsync", disk_full)
     with caplog.at_level(logging.WARNING):
         assert writer.submit(snapshot_of(2, seed=1)) and writer.wait_idle(DEADLINE_S)
     warnings = [record for record in caplog.records if record.levelno >= logging.WARNING]

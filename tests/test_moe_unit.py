@@ -23,7 +23,9 @@ from crowdtrain.manifest import (
     manifest_from_overrides,
 )
 from crowdtrain.models.dmoe import _decoder_layers
+from crowdtrain.moe import hosting
 from crowdtrain.moe.experts import build_expert, make_backend
+from crowdtrain.moe.hosting import ExpertHost, HostOptions
 from crowdtrain.node.config import NodeConfig
 from crowdtrain.structured import FieldError
 
@@ -154,3 +156,30 @@ def test_a_backend_is_made_without_running_its_expert_where_it_lives() -> None:
 def test_dmoe_needs_decoder_layers_with_an_mlp() -> None:
     with pytest.raises(BadInputError, match="has no decoder layers with an `mlp` FFN"):
         _decoder_layers(torch.nn.Linear(2, 2), "AlbertForMaskedLM")
+
+
+def test_an_expert_checkpoint_is_checksummed_and_a_flipped_byte_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(hosting, "_children_reset", True)  # register no fork hook in the test process
+    manifest = demo_moe()
+    uid = expert_uids(manifest)[0]
+    options = HostOptions(checkpoint_dir=tmp_path)
+    host = ExpertHost(None, manifest, options)  # type: ignore[arg-type]  # no DHT: no server is started
+    trained = host._load_or_create(uid)
+    with torch.no_grad():
+        trained.module.up.weight.add_(1.0)  # type: ignore[operator]
+    host._experts[uid] = trained
+    host._save(uid)
+    assert host.checkpointed() == {uid} and (tmp_path / f"{uid}.pt.sha256").is_file()
+    restored = ExpertHost(None, manifest, options)._load_or_create(uid)  # type: ignore[arg-type]
+    assert torch.equal(restored.module.up.weight, trained.module.up.weight)
+
+    path = tmp_path / f"{uid}.pt"
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01  # inside the last tensor's bytes: torch alone would load it without a word
+    path.write_bytes(bytes(data))
+    with caplog.at_level("WARNING"):
+        fresh = ExpertHost(None, manifest, options)._load_or_create(uid)  # type: ignore[arg-type]
+    assert "checksum mismatch" in caplog.text
+    assert torch.equal(fresh.module.up.weight, build_expert(manifest, uid).up.weight), "started afresh"

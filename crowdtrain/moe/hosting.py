@@ -7,6 +7,7 @@ weights and optimizer state live in this process and carry over.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import signal
@@ -18,6 +19,7 @@ import hivemind
 import torch
 from hivemind.moe.server.server import Server
 
+from crowdtrain.files import read_checksummed, write_checksummed
 from crowdtrain.manifest import RunManifest
 from crowdtrain.moe.experts import build_expert, build_optimizer, make_backend
 from crowdtrain.moe.replicas import mix_into
@@ -211,7 +213,8 @@ class ExpertHost:
         path = self._checkpoint_path(uid)
         if path.exists():
             try:
-                state = torch.load(path, map_location=self.options.device, weights_only=True)
+                data = read_checksummed(path)
+                state = torch.load(io.BytesIO(data), map_location=self.options.device, weights_only=True)
                 expert.module.load_state_dict(state["module"])
                 expert.optimizer.load_state_dict(state["optimizer"])
                 logger.info(f"restored expert {uid} from its checkpoint")
@@ -229,7 +232,7 @@ class ExpertHost:
     def _save(self, uid: str) -> None:
         expert = self._experts[uid]
         path = self._checkpoint_path(uid)
-        partial = path.with_suffix(".pt.partial")
-        state = {"module": expert.module.state_dict(), "optimizer": expert.optimizer.state_dict()}
-        torch.save(state, partial)
-        os.replace(partial, path)  # atomic: a crash mid-save leaves the previous checkpoint intact
+        buffer = io.BytesIO()
+        torch.save({"module": expert.module.state_dict(), "optimizer": expert.optimizer.state_dict()}, buffer)
+        # atomic and checksummed: a crash mid-save leaves the previous checkpoint, a torn or flipped file is refused
+        write_checksummed(path, buffer.getbuffer())

@@ -7,11 +7,8 @@ truncated or bit-flipped file is detected before torch reads it.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import io
 import logging
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from crowdtrain.files import ChecksumError, read_checksummed, remove_checksummed, write_atomically, write_checksummed
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +62,15 @@ def write_checkpoint(
     """Write epoch-<epoch>.pt of these states atomically with its checksum, then delete all but the newest
     `keep`. `write_file` (default: an atomic write with fsync) is a seam for tests. On an error the older
     checkpoints are untouched."""
-    write_file = write_file or write_atomically
     directory.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     payload = {"epoch": epoch, "model": model_state, "optimizer": optimizer_state, "shapes": _shapes(model_state)}
     torch.save(payload, buffer)
     data = buffer.getbuffer()  # a view, not a copy: the bytes of a real model's state are a gigabyte
     path = directory / f"epoch-{epoch:08d}.pt"
-    write_file(path, data)
-    write_file(path.with_name(path.name + ".sha256"), hashlib.sha256(data).hexdigest().encode())
+    write_checksummed(path, data, write_file or write_atomically)
     for old in list_checkpoints(directory)[:-keep]:
-        _remove(old)
+        remove_checksummed(old)
     return path
 
 
@@ -87,12 +84,9 @@ def list_checkpoints(directory: Path) -> list[Path]:
 def load_checkpoint(path: Path, model: torch.nn.Module) -> Checkpoint:
     """Read and verify one checkpoint against its checksum and the model's shapes."""
     try:
-        data = path.read_bytes()
-        expected = path.with_name(path.name + ".sha256").read_text().strip()
-    except OSError as e:
-        raise CheckpointError(f"checkpoint {path} is unreadable: {e.strerror}") from None
-    if hashlib.sha256(data).hexdigest() != expected:
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated (checksum mismatch)")
+        data = read_checksummed(path)
+    except ChecksumError as e:
+        raise CheckpointError(f"checkpoint {e}") from None
     try:
         payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
@@ -114,21 +108,6 @@ def load_latest_checkpoint(directory: Path, model: torch.nn.Module) -> Checkpoin
     return None
 
 
-def write_atomically(path: Path, data: bytes | memoryview) -> None:
-    """Replace `path` by `data` all at once: a crash or a full disk midway leaves the old file as it was."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(temporary, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):  # the error being raised is the one worth reporting
-            temporary.unlink(missing_ok=True)
-        raise
-
-
 def remove_temporaries(directory: Path) -> None:
     """Delete what writes cut short (by a crash or a kill) left staged in `directory`."""
     for path in directory.glob(".epoch-*.tmp"):
@@ -137,8 +116,3 @@ def remove_temporaries(directory: Path) -> None:
 
 def _shapes(state: dict[str, torch.Tensor]) -> dict[str, list[int]]:
     return {name: list(tensor.shape) for name, tensor in state.items()}
-
-
-def _remove(path: Path) -> None:
-    path.unlink(missing_ok=True)
-    path.with_name(path.name + ".sha256").unlink(missing_ok=True)

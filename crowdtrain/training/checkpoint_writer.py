@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from crowdtrain.training.checkpoint import remove_temporaries, write_atomically, write_checkpoint
+from crowdtrain.files import write_atomically
+from crowdtrain.training.checkpoint import remove_temporaries, write_checkpoint
 
 logger = logging.getLogger(__name__)
 
