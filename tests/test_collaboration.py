@@ -47,7 +47,10 @@ class FakeStepControl:
 
 def bare_optimizer(num_peers: int, scheduled: FakeStepControl | None = None) -> Any:
     optimizer: Any = object.__new__(_Optimizer)
-    optimizer.tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=num_peers))
+    optimizer.tracker = SimpleNamespace(
+        global_progress=SimpleNamespace(num_peers=num_peers), distrust_unbacked_epochs=lambda local, loaded: None
+    )
+    optimizer.state_averager = SimpleNamespace(local_epoch=0, last_loaded_epoch=None)
     optimizer.scheduled_grads = scheduled
     optimizer.replica_diverged = False
     optimizer.num_local_gradient_steps = 0
@@ -113,6 +116,15 @@ def test_a_state_download_is_timed_as_a_phase_of_its_own(monkeypatch: pytest.Mon
     monkeypatch.setattr(hivemind.Optimizer, "load_state_from_peers", download)
     optimizer.load_state_from_peers()
     assert optimizer.phases.complete_step() == PhaseTimes(state_download_s=7.0)
+
+
+def test_after_a_download_the_tracker_weighs_the_claims_against_the_loaded_epoch(hivemind_underneath: list) -> None:
+    optimizer = bare_optimizer(3)
+    weighed: list[tuple[int, int | None]] = []
+    optimizer.tracker.distrust_unbacked_epochs = lambda local, loaded: weighed.append((local, loaded))
+    optimizer.state_averager = SimpleNamespace(local_epoch=7, last_loaded_epoch=6)
+    optimizer.load_state_from_peers()
+    assert weighed == [(7, 6)], "a claim the swarm's newest state can't back must not cost a download per step"
 
 
 def test_a_lone_peer_stepping_alone_keeps_its_replica(hivemind_underneath: list) -> None:

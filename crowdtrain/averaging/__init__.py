@@ -9,6 +9,7 @@ phases        where the time of a global step goes: per-phase seconds, the match
 traffic       the bytes of all-reduce rounds, counted as tensor parts pass; the runner with robust reducers
 robust        each chunk checked (shape, finite, norm) and aggregated by mean, trimmed mean or CenteredClip
 state_download  a peer's state verified against this node's own before it is loaded; bad donors skipped
+progress_bounds  peers' progress claims bounded before hivemind's tracker sums them
 compression   wire encodings by name (fp16, int8, none); hivemind's 8-bit decoder fixed and bounded
 pseudo_gradients  DiLoCo's outer-round averager: pseudo-gradients averaged, the outer state served to joiners
 

@@ -27,6 +27,7 @@ from crowdtrain.averaging.exact import ExactGradientAverager
 from crowdtrain.averaging.grid import GroupSizeMixin, expected_group_size, initial_group_bits
 from crowdtrain.averaging.partition import PlanSharesMixin
 from crowdtrain.averaging.phases import Phase, PhaseAccumulator, wait_for_round
+from crowdtrain.averaging.progress_bounds import BoundedProgressTracker, ProgressBounds
 from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.averaging.state_download import (
     StateTemplate,
@@ -173,10 +174,20 @@ class _Optimizer(hivemind.Optimizer):
         )
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> Any:
+        # hivemind's own construction (Optimizer._make_progress_tracker), over bounded progress claims.
         self.client_mode = self._requested_client_mode
         self.num_local_gradient_steps = 0
         self.replica_diverged = False
-        return super()._make_progress_tracker(target_batch_size, **kwargs)
+        return BoundedProgressTracker(
+            dht=self.dht,
+            prefix=self.run_id,
+            target_batch_size=target_batch_size,
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            start=True,
+            bounds=ProgressBounds(target_batch_size=target_batch_size, run_created_at=self.run_created_at),
+            **kwargs,
+        )
 
     def _load_local_gradients_into_optimizer(self) -> None:
         # Reached when a gradient averaging round failed or found nobody: the step uses this peer's
@@ -212,9 +223,12 @@ class _Optimizer(hivemind.Optimizer):
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
         # Also wraps hivemind.Optimizer.load_state_from_peers to time the download, a phase of its own.
+        # Then, when the swarm's newest state was older than the epoch some peer claims, that claim is ignored for
+        # a while: otherwise this node would download again at every step (averaging/progress_bounds.py).
         with self.phases.measure(Phase.STATE_DOWNLOAD):
             super().load_state_from_peers(**kwargs)
         self.replica_diverged = False
+        self.tracker.distrust_unbacked_epochs(self.local_epoch, self.state_averager.last_loaded_epoch)
 
 
 def make_optimizer(

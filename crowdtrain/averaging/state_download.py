@@ -145,6 +145,8 @@ class VerifiedStateDownloadMixin:
     next_chunk_timeout: float | None
     request_timeout: float
     serializer: Any
+    last_loaded_epoch: int | None = None
+    """The epoch of the state the last download loaded; None when no donor gave an acceptable one."""
 
     def state_template(self) -> StateTemplate:
         """This node's own state as a download must match it; subclasses list their tensors."""
@@ -166,6 +168,7 @@ class VerifiedStateDownloadMixin:
         if not wait:
             return future
         loaded = future.result(timeout=timeout)
+        self.last_loaded_epoch = None if loaded is None else int(loaded[0]["epoch"])
         return None if loaded is None else (self.trusted_metadata(loaded[0]), loaded[1])
 
     async def _load_verified_state(
