@@ -36,7 +36,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from crowdtrain import proto
 from crowdtrain.averaging.compression import BoundedInt8
 from crowdtrain.averaging.state_download import StateTemplate, TensorSpec, UnacceptableStateError, check_state
-from crowdtrain.dht import keys
+from crowdtrain.dht import keys, records
 from crowdtrain.dht.records import (
     MAX_INNER_STEPS,
     MAX_MODE_NAME_CHARS,
@@ -44,13 +44,6 @@ from crowdtrain.dht.records import (
     MAX_PHASE_SECONDS,
     MAX_PLAN_DIGEST_CHARS,
     PHYSICAL_LIMITS,
-    RecordError,
-    decode_peer_status,
-    encode_peer_status,
-    open_manifest,
-    owner_marker,
-    peer_id_of_owner,
-    sign_manifest,
 )
 from crowdtrain.dht.validator import make_validators
 from crowdtrain.links.protocol import MAX_PLAUSIBLE_MBPS, dial_back_verdicts, retry_after_s, upload_sample
@@ -251,7 +244,7 @@ class Keys:
 @pytest.fixture(scope="module")
 def signed() -> Keys:
     founder, other = RSAPrivateKey(), RSAPrivateKey()
-    valid = sign_manifest(dataclasses.replace(demo(), created_at=1.7e9), founder)
+    valid = records.sign_manifest(dataclasses.replace(demo(), created_at=1.7e9), founder)
     hostile = [
         (
             f"{path}={str(value)[:40]!r} signed by the founder",
@@ -304,11 +297,13 @@ def signed_manifest_cases(rng: random.Random, signed: Keys) -> Iterator[Case]:
 
 
 def test_open_manifest_refuses_every_hostile_record(signed: Keys) -> None:
-    assert open_manifest(signed.valid_manifest).manifest.created_at == 1.7e9  # the mutations start from a valid one
+    assert (
+        records.open_manifest(signed.valid_manifest).manifest.created_at == 1.7e9
+    )  # the mutations start from a valid one
     tally = fuzz(
         "open_manifest",
-        lambda data: open_manifest(data) is not None,
-        (RecordError,),
+        lambda data: records.open_manifest(data) is not None,
+        (records.RecordError,),
         signed_manifest_cases(random.Random(f"{SEED}:open_manifest"), signed),
     )
     assert_all_refused("open_manifest", tally)
@@ -440,9 +435,9 @@ STATUS_ATTACKS: list[tuple[str, Callable[[random.Random], Any]]] = [
 
 
 def peer_status_cases(rng: random.Random, owner: bytes, other_owner: bytes) -> Iterator[Case]:
-    peer_id = peer_id_of_owner(owner).to_base58()
-    valid = encode_peer_status(valid_status(peer_id))
-    donors = [valid, encode_peer_status(valid_status(peer_id_of_owner(other_owner).to_base58()))]
+    peer_id = records.peer_id_of_owner(owner).to_base58()
+    valid = records.encode_peer_status(valid_status(peer_id))
+    donors = [valid, records.encode_peer_status(valid_status(records.peer_id_of_owner(other_owner).to_base58()))]
     garbage_owners = [b"", b"garbage", b"[owner:]", b"[owner:ssh-rsa AAAA]", other_owner]
     while True:
         roll = rng.random()
@@ -466,12 +461,14 @@ def peer_status_cases(rng: random.Random, owner: bytes, other_owner: bytes) -> I
 
 
 def test_decode_peer_status_refuses_every_hostile_status(signed: Keys) -> None:
-    owner, other = owner_marker(signed.founder), owner_marker(signed.other)
-    assert decode_peer_status(encode_peer_status(valid_status(peer_id_of_owner(owner).to_base58())), owner)
+    owner, other = records.owner_marker(signed.founder), records.owner_marker(signed.other)
+    assert records.decode_peer_status(
+        records.encode_peer_status(valid_status(records.peer_id_of_owner(owner).to_base58())), owner
+    )
     tally = fuzz(
         "decode_peer_status",
-        lambda pair: decode_peer_status(*pair) is not None,
-        (RecordError,),
+        lambda pair: records.decode_peer_status(*pair) is not None,
+        (records.RecordError,),
         peer_status_cases(random.Random(f"{SEED}:peer_status"), owner, other),
     )
     assert_all_refused("decode_peer_status", tally)
@@ -503,13 +500,13 @@ def same_signed_value(value: bytes, original: bytes) -> bool:
 
 
 def dht_record_cases(rng: random.Random, validator: CompositeValidator, signed: Keys) -> Iterator[Case]:
-    owner = owner_marker(signed.founder)
-    peer_id = peer_id_of_owner(owner).to_base58()
+    owner = records.owner_marker(signed.founder)
+    peer_id = records.peer_id_of_owner(owner).to_base58()
     valid = [
         owned_record(validator, RUNS_KEY_ID, owner, signed.valid_manifest),
-        owned_record(validator, PEERS_KEY_ID, owner, encode_peer_status(valid_status(peer_id))),
+        owned_record(validator, PEERS_KEY_ID, owner, records.encode_peer_status(valid_status(peer_id))),
     ]
-    status_cases = peer_status_cases(rng, owner, owner_marker(signed.other))
+    status_cases = peer_status_cases(rng, owner, records.owner_marker(signed.other))
     statuses = [(case.label, case.data[0]) for _, case in zip(range(80), status_cases, strict=False) if case.hostile]
     statuses = [(label, data) for label, data in statuses if "under owner" not in label]  # hostile by owner only
     values: list[tuple[str, bytes, Any]] = [
@@ -542,7 +539,7 @@ def dht_record_cases(rng: random.Random, validator: CompositeValidator, signed: 
         else:
             key_id, subkey = rng.choice([RUNS_KEY_ID, PEERS_KEY_ID]), random_bytes(rng, 64)
             if rng.random() < 0.5:
-                subkey = MSGPackSerializer.dumps(rng.choice([owner, owner_marker(signed.other)]))
+                subkey = MSGPackSerializer.dumps(rng.choice([owner, records.owner_marker(signed.other)]))
             yield Case("random subkey and value", DHTRecord(key_id, subkey, random_bytes(rng), rng.choice([1e10, NAN])))
 
 
