@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import time
-import urllib.request
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
-from crowdtrain.testing.bench import print_table, say, write_json
-from crowdtrain.testing.processes import ProcessGroups, await_condition, child_env
-from crowdtrain.testing.swarm import START_TIMEOUT_S, start_daemon
+from crowdtrain.testing.bench import print_table, say, scrape_metrics, start_metered_daemons, write_json
+from crowdtrain.testing.processes import ProcessGroups
 
 RUN_FILE = """
 run_id = "bench-diloco"
@@ -54,17 +52,6 @@ timeout_s = 60.0
 METRICS_PORT = 29400
 
 
-def scrape(port: int) -> dict[str, float]:
-    """The daemon's crowdtrain_* gauges and counters without labels (a counter's `_total` suffix dropped)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("crowdtrain_") and "{" not in line:
-            name, _, value = line.partition(" ")
-            values[name.removesuffix("_total")] = float(value)
-    return values
-
-
 def run_arm(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     diloco = f'\n[diloco]\ninner_steps = {args.inner_steps}\ncompression = "int8"\n' if mode == "diloco" else ""
     run_file = root / f"{mode}.toml"
@@ -72,24 +59,13 @@ def run_arm(mode: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     samples_per_epoch = 64 * (args.inner_steps if mode == "diloco" else 1)
     groups = ProcessGroups()
     try:
-        nodes = []
-        for index in range(2):
-            env = child_env(
-                CROWDTRAIN_MICRO_BATCH_SIZE="8",
-                CROWDTRAIN_NUM_THREADS="1",
-                CROWDTRAIN_METRICS_PORT=str(METRICS_PORT + index),
-                CROWDTRAIN_CHECKPOINT_INTERVAL_S="100000",
-            )
-            peers = ["--run-file", str(run_file)] if index == 0 else ["--initial-peers", nodes[0].address]
-            node = start_daemon(groups, root / mode / f"node{index}", *peers, env=env)
-            await_condition(node.ready, START_TIMEOUT_S, f"{mode} daemon {index} to start")
-            nodes.append(node)
+        start_metered_daemons(groups, root / mode, run_file, 2, micro_batch=8, metrics_port=METRICS_PORT)
         say(f"{mode}: 2 daemons up; {args.warmup_s:g} s warm-up, then {args.window_s:g} s measured")
         time.sleep(args.warmup_s)
-        before = [scrape(METRICS_PORT + index) for index in range(2)]
+        before = [scrape_metrics(METRICS_PORT + index) for index in range(2)]
         started = time.monotonic()
         time.sleep(args.window_s)
-        after = [scrape(METRICS_PORT + index) for index in range(2)]
+        after = [scrape_metrics(METRICS_PORT + index) for index in range(2)]
         elapsed = time.monotonic() - started
     finally:
         groups.kill_all()

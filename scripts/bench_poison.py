@@ -21,33 +21,20 @@ import argparse
 import shutil
 import statistics
 import time
-import urllib.request
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
 from crowdtrain.testing.attacker import attacker_launcher
-from crowdtrain.testing.bench import print_table, say, write_json
+from crowdtrain.testing.bench import print_table, say, scrape_metrics, start_metered_daemons, write_json
 from crowdtrain.testing.fixtures import tiny_run_file
-from crowdtrain.testing.processes import ProcessGroups, await_condition, child_env
-from crowdtrain.testing.swarm import START_TIMEOUT_S, start_daemon
+from crowdtrain.testing.processes import ProcessGroups, await_condition
+from crowdtrain.testing.swarm import START_TIMEOUT_S
 
 ARMS = ("clean", "scaled", "nan")
 NUM_PEERS = 4
 METRICS_PORT = 9720
 TARGET_BATCH = 32
-
-
-def scrape(port: int) -> dict[str, float]:
-    """One daemon's crowdtrain_* gauges and counters from its Prometheus endpoint."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("crowdtrain_") and "{" not in line:
-            name, _, value = line.partition(" ")
-            values[name.removesuffix("_total")] = float(value)
-    return values
 
 
 def run_arm(arm: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
@@ -57,21 +44,12 @@ def run_arm(arm: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     honest = list(range(NUM_PEERS - 1 if arm != "clean" else NUM_PEERS))
     curves: dict[int, dict[int, list[float]]] = {index: {} for index in honest}
     try:
-        nodes = []
-        for index in range(NUM_PEERS):
-            env = child_env(
-                CROWDTRAIN_MICRO_BATCH_SIZE="4",
-                CROWDTRAIN_NUM_THREADS="1",
-                CROWDTRAIN_METRICS_PORT=str(METRICS_PORT + index),
-                CROWDTRAIN_CHECKPOINT_INTERVAL_S="100000",
-            )
-            peers = ["--run-file", str(run_file)] if index == 0 else ["--initial-peers", nodes[0].address]
-            launcher = attacker_launcher(arm, args.scale) if index not in honest else []
-            node = start_daemon(groups, root / arm / f"node{index}", *peers, env=env, launcher=launcher)
-            await_condition(node.ready, START_TIMEOUT_S, f"{arm} daemon {index} to start")
-            nodes.append(node)
+        attacker = {NUM_PEERS - 1: attacker_launcher(arm, args.scale)} if arm != "clean" else {}
+        nodes = start_metered_daemons(
+            groups, root / arm, run_file, NUM_PEERS, micro_batch=4, metrics_port=METRICS_PORT, launchers=attacker
+        )
         await_condition(
-            lambda: all(scrape(METRICS_PORT + index).get("crowdtrain_epoch", 0) >= 1 for index in honest),
+            lambda: all(scrape_metrics(METRICS_PORT + index).get("crowdtrain_epoch", 0) >= 1 for index in honest),
             START_TIMEOUT_S,
             f"{arm}: every honest daemon's first global step",
         )
@@ -81,7 +59,7 @@ def run_arm(arm: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
             for node in nodes:
                 node.check_alive()
             for index in honest:
-                metrics = scrape(METRICS_PORT + index)
+                metrics = scrape_metrics(METRICS_PORT + index)
                 loss = metrics.get("crowdtrain_loss")
                 if loss is not None:
                     curves[index].setdefault(int(metrics["crowdtrain_epoch"]), []).append(loss)

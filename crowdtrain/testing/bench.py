@@ -18,14 +18,15 @@ import sys
 import tempfile
 import time
 import traceback
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from crowdtrain.testing.processes import HarnessError, ProcessGroups
+from crowdtrain.testing.processes import HarnessError, ProcessGroups, await_condition, child_env
 from crowdtrain.testing.procfs import Unit, command_name, cpu_model, cpu_seconds_by_process, memory_kib, processes
-from crowdtrain.testing.swarm import Daemon
+from crowdtrain.testing.swarm import START_TIMEOUT_S, Daemon, start_daemon
 
 T = TypeVar("T")
 
@@ -390,3 +391,45 @@ def train_counting_window(
         train()
         if began >= window[0] and time.time() <= window[1]:
             counted["samples"] += samples
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """A daemon's crowdtrain_* gauges and counters without labels from its Prometheus endpoint on 127.0.0.1 (a
+    counter's `_total` suffix dropped)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("crowdtrain_") and "{" not in line:
+            name, _, value = line.partition(" ")
+            values[name.removesuffix("_total")] = float(value)
+    return values
+
+
+def start_metered_daemons(
+    groups: ProcessGroups,
+    folder: Path,
+    run_file: Path,
+    count: int,
+    *,
+    micro_batch: int,
+    metrics_port: int,
+    launchers: dict[int, list[str]] | None = None,
+) -> list[Daemon]:
+    """`count` daemons of one run on loopback, one torch thread each, daemon i serving its Prometheus metrics on
+    `metrics_port + i`, no checkpoints during the benchmark; daemon 0 founds the run from `run_file`, the others
+    dial it; daemon i is started through `launchers[i]` where given. Returns once every daemon is up."""
+    nodes: list[Daemon] = []
+    for index in range(count):
+        env = child_env(
+            CROWDTRAIN_MICRO_BATCH_SIZE=str(micro_batch),
+            CROWDTRAIN_NUM_THREADS="1",
+            CROWDTRAIN_METRICS_PORT=str(metrics_port + index),
+            CROWDTRAIN_CHECKPOINT_INTERVAL_S="100000",
+        )
+        peers = ["--run-file", str(run_file)] if index == 0 else ["--initial-peers", nodes[0].address]
+        launcher = (launchers or {}).get(index, [])
+        node = start_daemon(groups, folder / f"node{index}", *peers, env=env, launcher=launcher)
+        await_condition(node.ready, START_TIMEOUT_S, f"daemon {index} of {folder.name} to start")
+        nodes.append(node)
+    return nodes
