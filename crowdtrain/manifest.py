@@ -25,10 +25,11 @@ from crowdtrain import proto
 from crowdtrain.errors import BadInputError
 from crowdtrain.structured import FieldError, from_mapping, from_message, to_message
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped when nodes of different versions can no longer train together. 2: a reducer sends back the encoded
 average, not a delta (averaging/traffic.py). 3: a sender ends its all-reduce stream only after every average
-came back, and a reducer holds a zero-share sender's averages until all are ready, not until that end."""
+came back, and a reducer holds a zero-share sender's averages until all are ready, not until that end. 4: every
+step's gradient is clipped to `optimizer.max_grad_norm` (replicas that clip differently would drift apart)."""
 
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 MAX_MODEL_CONFIG_BYTES = 16 * 1024
@@ -106,6 +107,10 @@ class OptimizerSpec:
     """Global steps of linear warm-up."""
     total_steps: int = 10_000
     """Global steps of the whole schedule (cosine decay after warm-up)."""
+    max_grad_norm: float = 1.0
+    """The global norm each step's gradient (the swarm's average, or a step's own) is clipped to before the
+    optimizer takes it; 0: no clipping. Bounds what one accepted bad part can do to the weights and to Adam's
+    second moments (a 1e6-scaled gradient would make every later update tiny for thousands of steps)."""
 
     def __post_init__(self) -> None:
         if self.name not in ("adamw", "sgd"):
@@ -116,6 +121,8 @@ class OptimizerSpec:
             raise ValueError(f"weight_decay must not be negative, got {self.weight_decay}")
         if not 0 <= self.warmup_steps <= self.total_steps:
             raise ValueError(f"warmup_steps must be between 0 and total_steps, got {self.warmup_steps}")
+        if not self.max_grad_norm >= 0:
+            raise ValueError(f"max_grad_norm must be 0 (no clipping) or positive, got {self.max_grad_norm}")
 
 
 TRAINING_MODES = ("gradients", "parameters", "diloco")

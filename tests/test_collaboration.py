@@ -203,10 +203,14 @@ def test_an_unexpected_error_in_a_round_keeps_its_traceback(
     assert "Traceback" in capsys.readouterr().err
 
 
-def _one_global_step(*, reuse_grad_buffers: bool, poison_second: bool = False) -> tuple[torch.Tensor, int]:
+def _one_global_step(
+    *, reuse_grad_buffers: bool, poison_second: bool = False, loss_scale: float = 1.0, max_grad_norm: float = 1.0
+) -> tuple[torch.Tensor, int, float]:
     """A lone peer's real hivemind.Optimizer over a linear model: target 8 in micro-batches of 2, the same data
-    either way. Returns the weights after the first global step and the samples reported before it."""
-    manifest = dataclasses.replace(demo(), target_batch_size=8)
+    either way. Returns the weights after the first global step, the samples reported before it and the sum of
+    Adam's second moments after it."""
+    optimizer_spec = dataclasses.replace(demo().optimizer, max_grad_norm=max_grad_norm)
+    manifest = dataclasses.replace(demo(), target_batch_size=8, optimizer=optimizer_spec)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     inputs = torch.randn(8, 2, 4)
@@ -226,7 +230,7 @@ def _one_global_step(*, reuse_grad_buffers: bool, poison_second: bool = False) -
         assert reuses_grad_buffers(optimizer) == reuse_grad_buffers
         reported, micro_batch = 0, 0
         while optimizer.local_epoch == 0:
-            loss = model(inputs[micro_batch]).square().mean()
+            loss = model(inputs[micro_batch]).square().mean() * loss_scale
             if poison_second and micro_batch == 1:
                 loss = loss * float("nan")
             loss.backward()
@@ -237,7 +241,8 @@ def _one_global_step(*, reuse_grad_buffers: bool, poison_second: bool = False) -
             reported = optimizer.tracker.local_progress.samples_accumulated + 2
             optimizer.step()
             clear_micro_batch_gradients(optimizer)
-        return model.weight.detach().clone(), reported
+        moments = sum(float(state["exp_avg_sq"].sum()) for state in optimizer.opt.state.values())
+        return model.weight.detach().clone(), reported, moments
     finally:
         optimizer.shutdown()
         dht.shutdown()
@@ -245,12 +250,22 @@ def _one_global_step(*, reuse_grad_buffers: bool, poison_second: bool = False) -
 
 @pytest.mark.swarm
 def test_grad_buffers_as_accumulator_give_the_same_step_and_a_nan_drops_the_batch() -> None:
-    copied, copied_samples = _one_global_step(reuse_grad_buffers=False)
-    reused, reused_samples = _one_global_step(reuse_grad_buffers=True)
+    copied, copied_samples, _ = _one_global_step(reuse_grad_buffers=False)
+    reused, reused_samples, _ = _one_global_step(reuse_grad_buffers=True)
     assert copied_samples == reused_samples == 8
     torch.testing.assert_close(reused, copied)
     # A NaN micro-batch summed into .grad can't be taken out alone: this node's whole batch is dropped (its
     # samples count from zero again) and the step that follows is finite.
-    after_nan, _ = _one_global_step(reuse_grad_buffers=True, poison_second=True)
+    after_nan, _, _ = _one_global_step(reuse_grad_buffers=True, poison_second=True)
     assert torch.isfinite(after_nan).all()
     assert not torch.equal(after_nan, copied)  # the micro-batches before the NaN were not part of the step
+
+
+@pytest.mark.swarm
+def test_a_huge_gradient_is_clipped_before_it_reaches_adams_moments() -> None:
+    # One 1e6-scaled gradient that got into a step (a round too small for the norm test) filled Adam's second
+    # moments, and every later update was tiny for thousands of steps: the honest peers' loss stopped falling.
+    _, _, clipped = _one_global_step(reuse_grad_buffers=True, loss_scale=1e6)
+    assert clipped <= (1 - 0.999) * 1.0**2 * 1.0001, "a step's gradient has norm at most max_grad_norm (1.0)"
+    _, _, unclipped = _one_global_step(reuse_grad_buffers=True, loss_scale=1e6, max_grad_norm=0.0)
+    assert unclipped > 1e6, "without clipping the scaled gradient lands in the moments whole"

@@ -47,7 +47,7 @@ from crowdtrain.dht.records import (
 )
 from crowdtrain.dht.validator import make_validators
 from crowdtrain.links.protocol import MAX_PLAUSIBLE_MBPS, dial_back_verdicts, retry_after_s, upload_sample
-from crowdtrain.manifest import DiLoCoSpec, RunManifest, demo, demo_moe
+from crowdtrain.manifest import PROTOCOL_VERSION, DiLoCoSpec, RunManifest, demo, demo_moe
 from crowdtrain.structured import FieldError, from_mapping
 
 SEED = 20_251
@@ -174,7 +174,7 @@ BASE_BYTES = {name: manifest.to_bytes() for name, manifest in BASES.items()}
 MANIFEST_ATTACKS: list[tuple[str, str, list[Any]]] = [
     # (base, field path, values the contract refuses)
     ("demo", "run_id", ["", "Demo", "x" * 64, "../etc", "a b", "a\x00", "é"]),
-    ("demo", "protocol_version", [0, 2, 4, 2**32 - 1]),
+    ("demo", "protocol_version", [0, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, 2**32 - 1]),
     ("demo", "created_at", [*NON_FINITE, -1.0, -1e308, 1e300, 1.7976931348623157e308]),
     ("demo", "target_batch_size", [0]),
     ("demo", "model.architecture", ["", "a b", "x;import os", "1abc"]),
@@ -189,6 +189,7 @@ MANIFEST_ATTACKS: list[tuple[str, str, list[Any]]] = [
     ("demo", "optimizer.weight_decay", [*NON_FINITE, -0.5, -1e300]),
     ("demo", "optimizer.warmup_steps", [10_001, 2**32 - 1]),
     ("demo", "optimizer.total_steps", [0, 9]),
+    ("demo", "optimizer.max_grad_norm", [*NON_FINITE, -1.0, -5e-324]),
     ("demo", "averaging.mode", ["", "GRADIENTS", "x" * 1000]),
     ("demo", "averaging.compression", ["", "zip", "int8"]),
     ("demo", "averaging.aggregation", ["", "median", "x" * 1000]),

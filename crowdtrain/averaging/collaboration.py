@@ -111,9 +111,11 @@ class _Optimizer(hivemind.Optimizer):
         traffic: AveragingTraffic | None = None,
         aggregation: AggregationSettings | None = None,
         run_created_at: float = 0.0,
+        max_grad_norm: float = 0.0,
         **kwargs: Any,
     ):
         self._requested_client_mode = client_mode
+        self.max_grad_norm = max_grad_norm
         self.phases = PhaseAccumulator() if phases is None else phases
         self.traffic = AveragingTraffic.new() if traffic is None else traffic
         self.aggregation = AggregationSettings() if aggregation is None else aggregation
@@ -125,8 +127,9 @@ class _Optimizer(hivemind.Optimizer):
         torch_optimizer.register_step_post_hook(self._on_optimizer_step_ends)
         self._optimizer_step_began = 0.0
 
-    def _on_optimizer_step_begins(self, *_: Any) -> None:
+    def _on_optimizer_step_begins(self, torch_optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self._optimizer_step_began = self.phases.clock()
+        clip_gradients(torch_optimizer, self.max_grad_norm)
 
     def _on_optimizer_step_ends(self, *_: Any) -> None:
         self.phases.add(Phase.OPTIMIZER_STEP, self.phases.clock() - self._optimizer_step_began)
@@ -310,6 +313,7 @@ def make_optimizer(
             traffic=traffic,
             aggregation=aggregation,
             run_created_at=manifest.created_at,
+            max_grad_norm=manifest.optimizer.max_grad_norm,
             # Parameters averaged every few epochs in gradient mode travel uncompressed, so rounding never
             # erases small updates; a downloaded state always does: fp16 flushes Adam's tiny second moments
             # to zero, and the next step divides by ~eps and blows the weights up.
@@ -320,6 +324,16 @@ def make_optimizer(
             verbose=False,
             **extra,
         )
+
+
+def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> None:
+    """Scale the gradients `optimizer` is about to take so that their global norm is at most `max_norm` (0: leave
+    them). Runs just before every optimizer step, on the swarm's averaged gradient or a step's own."""
+    if max_norm <= 0:
+        return
+    gradients = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if gradients:
+        torch.nn.utils.clip_grad_norm_(gradients, max_norm)
 
 
 @contextlib.contextmanager

@@ -68,18 +68,20 @@ class DataSpec(_message.Message):
     def __init__(self, source: _Optional[str] = ..., path: _Optional[str] = ..., text_field: _Optional[str] = ..., sequence_length: _Optional[int] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
-    __slots__ = ("name", "learning_rate", "weight_decay", "warmup_steps", "total_steps")
+    __slots__ = ("name", "learning_rate", "weight_decay", "warmup_steps", "total_steps", "max_grad_norm")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     name: str
     learning_rate: float
     weight_decay: float
     warmup_steps: int
     total_steps: int
-    def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., total_steps: _Optional[int] = ...) -> None: ...
+    max_grad_norm: float
+    def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., total_steps: _Optional[int] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
 class AveragingSpec(_message.Message):
     __slots__ = ("mode", "group_size", "grid_dims", "compression", "timeout_s", "matchmaking_time_s", "aggregation")
