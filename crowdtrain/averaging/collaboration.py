@@ -331,9 +331,13 @@ def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> None:
     them). Runs just before every optimizer step, on the swarm's averaged gradient or a step's own."""
     if max_norm <= 0:
         return
-    gradients = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if gradients:
-        torch.nn.utils.clip_grad_norm_(gradients, max_norm)
+    parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not parameters:
+        return
+    # One pass to read the norm; a second, to scale, only when it is over (torch's clip_grad_norm_ always scales).
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+    if float(norm) > max_norm:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
 
 
 @contextlib.contextmanager
