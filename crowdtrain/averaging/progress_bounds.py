@@ -30,16 +30,13 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from crowdtrain.averaging.state_download import epoch_ceiling
-from crowdtrain.dht.records import PHYSICAL_LIMITS
+from crowdtrain.dht.records import MIN_PEERS_FOR_OUTLIERS, OUTLIER_RATIO, PHYSICAL_LIMITS
 
 logger = logging.getLogger(__name__)
 
 DISTRUST_S = 300.0
 """How long epochs that a state download could not back are ignored."""
 MAX_SAMPLES_PER_SECOND = PHYSICAL_LIMITS["samples_per_second"]
-MIN_PEERS_FOR_OUTLIERS = 3
-OUTLIER_RATIO = 64.0
-"""As in the plan (planning/planner.py): with 3+ peers, no rate counts for more than 64x the median."""
 
 
 @dataclass(slots=True)

@@ -113,6 +113,13 @@ def open_manifest(data: bytes) -> PublishedManifest:
     return PublishedManifest(manifest=manifest, founder_peer_id=peer_id_of_public_key(founder_key).to_base58())
 
 
+MIN_PEERS_FOR_OUTLIERS = 3
+OUTLIER_RATIO = 64.0
+"""With 3+ peers, no peer's self-reported compute or bandwidth counts for more than this many times the swarm's
+median, in the plan (planning/planner.py) and in progress claims (averaging/progress_bounds.py): one peer
+claiming a huge value would otherwise idle the others, take every round's aggregation or fill the batch's ETA.
+An honest GPU among CPUs can be this much faster: it then counts as if it were 64x."""
+
 PHYSICAL_LIMITS = {
     "samples_per_second": 1e7,
     "measured_samples_per_second": 1e7,

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from crowdtrain import proto
+from crowdtrain.dht.records import MIN_PEERS_FOR_OUTLIERS, OUTLIER_RATIO
 from crowdtrain.manifest import RunManifest
 from crowdtrain.planning.plan import (
     ROLES,
@@ -88,13 +89,6 @@ def swarm_capabilities(
         )
         for (peer_id, _), m in zip(entries, measured, strict=True)
     ]
-
-
-MIN_PEERS_FOR_OUTLIERS = 3
-OUTLIER_RATIO = 64.0
-"""With 3+ peers, no peer's compute or bandwidth counts for more than this many times the swarm's median: the
-numbers are self-reported, and one peer claiming a huge value would otherwise idle the others or take every
-round's aggregation. An honest GPU among CPUs can be this much faster: it is then planned as if it were 64x."""
 
 
 def _within_outlier_ratio(m: OwnCapabilities, compute: float, upload: float, download: float) -> OwnCapabilities:
