@@ -14,14 +14,17 @@ import signal
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import hivemind
 import torch
+from hivemind.moe.server.module_backend import ModuleBackend
 from hivemind.moe.server.server import Server
 
 from crowdtrain.files import read_checksummed, write_checksummed
 from crowdtrain.manifest import RunManifest
-from crowdtrain.moe.experts import build_expert, build_optimizer, make_backend
+from crowdtrain.moe.connection import BoundedConnectionHandler
+from crowdtrain.moe.experts import MAX_BATCH_SEQUENCES, build_expert, build_optimizer, make_backend
 from crowdtrain.moe.replicas import mix_into
 
 logger = logging.getLogger(__name__)
@@ -32,11 +35,21 @@ NUM_CONNECTION_HANDLERS = 2
 
 
 class _ExpertServer(Server):
-    """hivemind's MoE Server, minus shutting down the DHT it was given.
+    """hivemind's MoE Server, minus shutting down the DHT it was given, with every request checked.
 
     Symptom worked around: Server.shutdown() ends with `self.dht.shutdown()`, which would take the
     daemon's DHT (and its status records, and the trainer) down whenever the host changes its experts.
     """
+
+    def __init__(
+        self, dht: hivemind.DHT, backends: dict[str, ModuleBackend], *, num_connection_handlers: int, **kwargs: Any
+    ):
+        super().__init__(dht, backends, num_connection_handlers=0, **kwargs)
+        # hivemind's handlers run whatever a caller sends (moe/requests.py): ours check it first
+        self.conn_handlers = [
+            BoundedConnectionHandler(dht, self.module_backends, max_batch_size=MAX_BATCH_SEQUENCES)
+            for _ in range(num_connection_handlers)
+        ]
 
     def shutdown(self) -> None:
         self.ready.clear()

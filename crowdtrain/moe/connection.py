@@ -1,0 +1,148 @@
+"""hivemind's ConnectionHandler with every expert request checked before it runs (moe/requests.py).
+
+A refused request is one log line here and its sentence at the caller; the handler process goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import typing
+from collections.abc import Iterator
+from typing import Any, NoReturn
+
+from hivemind.moe.server.connection_handler import ConnectionHandler
+from hivemind.moe.server.module_backend import ModuleBackend
+from hivemind.p2p import P2P, P2PContext
+from hivemind.p2p.p2p_daemon import DEFAULT_MAX_MSG_SIZE
+from hivemind.proto import runtime_pb2
+from hivemind.utils.streaming import split_for_streaming
+
+from crowdtrain.moe.requests import (
+    MAX_FRAME_BYTES,
+    RefusedRequestError,
+    StreamedRequest,
+    check_tensors,
+    request_shapes,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class BoundedConnectionHandler(ConnectionHandler):
+    """Serves the experts of `module_backends` to callers, refusing requests that don't fit their schemas.
+
+    The `rpc_*` annotations use `typing.AsyncIterator`: hivemind tells a stream from a unary call by that name.
+    """
+
+    def __init__(self, dht: Any, module_backends: dict[str, ModuleBackend], *, max_batch_size: int):
+        super().__init__(dht, module_backends)
+        self.shapes = {uid: request_shapes(backend, max_batch_size) for uid, backend in module_backends.items()}
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        return ConnectionHandler._get_handle_name(namespace, method_name)  # callers dial hivemind's protocol names
+
+    def run(self) -> None:
+        _bound_frames_and_quiet_refusals()  # in this forked process only: it serves expert calls and nothing else
+        super().run()
+
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        self._backend(request.uid, "info", context)
+        return await super().rpc_info(request, context)
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        backend = self._backend(request.uid, "forward", context)
+        with self._refusals("forward", context):
+            inputs = check_tensors(request.tensors, self.shapes[request.uid][0])
+        outputs = await self._process_inputs(inputs, backend.forward_pool, backend.outputs_schema)
+        return runtime_pb2.ExpertResponse(tensors=outputs)
+
+    async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        backend = self._backend(request.uid, "backward", context)
+        with self._refusals("backward", context):
+            inputs = check_tensors(request.tensors, self.shapes[request.uid][1])
+        grads = await self._process_inputs(inputs, backend.backward_pool, backend.grad_inputs_schema)
+        return runtime_pb2.ExpertResponse(tensors=grads)
+
+    async def rpc_forward_stream(
+        self, requests: typing.AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> typing.AsyncIterator[runtime_pb2.ExpertResponse]:
+        uid, inputs = await self._gather(requests, "forward", context)
+        backend = self.module_backends[uid]
+        outputs = await self._process_inputs(inputs, backend.forward_pool, backend.outputs_schema)
+        for part in (part for tensor in outputs for part in split_for_streaming(tensor, DEFAULT_MAX_MSG_SIZE)):
+            yield runtime_pb2.ExpertResponse(tensors=[part])
+
+    async def rpc_backward_stream(
+        self, requests: typing.AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> typing.AsyncIterator[runtime_pb2.ExpertResponse]:
+        uid, inputs = await self._gather(requests, "backward", context)
+        backend = self.module_backends[uid]
+        grads = await self._process_inputs(inputs, backend.backward_pool, backend.grad_inputs_schema)
+        for part in (part for tensor in grads for part in split_for_streaming(tensor, DEFAULT_MAX_MSG_SIZE)):
+            yield runtime_pb2.ExpertResponse(tensors=[part])
+
+    async def _gather(
+        self, requests: typing.AsyncIterator[runtime_pb2.ExpertRequest], call: str, context: P2PContext
+    ) -> tuple[str, list[Any]]:
+        uid, streamed = "", None
+        async for request in requests:
+            if streamed is None:
+                uid = request.uid
+                self._backend(uid, call, context)
+                streamed = StreamedRequest(self.shapes[uid][0 if call == "forward" else 1])
+            elif request.uid != uid:
+                self._refuse(f"the stream names expert {request.uid[:80]!r} after {uid!r}", call, context)
+            with self._refusals(call, context):
+                streamed.add(request.tensors)
+        if streamed is None:
+            self._refuse("the stream is empty", call, context)
+        with self._refusals(call, context):
+            return uid, streamed.tensors()
+
+    def _backend(self, uid: str, call: str, context: P2PContext) -> ModuleBackend:
+        backend = self.module_backends.get(uid)
+        if backend is None:
+            self._refuse(f"expert {uid[:80]!r} is not served here", call, context)
+        return backend
+
+    @contextlib.contextmanager
+    def _refusals(self, call: str, context: P2PContext) -> Iterator[None]:
+        try:
+            yield
+        except RefusedRequestError as e:
+            self._refuse(str(e), call, context)
+
+    def _refuse(self, reason: str, call: str, context: P2PContext) -> NoReturn:
+        logger.warning(f"refused an expert {call} request from peer {context.remote_id.to_base58()[-8:]}: {reason}")
+        raise RefusedRequestError(f"expert {call} refused: {reason}") from None
+
+
+class _FrameTooLargeError(RefusedRequestError):
+    """A frame of an expert stream over MAX_FRAME_BYTES."""
+
+
+async def _receive_bounded_frame(reader: asyncio.StreamReader) -> bytes:
+    header = await reader.readexactly(P2P.HEADER_LEN)
+    num_bytes = int.from_bytes(header, P2P.BYTEORDER)
+    if num_bytes > MAX_FRAME_BYTES:
+        logger.warning(f"refused an expert stream frame of {num_bytes} bytes, over the {MAX_FRAME_BYTES} cap")
+        raise _FrameTooLargeError(f"a frame of {num_bytes} bytes is over the {MAX_FRAME_BYTES} cap")
+    return await reader.readexactly(num_bytes)
+
+
+class _QuietRefusals(logging.Filter):
+    """Drops hivemind's traceback for a request this module refused: its one line is already logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], RefusedRequestError))
+
+
+def _bound_frames_and_quiet_refusals() -> None:
+    """Symptom worked around: hivemind's stream handlers read each frame whole, however long its header says it
+    is (an 8-byte length), and log a traceback for any exception a handler raises. In the handler process, a
+    frame is read only up to MAX_FRAME_BYTES, and a refusal is the one line `_refuse` logged."""
+    P2P.receive_raw_data = staticmethod(_receive_bounded_frame)  # type: ignore[method-assign]
+    logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_QuietRefusals())
