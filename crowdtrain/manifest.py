@@ -171,7 +171,7 @@ class AveragingSpec:
             raise ValueError(f"group_size must be a power of two (Moshpit grid keys are bits), got {self.group_size}")
 
 
-DILOCO_COMPRESSIONS = ("fp16", "int8", "none")
+DILOCO_COMPRESSIONS = ("fp16", "int8", "topk", "none")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -186,7 +186,11 @@ class DiLoCoSpec:
     outer_momentum: float = 0.9
     """The outer Nesterov SGD's momentum (DiLoCo's default)."""
     compression: str = "fp16"
-    """Pseudo-gradients on the wire: `fp16`, `int8` (uniform 8-bit, per-part scale) or `none`."""
+    """Pseudo-gradients on the wire: `fp16`, `int8` (uniform 8-bit, per-part scale), `topk` (each tensor's largest
+    `topk_fraction` of values in fp16 with their indices, the rest kept back and added to the next round: error
+    feedback, crowdtrain.averaging.error_feedback) or `none`."""
+    topk_fraction: float = 0.02
+    """`topk` only: the fraction of each tensor's values a peer sends per round, in (0, 1]."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.inner_steps <= 1_000_000:
@@ -197,6 +201,8 @@ class DiLoCoSpec:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.compression not in DILOCO_COMPRESSIONS:
             raise ValueError(f"compression must be one of {', '.join(DILOCO_COMPRESSIONS)}, got {self.compression!r}")
+        if not (math.isfinite(self.topk_fraction) and 0 < self.topk_fraction <= 1):
+            raise ValueError(f"topk_fraction must be in (0, 1], got {self.topk_fraction}")
 
 
 EXPERT_ARCHITECTURES = ("ffn",)
@@ -293,6 +299,11 @@ class RunManifest:
             _check_moe_layers(self.moe, self.model)
         if self.diloco is not None and self.averaging.mode != "diloco":
             raise ValueError(f"a [diloco] section needs averaging.mode = 'diloco', not {self.averaging.mode!r}")
+        if self.diloco is not None and self.diloco.compression == "topk" and self.averaging.aggregation != "mean":
+            # a robust rule sees each peer's top-k values as outliers against the others' zeros: it drops them
+            raise ValueError(
+                f"diloco.compression 'topk' needs averaging.aggregation 'mean', not {self.averaging.aggregation!r}"
+            )
 
     def to_bytes(self) -> bytes:
         """Serialize as a `proto.RunManifest` message."""

@@ -1,13 +1,16 @@
-"""Wire encodings: int8 decodes on numpy 2 (hivemind's own decoder failed every part) and trusts no size sent."""
+"""Wire encodings: int8 decodes on numpy 2 (hivemind's own decoder failed every part); topk is exact for fp16 values;
+neither trusts a size, index or value it is sent."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
-from crowdtrain.averaging.compression import BoundedInt8, compression_for
+from crowdtrain import proto
+from crowdtrain.averaging.compression import SPARSE_WIRE_TYPE, BoundedInt8, SparseFloat16, compression_for
 
 
 def test_int8_round_trips_within_its_resolution_through_hiveminds_own_decoder() -> None:
@@ -44,3 +47,70 @@ def test_names() -> None:
     assert compression_for("fp16").compression_type == runtime_pb2.FLOAT16
     with pytest.raises(ValueError):
         compression_for("zip")
+
+
+def sparse_part(tensor: torch.Tensor) -> runtime_pb2.Tensor:
+    return serialize_torch_tensor(tensor, compression_for("topk").compression_type)
+
+
+def test_topk_parts_round_trip_exactly_for_fp16_values_in_a_few_bytes_per_value() -> None:
+    dense = torch.zeros(10_000)
+    indices = torch.randperm(10_000, generator=torch.Generator().manual_seed(0))[:100]
+    dense[indices] = torch.randn(100).half().float()  # values as error feedback sends them: exact in fp16
+    serialized = sparse_part(dense.reshape(100, 100))
+    assert serialized.compression == SPARSE_WIRE_TYPE
+    assert len(serialized.buffer) < 100 * 4 + 16  # fp16 value plus a 1-2 byte gap each, against 20,000 dense
+    decoded = deserialize_torch_tensor(serialized)  # hivemind's registry holds SparseFloat16 for that wire type
+    assert decoded.shape == (100, 100) and torch.equal(decoded.view(-1), dense)
+
+
+def test_a_dense_average_goes_dense_within_fp16_resolution() -> None:
+    tensor = torch.randn(4096)
+    serialized = sparse_part(tensor)
+    message = proto.SparsePart.FromString(serialized.buffer)
+    assert message.dense and len(message.index_gaps) == 0 and len(serialized.buffer) < 2 * 4096 + 16
+    assert torch.allclose(deserialize_torch_tensor(serialized), tensor, atol=1e-2, rtol=1e-3)
+
+
+def hostile_sparse_parts() -> list[tuple[str, runtime_pb2.Tensor]]:
+    def with_part(**fields: object) -> runtime_pb2.Tensor:
+        part = proto.SparsePart(version=1, index_gaps=[2, 3], values=np.array([1.0, -2.0], "<f2").tobytes())
+        for name, value in fields.items():
+            if name == "index_gaps":
+                del part.index_gaps[:]
+                part.index_gaps.extend(value)  # type: ignore[arg-type]
+            else:
+                setattr(part, name, value)
+        return runtime_pb2.Tensor(
+            compression=SPARSE_WIRE_TYPE, buffer=part.SerializeToString(), size=[8], dtype="float32"
+        )
+
+    huge = with_part()
+    del huge.size[:]
+    huge.size.extend([2**16, 2**16])
+    int64 = with_part()
+    int64.dtype = "int64"
+    return [
+        ("version 0", with_part(version=0)),
+        ("version 2", with_part(version=2)),
+        ("an index past the end", with_part(index_gaps=[2, 6])),
+        ("indices that repeat", with_part(index_gaps=[2, 0])),
+        ("more indices than values", with_part(index_gaps=[1, 1, 1])),
+        ("half a value", with_part(values=b"\x00\x3c\x00")),
+        ("a NaN", with_part(values=np.array([1.0, np.nan], "<f2").tobytes())),
+        ("an infinity", with_part(values=np.array([np.inf, 1.0], "<f2").tobytes())),
+        ("dense with too few values", with_part(dense=True, index_gaps=[])),
+        ("dense with indices", with_part(dense=True, values=np.ones(8, "<f2").tobytes())),
+        ("more places than a part has", huge),
+        ("an integer dtype", int64),
+        (
+            "not a SparsePart",
+            runtime_pb2.Tensor(compression=SPARSE_WIRE_TYPE, buffer=b"\xff\xff", size=[8], dtype="float32"),
+        ),
+    ]
+
+
+@pytest.mark.parametrize(("label", "message"), hostile_sparse_parts())
+def test_a_hostile_topk_part_is_an_error(label: str, message: runtime_pb2.Tensor) -> None:
+    with pytest.raises(ValueError):
+        SparseFloat16().extract(message)

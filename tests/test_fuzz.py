@@ -34,7 +34,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 
 from crowdtrain import proto
-from crowdtrain.averaging.compression import BoundedInt8
+from crowdtrain.averaging.compression import MAX_SPARSE_PART_VALUES, SPARSE_WIRE_TYPE, BoundedInt8, SparseFloat16
 from crowdtrain.averaging.state_download import StateTemplate, TensorSpec, UnacceptableStateError, check_state
 from crowdtrain.dht import keys, records
 from crowdtrain.dht.records import (
@@ -213,6 +213,7 @@ MANIFEST_ATTACKS: list[tuple[str, str, list[Any]]] = [
     ("diloco", "diloco.outer_learning_rate", [*POSITIVE_FLOAT_ATTACKS, 10.5, 1e300]),
     ("diloco", "diloco.outer_momentum", [*NON_FINITE, -0.1, 1.0, 1e300]),
     ("diloco", "diloco.compression", ["", "zip"]),
+    ("diloco", "diloco.topk_fraction", [*POSITIVE_FLOAT_ATTACKS, 1.5, 1e300]),
 ]
 ALL_MANIFEST_ATTACKS = [(base, path, value) for base, path, values in MANIFEST_ATTACKS for value in values]
 
@@ -608,6 +609,93 @@ def test_bounded_int8_refuses_every_hostile_part() -> None:
         int8_cases(random.Random(f"{SEED}:int8")),
     )
     assert_all_refused("BoundedInt8.extract", tally)
+
+
+# --- top-k tensor parts --------------------------------------------------------------------------------------
+
+
+def sparse_within_contract(part: runtime_pb2.Tensor) -> bool:
+    """SparseFloat16's contract restated: a float dtype, at most MAX_SPARSE_PART_VALUES places, a SparsePart of
+    version 1 whose fp16 values are finite and either fill every place (dense) or sit at increasing places."""
+    numel = math.prod(part.size)
+    if part.dtype not in ("float32", "float16", "bfloat16") or len(part.size) > 8 or numel > MAX_SPARSE_PART_VALUES:
+        return False
+    try:
+        sparse = proto.SparsePart.FromString(part.buffer)
+    except DecodeError:
+        return False
+    if sparse.version != 1 or len(sparse.values) % 2:
+        return False
+    values = struct.unpack(f"<{len(sparse.values) // 2}e", sparse.values)
+    if not all(math.isfinite(value) for value in values):
+        return False
+    if sparse.dense:
+        return not sparse.index_gaps and len(values) == numel
+    gaps = list(sparse.index_gaps)
+    return len(gaps) == len(values) and all(gap >= 1 for gap in gaps[1:]) and sum(gaps) < numel if gaps else True
+
+
+def mutate_sparse_part(rng: random.Random, sparse: proto.SparsePart) -> tuple[str, bytes]:
+    """One field of a genuine SparsePart set to what its contract refuses (or, by chance, still allows)."""
+    field = rng.choice(["version", "dense", "index_gaps", "values"])
+    if field == "version":
+        sparse.version = rng.choice([0, 2, 2**32 - 1])
+    elif field == "dense":
+        sparse.dense = not sparse.dense
+    elif field == "index_gaps":
+        gaps = list(sparse.index_gaps) or [0]
+        gaps[rng.randrange(len(gaps))] = rng.choice([0, 1, 2**31, 2**32 - 1, rng.randrange(2**32)])
+        gaps += [rng.randrange(8)] * rng.randrange(3)
+        del sparse.index_gaps[:]
+        sparse.index_gaps.extend(gaps)
+    else:
+        special = rng.choice([b"\x00\x7c", b"\x00\xfc", b"\x01\x7e", b"\x00"])  # inf, -inf, a NaN, half a value
+        at = 2 * rng.randrange(len(sparse.values) // 2 + 1)
+        sparse.values = sparse.values[:at] + special + sparse.values[at + len(special) :]
+    return f"SparsePart.{field}", sparse.SerializeToString()
+
+
+def sparse_cases(rng: random.Random) -> Iterator[Case]:
+    valid = []
+    for shape, density in [((64,), 0.1), ((4, 16), 0.05), ((3, 5, 7), 1.0), ((300,), 0.02)]:
+        tensor = torch.randn(shape) * (torch.rand(shape) < density)
+        valid.append(serialize_torch_tensor(tensor.half().float(), SPARSE_WIRE_TYPE))
+    donors = [part.buffer for part in valid]
+    while True:
+        part = runtime_pb2.Tensor()
+        part.CopyFrom(rng.choice(valid))
+        roll = rng.random()
+        if roll < 0.35:
+            how, buffer = mutate(rng, part.buffer, donors)
+            part.buffer = buffer
+        elif roll < 0.55:
+            sizes = [rng.choice([0, 1, 7, 64, 2**20, 2**32 - 1, rng.randrange(2**32)]) for _ in range(rng.randrange(6))]
+            how = f"size {sizes}"
+            if rng.random() < 0.3:
+                sizes = [1] * rng.randrange(9, 200) + list(part.size)
+                how = f"{len(sizes)} dimensions"
+            del part.size[:]
+            part.size.extend(sizes)
+        elif roll < 0.65:
+            part.dtype = rng.choice(["", "int64", "float64", "bool", "uint8", "float32 ", "torch.float32"])
+            how = f"dtype {part.dtype!r}"
+        elif roll < 0.9:
+            how, part.buffer = mutate_sparse_part(rng, proto.SparsePart.FromString(part.buffer))
+        else:
+            part.buffer, how = random_bytes(rng, 2000), "a random buffer"
+            del part.size[:]
+            part.size.extend(rng.randrange(40) for _ in range(rng.randrange(4)))
+        yield Case(how, part, hostile=not sparse_within_contract(part))
+
+
+def test_sparse_float16_refuses_every_hostile_part() -> None:
+    tally = fuzz(
+        "SparseFloat16.extract",
+        lambda part: SparseFloat16().extract(part) is not None,
+        (ValueError,),
+        sparse_cases(random.Random(f"{SEED}:topk")),
+    )
+    assert_all_refused("SparseFloat16.extract", tally)
 
 
 # --- downloaded states ---------------------------------------------------------------------------------------

@@ -32,16 +32,18 @@ class RunManifest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., created_at: _Optional[float] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., target_batch_size: _Optional[int] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., moe: _Optional[_Union[MoESpec, _Mapping]] = ..., diloco: _Optional[_Union[DiLoCoSpec, _Mapping]] = ...) -> None: ...
 
 class DiLoCoSpec(_message.Message):
-    __slots__ = ("inner_steps", "outer_learning_rate", "outer_momentum", "compression")
+    __slots__ = ("inner_steps", "outer_learning_rate", "outer_momentum", "compression", "topk_fraction")
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     OUTER_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     OUTER_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FRACTION_FIELD_NUMBER: _ClassVar[int]
     inner_steps: int
     outer_learning_rate: float
     outer_momentum: float
     compression: str
-    def __init__(self, inner_steps: _Optional[int] = ..., outer_learning_rate: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., compression: _Optional[str] = ...) -> None: ...
+    topk_fraction: float
+    def __init__(self, inner_steps: _Optional[int] = ..., outer_learning_rate: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., compression: _Optional[str] = ..., topk_fraction: _Optional[float] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
     __slots__ = ("architecture", "config_json", "tokenizer", "precision")
@@ -330,3 +332,15 @@ class ExpertParametersChunk(_message.Message):
     num_values: int
     payload: bytes
     def __init__(self, found: _Optional[bool] = ..., num_values: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class SparsePart(_message.Message):
+    __slots__ = ("version", "dense", "index_gaps", "values")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_GAPS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    dense: bool
+    index_gaps: _containers.RepeatedScalarFieldContainer[int]
+    values: bytes
+    def __init__(self, version: _Optional[int] = ..., dense: _Optional[bool] = ..., index_gaps: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ...) -> None: ...
