@@ -14,6 +14,7 @@ import torch
 from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.dht.registry import list_peer_statuses
 from crowdtrain.manifest import RunManifest, expert_uids
+from crowdtrain.moe.epoch import ExpertEpoch
 from crowdtrain.moe.experts import build_expert
 from crowdtrain.moe.hosting import ExpertHost, HostOptions
 from crowdtrain.moe.placement import choose_experts
@@ -59,7 +60,7 @@ class ExpertSupervisor:
         self.replicas = ReplicaService(dht, self.host.module)
         self.grid = expert_uids(manifest)
         self._rounds = 0
-        self._epoch = 0
+        self.epoch = ExpertEpoch(run_created_at=manifest.created_at)
 
     def run(self, stop: threading.Event) -> None:
         self.replicas.start()
@@ -67,9 +68,9 @@ class ExpertSupervisor:
         next_average_at = time.monotonic() + self.options.average_every_s
         try:
             while True:
-                others, epoch = self._look()
-                self._epoch = max(self._epoch, epoch)  # trainers gone for a while don't restart the warm-up
-                self.host.set_learning_rate_factor(learning_rate_factor(self._epoch, self.manifest.optimizer))
+                others, claims = self._look()
+                epoch = self.epoch.update(claims, time.time())
+                self.host.set_learning_rate_factor(learning_rate_factor(epoch, self.manifest.optimizer))
                 self.recheck(others)
                 if time.monotonic() >= next_average_at:
                     next_average_at = time.monotonic() + self.options.average_every_s
@@ -161,16 +162,16 @@ class ExpertSupervisor:
         if dropped:
             logger.info(f"leaving {len(dropped)} experts to their other hosts: {', '.join(dropped)}")
 
-    def _look(self) -> tuple[dict[str, tuple[str, ...]], int]:
-        """Every other live expert host's served experts, by peer ID; and the swarm's global epoch."""
+    def _look(self) -> tuple[dict[str, tuple[str, ...]], dict[str, int]]:
+        """Every other live expert host's served experts, by peer ID; and the epoch each trainer claims."""
         statuses = list_peer_statuses(self.dht, self.manifest.run_id, LOOKUP_TIMEOUT_S)
         others = {
             status.peer_id: tuple(status.experts)
             for status in statuses
             if EXPERT_HOST_ROLE in status.roles and status.peer_id != self.peer_id
         }
-        epoch = max((status.epoch for status in statuses if EXPERT_HOST_ROLE not in status.roles), default=0)
-        return others, epoch
+        claims = {status.peer_id: status.epoch for status in statuses if EXPERT_HOST_ROLE not in status.roles}
+        return others, claims
 
 
 def _holders(uid: str, others: Mapping[str, tuple[str, ...]]) -> list[str]:

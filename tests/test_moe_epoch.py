@@ -1,0 +1,103 @@
+"""The epoch an expert host's learning-rate schedule counts is bounded against lying trainers (moe/epoch.py)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import hivemind
+import pytest
+from hivemind.utils.crypto import RSAPrivateKey
+
+from crowdtrain import proto
+from crowdtrain.averaging.schedule import learning_rate_factor
+from crowdtrain.averaging.state_download import MAX_GLOBAL_STEPS_PER_S, epoch_ceiling
+from crowdtrain.dht.records import owner_marker, peer_id_of_owner
+from crowdtrain.dht.registry import publish_peer_status
+from crowdtrain.dht.validator import make_validators
+from crowdtrain.moe.epoch import MAX_EPOCH_LEAD, ExpertEpoch
+from tests.test_moe_replicas import LOOPBACK, supervisor, tiny_moe
+
+pytestmark = pytest.mark.timeout(120)
+
+CREATED_AT = 1_000_000.0
+NOW = CREATED_AT + 3600.0
+
+
+def test_one_liar_among_trainers_moves_nothing() -> None:
+    epoch = ExpertEpoch(run_created_at=CREATED_AT)
+    assert epoch.update({"honest": 7, "liar": 50_000}, NOW) == 7
+    assert epoch.update({"a": 7, "b": 8, "liar": 50_000}, NOW + 5) == 8
+    assert epoch.update({}, NOW + 10) == 8, "no trainer online: the schedule stays where it was"
+    assert epoch.update({"a": 2, "b": 3}, NOW + 15) == 8, "it never goes back"
+
+
+def test_a_claim_beyond_what_the_run_can_have_reached_is_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    epoch = ExpertEpoch(run_created_at=CREATED_AT)
+    beyond = epoch_ceiling(CREATED_AT, NOW) + 1
+    with caplog.at_level("WARNING"):
+        assert epoch.update({"liar": beyond}, NOW) == 0
+        assert epoch.update({"liar": 2**63 - 1, "honest": 4}, NOW + 1) == 4
+    assert caplog.text.count("ignoring the epoch of peer") == 1, "said once per peer"
+
+
+def test_after_the_first_look_the_epoch_advances_no_faster_than_a_run_can_step(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    epoch = ExpertEpoch(run_created_at=CREATED_AT)
+    assert epoch.update({"a": 1000}, NOW) == 1000, "a host joining a late run starts where the run is"
+    with caplog.at_level("WARNING"):
+        lied = epoch.update({"a": 60_000, "b": 60_000}, NOW + 5)  # a lying majority
+    assert lied == 1000 + MAX_EPOCH_LEAD + 5 * MAX_GLOBAL_STEPS_PER_S
+    assert "faster than a run can step" in caplog.text
+    assert epoch.update({"a": lied + 3}, NOW + 6) == lied + 3, "honest progress is followed at once"
+
+
+def keyed_dht(key: RSAPrivateKey, run_id: str, initial_peers: list | None = None) -> hivemind.DHT:
+    """A DHT node that signs the records it stores under its own owner marker with `key`, as a daemon's does."""
+    return hivemind.DHT(
+        start=True,
+        host_maddrs=LOOPBACK,
+        initial_peers=initial_peers or [],
+        record_validators=make_validators(key, [run_id]),
+    )
+
+
+def publish_trainer(dht: hivemind.DHT, key: RSAPrivateKey, run_id: str, epoch: int) -> None:
+    owner = owner_marker(key)
+    status = proto.PeerStatus(
+        peer_id=peer_id_of_owner(owner).to_base58(), run_id=run_id, roles=["trainer"], epoch=epoch
+    )
+    assert publish_peer_status(dht, status, owner, ttl_s=60, timeout_s=10)
+
+
+@pytest.fixture
+def three_keyed_dhts() -> Iterator[list[tuple[hivemind.DHT, RSAPrivateKey]]]:
+    keys = [RSAPrivateKey() for _ in range(3)]
+    first = keyed_dht(keys[0], tiny_moe().run_id)
+    nodes = [(first, keys[0])]
+    try:
+        for key in keys[1:]:
+            nodes.append((keyed_dht(key, tiny_moe().run_id, first.get_visible_maddrs()), key))
+        yield nodes
+    finally:
+        for dht, _ in reversed(nodes):
+            dht.shutdown()
+
+
+def test_a_host_beside_an_honest_trainer_and_a_liar_follows_the_honest_schedule(
+    three_keyed_dhts: list[tuple[hivemind.DHT, RSAPrivateKey]], tmp_path: Path
+) -> None:
+    (host_dht, _), (honest_dht, honest_key), (liar_dht, liar_key) = three_keyed_dhts
+    manifest = tiny_moe()
+    publish_trainer(honest_dht, honest_key, manifest.run_id, epoch=3)
+    publish_trainer(liar_dht, liar_key, manifest.run_id, epoch=90_000)  # within what the run could have reached
+    host = supervisor(host_dht, manifest, tmp_path / "host", max_experts=0)
+    stop = threading.Event()
+    stop.set()  # one look at the swarm, then the host stops
+    host.run(stop)
+    assert host.epoch.epoch == 3
+    assert host.host._learning_rate_factor == learning_rate_factor(3, manifest.optimizer), (
+        "the experts' learning rate is the honest epoch's, not the end of the schedule"
+    )
