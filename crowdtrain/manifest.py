@@ -25,16 +25,18 @@ from crowdtrain import proto
 from crowdtrain.errors import BadInputError
 from crowdtrain.structured import FieldError, from_mapping, from_message, to_message
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped when nodes of different versions can no longer train together. 2: a reducer sends back the encoded
 average, not a delta (averaging/traffic.py). 3: a sender ends its all-reduce stream only after every average
 came back, and a reducer holds a zero-share sender's averages until all are ready, not until that end. 4: every
-step's gradient is clipped to `optimizer.max_grad_norm` (replicas that clip differently would drift apart)."""
+step's gradient is clipped to `optimizer.max_grad_norm` (replicas that clip differently would drift apart). 5: a run
+may be invite-only (`admission`): its nodes then sign every DHT request with an access token (dht/admission.py)."""
 
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 MAX_MODEL_CONFIG_BYTES = 16 * 1024
 MAX_CREATED_AT = 1e10
 """Cap on `created_at`: the year 2286 (a time far beyond it overflowed the state download's epoch bound)."""
+ADMISSIONS = ("open", "invite")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
@@ -282,6 +284,9 @@ class RunManifest:
     """DMoE runs only: the expert grid that replaces the model's FFNs; None for a dense run."""
     diloco: DiLoCoSpec | None = None
     """DiLoCo runs only (`averaging.mode = "diloco"`); None there means DiLoCoSpec's defaults."""
+    admission: str = "open"
+    """`open`: anyone who reaches the swarm may join; `invite`: only nodes holding a join token the founder issued
+    (`crowdtrain invite`), checked on every DHT request and every RPC (crowdtrain/dht/admission.py)."""
 
     def __post_init__(self) -> None:
         if not RUN_ID_PATTERN.fullmatch(self.run_id):
@@ -297,6 +302,8 @@ class RunManifest:
             raise ValueError(f"created_at must be Unix seconds from 0 to {MAX_CREATED_AT:.0e}, got {self.created_at}")
         if self.moe is not None:
             _check_moe_layers(self.moe, self.model)
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
         if self.diloco is not None and self.averaging.mode != "diloco":
             raise ValueError(f"a [diloco] section needs averaging.mode = 'diloco', not {self.averaging.mode!r}")
         if self.diloco is not None and self.diloco.compression == "topk" and self.averaging.aggregation != "mean":

@@ -234,7 +234,7 @@ def test_the_shared_settings_are_defined_once() -> None:
     shared = {field.name for field in fields(SwarmSettings)}
     machine = {field.name for field in fields(MachineSettings)} - shared
     assert shared == {
-        "initial_peers", "state_dir", "run_id", "run_key", "bootstrap_timeout_s", "log_format", "verbose"
+        "initial_peers", "state_dir", "run_id", "run_key", "join_token", "bootstrap_timeout_s", "log_format", "verbose"
     }  # fmt: skip
     assert machine == {"listen", "announce", "device", "micro_batch_size", "num_threads"}
     assert issubclass(NodeConfig, MachineSettings) and issubclass(CheckConfig, MachineSettings)

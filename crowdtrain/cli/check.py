@@ -34,6 +34,7 @@ from crowdtrain.models import load_tokenizer, precision_for_device, spec_paramet
 from crowdtrain.models.device import describe_device, resolve_device
 from crowdtrain.node.addresses import DEFAULT_PORT, resolve_listen
 from crowdtrain.node.config import CheckConfig
+from crowdtrain.node.membership import reader_authorizer, with_join_token
 from crowdtrain.planning.plan import compute_plan
 from crowdtrain.planning.planner import OwnCapabilities, plan_problem, swarm_capabilities
 from crowdtrain.roles import Role
@@ -206,6 +207,8 @@ def run_check(config: CheckConfig) -> CheckReport:
 
 
 def _swarm_target(config: CheckConfig) -> _Target:
+    config = with_join_token(config)
+    reader_key = RSAPrivateKey()
     listen = resolve_listen(config.listen)
     dht = join_swarm(
         SwarmOptions(
@@ -214,8 +217,9 @@ def _swarm_target(config: CheckConfig) -> _Target:
             announce=config.announce,
             client_mode=True,  # never stores records nor answers DHT queries: not counted as a peer
             bootstrap_timeout_s=config.bootstrap_timeout_s,
+            authorizer=reader_authorizer(config, reader_key),
         ),
-        make_validators(RSAPrivateKey()),
+        make_validators(reader_key),
     )
     try:
         founder = config.run_key or None

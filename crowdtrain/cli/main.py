@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `crowdtrain` command line: `run`, `status` and `check` with their flags."""
     parser = argparse.ArgumentParser(prog="crowdtrain", description="Lend this machine to a shared training run.")
     parser.add_argument("--version", action="version", version=f"crowdtrain {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,status,check}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,status,check,invite}")
 
     run = commands.add_parser("run", help="start a node: found a run, or join one with --initial-peers")
     _add_swarm_flags(run)
@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--announce", nargs="+", metavar="MADDR", help="addresses peers should dial back (as run)")
     check.add_argument("--device", metavar="auto|cpu|cuda[:N]", help="device to measure (default: auto)")
     check.add_argument("--json", action="store_const", const=True, help="print one JSON object")
+
+    invite = commands.add_parser("invite", help="founder of an invite-only run: issue a join token")
+    invite.add_argument("--state-dir", default="~/.crowdtrain", help="the founder's state directory")
+    invite.add_argument("--identity", metavar="PATH", help="identity key file (default: <state-dir>/identity.key)")
+    invite.add_argument("--run-id", default="", metavar="ID", help="the run, when this node founded several")
+    invite.add_argument("--expires", default="7d", metavar="DURATION", help="how long the token admits (default: 7d)")
+    invite.add_argument("--label", default="", metavar="TEXT", help="a note on whom it is for, kept in the token")
     return parser
 
 
@@ -63,6 +70,9 @@ def _add_swarm_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-id", metavar="ID", help="the run to join or show when the swarm holds several")
     parser.add_argument(
         "--run-key", metavar="PEER_ID", help="accept only a run founded by this peer (the founder prints it)"
+    )
+    parser.add_argument(
+        "--join-token", metavar="TOKEN", help="join an invite-only run with this token from its founder"
     )
     parser.add_argument(
         "--bootstrap-timeout",
@@ -85,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run(args)
         if command == "check":
             return _check(args)
+        if command == "invite":
+            return _invite(args)
         return _status(args)
     except CrowdtrainError as e:
         print(f"crowdtrain: {e}", file=sys.stderr)
@@ -187,6 +199,21 @@ def _check(args: dict[str, Any]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     result = run_check(config)
     print_check(result, config.json, Console() if sys.stdout.isatty() else Console(width=240))
+    return 0
+
+
+def _invite(args: dict[str, Any]) -> int:
+    from pathlib import Path
+
+    from crowdtrain.cli.invite import make_invite
+
+    state_path = Path(args["state_dir"]).expanduser()
+    identity_path = Path(args["identity"]).expanduser() if args["identity"] else state_path / "identity.key"
+    token, run_id = make_invite(state_path, identity_path, args["run_id"], args["expires"], args["label"])
+    print(f"Join token for run '{run_id}' (valid {args['expires']}; keep it secret, it admits whoever holds it):")
+    print(f"  {token}")
+    print("The volunteer joins with:")
+    print(f"  CROWDTRAIN_JOIN_TOKEN={token} crowdtrain run --initial-peers <address>")
     return 0
 
 

@@ -28,6 +28,7 @@ from crowdtrain.manifest import RunManifest, expert_uids
 from crowdtrain.moe.placement import GridCoverage, grid_coverage
 from crowdtrain.node.addresses import shareable_address
 from crowdtrain.node.config import StatusConfig
+from crowdtrain.node.membership import reader_authorizer, with_join_token
 from crowdtrain.node.statedir import find_local_daemon
 
 LOOKUP_TIMEOUT_S = 10.0
@@ -35,14 +36,17 @@ LOOKUP_TIMEOUT_S = 10.0
 
 def show_status(config: StatusConfig, stop: threading.Event, console: Console) -> None:
     """Print the swarm once, or refresh it every `watch_s` seconds until `stop` is set."""
+    config = with_join_token(config)
+    reader_key = RSAPrivateKey()
     initial_peers, run_id = _target(config)
     dht = join_swarm(
         SwarmOptions(
             initial_peers=initial_peers,
             client_mode=True,  # a reader: never announced, never stores records, never counted
             bootstrap_timeout_s=config.bootstrap_timeout_s,
+            authorizer=reader_authorizer(config, reader_key),
         ),
-        make_validators(RSAPrivateKey()),
+        make_validators(reader_key),
     )
     try:
         founder = config.run_key or None

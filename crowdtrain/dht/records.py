@@ -64,7 +64,7 @@ def peer_id_of_owner(marker: bytes) -> PeerID:
     match = _OWNER_RE.fullmatch(marker)
     if match is None:
         raise RecordError("subkey is not an [owner:...] marker")
-    return peer_id_of_public_key(_load_public_key(match.group(1)))
+    return peer_id_of_public_key(load_public_key(match.group(1)))
 
 
 def peer_id_of_public_key(public_key: rsa.RSAPublicKey) -> PeerID:
@@ -74,7 +74,8 @@ def peer_id_of_public_key(public_key: rsa.RSAPublicKey) -> PeerID:
     return PeerID(_SHA2_256_MULTIHASH_PREFIX + hashlib.sha256(wrapped).digest())
 
 
-def _load_public_key(openssh: bytes) -> rsa.RSAPublicKey:
+def load_public_key(openssh: bytes) -> rsa.RSAPublicKey:
+    """An RSA public key in OpenSSH format (as hivemind writes them); RecordError for anything else."""
     try:
         key = serialization.load_ssh_public_key(openssh)
     except Exception as e:  # cryptography raises several types for garbage input
@@ -103,7 +104,7 @@ def open_manifest(data: bytes) -> PublishedManifest:
     if len(data) > MAX_MANIFEST_RECORD_BYTES:
         raise RecordError(f"manifest record of {len(data)} bytes is over the {MAX_MANIFEST_RECORD_BYTES} cap")
     signed = _parse(proto.SignedManifest, data)
-    founder_key = _load_public_key(signed.founder_public_key)
+    founder_key = load_public_key(signed.founder_public_key)
     if not RSAPublicKey(founder_key).verify(signed.manifest, signed.signature):
         raise RecordError("the manifest's founder signature is invalid")
     try:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import hivemind
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import P2PDaemonError
+from hivemind.utils.auth import AuthorizerBase
 
 from crowdtrain.errors import CrowdtrainError, SwarmUnreachableError
 
@@ -39,6 +40,8 @@ class SwarmOptions:
     """Give up when no initial peer answered within this many seconds."""
     request_timeout_s: float = 5.0
     """One DHT RPC is deemed lost after this many seconds."""
+    authorizer: AuthorizerBase | None = None
+    """An invite-only run's admission (crowdtrain/dht/admission.py): signs our DHT requests, checks peers'."""
 
     def __post_init__(self) -> None:
         if not self.bootstrap_timeout_s > 0 or not self.request_timeout_s > 0:
@@ -127,6 +130,7 @@ def join_swarm(options: SwarmOptions, validators: Sequence[RecordValidatorBase])
         wait_timeout=options.request_timeout_s,
         bootstrap_timeout=options.bootstrap_timeout_s,
         startup_timeout=P2PD_STARTUP_TIMEOUT_S,
+        authorizer=options.authorizer,
     )
     try:
         dht.run_in_background(await_ready=True, timeout=P2PD_STARTUP_TIMEOUT_S + options.bootstrap_timeout_s)
@@ -142,9 +146,14 @@ def _explain_start_failure(error: BaseException, options: SwarmOptions) -> BaseE
     peers = ", ".join(options.initial_peers)
     if isinstance(error, TimeoutError) or "bootstrap" in str(error).lower():
         if options.initial_peers:
+            admission = (
+                "that your join token is for the run there"
+                if options.authorizer is not None
+                else "that the run there is open (an invite-only run needs --join-token)"
+            )
             return SwarmUnreachableError(
                 f"No initial peer answered within {options.bootstrap_timeout_s:g} s ({peers}); "
-                "check the address and that the peer is running, or raise --bootstrap-timeout."
+                f"check the address, that the peer is running and {admission}, or raise --bootstrap-timeout."
             )
         return CrowdtrainError(f"The p2p daemon did not start within {P2PD_STARTUP_TIMEOUT_S:g} s.")
     if isinstance(error, P2PDaemonError) and "address already in use" in str(error).lower():

@@ -43,6 +43,9 @@ class SwarmSettings:
     """The founder's peer ID the run's manifest must be signed by (printed next to the join command): `run`,
     `status` and `check` look at no manifest another key signed. Empty: `run` takes the first founder this node
     saw for the run (kept in <state_dir>/runs.json), and no other after; `status` and `check` the oldest."""
+    join_token: str = ""
+    """A token from the founder of an invite-only run (`crowdtrain invite`); it names the run and its run key.
+    A secret: prefer CROWDTRAIN_JOIN_TOKEN or the TOML file to the flag, which other users can see in `ps`."""
     bootstrap_timeout_s: float = 20.0
     """Give up when no initial peer answers within this many seconds."""
     log_format: str = "text"

@@ -15,6 +15,7 @@ from pathlib import Path
 import hivemind
 
 from crowdtrain import __version__, proto
+from crowdtrain.dht.admission import InviteAuthorizer
 from crowdtrain.dht.records import owner_marker
 from crowdtrain.dht.registry import list_peer_statuses, list_runs, publish_manifest, publish_peer_status
 from crowdtrain.dht.swarm import (
@@ -35,7 +36,7 @@ from crowdtrain.node.config import NodeConfig
 from crowdtrain.node.expert_host import make_expert_supervisor
 from crowdtrain.node.identity import Identity, load_or_create_identity
 from crowdtrain.node.logs import set_log_peer
-from crowdtrain.node.membership import Membership, resolve_membership
+from crowdtrain.node.membership import Membership, node_authorizer, resolve_membership, with_join_token
 from crowdtrain.node.metrics import MetricsEndpoint, start_metrics_endpoint
 from crowdtrain.node.statedir import exclusive_state_dir, remove_node_file, write_node_file
 from crowdtrain.planning.planner import plan_problem
@@ -85,14 +86,17 @@ class Daemon:
         self.on_ready = on_ready
         self.device = "cpu"
         self.probes: ProbeService | None = None
+        self.authorizer: InviteAuthorizer | None = None
 
     def run(self) -> None:
         make_forked_children_die_with_this_process()
         with exclusive_state_dir(self.config.state_path):
+            self.config = with_join_token(self.config)  # the run and run key a join token names
             identity = load_or_create_identity(self.config.identity_path)
             set_log_peer(identity.peer_id.to_base58())
             self.device = resolve_device(self.config.device)
             device = describe_device(self.device)
+            self.authorizer = node_authorizer(self.config, identity)
             dht = join_swarm(self._swarm_options(identity), make_validators(identity.private_key))
             try:
                 self._serve(dht, identity, device)
@@ -107,6 +111,7 @@ class Daemon:
             identity_path=str(identity.path),
             client_mode=self.config.fixed_role == Role.CLIENT,
             bootstrap_timeout_s=self.config.bootstrap_timeout_s,
+            authorizer=self.authorizer,
         )
 
     def _serve(self, dht: hivemind.DHT, identity: Identity, device: str) -> None:

@@ -9,19 +9,24 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import hivemind
+from hivemind.utils.crypto import RSAPrivateKey
 
+from crowdtrain.dht.admission import InviteAuthorizer, parse_join_token
 from crowdtrain.dht.records import sign_manifest
 from crowdtrain.dht.registry import RunListing, list_runs
 from crowdtrain.errors import BadInputError, CrowdtrainError
 from crowdtrain.manifest import RunManifest, load_run_file
 from crowdtrain.models import check_model_spec, load_tokenizer, model_kind
-from crowdtrain.node.config import NodeConfig
+from crowdtrain.node.config import NodeConfig, SwarmSettings
 from crowdtrain.node.identity import Identity
 from crowdtrain.node.limits import available_memory_bytes, check_remote_manifest
 
 logger = logging.getLogger(__name__)
+
+C = TypeVar("C", bound=SwarmSettings)
 
 LOOKUP_TIMEOUT_S = 10.0
 RUN_KEYS_FILE = "runs.json"
@@ -40,6 +45,39 @@ class Membership:
     """The run key: the peer whose key signed the manifest; this node accepts no other founder's."""
 
 
+def with_join_token(config: C) -> C:
+    """`config` with the run id and run key its join token names; a token naming another run or key than the
+    flags is refused. Unchanged without a token."""
+    if not config.join_token:
+        return config
+    invite = parse_join_token(config.join_token)
+    if config.run_id and config.run_id != invite.run_id:
+        raise BadInputError(f"The join token is for run {invite.run_id!r}, not {config.run_id!r} (--run-id).")
+    if config.run_key and config.run_key != invite.run_key:
+        raise BadInputError(f"The join token was issued by run key {invite.run_key}, not {config.run_key} (--run-key).")
+    return dataclasses.replace(config, run_id=invite.run_id, run_key=invite.run_key)
+
+
+def node_authorizer(config: NodeConfig, identity: Identity) -> InviteAuthorizer | None:
+    """How this node proves its admission to the swarm's DHT: with its join token; as the founder of an
+    invite-only run it founds (its run file says so), with the run key; None in an open run."""
+    if config.join_token:
+        return InviteAuthorizer.for_joiner(parse_join_token(config.join_token), identity.private_key)
+    if config.initial_peers and not config.run_file:
+        return None  # joining whatever run the swarm holds: an invite-only one would need a token
+    manifest = load_run_file(config.run_file or "demo", run_id=config.run_id or None)
+    if manifest.admission != "invite":
+        return None
+    return InviteAuthorizer.for_founder(manifest.run_id, identity.private_key, identity.private_key)
+
+
+def reader_authorizer(config: SwarmSettings, key: RSAPrivateKey) -> InviteAuthorizer | None:
+    """`status` and `check` read an invite-only run's DHT with a join token of their own."""
+    if not config.join_token:
+        return None
+    return InviteAuthorizer.for_joiner(parse_join_token(config.join_token), key)
+
+
 def resolve_membership(dht: hivemind.DHT, config: NodeConfig, identity: Identity) -> Membership:
     """Found a run (no initial peers, or a run file naming a run the swarm lacks) or join one; the run's founder
     is pinned in the state dir, and a later different founder for the same run is refused."""
@@ -50,7 +88,7 @@ def resolve_membership(dht: hivemind.DHT, config: NodeConfig, identity: Identity
 
 def pin_founder(path: Path, run_id: str, founder_peer_id: str) -> None:
     """Remember the run's founder on first sight; refuse, with one sentence, a different one later."""
-    pins = _read_pins(path)
+    pins = read_pins(path)
     pinned = pins.get(run_id)
     if pinned == founder_peer_id:
         return
@@ -66,7 +104,8 @@ def pin_founder(path: Path, run_id: str, founder_peer_id: str) -> None:
     os.replace(temporary, path)
 
 
-def _read_pins(path: Path) -> dict[str, str]:
+def read_pins(path: Path) -> dict[str, str]:
+    """{run id: founder peer ID} of the runs this node founded or joined; {} before the first."""
     try:
         pins = json.loads(path.read_text())
     except FileNotFoundError:

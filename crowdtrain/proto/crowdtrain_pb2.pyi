@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunManifest(_message.Message):
-    __slots__ = ("run_id", "protocol_version", "created_at", "model", "data", "optimizer", "target_batch_size", "averaging", "moe", "diloco")
+    __slots__ = ("run_id", "protocol_version", "created_at", "model", "data", "optimizer", "target_batch_size", "averaging", "moe", "diloco", "admission")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class RunManifest(_message.Message):
     AVERAGING_FIELD_NUMBER: _ClassVar[int]
     MOE_FIELD_NUMBER: _ClassVar[int]
     DILOCO_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     protocol_version: int
     created_at: float
@@ -29,7 +30,8 @@ class RunManifest(_message.Message):
     averaging: AveragingSpec
     moe: MoESpec
     diloco: DiLoCoSpec
-    def __init__(self, run_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., created_at: _Optional[float] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., target_batch_size: _Optional[int] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., moe: _Optional[_Union[MoESpec, _Mapping]] = ..., diloco: _Optional[_Union[DiLoCoSpec, _Mapping]] = ...) -> None: ...
+    admission: str
+    def __init__(self, run_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., created_at: _Optional[float] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., target_batch_size: _Optional[int] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., moe: _Optional[_Union[MoESpec, _Mapping]] = ..., diloco: _Optional[_Union[DiLoCoSpec, _Mapping]] = ..., admission: _Optional[str] = ...) -> None: ...
 
 class DiLoCoSpec(_message.Message):
     __slots__ = ("inner_steps", "outer_learning_rate", "outer_momentum", "compression", "topk_fraction")
@@ -344,3 +346,27 @@ class SparsePart(_message.Message):
     index_gaps: _containers.RepeatedScalarFieldContainer[int]
     values: bytes
     def __init__(self, version: _Optional[int] = ..., dense: _Optional[bool] = ..., index_gaps: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ...) -> None: ...
+
+class InviteCertificate(_message.Message):
+    __slots__ = ("run_id", "founder_public_key", "invite_public_key", "expires_at", "label", "signature")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    FOUNDER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    INVITE_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    founder_public_key: bytes
+    invite_public_key: bytes
+    expires_at: float
+    label: str
+    signature: bytes
+    def __init__(self, run_id: _Optional[str] = ..., founder_public_key: _Optional[bytes] = ..., invite_public_key: _Optional[bytes] = ..., expires_at: _Optional[float] = ..., label: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class JoinToken(_message.Message):
+    __slots__ = ("certificate", "invite_private_key")
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    INVITE_PRIVATE_KEY_FIELD_NUMBER: _ClassVar[int]
+    certificate: InviteCertificate
+    invite_private_key: bytes
+    def __init__(self, certificate: _Optional[_Union[InviteCertificate, _Mapping]] = ..., invite_private_key: _Optional[bytes] = ...) -> None: ...
