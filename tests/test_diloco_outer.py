@@ -4,12 +4,15 @@ Each peer is a real DiLoCoMode (its averager process, its progress tracker, DHTs
 what its inner steps would have done is written straight into its parameters, so the test knows each
 pseudo-gradient and the samples it stands for. The outer round must average them weighted by samples, apply one
 Nesterov SGD step to the round's global parameters, and leave every peer with the same bits, also when the
-pseudo-gradients travel in int8 (each peer used to keep its own encoding error).
+pseudo-gradients travel in int8 (each peer used to keep its own encoding error). With top-k, every peer applies
+the mean of what each sent (its largest values, with its residual added) and keeps the rest back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import hivemind
@@ -18,6 +21,7 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain import proto
+from crowdtrain.averaging.error_feedback import keep_top_k_
 from crowdtrain.averaging.exact import new_partial_counter
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, demo
 from crowdtrain.testing.processes import await_condition
@@ -29,7 +33,7 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 OUTER_LR, OUTER_MOMENTUM = 0.5, 0.9
 
 
-def manifest(num_peers: int, compression: str) -> RunManifest:
+def manifest(num_peers: int, compression: str, topk_fraction: float = 0.02) -> RunManifest:
     base = demo()
     return dataclasses.replace(
         base,
@@ -37,9 +41,74 @@ def manifest(num_peers: int, compression: str) -> RunManifest:
         target_batch_size=64,
         averaging=dataclasses.replace(base.averaging, mode="diloco", group_size=4, matchmaking_time_s=2.0),
         diloco=DiLoCoSpec(
-            inner_steps=1, outer_learning_rate=OUTER_LR, outer_momentum=OUTER_MOMENTUM, compression=compression
+            inner_steps=1,
+            outer_learning_rate=OUTER_LR,
+            outer_momentum=OUTER_MOMENTUM,
+            compression=compression,
+            topk_fraction=topk_fraction,
         ),
     )
+
+
+@contextlib.contextmanager
+def diloco_peers(run: RunManifest, num_peers: int, start: torch.Tensor) -> Iterator[list[DiLoCoMode]]:
+    """`num_peers` real DiLoCoModes on loopback DHTs, each over a replica of `start`; all closed after."""
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dhts = [first] + [
+        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+        for _ in range(num_peers - 1)
+    ]
+    peer_ids = [dht.peer_id.to_base58() for dht in dhts]
+    statuses = [proto.PeerStatus(peer_id=peer_id) for peer_id in peer_ids]
+    modes: list[DiLoCoMode] = []
+    try:
+        for dht, peer_id in zip(dhts, peer_ids, strict=True):
+            context = ModeContext(
+                dht=dht,
+                manifest=run,
+                peer_id=peer_id,
+                private_key=RSAPrivateKey(),
+                parameters=[torch.nn.Parameter(start.clone())],
+                compute=None,
+                micro_batch_size=8,
+                client_mode=False,
+                auxiliary=False,
+                swarm=SwarmView(plan_share=None, statuses=statuses),
+                partial_counter=new_partial_counter(),
+            )
+            modes.append(DiLoCoMode(context))
+        yield modes
+    finally:
+        for mode in modes:
+            mode.close()
+        for dht in dhts:
+            dht.shutdown()
+
+
+def run_one_outer_round(
+    modes: list[DiLoCoMode], start: torch.Tensor, pseudo_gradients: list[torch.Tensor], samples: list[int]
+) -> None:
+    """Set each peer's replica to θ₀ − its pseudo-gradient, over its samples, and run the outer round on all."""
+    for mode, pseudo_gradient, num_samples in zip(modes, pseudo_gradients, samples, strict=True):
+        with torch.no_grad():
+            mode.parameters[0].copy_(start - pseudo_gradient)
+        mode.samples = num_samples
+        mode.tracker.report_local_progress(mode.round, num_samples)
+    await_condition(
+        lambda: all(mode.tracker.global_progress.num_peers == len(modes) for mode in modes),
+        60,
+        "every peer's tracker to see the others",
+    )
+    with ThreadPoolExecutor(len(modes)) as pool:
+        list(pool.map(lambda mode: mode._outer_round(), modes))
+
+
+def assert_every_peer_stepped_to(modes: list[DiLoCoMode], expected: torch.Tensor, tolerance: float) -> None:
+    for mode in modes:
+        assert mode.round == 1 and mode.num_local_rounds == 0, "the round was averaged with the whole group"
+        assert torch.allclose(mode.global_parameters[0], expected, atol=tolerance)
+        assert torch.equal(mode.parameters[0].detach(), mode.global_parameters[0]), "the next round starts from them"
+    assert all(torch.equal(mode.global_parameters[0], modes[0].global_parameters[0]) for mode in modes)
 
 
 @pytest.mark.parametrize(
@@ -49,60 +118,40 @@ def manifest(num_peers: int, compression: str) -> RunManifest:
 def test_every_peer_applies_the_weighted_mean_pseudo_gradient_with_one_nesterov_step(
     num_peers: int, compression: str, tolerance: float
 ) -> None:
-    run = manifest(num_peers, compression)
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dhts = [first] + [
-        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
-        for _ in range(num_peers - 1)
-    ]
-    peer_ids = [dht.peer_id.to_base58() for dht in dhts]
-    statuses = [proto.PeerStatus(peer_id=peer_id) for peer_id in peer_ids]
     start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
-    replicas = [torch.nn.Parameter(start.clone()) for _ in dhts]
-    modes: list[DiLoCoMode] = []
-    try:
-        for dht, peer_id, replica in zip(dhts, peer_ids, replicas, strict=True):
-            context = ModeContext(
-                dht=dht,
-                manifest=run,
-                peer_id=peer_id,
-                private_key=RSAPrivateKey(),
-                parameters=[replica],
-                compute=None,
-                micro_batch_size=8,
-                client_mode=False,
-                auxiliary=False,
-                swarm=SwarmView(plan_share=None, statuses=statuses),
-                partial_counter=new_partial_counter(),
-            )
-            modes.append(DiLoCoMode(context))
+    with diloco_peers(manifest(num_peers, compression), num_peers, start) as modes:
         # what each peer's inner steps did: a known pseudo-gradient over a known number of samples
         generator = torch.Generator().manual_seed(num_peers)
         pseudo_gradients = [torch.randn(3, 4, generator=generator) for _ in modes]
         samples = [8 * (rank + 1) for rank in range(num_peers)]
-        for mode, replica, pseudo_gradient, num_samples in zip(modes, replicas, pseudo_gradients, samples, strict=True):
-            with torch.no_grad():
-                replica.copy_(start - pseudo_gradient)
-            mode.samples = num_samples
-            mode.tracker.report_local_progress(0, num_samples)
-        await_condition(
-            lambda: all(mode.tracker.global_progress.num_peers == num_peers for mode in modes),
-            60,
-            "every peer's tracker to see the others",
-        )
-        with ThreadPoolExecutor(num_peers) as pool:
-            list(pool.map(lambda mode: mode._outer_round(), modes))
-
+        run_one_outer_round(modes, start, pseudo_gradients, samples)
         mean = sum(w * g for w, g in zip(samples, pseudo_gradients, strict=True)) / sum(samples)
         # Nesterov SGD's first step: the buffer is the gradient, the update (1 + momentum) times it
-        expected = start - OUTER_LR * (1 + OUTER_MOMENTUM) * mean
-        for mode, replica in zip(modes, replicas, strict=True):
-            assert mode.round == 1 and mode.num_local_rounds == 0, "the round was averaged with the whole group"
-            assert torch.allclose(mode.global_parameters[0], expected, atol=tolerance)
-            assert torch.equal(replica.detach(), mode.global_parameters[0]), "the next round starts from them"
-        assert all(torch.equal(mode.global_parameters[0], modes[0].global_parameters[0]) for mode in modes)
-    finally:
-        for mode in modes:
-            mode.close()
-        for dht in dhts:
-            dht.shutdown()
+        assert_every_peer_stepped_to(modes, start - OUTER_LR * (1 + OUTER_MOMENTUM) * mean, tolerance)
+
+
+def test_with_topk_every_peer_applies_the_mean_of_what_each_sent_and_keeps_back_the_rest() -> None:
+    start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    fraction = 0.25  # 3 values of 12 per peer
+    residuals = [torch.randn(3, 4, generator=torch.Generator().manual_seed(rank)) * 0.1 for rank in range(2)]
+    with diloco_peers(manifest(2, "topk", topk_fraction=fraction), 2, start) as modes:
+        for mode, residual in zip(modes, residuals, strict=True):
+            assert mode.feedback is not None
+            mode.feedback.residuals[0].copy_(residual)  # kept back in earlier rounds
+        generator = torch.Generator().manual_seed(7)
+        pseudo_gradients = [torch.randn(3, 4, generator=generator) for _ in modes]
+        samples = [8, 24]
+        run_one_outer_round(modes, start, pseudo_gradients, samples)
+        # what each sent: the top 3 of its pseudo-gradient plus its residual, in fp16; the rest stays behind
+        sent = []
+        for pseudo_gradient, residual in zip(pseudo_gradients, residuals, strict=True):
+            corrected = pseudo_gradient + residual
+            sent.append(corrected.clone())
+            keep_top_k_(sent[-1], fraction)
+            assert int(torch.count_nonzero(sent[-1])) == 3
+        for mode, pseudo_gradient, residual, mine in zip(modes, pseudo_gradients, residuals, sent, strict=True):
+            assert mode.feedback is not None
+            assert torch.allclose(mode.feedback.residuals[0], pseudo_gradient + residual - mine, atol=1e-6)
+        mean = sum(w * s for w, s in zip(samples, sent, strict=True)) / sum(samples)
+        # the average goes back in fp16: within its resolution, and the same bits on every peer
+        assert_every_peer_stepped_to(modes, start - OUTER_LR * (1 + OUTER_MOMENTUM) * mean, 2e-3)

@@ -10,7 +10,8 @@ traffic       the bytes of all-reduce rounds, counted as tensor parts pass; the 
 robust        each chunk checked (shape, finite, norm) and aggregated by mean, trimmed mean or CenteredClip
 state_download  a peer's state verified against this node's own before it is loaded; bad donors skipped
 progress_bounds  peers' progress claims bounded before hivemind's tracker sums them
-compression   wire encodings by name (fp16, int8, none); hivemind's 8-bit decoder fixed and bounded
+compression   wire encodings by name (fp16, int8, topk, none); hivemind's 8-bit decoder fixed and bounded
+error_feedback  DiLoCo's top-k: each tensor's largest values sent, the rest kept back for later rounds
 pseudo_gradients  DiLoCo's outer-round averager: pseudo-gradients averaged, the outer state served to joiners
 
 May import: `dht`, `manifest`, `proto`, `errors`.

@@ -8,11 +8,14 @@ aggregated, compressed on the wire) and every peer applies the same outer Nester
 the next round from it. Communication: one model-sized all-reduce per H global batches, instead of one per
 global batch in `gradients` mode.
 
+With `compression = "topk"` each peer sends only the largest `topk_fraction` of each tensor's pseudo-gradient
+and keeps the rest in a residual added to the next round's (error feedback, averaging/error_feedback.py); the
+residual is saved in checkpoints and dropped when the peer takes the swarm's state.
+
 A joiner, or a peer whose round failed while the swarm has others, downloads θ₀, the outer momentum and the
 round from a peer (verified, averaging/state_download.py) before its next micro-batch. `crowdtrain status`
 shows the inner step of H, the bytes of the last round and the compute utilisation. Not built yet: the
-outer all-reduce overlapped with the next inner steps, fragment streaming, top-k compression with error
-feedback, adaptive H.
+outer all-reduce overlapped with the next inner steps, fragment streaming, adaptive H.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,6 +39,7 @@ from crowdtrain.averaging.collaboration import (
     refresh_groups,
 )
 from crowdtrain.averaging.compression import compression_for
+from crowdtrain.averaging.error_feedback import ErrorFeedback, Kept
 from crowdtrain.averaging.partition import EXPECTED_ROUND_FAILURES
 from crowdtrain.averaging.phases import Phase, wait_for_round
 from crowdtrain.averaging.pseudo_gradients import OuterState, PseudoGradientAverager
@@ -78,6 +83,9 @@ class DiLoCoMode(TrainingMode):
         self.inner_optimizer = torch.optim.AdamW(
             self.parameters, lr=optimizer_spec.learning_rate, weight_decay=optimizer_spec.weight_decay
         )
+        self.feedback: ErrorFeedback | None = None
+        if self.spec.compression == "topk":
+            self.feedback = ErrorFeedback([parameter.shape for parameter in self.parameters], self.spec.topk_fraction)
         self.round_samples = manifest.target_batch_size * self.spec.inner_steps
         run_prefix = f"crowdtrain-{manifest.run_id}_diloco"
         averaging = manifest.averaging
@@ -168,6 +176,7 @@ class DiLoCoMode(TrainingMode):
                 "global_parameters": [tensor.detach().clone() for tensor in self.global_parameters],
                 "outer_optimizer": self.outer_optimizer.state_dict(),
                 "inner_optimizer": self.inner_optimizer.state_dict(),
+                "residuals": [] if self.feedback is None else self.feedback.state_dict(),
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -177,6 +186,7 @@ class DiLoCoMode(TrainingMode):
             self.outer_optimizer.load_state_dict(state["outer_optimizer"])
             self.inner_optimizer.load_state_dict(state["inner_optimizer"])
             self.round = int(state["round"])
+            self._load_residuals(state.get("residuals") or [])
         with self.tracker.pause_updates():
             self.tracker.update_epoch(self.round)
 
@@ -189,11 +199,16 @@ class DiLoCoMode(TrainingMode):
     def _outer_round(self) -> None:
         """Average this peer's pseudo-gradient with a group, apply the outer step, start the next round."""
         with self.tracker.pause_updates():
+            together = self.tracker.global_progress.num_peers > 1
             self._write_pseudo_gradient()
-            averaged = self.tracker.global_progress.num_peers > 1 and self._average()
+            kept = self._sparsify() if together else None
+            averaged = together and self._average()
+            if averaged and kept is not None:
+                self._commit_residuals(kept)
             if not averaged:
-                self._write_pseudo_gradient()  # a failed round may have left parts of others' in the buffers
-                if self.tracker.global_progress.num_peers > 1:
+                # a failed round may have left parts of others' in the buffers; alone, top-k would save nothing
+                self._write_pseudo_gradient(flush_residuals=True)
+                if together:
                     self.num_local_rounds += 1
                     self.diverged = True  # the others stepped without this peer: take their state next
             with self.context.phases.measure(Phase.OPTIMIZER_STEP):
@@ -204,10 +219,43 @@ class DiLoCoMode(TrainingMode):
         logger.info(f"outer round {self.round}: {'averaged with the swarm' if averaged else 'alone'}, "
                     f"{self.inner_steps} inner steps so far")  # fmt: skip
 
-    def _write_pseudo_gradient(self) -> None:
+    def _write_pseudo_gradient(self, flush_residuals: bool = False) -> None:
+        """θ₀ − θ into the averager's buffers; with `flush_residuals` (top-k only), plus the residuals, emptied."""
         with torch.no_grad(), self.averager.get_tensors() as buffers:
-            for buffer, start, parameter in zip(buffers, self.global_parameters, self.parameters, strict=True):
-                buffer.copy_((start - parameter.detach().float()).cpu())
+            for buffer, pseudo_gradient in zip(buffers, self._pseudo_gradients(), strict=True):
+                buffer.copy_(pseudo_gradient)
+            if flush_residuals and self.feedback is not None:
+                self.feedback.flush_(buffers)
+
+    def _pseudo_gradients(self) -> Iterator[torch.Tensor]:
+        """θ₀ − θ per parameter, on the CPU in float32, one at a time."""
+        for start, parameter in zip(self.global_parameters, self.parameters, strict=True):
+            yield (start - parameter.detach().float()).cpu()
+
+    def _sparsify(self) -> list[Kept] | None:
+        """Top-k only: the buffers' pseudo-gradients plus residuals, all but each tensor's largest values zeroed."""
+        if self.feedback is None:
+            return None
+        with torch.no_grad(), self.averager.get_tensors() as buffers:
+            return self.feedback.sparsify_(buffers)
+
+    def _commit_residuals(self, kept: list[Kept]) -> None:
+        assert self.feedback is not None, "only top-k keeps something back"
+        with torch.no_grad():
+            self.feedback.commit(self._pseudo_gradients(), kept)
+
+    def _load_residuals(self, residuals: list[torch.Tensor]) -> None:
+        """A checkpoint's residuals; none (an older checkpoint, or one of another compression) or unusable: zeros."""
+        if self.feedback is None:
+            return
+        if not residuals:
+            self.feedback.reset()
+            return
+        try:
+            self.feedback.load_state_dict(residuals)
+        except ValueError as e:
+            logger.warning(f"the checkpoint's top-k residuals are not used: {e}")
+            self.feedback.reset()
 
     def _average(self) -> bool:
         """One all-reduce of the pseudo-gradients; False when it failed, found no group or mixed rounds."""
@@ -287,6 +335,8 @@ class DiLoCoMode(TrainingMode):
             for start, momentum in zip(self.global_parameters, tensors[count:], strict=True):
                 self.outer_optimizer.state[start]["momentum_buffer"] = momentum.to(start.device, copy=True)
             self.round = int(metadata["epoch"])
+            if self.feedback is not None:
+                self.feedback.reset()  # kept back from the trajectory this peer leaves for the swarm's
         with self.tracker.pause_updates():
             self.samples = 0
             self.tracker.update_epoch(self.round)
