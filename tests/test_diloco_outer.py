@@ -5,7 +5,8 @@ what its inner steps would have done is written straight into its parameters, so
 pseudo-gradient and the samples it stands for. The outer round must average them weighted by samples, apply one
 Nesterov SGD step to the round's global parameters, and leave every peer with the same bits, also when the
 pseudo-gradients travel in int8 (each peer used to keep its own encoding error). With top-k, every peer applies
-the mean of what each sent (its largest values, with its residual added) and keeps the rest back.
+the mean of what each sent (its largest values, with its residual added) and keeps the rest back, and a
+checkpoint gives a restarted peer its round, outer momentum and residual back.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import hivemind
 import pytest
@@ -25,6 +27,7 @@ from crowdtrain.averaging.error_feedback import keep_top_k_
 from crowdtrain.averaging.exact import new_partial_counter
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, demo
 from crowdtrain.testing.processes import await_condition
+from crowdtrain.training.checkpoint import load_checkpoint, write_checkpoint
 from crowdtrain.training.modes.base import ModeContext, SwarmView
 from crowdtrain.training.modes.diloco import DiLoCoMode
 
@@ -155,3 +158,29 @@ def test_with_topk_every_peer_applies_the_mean_of_what_each_sent_and_keeps_back_
         mean = sum(w * s for w, s in zip(samples, sent, strict=True)) / sum(samples)
         # the average goes back in fp16: within its resolution, and the same bits on every peer
         assert_every_peer_stepped_to(modes, start - OUTER_LR * (1 + OUTER_MOMENTUM) * mean, 2e-3)
+
+
+def test_a_topk_peers_checkpoint_restores_its_round_outer_momentum_and_residual(tmp_path: Path) -> None:
+    start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    run = manifest(2, "topk", topk_fraction=0.25)
+    with diloco_peers(run, 2, start) as modes:
+        generator = torch.Generator().manual_seed(3)
+        run_one_outer_round(modes, start, [torch.randn(3, 4, generator=generator) for _ in modes], [8, 8])
+        saved = modes[0]
+        assert saved.feedback is not None and int((saved.feedback.residuals[0].abs() > 1e-3).sum()) == 9, "kept back"
+        replica = torch.nn.Module()
+        replica.weight = saved.parameters[0]
+        path = write_checkpoint(tmp_path, saved.round, replica.state_dict(), saved.state_dict(), keep=2)
+        expected_momentum = saved.outer_optimizer.state[saved.global_parameters[0]]["momentum_buffer"].clone()
+        expected_residual = saved.feedback.residuals[0].clone()
+        expected_global = saved.global_parameters[0].clone()
+    # a restarted node: a fresh mode (fresh DHT, zero state) takes the checkpoint as the training loop does
+    with diloco_peers(run, 1, start) as (restarted,):
+        checkpoint = load_checkpoint(path, replica)
+        restarted.load_state_dict(checkpoint.optimizer_state)
+        assert restarted.round == checkpoint.epoch == 1
+        assert torch.equal(restarted.global_parameters[0], expected_global)
+        momentum = restarted.outer_optimizer.state[restarted.global_parameters[0]]["momentum_buffer"]
+        assert torch.equal(momentum, expected_momentum)
+        assert restarted.feedback is not None and torch.equal(restarted.feedback.residuals[0], expected_residual)
+        assert restarted.tracker.local_progress.epoch == 1, "it reports the round it resumed at"
