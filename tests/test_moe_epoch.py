@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import hivemind
@@ -15,9 +14,8 @@ from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.averaging.state_download import MAX_GLOBAL_STEPS_PER_S, epoch_ceiling
 from crowdtrain.dht.records import owner_marker, peer_id_of_owner
 from crowdtrain.dht.registry import publish_peer_status
-from crowdtrain.dht.validator import make_validators
 from crowdtrain.moe.epoch import MAX_EPOCH_LEAD, ExpertEpoch
-from tests.test_moe_replicas import LOOPBACK, supervisor, tiny_moe
+from tests.test_moe_replicas import supervisor, tiny_moe
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,16 +52,6 @@ def test_after_the_first_look_the_epoch_advances_no_faster_than_a_run_can_step(
     assert epoch.update({"a": lied + 3}, NOW + 6) == lied + 3, "honest progress is followed at once"
 
 
-def keyed_dht(key: RSAPrivateKey, run_id: str, initial_peers: list | None = None) -> hivemind.DHT:
-    """A DHT node that signs the records it stores under its own owner marker with `key`, as a daemon's does."""
-    return hivemind.DHT(
-        start=True,
-        host_maddrs=LOOPBACK,
-        initial_peers=initial_peers or [],
-        record_validators=make_validators(key, [run_id]),
-    )
-
-
 def publish_trainer(dht: hivemind.DHT, key: RSAPrivateKey, run_id: str, epoch: int) -> None:
     owner = owner_marker(key)
     status = proto.PeerStatus(
@@ -72,24 +60,10 @@ def publish_trainer(dht: hivemind.DHT, key: RSAPrivateKey, run_id: str, epoch: i
     assert publish_peer_status(dht, status, owner, ttl_s=60, timeout_s=10)
 
 
-@pytest.fixture
-def three_keyed_dhts() -> Iterator[list[tuple[hivemind.DHT, RSAPrivateKey]]]:
-    keys = [RSAPrivateKey() for _ in range(3)]
-    first = keyed_dht(keys[0], tiny_moe().run_id)
-    nodes = [(first, keys[0])]
-    try:
-        for key in keys[1:]:
-            nodes.append((keyed_dht(key, tiny_moe().run_id, first.get_visible_maddrs()), key))
-        yield nodes
-    finally:
-        for dht, _ in reversed(nodes):
-            dht.shutdown()
-
-
 def test_a_host_beside_an_honest_trainer_and_a_liar_follows_the_honest_schedule(
-    three_keyed_dhts: list[tuple[hivemind.DHT, RSAPrivateKey]], tmp_path: Path
+    keyed_dhts: list[tuple[hivemind.DHT, RSAPrivateKey]], tmp_path: Path
 ) -> None:
-    (host_dht, _), (honest_dht, honest_key), (liar_dht, liar_key) = three_keyed_dhts
+    (host_dht, _), (honest_dht, honest_key), (liar_dht, liar_key) = keyed_dhts
     manifest = tiny_moe()
     publish_trainer(honest_dht, honest_key, manifest.run_id, epoch=3)
     publish_trainer(liar_dht, liar_key, manifest.run_id, epoch=90_000)  # within what the run could have reached

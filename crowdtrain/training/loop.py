@@ -36,6 +36,7 @@ from crowdtrain.models import (
     model_kind,
     precision_for_device,
 )
+from crowdtrain.moe.directory import ExpertDirectory
 from crowdtrain.training.checkpoint import load_latest_checkpoint
 from crowdtrain.training.checkpoint_writer import CheckpointSchedule, CheckpointWriter, take_snapshot
 from crowdtrain.training.compute import LocalCompute
@@ -121,7 +122,8 @@ class Trainer:
         if manifest.moe is None:
             model = build_model(manifest.model, tokenizer.vocab_size, seed=run_seed(manifest))
         else:
-            model = build_dmoe_model(manifest, tokenizer.vocab_size, self.dht, seed=run_seed(manifest))
+            directory = ExpertDirectory(self.dht, manifest)  # the hosts' signed statuses, not hivemind's records
+            model = build_dmoe_model(manifest, tokenizer.vocab_size, self.dht, directory.hosts, seed=run_seed(manifest))
         model = model.to(options.device)
         restored = load_latest_checkpoint(options.checkpoint_dir, model)
         if restored is not None:
