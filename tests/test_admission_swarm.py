@@ -1,18 +1,25 @@
-"""An invite-only run with real daemons: a joiner with the founder's token gets in, one without is refused."""
+"""An invite-only run with real daemons: a joiner with the founder's token gets in and trains, others are refused
+at the DHT and at every RPC."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
+from hivemind.p2p import P2P, P2PHandlerError, PeerID
 
+from crowdtrain import proto
+from crowdtrain.links.probes import NAMESPACE, ProbeService
+from crowdtrain.testing.fixtures import tiny_run_file
 from crowdtrain.testing.processes import await_condition
 from crowdtrain.testing.swarm import crowdtrain, peer_ids, status_json
 from tests.harness import start_daemon
 
-pytestmark = pytest.mark.swarm
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 
 INVITE_RUN = 'admission = "invite"\n'
+TRAIN_ENV = {"CROWDTRAIN_MICRO_BATCH_SIZE": "8"}
 
 
 def _invite(state_dir: Path, *args: str) -> str:
@@ -21,16 +28,47 @@ def _invite(state_dir: Path, *args: str) -> str:
     return next(line.strip() for line in result.stdout.splitlines() if line.strip().startswith("ctjoin1."))
 
 
+async def _outsider_probe(address: str, peer_id: str) -> str:
+    """Call the peer's download probe from a p2p node of our own that holds no access token; the error text."""
+    p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[address])
+    try:
+        stub = ProbeService.get_stub(p2p, PeerID.from_base58(peer_id), namespace=NAMESPACE)
+        async for _ in await stub.rpc_download_probe(proto.DownloadRequest(num_bytes=1000)):
+            return "answered"
+        return "answered nothing"
+    except P2PHandlerError as e:
+        return str(e)
+    finally:
+        await p2p.shutdown()
+
+
 def test_an_invite_only_run_admits_token_holders_and_refuses_the_rest(tmp_path: Path) -> None:
     run_file = tmp_path / "run.toml"
-    run_file.write_text(INVITE_RUN)
-    founder = start_daemon(tmp_path / "founder", "--run-file", str(run_file)).await_ready()
+    run_file.write_text(INVITE_RUN + tiny_run_file("tiny", 1024))
+    founder = start_daemon(tmp_path / "founder", "--run-file", str(run_file), env=TRAIN_ENV).await_ready()
     token = _invite(tmp_path / "founder", "--expires", "1h", "--label", "alice")
 
     joiner = start_daemon(
-        tmp_path / "joiner", "--role", "client", initial_peers=[founder.address], env={"CROWDTRAIN_JOIN_TOKEN": token}
+        tmp_path / "joiner", initial_peers=[founder.address], env={**TRAIN_ENV, "CROWDTRAIN_JOIN_TOKEN": token}
     ).await_ready()
-    assert joiner.info["run_id"] == "demo"
+    assert joiner.info["run_id"] == "tiny"
+
+    # The joiner trains with the founder: matchmaking and all-reduce go through the gated averager RPCs.
+    def both_at_epoch_2() -> dict | None:
+        snapshot = status_json("--initial-peers", founder.address, "--join-token", token)
+        peers = {peer["peer_id"]: peer for peer in snapshot["peers"]}
+        done = {founder.peer_id, joiner.peer_id} <= peers.keys() and all(p["epoch"] >= 2 for p in peers.values())
+        return snapshot if done else None
+
+    snapshot = await_condition(both_at_epoch_2, 240, "both members at epoch 2", poll_s=1)
+    assert peer_ids(snapshot) == {founder.peer_id, joiner.peer_id}
+    logs = founder.log() + joiner.log()
+    assert "not admitted" not in logs and "refused rpc_" not in logs
+
+    # A p2p node without a token reaches the founder's p2pd, but none of its RPCs.
+    answer = asyncio.run(_outsider_probe(founder.address, founder.peer_id))
+    assert "is not admitted to this invite-only run" in answer, answer
+    await_condition(lambda: "refused rpc_download_probe from" in founder.log(), 10, "the founder to log the refusal")
 
     outsider = crowdtrain(
         "run", "--state-dir", str(tmp_path / "outsider"), "--listen", "/ip4/127.0.0.1/tcp/0",
@@ -40,19 +78,9 @@ def test_an_invite_only_run_admits_token_holders_and_refuses_the_rest(tmp_path: 
     assert "invite-only run needs --join-token" in outsider.stderr
     assert "Traceback" not in outsider.stderr
 
-    # A reader needs a token as well; with one it sees both members.
+    # A reader needs a token as well.
     refused = crowdtrain("status", "--json", "--bootstrap-timeout", "5", "--initial-peers", founder.address)
     assert refused.returncode == 3 and "Traceback" not in refused.stderr
-    snapshot = await_condition(
-        lambda: (
-            s
-            if len(peer_ids(s := status_json("--initial-peers", founder.address, "--join-token", token))) == 2
-            else None
-        ),
-        60,
-        "the reader with a token to see both members",
-    )
-    assert peer_ids(snapshot) == {founder.peer_id, joiner.peer_id}
 
 
 def test_a_token_from_another_run_key_is_refused_by_the_swarm(tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ from crowdtrain.averaging.state_download import (
     parameter_specs,
 )
 from crowdtrain.averaging.traffic import AggregationSettings, AveragingTraffic, TrafficCountingAverager
+from crowdtrain.dht.admission import AdmissionGated
 from crowdtrain.manifest import AveragingSpec, OptimizerSpec, RunManifest
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,12 @@ STATE_AVERAGING_EVERY_EPOCHS = 5
 
 
 class PlannedStateAverager(
-    PlanSharesMixin, GroupSizeMixin, TrainingStateAverager, VerifiedStateDownloadMixin, TrafficCountingAverager
+    AdmissionGated,
+    PlanSharesMixin,
+    GroupSizeMixin,
+    TrainingStateAverager,
+    VerifiedStateDownloadMixin,
+    TrafficCountingAverager,
 ):
     """hivemind's TrainingStateAverager whose all-reduce partition follows the plan's shares; its rounds count
     their bytes, the time the training thread waits for one is a phase of the step, and a state downloaded

@@ -20,6 +20,7 @@ from hivemind.optim.grad_averager import GradientAverager
 
 from crowdtrain.averaging.grid import GroupSizeMixin
 from crowdtrain.averaging.partition import PartialAverageError, PlanSharesMixin
+from crowdtrain.dht.admission import AdmissionGated
 
 
 def new_partial_counter() -> Synchronized:
@@ -60,7 +61,7 @@ class ExactRoundsMixin:
             raise
 
 
-class ExactGradientAverager(ExactRoundsMixin, PlanSharesMixin, GroupSizeMixin, GradientAverager):
+class ExactGradientAverager(AdmissionGated, ExactRoundsMixin, PlanSharesMixin, GroupSizeMixin, GradientAverager):
     """hivemind's GradientAverager that fails a round instead of returning a partial average, and splits
     each round by the plan's shares."""
 

@@ -20,6 +20,8 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.utils.asyncio import enter_asynchronously
 
+from crowdtrain.dht.admission import AdmissionGated
+
 logger = logging.getLogger(__name__)
 
 
@@ -117,7 +119,7 @@ class PlanSharesMixin:
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
 
 
-class PlannedAverager(PlanSharesMixin, DecentralizedAverager):
+class PlannedAverager(AdmissionGated, PlanSharesMixin, DecentralizedAverager):
     """A DecentralizedAverager whose all-reduce partition follows the DeDLOC plan's shares."""
 
     def __init__(self, *args: Any, share: float | None = None, **kwargs: Any):

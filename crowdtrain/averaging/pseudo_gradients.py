@@ -21,13 +21,19 @@ from crowdtrain.averaging.grid import GroupSizeMixin
 from crowdtrain.averaging.partition import PlanSharesMixin
 from crowdtrain.averaging.state_download import StateTemplate, VerifiedStateDownloadMixin
 from crowdtrain.averaging.traffic import TrafficCountingAverager
+from crowdtrain.dht.admission import AdmissionGated
 
 OuterState = tuple[dict[str, Any], list[torch.Tensor]]
 """(metadata with at least `epoch`, tensors) as a peer serves it and a joiner loads it."""
 
 
 class PseudoGradientAverager(
-    ExactRoundsMixin, PlanSharesMixin, GroupSizeMixin, VerifiedStateDownloadMixin, TrafficCountingAverager
+    AdmissionGated,
+    ExactRoundsMixin,
+    PlanSharesMixin,
+    GroupSizeMixin,
+    VerifiedStateDownloadMixin,
+    TrafficCountingAverager,
 ):
     """Averages pseudo-gradients; `outer_state` gives what joiners download, `template` what a download must match."""
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import inspect
 import logging
 import math
 import time
@@ -255,14 +256,23 @@ class InviteAuthorizer(TokenAuthorizerBase):
         run_key: str,
         node_key: RSAPrivateKey,
         credential: Callable[[], tuple[bytes, Ed25519PrivateKey]],
+        expires_at: float = math.inf,
     ):
         super().__init__(node_key)
         self.checker = AccessChecker(run_id, run_key)
         self._credential = credential
+        self.expires_at = expires_at
+        """When this node's admission ends: its join token's expiry; never for the founder."""
 
     @classmethod
     def for_joiner(cls, invite: Invite, node_key: RSAPrivateKey) -> InviteAuthorizer:
-        return cls(invite.run_id, invite.run_key, node_key, lambda: (invite.certificate_bytes, invite.invite_key))
+        return cls(
+            invite.run_id,
+            invite.run_key,
+            node_key,
+            lambda: (invite.certificate_bytes, invite.invite_key),
+            expires_at=invite.expires_at,
+        )
 
     @classmethod
     def for_founder(cls, run_id: str, founder_key: RSAPrivateKey, node_key: RSAPrivateKey) -> InviteAuthorizer:
@@ -307,6 +317,66 @@ class InviteAuthorizer(TokenAuthorizerBase):
             return True
 
 
+_process_gate: AdmissionGate | None = None
+
+
+def set_process_gate(gate: AdmissionGate | None) -> None:
+    """Gate every RPC handler this process (and the averager processes it forks afterwards) registers.
+
+    Process-wide because a daemon is one node: its averagers are built deep inside hivemind's optimizer, and they
+    serve from processes forked after this call, which inherit it.
+    """
+    global _process_gate
+    _process_gate = gate
+
+
+class AdmissionGated:
+    """Mixin for a hivemind servicer (averager, P2PService): with a process gate set, its `rpc_*` handlers serve
+    only admitted callers. Put it first among the bases."""
+
+    async def add_p2p_handlers(self, p2p: Any, wrapper: Any = None, *, namespace: Any = None, balanced: bool = False):
+        if _process_gate is not None and wrapper is None:
+            wrapper = _GatedHandlers(self, _process_gate)
+        await super().add_p2p_handlers(p2p, wrapper, namespace=namespace, balanced=balanced)  # type: ignore[misc]
+
+
+class NotAdmittedError(PermissionError):
+    """Raised to a caller that holds no valid access token for the run; hivemind sends the caller its text."""
+
+
+class _GatedHandlers:
+    """Stands in for a servicer when its handlers are registered: each `rpc_*` first asks the gate."""
+
+    def __init__(self, servicer: Any, gate: AdmissionGate):
+        self._servicer, self._gate = servicer, gate
+
+    def __getattr__(self, name: str) -> Any:
+        handler = getattr(self._servicer, name)
+        if not name.startswith("rpc_"):
+            return handler
+
+        if inspect.isasyncgenfunction(handler):  # a streaming answer: refuse before its first message
+
+            async def gated_stream(request: Any, context: Any) -> Any:
+                await self._check(context, name)
+                async for message in handler(request, context):
+                    yield message
+
+            return gated_stream
+
+        async def gated(request: Any, context: Any) -> Any:
+            await self._check(context, name)
+            return await handler(request, context)
+
+        return gated
+
+    async def _check(self, context: Any, rpc: str) -> None:
+        caller = context.remote_id.to_base58()
+        if not await self._gate.admits(caller):
+            self._gate.note_refusal(caller, rpc)
+            raise NotAdmittedError(f"peer {caller} is not admitted to this invite-only run")
+
+
 class AdmissionGate:
     """Answers "may this peer call our RPCs?" from the access tokens admitted peers publish in the DHT.
 
@@ -325,6 +395,7 @@ class AdmissionGate:
         self._fetched_at = -math.inf
         self._refetch_interval_s = refetch_interval_s
         self._lock = asyncio.Lock()
+        self._refused: set[str] = set()
 
     async def admits(self, peer_id: str) -> bool:
         if peer_id == self._local_peer_id:
@@ -352,3 +423,9 @@ class AdmissionGate:
             self._admitted_until[claimed] = max(self._admitted_until.get(claimed, 0.0), expiry)
         for peer_id in [peer for peer, until in self._admitted_until.items() if until <= now]:
             del self._admitted_until[peer_id]
+
+    def note_refusal(self, peer_id: str, rpc: str) -> None:
+        """Log the first refusal of each peer (a scan would otherwise flood the log)."""
+        if peer_id not in self._refused and len(self._refused) < 10_000:
+            self._refused.add(peer_id)
+            logger.warning(f"refused {rpc} from {peer_id}: it holds no valid access token for this invite-only run")

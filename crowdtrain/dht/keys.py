@@ -9,3 +9,8 @@ RUNS_KEY = f"{SCHEMA_PREFIX}/runs"
 def peers_key(run_id: str) -> str:
     """Dictionary key of a run's peer statuses: subkey = owner marker, value = PeerStatus."""
     return f"{SCHEMA_PREFIX}/run/{run_id}/peers"
+
+
+def admitted_key(run_id: str) -> str:
+    """Dictionary key of an invite-only run's admissions: subkey = owner marker, value = the node's AccessToken."""
+    return f"{SCHEMA_PREFIX}/run/{run_id}/admitted"

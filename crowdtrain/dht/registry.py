@@ -17,6 +17,7 @@ from crowdtrain.dht.records import (
     decode_peer_status,
     encode_peer_status,
     open_manifest,
+    peer_id_of_owner,
 )
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,29 @@ def publish_peer_status(
 ) -> bool:
     """Store this node's heartbeat under its run; it expires `ttl_s` after the last refresh."""
     return _store(dht, keys.peers_key(status.run_id), encode_peer_status(status), owner, ttl_s, timeout_s)
+
+
+def publish_access_token(
+    dht: hivemind.DHT, run_id: str, token: bytes, owner: bytes, expires_at: float, timeout_s: float
+) -> bool:
+    """Store this node's AccessToken in an invite-only run, so its peers' RPC handlers admit its calls."""
+    return _store(dht, keys.admitted_key(run_id), token, owner, max(expires_at - get_dht_time(), 1.0), timeout_s)
+
+
+async def fetch_access_tokens(dht: hivemind.DHT, run_id: str) -> dict[str, bytes]:
+    """{peer ID of the owner: serialized AccessToken} of the run's admission records; the tokens are unchecked."""
+    found = await dht.get(keys.admitted_key(run_id), latest=True, return_future=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    tokens = {}
+    for owner, item in found.value.items():
+        if not isinstance(owner, bytes) or not isinstance(item.value, bytes):
+            continue
+        try:
+            tokens[peer_id_of_owner(owner).to_base58()] = item.value
+        except RecordError:
+            continue
+    return tokens
 
 
 def _store(dht: hivemind.DHT, key: str, value: bytes, owner: bytes, ttl_s: float, timeout_s: float) -> bool:

@@ -17,6 +17,8 @@ import hivemind
 from hivemind.p2p import P2P, ServicerBase
 from hivemind.utils.multiaddr import Multiaddr
 
+from crowdtrain.dht.admission import AdmissionGated
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -24,7 +26,7 @@ T = TypeVar("T")
 START_TIMEOUT_S = 30.0
 
 
-class P2PService(ServicerBase):
+class P2PService(AdmissionGated, ServicerBase):
     """Serves this class's `rpc_*` handlers under `namespace` and calls other peers' ones.
 
     `start()` runs an event loop in a daemon thread; `run()` blocks the calling thread on a coroutine

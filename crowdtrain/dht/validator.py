@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 
@@ -47,6 +48,7 @@ class CrowdtrainRecordValidator(RecordValidatorBase):
         self._checks: dict[bytes, RecordCheck] = {_key_id(keys.RUNS_KEY): _check_manifest_record}
         for run_id in run_ids:
             self._checks[_key_id(keys.peers_key(run_id))] = _check_peer_status_record
+            self._checks[_key_id(keys.admitted_key(run_id))] = _check_access_record
 
     def validate(self, record: DHTRecord) -> bool:
         check = self._checks.get(record.key)
@@ -90,3 +92,18 @@ def _check_manifest_record(subkey: bytes, value: bytes) -> None:
 
 def _check_peer_status_record(subkey: bytes, value: bytes) -> None:
     decode_peer_status(value, subkey)
+
+
+MAX_ACCESS_RECORD_BYTES = 8 * 1024
+"""An AccessToken: a certificate (under 1 KiB), a public key, a signature; the rest is slack."""
+
+
+def _check_access_record(subkey: bytes, value: bytes) -> None:
+    # Only the shape: whether the token admits its owner depends on the run key, which the gate checks on use.
+    peer_id_of_owner(subkey)
+    if len(value) > MAX_ACCESS_RECORD_BYTES:
+        raise RecordError(f"an access token of {len(value)} bytes is over the {MAX_ACCESS_RECORD_BYTES} cap")
+    try:
+        AccessToken.FromString(value)
+    except Exception:
+        raise RecordError("the value is not an AccessToken") from None

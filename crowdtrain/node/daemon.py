@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import os
 import signal
 import sys
@@ -15,9 +17,16 @@ from pathlib import Path
 import hivemind
 
 from crowdtrain import __version__, proto
-from crowdtrain.dht.admission import InviteAuthorizer
+from crowdtrain.dht.admission import AdmissionGate, InviteAuthorizer, set_process_gate
 from crowdtrain.dht.records import owner_marker
-from crowdtrain.dht.registry import list_peer_statuses, list_runs, publish_manifest, publish_peer_status
+from crowdtrain.dht.registry import (
+    fetch_access_tokens,
+    list_peer_statuses,
+    list_runs,
+    publish_access_token,
+    publish_manifest,
+    publish_peer_status,
+)
 from crowdtrain.dht.swarm import (
     SwarmOptions,
     join_swarm,
@@ -58,6 +67,10 @@ MANIFEST_PUBLISHERS = 5
 SWARM_LOG_INTERVAL_S = 60.0
 DHT_CALL_TIMEOUT_S = 10.0
 LEAVE_DEADLINE_S = 28.0
+ACCESS_REPUBLISH_S = 60.0
+"""An invite-only run: this node stores its access token again this often (records on departed DHT nodes are lost)."""
+ACCESS_RENEW_S = 600.0
+"""...and renews it this long before it ends (tokens last an hour: crowdtrain/dht/admission.py)."""
 """A node leaves within 30 s of SIGINT/SIGTERM (the CLI contract), forcibly if it must."""
 
 
@@ -119,6 +132,11 @@ class Daemon:
         run_id = membership.manifest.run_id
         _check_role_fits(self.config.fixed_role, membership.manifest)
         dht.add_validators([CrowdtrainRecordValidator([run_id])])
+        if membership.manifest.admission == "invite" and self.authorizer is None:
+            raise BadInputError(f"Run {run_id!r} is invite-only; ask its founder for a join token (--join-token).")
+        if self.authorizer is not None:  # before any servicer registers its handlers, here or in a forked averager
+            lookup = functools.partial(fetch_access_tokens, dht, run_id)
+            set_process_gate(AdmissionGate(self.authorizer.checker, lookup, identity.peer_id.to_base58()))
         multiaddrs = tuple(str(address) for address in dht.get_visible_maddrs())
         progress = Progress()
         metrics: MetricsEndpoint | None = None
@@ -130,6 +148,7 @@ class Daemon:
             self.probes = ProbeService(dht)
             self.probes.start()
         heartbeat = Heartbeat(dht, identity, membership, self.config, device, multiaddrs, progress)
+        heartbeat.authorizer = self.authorizer
         heartbeat.beat()
         state_path = self.config.state_path
         write_node_file(state_path, _node_info(identity, multiaddrs, run_id))
@@ -254,6 +273,10 @@ class Daemon:
         )
 
 
+class JoinTokenExpired(CrowdtrainError):
+    """This node's admission to an invite-only run ended."""
+
+
 class Heartbeat:
     """Publishes this node's status every interval, republishes the manifest, logs the swarm's size."""
 
@@ -287,6 +310,10 @@ class Heartbeat:
         self.next_swarm_log_at = time.monotonic() + SWARM_LOG_INTERVAL_S
         self.failed_beats = 0
         self.dht_died = False
+        self.authorizer: InviteAuthorizer | None = None
+        """An invite-only run's admission: the beat publishes this node's access token and watches its expiry."""
+        self.access_published_at = -math.inf
+        self.access_expires_at = 0.0
 
     def run(self, stop: threading.Event) -> None:
         """Beat every status interval until `stop` is set; a DHT that died ends the daemon."""
@@ -298,6 +325,10 @@ class Heartbeat:
                 return
             try:
                 self.beat()
+            except JoinTokenExpired as e:
+                logger.error(f"{e}; stopping")
+                stop.set()
+                return
             except Exception:
                 logger.exception("heartbeat failed; retrying at the next interval")
 
@@ -324,6 +355,8 @@ class Heartbeat:
         if progress.loss is not None:
             self.status.loss = progress.loss
         self.status.last_seen = time.time()
+        if self.authorizer is not None:
+            self._publish_access()
         stored = publish_peer_status(self.dht, self.status, self.owner, self.config.status_ttl_s, DHT_CALL_TIMEOUT_S)
         self.failed_beats = 0 if stored else self.failed_beats + 1
         if self.failed_beats in (1, 10):
@@ -344,6 +377,24 @@ class Heartbeat:
             if len(others) >= MANIFEST_PUBLISHERS and not already_publishing:
                 return
         publish_manifest(self.dht, self.membership.signed_bytes, self.owner, MANIFEST_TTL_S, DHT_CALL_TIMEOUT_S)
+
+    def _publish_access(self) -> None:
+        """Keep this node's access token in the DHT (peers' RPC handlers admit only holders), renewed before it ends;
+        once the join token itself expired, the node cannot stay: it stops with one line saying so."""
+        assert self.authorizer is not None
+        now = time.time()
+        if now >= self.authorizer.expires_at:
+            expired = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.authorizer.expires_at))
+            raise JoinTokenExpired(f"this node's join token expired at {expired}; ask the founder for a new one")
+        if now - self.access_published_at < ACCESS_REPUBLISH_S and self.access_expires_at - now > ACCESS_RENEW_S:
+            return
+        token = self.authorizer.access_token()
+        expires_at = float(token.expiration_time)
+        run_id = self.membership.manifest.run_id
+        if publish_access_token(
+            self.dht, run_id, token.SerializeToString(), self.owner, expires_at, DHT_CALL_TIMEOUT_S
+        ):
+            self.access_published_at, self.access_expires_at = now, expires_at
 
     def withdraw(self) -> None:
         """Replace our status with an OFFLINE one, so readers drop this node at once."""
