@@ -115,19 +115,29 @@ def test_the_gate_admits_peers_whose_published_token_is_valid_for_them() -> None
         "QmClaimsSomeoneElsesToken": other.access_token().SerializeToString(),
         "QmGarbage": b"\xff" * 100,
     }
-    lookups = []
+    lookups: list[float] = []
 
     async def lookup() -> dict[str, bytes]:
-        lookups.append(1)
+        lookups.append(time.monotonic())
         return records
 
-    gate = AdmissionGate(AccessChecker("demo", RUN_KEY), lookup, local_peer_id="QmSelf", refetch_interval_s=60)
+    gate = AdmissionGate(AccessChecker("demo", RUN_KEY), lookup, local_peer_id="QmSelf", refetch_interval_s=0.2)
 
     async def ask() -> list[bool]:
         return [await gate.admits(peer) for peer in (honest_id, "QmClaimsSomeoneElsesToken", other_id, "QmSelf")]
 
     assert asyncio.run(ask()) == [True, False, False, True]
-    assert len(lookups) == 1  # refused peers do not make every call fetch the records again
+    # Each refused peer waited for one fresh fetch, and fetches never come closer than the interval.
+    assert len(lookups) == 3
+    assert all(later - earlier >= 0.2 for earlier, later in zip(lookups, lookups[1:], strict=False))
+
+    async def scan() -> list[bool]:  # a burst of calls from unknown peers shares one fetch
+        return await asyncio.gather(*(gate.admits(f"QmScanner{i}") for i in range(5)), gate.admits(honest_id))
+
+    started = len(lookups)
+    assert asyncio.run(scan()) == [False] * 5 + [True]
+    assert len(lookups) - started == 1
+    assert all(later - earlier >= 0.2 for earlier, later in zip(lookups, lookups[1:], strict=False))
 
 
 def test_invite_needs_a_run_this_node_founded(tmp_path: Path) -> None:

@@ -381,8 +381,9 @@ class AdmissionGate:
     """Answers "may this peer call our RPCs?" from the access tokens admitted peers publish in the DHT.
 
     `lookup` fetches the run's admission records: {peer ID: serialized AccessToken}. A peer is admitted while its
-    token is valid; a peer without one is refused, and the records are fetched again at most every
-    `refetch_interval_s` for peers not yet seen (a newcomer's first call may be refused once, and retried).
+    token is valid. A call from a peer not admitted yet waits for a fetch begun after it arrived (fetches are
+    serialised, at most one every `refetch_interval_s`, and shared by every caller waiting for one, so a scan can
+    neither flood the DHT nor queue a newcomer behind it) and is refused if that fetch does not admit it either.
     """
 
     def __init__(
@@ -398,12 +399,14 @@ class AdmissionGate:
         self._refused: set[str] = set()
 
     async def admits(self, peer_id: str) -> bool:
-        if peer_id == self._local_peer_id:
+        if peer_id == self._local_peer_id or self._admitted_until.get(peer_id, 0.0) > time.time():
             return True
-        if self._admitted_until.get(peer_id, 0.0) > time.time():
-            return True
-        async with self._lock:
-            if time.monotonic() - self._fetched_at >= self._refetch_interval_s:
+        asked_at = time.monotonic()
+        async with self._lock:  # one fetch at a time, and at most one per interval: a scan cannot flood the DHT
+            # A fetch begun after this call arrived answers it; otherwise wait for the next one rather than refuse
+            # at once, since a newcomer calls right after storing its token and an older fetch may have missed it.
+            if self._fetched_at < asked_at and self._admitted_until.get(peer_id, 0.0) <= time.time():
+                await asyncio.sleep(max(0.0, self._fetched_at + self._refetch_interval_s - time.monotonic()))
                 self._fetched_at = time.monotonic()
                 self.update(await self._lookup())
         return self._admitted_until.get(peer_id, 0.0) > time.time()
