@@ -220,6 +220,7 @@ def test_summary_json_is_the_documented_object_key_for_key() -> None:
         "founder": FOUNDER,
         "created_at": 1000.0,
         "expert_grid": None,
+        "excluded_peers": {},
     }
     assert list(snapshot["run"]) == [
         "run_id",
@@ -236,6 +237,7 @@ def test_summary_json_is_the_documented_object_key_for_key() -> None:
         "founder",
         "created_at",
         "expert_grid",
+        "excluded_peers",
     ]
     assert list(snapshot["peers"][0]) == [
         "peer_id",
@@ -261,6 +263,7 @@ def test_summary_json_is_the_documented_object_key_for_key() -> None:
         "local_steps",
         "phase_times_s",
         "training",
+        "excluded_peers",
     ]
 
 
@@ -298,6 +301,7 @@ def test_summary_of_each_peer() -> None:
         "role_override": None,
         "phase_times_s": None,
         "training": None,
+        "excluded_peers": [],
     }
     assert isinstance(second["roles"], list) and second["roles"] == ["trainer"]
     assert (second["loss"], second["upload_mbps"], second["download_mbps"]) == (None, None, None)

@@ -28,6 +28,7 @@ from crowdtrain.averaging.grid import GroupSizeMixin, expected_group_size, initi
 from crowdtrain.averaging.partition import PlanSharesMixin
 from crowdtrain.averaging.phases import Phase, PhaseAccumulator, wait_for_round
 from crowdtrain.averaging.progress_bounds import BoundedProgressTracker, ProgressBounds
+from crowdtrain.averaging.quarantine import Verdict
 from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.averaging.state_download import (
     StateTemplate,
@@ -58,10 +59,18 @@ class PlannedStateAverager(
     their bytes, the time the training thread waits for one is a phase of the step, and a state downloaded
     from a peer is verified against this node's own before it is loaded (averaging/state_download.py)."""
 
-    def __init__(self, *args: Any, phases: PhaseAccumulator | None = None, run_created_at: float = 0.0, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        phases: PhaseAccumulator | None = None,
+        run_created_at: float = 0.0,
+        states_agree_at_epoch: bool = True,
+        **kwargs: Any,
+    ):
         self.phases = PhaseAccumulator() if phases is None else phases
         self.run_created_at = run_created_at
         """When the run's manifest was created (unix seconds): bounds the epoch a downloaded state may claim."""
+        self.states_agree_at_epoch = states_agree_at_epoch
         super().__init__(*args, **kwargs)
 
     def step(self, **kwargs: Any) -> Any:
@@ -118,15 +127,19 @@ class _Optimizer(hivemind.Optimizer):
         aggregation: AggregationSettings | None = None,
         run_created_at: float = 0.0,
         max_grad_norm: float = 0.0,
+        use_local_updates: bool = False,
         **kwargs: Any,
     ):
         self._requested_client_mode = client_mode
+        # Gradients mode: every peer takes the same averaged step, so peers at one epoch hold one state and other
+        # donors can corroborate a downloaded one. Parameters mode: peers step alone between averaging rounds.
+        self._states_agree_at_epoch = not use_local_updates
         self.max_grad_norm = max_grad_norm
         self.phases = PhaseAccumulator() if phases is None else phases
         self.traffic = AveragingTraffic.new() if traffic is None else traffic
         self.aggregation = AggregationSettings() if aggregation is None else aggregation
         self.run_created_at = run_created_at
-        super().__init__(client_mode=client_mode, **kwargs)
+        super().__init__(client_mode=client_mode, use_local_updates=use_local_updates, **kwargs)
         # The torch optimizer steps in hivemind's own thread, inside state_averager.step: hooks time just the step.
         torch_optimizer = self.state_averager.optimizer
         torch_optimizer.register_step_pre_hook(self._on_optimizer_step_begins)
@@ -179,6 +192,7 @@ class _Optimizer(hivemind.Optimizer):
             traffic=self.traffic,
             aggregation=self.aggregation,
             run_created_at=self.run_created_at,
+            states_agree_at_epoch=self._states_agree_at_epoch,
             **kwargs,
         )
 
@@ -387,6 +401,15 @@ def discard_local_gradients(optimizer: hivemind.Optimizer) -> None:
         optimizer.tracker.report_local_progress(optimizer.local_epoch, 0)
     else:
         optimizer.zero_grad(set_to_none=False)
+
+
+def excluded_peers(optimizer: hivemind.Optimizer) -> dict[str, Verdict]:
+    """The peers this node's gradient and state averagers keep out of their groups (averaging/quarantine.py)."""
+    excluded: dict[str, Verdict] = {}
+    for averager in (getattr(optimizer, "grad_averager", None), optimizer.state_averager):
+        if isinstance(averager, TrafficCountingAverager):
+            excluded.update(averager.excluded_peers())
+    return excluded
 
 
 def set_plan_share(optimizer: hivemind.Optimizer, share: float | None) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -150,10 +150,12 @@ class RobustPartReducer(TensorPartReducer):
         rule: str,
         max_weight: float,
         senders: Sequence[str] = (),
+        on_dropped: Callable[[str, str], None] | None = None,
     ):
         if rule not in AGGREGATION_RULES:
             raise ValueError(f"unknown aggregation rule {rule!r}")
         self.rule, self.max_weight, self.senders = rule, max_weight, list(senders)
+        self.on_dropped = on_dropped
         self.dropped_senders: dict[int, str] = {}
         super().__init__(part_shapes, num_senders)
 
@@ -170,9 +172,11 @@ class RobustPartReducer(TensorPartReducer):
         return await super().accumulate_part(sender_index, part_index, tagged, weight=weight)
 
     def note_dropped(self, dropped: dict[int, str]) -> None:
-        """Log each sender whose parts were dropped, once per round."""
+        """Log each sender whose parts were dropped and report it to `on_dropped(peer, reason)`, once per round."""
         for sender, reason in dropped.items():
             if sender not in self.dropped_senders:
                 self.dropped_senders[sender] = reason
                 name = self.senders[sender] if sender < len(self.senders) else f"sender {sender}"
                 logger.warning(f"dropped the parts of peer {name} from this round: it sent {reason}")
+                if self.on_dropped is not None and sender < len(self.senders):
+                    self.on_dropped(name, reason)

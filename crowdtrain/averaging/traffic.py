@@ -27,7 +27,9 @@ import asyncio
 import functools
 import logging
 import multiprocessing as mp
-from collections.abc import AsyncIterator, Sequence
+import queue
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.sharedctypes import Synchronized
 from typing import Any, TypeVar
@@ -36,6 +38,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import BannedException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
@@ -43,6 +46,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import achain, aiter_with_timeout, amap_in_executor, as_aiter, azip
 from hivemind.utils.timed_storage import get_dht_time
 
+from crowdtrain.averaging.quarantine import MAX_QUARANTINED, Quarantine, Verdict
 from crowdtrain.averaging.robust import RobustPartReducer
 
 logger = logging.getLogger(__name__)
@@ -98,7 +102,14 @@ class _CountingAllReduceRunner(AllReduceRunner):
     """hivemind's AllReduceRunner counting the tensor parts it exchanges, its reducer checking and aggregating
     each chunk by the run's rule (averaging/robust.py)."""
 
-    def __init__(self, *, traffic: AveragingTraffic, aggregation: AggregationSettings, **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        traffic: AveragingTraffic,
+        aggregation: AggregationSettings,
+        on_dropped: Callable[[str, str], None] | None = None,
+        **kwargs: Any,
+    ):
         self.traffic = traffic
         super().__init__(**kwargs)
         container = self.tensor_part_container
@@ -115,6 +126,7 @@ class _CountingAllReduceRunner(AllReduceRunner):
             rule=aggregation.rule,
             max_weight=aggregation.max_weight,
             senders=[str(peer_id) for peer_id in self.sender_peer_ids],
+            on_dropped=on_dropped,
         )
 
     async def _communicate_with_peer(self, peer_id: PeerID) -> None:
@@ -284,9 +296,29 @@ class AggregationSettings:
     max_weight: float = float("inf")
 
 
+class QuarantineMatchmaking(Matchmaking):
+    """hivemind's Matchmaking keeping quarantined peers out of this node's groups (averaging/quarantine.py): as a
+    leader it refuses their join requests, as a follower it does not ask them to lead."""
+
+    quarantine: Quarantine
+
+    def _check_reasons_to_reject(self, request: averaging_pb2.JoinRequest, context: P2PContext) -> Any:
+        if self.quarantine.holds(str(context.remote_id)):
+            logger.debug(f"refused to group with {context.remote_id}: it is quarantined")
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+        return super()._check_reasons_to_reject(request, context)
+
+    async def _request_join_group(self, leader: PeerID) -> GroupInfo | None:
+        if self.quarantine.holds(str(leader)):
+            logger.debug(f"did not ask {leader} to lead a group: it is quarantined")
+            return None  # hivemind's search goes on with the next potential leader
+        return await super()._request_join_group(leader)
+
+
 class TrafficCountingAverager(DecentralizedAverager):
-    """A DecentralizedAverager whose all-reduce rounds count their bytes into `traffic`, and whose reducers check
-    and aggregate every chunk by `aggregation` (averaging/robust.py).
+    """A DecentralizedAverager whose all-reduce rounds count their bytes into `traffic`, whose reducers check
+    and aggregate every chunk by `aggregation` (averaging/robust.py), and which keeps the senders of bad parts
+    out of its groups for a while (averaging/quarantine.py; `excluded_peers` reads them in the host process).
 
     Put it last among a subclass's bases (`class A(ExactGradientAverager, TrafficCountingAverager)`): its
     `_run_allreduce_inplace_` replaces hivemind's and calls no further, so overrides listed before it
@@ -302,7 +334,49 @@ class TrafficCountingAverager(DecentralizedAverager):
     ):
         self.traffic = AveragingTraffic.new() if traffic is None else traffic
         self.aggregation = AggregationSettings() if aggregation is None else aggregation
+        self.quarantine = Quarantine()  # used in the averager's process
+        self._new_verdicts: mp.Queue = mp.Queue()  # from the averager's process to the host's
+        self._excluded: dict[str, Verdict] = {}  # the host process's view
         super().__init__(*args, **kwargs)
+
+    @property
+    def _matchmaking(self) -> QuarantineMatchmaking:
+        try:
+            return self.__dict__["_quarantine_matchmaking"]
+        except KeyError:
+            raise AttributeError("_matchmaking exists only in the averager's process, once it runs") from None
+
+    @_matchmaking.setter
+    def _matchmaking(self, matchmaking: Matchmaking) -> None:
+        # hivemind builds its Matchmaking inside the averager's process (DecentralizedAverager._run_internal):
+        # taken here as the subclass that keeps quarantined peers out.
+        matchmaking.__class__ = QuarantineMatchmaking
+        matchmaking.quarantine = self.quarantine  # type: ignore[attr-defined]
+        self.__dict__["_quarantine_matchmaking"] = matchmaking
+
+    def _quarantine_sender(self, peer_id: str, reason: str) -> None:
+        # Runs in the averager's process, when this node's reducer dropped a sender's parts.
+        if peer_id == str(self.peer_id):
+            return  # this node's own bad gradients are dropped from its average, and it can't leave its own groups
+        verdict = self.quarantine.add(peer_id, reason)
+        minutes = (verdict.until - time.time()) / 60
+        logger.warning(f"keeping peer {peer_id} out of this node's averaging groups for {minutes:.0f} min")
+        self._new_verdicts.cancel_join_thread()  # never hold this process's exit for a host that stopped reading
+        self._new_verdicts.put((peer_id, verdict))
+
+    def excluded_peers(self) -> dict[str, Verdict]:
+        """The peers this node keeps out of its averaging groups now, by peer ID (read in the host process)."""
+        while True:
+            try:
+                peer_id, verdict = self._new_verdicts.get_nowait()
+            except queue.Empty:
+                break
+            self._excluded[peer_id] = verdict
+        now = time.time()
+        self._excluded = {peer: verdict for peer, verdict in self._excluded.items() if verdict.until > now}
+        while len(self._excluded) > MAX_QUARANTINED:
+            del self._excluded[min(self._excluded, key=lambda peer: self._excluded[peer].until)]
+        return dict(self._excluded)
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs: Any
@@ -312,6 +386,7 @@ class TrafficCountingAverager(DecentralizedAverager):
         runner = _CountingAllReduceRunner(
             traffic=self.traffic,
             aggregation=self.aggregation,
+            on_dropped=self._quarantine_sender,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,

@@ -7,6 +7,7 @@ import json
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -105,6 +106,8 @@ class PeerView:
     training: proto.TrainingStatus | None
     """The peer's training mode and its last completed round (a copy of its record's); None until it completed
     one."""
+    excluded_peers: tuple[tuple[str, str, float], ...]
+    """(peer ID, reason, seconds left) of each peer this peer keeps out of its averaging groups."""
 
     @classmethod
     def from_status(cls, status: proto.PeerStatus) -> PeerView:
@@ -137,6 +140,7 @@ class PeerView:
             local_steps=status.local_steps,
             phase_times=PhaseTimes.from_proto(status.phase_times) if status.HasField("phase_times") else None,
             training=_copy(status.training) if status.HasField("training") else None,
+            excluded_peers=tuple((entry.peer_id, entry.reason, entry.remaining_s) for entry in status.excluded_peers),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -165,6 +169,10 @@ class PeerView:
             "local_steps": self.local_steps,
             "phase_times_s": None if self.phase_times is None else self.phase_times.to_json(),
             "training": None if self.training is None else _training_json(self.training),
+            "excluded_peers": [
+                {"peer_id": peer_id, "reason": reason, "remaining_s": remaining_s}
+                for peer_id, reason, remaining_s in self.excluded_peers
+            ],
         }
 
 
@@ -208,6 +216,8 @@ class RunSummary:
     created_at: float | None
     expert_grid: GridCoverage | None
     """A DMoE run's coverage; None for a dense run or without a manifest."""
+    excluded_peers: dict[str, int]
+    """Peers kept out of averaging groups for sending bad parts: by how many peers, most excluded first."""
 
     def to_json(self) -> dict[str, Any]:
         """The "run" object of `status --json`."""
@@ -226,6 +236,7 @@ class RunSummary:
             "founder": self.founder,
             "created_at": self.created_at,
             "expert_grid": None if self.expert_grid is None else self.expert_grid.to_json(),
+            "excluded_peers": self.excluded_peers,
         }
 
 
@@ -271,8 +282,16 @@ def summarize(run_id: str, listing: RunListing | None, statuses: list[proto.Peer
         founder=listing.published.founder_peer_id if listing else None,
         created_at=manifest.created_at if manifest else None,
         expert_grid=_expert_grid(manifest, peers),
+        excluded_peers=_excluded_peers(peers),
     )
     return StatusReport(run=run, peers=peers)
+
+
+def _excluded_peers(peers: Sequence[PeerView]) -> dict[str, int]:
+    """How many peers keep each excluded peer out of their groups, most excluded first. Each peer's word counts
+    once: it is what that peer saw, and a lone accusation may be a liar's."""
+    counts = Counter(peer_id for peer in peers for peer_id in {entry[0] for entry in peer.excluded_peers})
+    return dict(counts.most_common())
 
 
 def _expert_grid(manifest: RunManifest | None, peers: Sequence[PeerView]) -> GridCoverage | None:
@@ -333,7 +352,20 @@ def render(report: StatusReport, now: float) -> Group:
             shareable_address(list(peer.multiaddrs)) if peer.multiaddrs else "—",
         )
         table.add_row(*(Text(cell) for cell in cells))
-    return Group(summary, table)
+    return Group(summary, table, *_describe_excluded(report))
+
+
+def _describe_excluded(report: StatusReport) -> list[Text]:
+    """A line per peer kept out of averaging groups: by how many peers, and one reason given."""
+    reasons = {peer_id: reason for peer in report.peers for peer_id, reason, _ in peer.excluded_peers}
+    return [
+        Text(
+            f"peer …{peer_id[-8:]} kept out of averaging groups by {count} of {report.run.num_peers} peers: "
+            f"it sent {reasons[peer_id]}",
+            style="red",
+        )  # fmt: skip
+        for peer_id, count in report.run.excluded_peers.items()
+    ]
 
 
 def _mbps(value: float | None) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -33,6 +34,14 @@ MAX_PHASE_SECONDS = 86_400.0
 """Cap on each phase time of a global step in a PeerStatus: a day; writers clamp to it, readers reject more."""
 MAX_MODE_NAME_CHARS = 16
 """Cap on a PeerStatus's training mode and compression names."""
+MAX_EXCLUDED_PEERS = 64
+"""Cap on the peers one status record says its node keeps out of its averaging groups."""
+MAX_EXCLUSION_REASON_CHARS = 200
+"""Cap on the reason given for keeping a peer out."""
+MAX_EXCLUSION_S = 6 * 3600.0
+"""The longest a node keeps a peer out of its groups (averaging/quarantine.py)."""
+MAX_PEER_ID_CHARS = 64
+"""A base58 peer ID of an RSA or Ed25519 key is 46-52 characters."""
 MAX_INNER_STEPS = 1_000_000
 """Cap on a PeerStatus's inner steps per outer round: the manifest's own bound on `diloco.inner_steps`."""
 
@@ -166,7 +175,18 @@ def decode_peer_status(data: bytes, owner: bytes) -> proto.PeerStatus:
         if not (math.isfinite(seconds) and 0.0 <= seconds <= MAX_PHASE_SECONDS):
             raise RecordError(f"peer status has an invalid phase_times.{field.name}: {seconds}")
     _check_training_status(status.training)
+    _check_excluded_peers(status.excluded_peers)
     return status
+
+
+def _check_excluded_peers(excluded: Sequence[proto.ExcludedPeer]) -> None:
+    if len(excluded) > MAX_EXCLUDED_PEERS:
+        raise RecordError(f"peer status excludes {len(excluded)} peers, over the {MAX_EXCLUDED_PEERS} cap")
+    for entry in excluded:
+        if len(entry.peer_id) > MAX_PEER_ID_CHARS or len(entry.reason) > MAX_EXCLUSION_REASON_CHARS:
+            raise RecordError("peer status has an excluded peer with an overlong peer ID or reason")
+        if not (math.isfinite(entry.remaining_s) and 0.0 <= entry.remaining_s <= MAX_EXCLUSION_S):
+            raise RecordError(f"peer status has an excluded peer with an invalid remaining_s: {entry.remaining_s}")
 
 
 def _check_training_status(training: proto.TrainingStatus) -> None:

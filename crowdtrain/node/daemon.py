@@ -349,6 +349,8 @@ class Heartbeat:
         self.status.local_steps = progress.num_local_steps
         if progress.phase_times is not None:
             self.status.phase_times.CopyFrom(progress.phase_times.to_proto())
+        del self.status.excluded_peers[:]
+        self.status.excluded_peers.extend(progress.excluded_peer_statuses())
         training = progress.training_status()
         if training is not None:
             self.status.training.CopyFrom(training)

@@ -140,7 +140,7 @@ class SignedManifest(_message.Message):
     def __init__(self, manifest: _Optional[bytes] = ..., founder_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("peer_id", "version", "state", "roles", "device", "samples_per_second", "epoch", "loss", "upload_mbps", "download_mbps", "reachable", "experts", "multiaddrs", "last_seen", "samples_accumulated", "run_id", "partial_averages", "local_steps", "measured_samples_per_second", "aggregation_share", "role_override", "reachability_measured", "plan_digest", "phase_times", "training")
+    __slots__ = ("peer_id", "version", "state", "roles", "device", "samples_per_second", "epoch", "loss", "upload_mbps", "download_mbps", "reachable", "experts", "multiaddrs", "last_seen", "samples_accumulated", "run_id", "partial_averages", "local_steps", "measured_samples_per_second", "aggregation_share", "role_override", "reachability_measured", "plan_digest", "phase_times", "training", "excluded_peers")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ONLINE: _ClassVar[PeerStatus.State]
@@ -172,6 +172,7 @@ class PeerStatus(_message.Message):
     PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PHASE_TIMES_FIELD_NUMBER: _ClassVar[int]
     TRAINING_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_PEERS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     version: str
     state: PeerStatus.State
@@ -197,7 +198,18 @@ class PeerStatus(_message.Message):
     plan_digest: str
     phase_times: PhaseTimes
     training: TrainingStatus
-    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[PeerStatus.State, str]] = ..., roles: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., epoch: _Optional[int] = ..., loss: _Optional[float] = ..., upload_mbps: _Optional[float] = ..., download_mbps: _Optional[float] = ..., reachable: _Optional[bool] = ..., experts: _Optional[_Iterable[str]] = ..., multiaddrs: _Optional[_Iterable[str]] = ..., last_seen: _Optional[float] = ..., samples_accumulated: _Optional[int] = ..., run_id: _Optional[str] = ..., partial_averages: _Optional[int] = ..., local_steps: _Optional[int] = ..., measured_samples_per_second: _Optional[float] = ..., aggregation_share: _Optional[float] = ..., role_override: _Optional[str] = ..., reachability_measured: _Optional[bool] = ..., plan_digest: _Optional[str] = ..., phase_times: _Optional[_Union[PhaseTimes, _Mapping]] = ..., training: _Optional[_Union[TrainingStatus, _Mapping]] = ...) -> None: ...
+    excluded_peers: _containers.RepeatedCompositeFieldContainer[ExcludedPeer]
+    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[PeerStatus.State, str]] = ..., roles: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., epoch: _Optional[int] = ..., loss: _Optional[float] = ..., upload_mbps: _Optional[float] = ..., download_mbps: _Optional[float] = ..., reachable: _Optional[bool] = ..., experts: _Optional[_Iterable[str]] = ..., multiaddrs: _Optional[_Iterable[str]] = ..., last_seen: _Optional[float] = ..., samples_accumulated: _Optional[int] = ..., run_id: _Optional[str] = ..., partial_averages: _Optional[int] = ..., local_steps: _Optional[int] = ..., measured_samples_per_second: _Optional[float] = ..., aggregation_share: _Optional[float] = ..., role_override: _Optional[str] = ..., reachability_measured: _Optional[bool] = ..., plan_digest: _Optional[str] = ..., phase_times: _Optional[_Union[PhaseTimes, _Mapping]] = ..., training: _Optional[_Union[TrainingStatus, _Mapping]] = ..., excluded_peers: _Optional[_Iterable[_Union[ExcludedPeer, _Mapping]]] = ...) -> None: ...
+
+class ExcludedPeer(_message.Message):
+    __slots__ = ("peer_id", "reason", "remaining_s")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_S_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    reason: str
+    remaining_s: float
+    def __init__(self, peer_id: _Optional[str] = ..., reason: _Optional[str] = ..., remaining_s: _Optional[float] = ...) -> None: ...
 
 class TrainingStatus(_message.Message):
     __slots__ = ("mode", "compression", "inner_step", "inner_steps", "round_bytes_sent", "compute_utilisation")
@@ -370,3 +382,29 @@ class JoinToken(_message.Message):
     certificate: InviteCertificate
     invite_private_key: bytes
     def __init__(self, certificate: _Optional[_Union[InviteCertificate, _Mapping]] = ..., invite_private_key: _Optional[bytes] = ...) -> None: ...
+
+class StateDigestRequest(_message.Message):
+    __slots__ = ("seed",)
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    seed: int
+    def __init__(self, seed: _Optional[int] = ...) -> None: ...
+
+class TensorSketch(_message.Message):
+    __slots__ = ("sum", "norm", "samples")
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    NORM_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    sum: float
+    norm: float
+    samples: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, sum: _Optional[float] = ..., norm: _Optional[float] = ..., samples: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class StateDigest(_message.Message):
+    __slots__ = ("served", "epoch", "tensors")
+    SERVED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    served: bool
+    epoch: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSketch]
+    def __init__(self, served: _Optional[bool] = ..., epoch: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSketch, _Mapping]]] = ...) -> None: ...

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from crowdtrain import proto
 from crowdtrain.averaging.phases import PhaseTimes
+from crowdtrain.averaging.quarantine import Verdict
 
 THROUGHPUT_EMA_ALPHA = 0.1
 
@@ -44,6 +46,8 @@ class Progress:
     """Averaging bytes sent during the last completed round (global step or outer round); None before one."""
     compute_utilisation: float | None = None
     """Time computing / wall time over the last completed round, in [0, 1]; None before one."""
+    excluded_peers: dict[str, Verdict] = field(default_factory=dict)
+    """Peers this node keeps out of its averaging groups for sending bad parts (averaging/quarantine.py)."""
 
     def observe(self, loss: float, num_samples: int, elapsed_s: float) -> None:
         """Fold one micro-step into the exponential moving averages."""
@@ -59,6 +63,16 @@ class Progress:
         `bytes_sent` averaging bytes sent during it."""
         self.round_bytes_sent = max(bytes_sent, 0)
         self.compute_utilisation = min(max(compute_s / wall_s, 0.0), 1.0) if wall_s > 0 else 0.0
+
+    def excluded_peer_statuses(self, now: float | None = None) -> list[proto.ExcludedPeer]:
+        """The PeerStatus entries of the peers kept out now, soonest-readmitted last."""
+        now = time.time() if now is None else now
+        current = sorted(self.excluded_peers.items(), key=lambda item: -item[1].until)
+        return [
+            proto.ExcludedPeer(peer_id=peer, reason=verdict.reason, remaining_s=verdict.until - now)
+            for peer, verdict in current
+            if verdict.until > now
+        ]
 
     def training_status(self) -> proto.TrainingStatus | None:
         """The PeerStatus message of the mode and its last round; None until a round completed."""

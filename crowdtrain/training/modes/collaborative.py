@@ -17,6 +17,7 @@ import torch
 from crowdtrain.averaging.collaboration import (
     clear_micro_batch_gradients,
     discard_local_gradients,
+    excluded_peers,
     make_optimizer,
     moshpit_bits,
     refresh_moshpit_groups,
@@ -93,6 +94,7 @@ class CollaborativeMode(TrainingMode):
         progress.num_peers = global_progress.num_peers
         progress.swarm_samples_accumulated = global_progress.samples_accumulated
         progress.averaging_bytes_sent, progress.averaging_bytes_received = self.context.traffic.totals()
+        progress.excluded_peers = excluded_peers(optimizer)
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.optimizer.state_dict())

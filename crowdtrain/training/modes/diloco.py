@@ -168,6 +168,7 @@ class DiLoCoMode(TrainingMode):
         progress.num_peers = self.tracker.global_progress.num_peers
         progress.swarm_samples_accumulated = self.tracker.global_progress.samples_accumulated
         progress.averaging_bytes_sent, progress.averaging_bytes_received = self.context.traffic.totals()
+        progress.excluded_peers = self.averager.excluded_peers()
 
     def state_dict(self) -> dict[str, Any]:
         with self._lock:
@@ -321,7 +322,11 @@ class DiLoCoMode(TrainingMode):
         self._sync_not_before = time.monotonic() + SYNC_RETRY_S
         with self.context.phases.measure(Phase.STATE_DOWNLOAD):
             loaded = self.averager.load_state_from_peers(
-                timeout=LOAD_STATE_TIMEOUT_S, above_priority=self._priority() if self.round > 0 else None
+                timeout=LOAD_STATE_TIMEOUT_S,
+                above_priority=self._priority() if self.round > 0 else None,
+                # After a round this peer stepped alone, others may have too: their states differ honestly at one
+                # round, and asking them to corroborate would leave every such peer refusing every other's state.
+                corroborate=not self.diverged,
             )
         if loaded is None:
             self.diverged = False  # nobody to take a state from: go on with this one
