@@ -1,17 +1,36 @@
-"""A joiner's state download is checked before it is loaded; a donor that serves a bad state is skipped
-(issue 14, "verified state")."""
+"""A joiner's state download is checked before it is loaded, and corroborated by other donors' digests; a donor
+that serves a bad state is skipped (issue 14, "verified state")."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import hivemind
 import pytest
 import torch
+from hivemind.p2p import PeerID
 
+from crowdtrain import proto
 from crowdtrain.averaging.collaboration import PlannedStateAverager
+from crowdtrain.averaging.pseudo_gradients import PseudoGradientAverager
+from crowdtrain.averaging.state_digest import (
+    DIGESTS_PER_MINUTE,
+    DIGESTS_PER_PEER_PER_MINUTE,
+    SKETCH_SAMPLES,
+    Corroboration,
+    DigestLimiter,
+    MalformedDigestError,
+    judge,
+    read_digest,
+    sample_positions,
+    sketch_state,
+    sketches_agree,
+    to_digest,
+)
 from crowdtrain.averaging.state_download import (
     EPOCH_SLACK,
     MAX_GLOBAL_STEPS_PER_S,
@@ -24,6 +43,7 @@ from crowdtrain.averaging.state_download import (
     optimizer_tensor_specs,
 )
 from crowdtrain.averaging.traffic import AveragingTraffic
+from crowdtrain.dht.admission import NotAdmittedError, _GatedHandlers
 from tests.harness import shut_down
 
 TEMPLATE = StateTemplate(
@@ -80,7 +100,22 @@ def test_adam_second_moments_and_steps_must_not_be_negative() -> None:
     assert {spec.shape for spec in specs if not spec.non_negative} == {(3, 4), (3,)}
 
 
-class PoisonedStateAverager(PlannedStateAverager):
+class DonorStateAverager(PlannedStateAverager):
+    """A donor a test can change: it serves under PlannedStateAverager's RPC names (hivemind names them after the
+    class), as a modified client would, and counts the times it was asked for its state (a download or a digest)."""
+
+    served = 0
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        return PlannedStateAverager._get_handle_name(namespace, method_name)
+
+    def get_current_state(self) -> Any:
+        self.served += 1  # runs in this (the host) process, in hivemind's background thread
+        return super().get_current_state()
+
+
+class PoisonedStateAverager(DonorStateAverager):
     """A donor that serves NaN parameters at a huge epoch, and declares the highest priority to be asked first."""
 
     def get_current_state(self) -> Any:
@@ -160,3 +195,154 @@ def test_a_high_epoch_moves_the_learning_rate_schedule_in_one_step() -> None:
     averager.local_epoch = 2**62
     averager._update_scheduler()  # returns at once
     assert averager.scheduler.last_epoch == 2**62
+
+
+def model_state(seed: int = 0) -> list[torch.Tensor]:
+    """Tensors like a small model's state: matrices, vectors, a scalar step counter, an empty tensor."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(64, 32), (32,), (1000,), (3, 3, 3)]
+    return [torch.randn(shape, generator=generator) for shape in shapes] + [torch.tensor(7.0), torch.zeros(0)]
+
+
+SIZES = [tensor.numel() for tensor in model_state()]
+
+
+def test_identical_states_and_float_noise_agree_scaled_or_replaced_ones_do_not() -> None:
+    state = model_state()
+    sketch = sketch_state(state, seed=42)
+    assert sketches_agree(sketch, sketch_state([tensor.clone() for tensor in state], seed=42))
+    noisy = [tensor * (1 + 1e-6 * torch.randn(tensor.shape)) for tensor in state]  # another machine's last bits
+    assert sketches_agree(sketch, sketch_state(noisy, seed=42))
+    assert not sketches_agree(sketch, sketch_state([tensor * 0.5 for tensor in state], seed=42))
+    replaced = [*state[:2], torch.randn(1000), *state[3:]]  # one tensor swapped for another of its distribution
+    assert not sketches_agree(sketch, sketch_state(replaced, seed=42))
+    shifted = [state[0] + 0.01 * state[0].abs().mean(), *state[1:]]  # every value moved by 1% of its scale
+    assert not sketches_agree(sketch, sketch_state(shifted, seed=42))
+    assert not sketches_agree(sketch, sketch[:-1])
+
+
+def test_the_seed_picks_the_positions_the_same_way_everywhere() -> None:
+    assert sample_positions(7, 3, 10**6) == sample_positions(7, 3, 10**6)
+    assert sample_positions(7, 3, 10**6) != sample_positions(8, 3, 10**6) != sample_positions(7, 4, 10**6)
+    assert len(sample_positions(7, 0, 10**6)) == SKETCH_SAMPLES
+    assert len(sample_positions(7, 0, 3)) == 3 and all(0 <= i < 3 for i in sample_positions(7, 0, 3))
+    assert sample_positions(7, 0, 0) == []
+
+
+def test_a_digest_round_trips_and_a_malformed_one_is_refused() -> None:
+    sketch = sketch_state(model_state(), seed=1)
+    digest = to_digest(12, sketch)
+    assert read_digest(proto.StateDigest.FromString(digest.SerializeToString()), SIZES) == (12, sketch)
+    assert read_digest(proto.StateDigest(served=False), SIZES) is None
+
+    def broken(change: Any) -> proto.StateDigest:
+        copy = proto.StateDigest()
+        copy.CopyFrom(digest)
+        change(copy)
+        return copy
+
+    hostile = [
+        broken(lambda d: d.tensors.pop()),  # one tensor short
+        broken(lambda d: d.tensors.add()),  # one too many
+        broken(lambda d: setattr(d.tensors[0], "sum", float("nan"))),
+        broken(lambda d: d.tensors[1].samples.__setitem__(0, float("inf"))),
+        broken(lambda d: setattr(d.tensors[0], "norm", -1.0)),
+        broken(lambda d: d.tensors[0].samples.append(0.0)),  # more samples than the seed draws
+        broken(lambda d: d.tensors[0].samples.extend([0.0] * 100_000)),  # oversize
+    ]
+    for digest in hostile:
+        with pytest.raises(MalformedDigestError):
+            read_digest(digest, SIZES)
+
+
+def test_the_majority_of_sketches_at_the_epoch_decides() -> None:
+    honest = sketch_state(model_state(0), seed=5)
+    liar = sketch_state([tensor * 0.5 for tensor in model_state(0)], seed=5)
+    other = sketch_state(model_state(1), seed=5)
+    assert judge(honest, []).verdict is Corroboration.UNCORROBORATED
+    assert judge(honest, [honest]).verdict is Corroboration.CORROBORATED
+    assert judge(honest, [honest, liar]).verdict is Corroboration.CORROBORATED  # 2 of 3
+    assert judge(honest, [liar]).verdict is Corroboration.DISPUTED  # 1 of 2: nothing says which is right
+    assert judge(liar, [honest, honest]).verdict is Corroboration.REFUTED
+    assert judge(liar, [honest, other]).verdict is Corroboration.DISPUTED  # the others agree with nobody either
+    refuted = judge(liar, [honest, honest, liar])  # 2 of 4: no majority for it, nor against it
+    assert (refuted.verdict, refuted.num_agreeing, refuted.num_sketches) == (Corroboration.DISPUTED, 2, 4)
+
+
+def test_digests_are_rate_bounded_per_asker_and_in_all() -> None:
+    now = [0.0]
+    limiter = DigestLimiter(clock=lambda: now[0])
+    assert all(limiter.admit("QmA") for _ in range(DIGESTS_PER_PEER_PER_MINUTE))
+    assert not limiter.admit("QmA")
+    others = [f"Qm{i}" for i in range(DIGESTS_PER_MINUTE - DIGESTS_PER_PEER_PER_MINUTE)]
+    assert all(limiter.admit(peer) for peer in others)
+    assert not limiter.admit("QmNewcomer")
+    now[0] = DigestLimiter.WINDOW_S + 0.1
+    assert limiter.admit("QmA") and limiter.admit("QmNewcomer")
+
+
+@pytest.mark.parametrize("cls", [PlannedStateAverager, PseudoGradientAverager])
+def test_every_averager_that_serves_its_state_serves_digests_to_admitted_callers_only(cls: type) -> None:
+    cls._collect_rpc_handlers()
+    handlers = {handler.method_name: handler for handler in cls._rpc_handlers}
+    assert {"rpc_download_state", "rpc_state_digest"} <= handlers.keys()
+    assert handlers["rpc_state_digest"].request_type is proto.StateDigestRequest
+    assert handlers["rpc_state_digest"].response_type is proto.StateDigest
+
+    class Refusing:
+        def __init__(self) -> None:
+            self.refused: list[str] = []
+
+        async def admits(self, peer_id: str) -> bool:
+            return False
+
+        def note_refusal(self, peer_id: str, rpc: str) -> None:
+            self.refused.append(rpc)
+
+    servicer: Any = object.__new__(cls)
+    servicer._parent_pid = -1  # hivemind's __del__ shuts down only what this process started
+    gate = Refusing()
+    context = SimpleNamespace(remote_id=PeerID(b"stranger"))
+    gated = _GatedHandlers(servicer, gate)  # type: ignore[arg-type]
+    with pytest.raises(NotAdmittedError):
+        asyncio.run(gated.rpc_state_digest(proto.StateDigestRequest(seed=1), context))
+    assert gate.refused == ["rpc_state_digest"]
+
+
+class ScaledStateAverager(DonorStateAverager):
+    """A liar: its state well-formed and at the honest epoch, but every tensor halved."""
+
+    def get_current_state(self) -> Any:
+        metadata, tensors, infos = super().get_current_state()
+        return metadata, [tensor * 0.5 for tensor in tensors], infos
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(90)
+def test_a_joiner_refuses_a_well_formed_lie_that_two_honest_donors_refute() -> None:
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
+    peers = [str(maddr) for maddr in first.get_visible_maddrs()]
+    dhts = [first] + [
+        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers, use_ipfs=False)
+        for _ in range(3)
+    ]
+    averagers: list[Any] = []
+    try:
+        liar, _ = make_averager(ScaledStateAverager, dhts[0], seed=1, priority=1e9)
+        honest, honest_model = make_averager(DonorStateAverager, dhts[1], seed=1, priority=2.0)
+        witness, _ = make_averager(DonorStateAverager, dhts[2], seed=1, priority=1.0)
+        joiner, joiner_model = make_averager(PlannedStateAverager, dhts[3], seed=3)
+        averagers += [liar, honest, witness, joiner]
+        for donor in (liar, honest, witness):
+            donor.local_epoch = 4
+        wait_for_donors(dhts[3], {1e9, 2.0, 1.0})
+        joiner.load_state_from_peers(timeout=30)
+        assert joiner.local_epoch == 4
+        for mine, theirs in zip(joiner_model.parameters(), honest_model.parameters(), strict=True):
+            assert torch.equal(mine, theirs)
+        assert liar.served == 1, "downloaded once, then never asked for a digest: it was marked bad"
+        assert witness.served >= 1, "never downloaded from (it ranks below `honest`), so asked for digests"
+        joiner.load_state_from_peers(timeout=30)  # the liar still ranks first, and is not asked again
+        assert liar.served == 1 and joiner.local_epoch == 4
+    finally:
+        shut_down(averagers, dhts)

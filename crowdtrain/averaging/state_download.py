@@ -8,14 +8,34 @@ node's own state: the number of tensors, every shape and dtype, finiteness, the 
 can't be negative, the total bytes (bounded while streaming), and an epoch no higher than the run could
 have reached since its manifest was created (`epoch_ceiling`); the optimizer's hyperparameters are always
 this node's own. A donor whose state is malformed is remembered and not asked again; the download goes on
-with the next donor. Not done yet: comparing digests of two donors' states before loading.
+with the next donor.
+
+A well-formed state can still be wrong (random weights, weights scaled by 0.5), so other donors corroborate it where
+peers at one epoch hold one state (`states_agree_at_epoch`: DeDLOC's gradient mode and DiLoCo's outer state, where
+every peer applies the same averaged step; not Moshpit SGD's parameter mode, where peers step alone between rounds;
+nor a DiLoCo peer resyncing after a round it stepped alone, as others may have too). The joiner draws a random seed
+and asks up to NUM_CORROBORATORS other donors for a sketch of their state (`rpc_state_digest`, served beside
+hivemind's `rpc_download_state` by every averager that serves its state; averaging/state_digest.py), and compares
+each answer with the same sketch of the downloaded state. An answer at another epoch can't corroborate (training
+moved on) and is skipped. Every answer at the state's epoch agrees: the state is loaded. One disagrees: one further
+donor is asked, and the state is loaded only if a majority of the sketches at its epoch, its own included, agree
+with it; otherwise it is refused with a warning and the next donor is tried, and if a majority agree with each other
+against it, its donor is marked bad as well. No other donor, or none answering at the state's epoch within
+DIGEST_TIMEOUT_S: the state is loaded with an INFO line saying it was not corroborated, since a swarm of two has
+nobody to compare with and refusing would leave its joiners with no state.
+
+What this does not stop: a state changed in a few values only (the sketch samples 16 per tensor); sybils that serve
+the liar's state outvote the honest donors. And a swarm larger than one averaging group has honest peers whose states
+differ at one epoch: a joiner there may find no majority, load nothing and try again later.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import random
+import secrets
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -24,12 +44,26 @@ from typing import Any
 import torch
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.state_averager import dump_optimizer_state
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
+
+from crowdtrain import proto
+from crowdtrain.averaging.state_digest import (
+    Corroboration,
+    DigestLimiter,
+    Judgement,
+    MalformedDigestError,
+    Sketch,
+    judge,
+    read_digest,
+    sketch_state,
+    sketches_agree,
+    to_digest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +75,13 @@ NON_NEGATIVE_STATE = frozenset({"step", "exp_avg_sq", "max_exp_avg_sq", "momentu
 """Optimizer state entries that are never negative (a negative second moment makes Adam's step NaN)."""
 STREAM_OVERHEAD_BYTES = 1 << 20
 """Serialization overhead allowed beyond the template's own bytes."""
+NUM_CORROBORATORS = 2
+"""Other donors first asked for a digest of their state, at once."""
+MAX_DIGEST_REQUESTS = 4
+"""Donors asked for a digest per downloaded state at most, the further ones after a disagreement included."""
+DIGEST_TIMEOUT_S = 5.0
+"""A donor's digest answer later than this is no answer: fetching its state from its training process and one pass
+over it take well under a second for a 100M-parameter model."""
 
 
 class UnacceptableStateError(ValueError):
@@ -136,7 +177,8 @@ class VerifiedStateDownloadMixin:
     """Mixed into a hivemind DecentralizedAverager subclass, ahead of DecentralizedAverager in the MRO.
 
     The host process builds the template (`state_template`) and sends it with the request; the averager
-    process downloads, bounded and checked, trying donors by priority and skipping those that failed before.
+    process downloads, bounded and checked, trying donors by priority and skipping those that failed before, and
+    has other donors corroborate the state; it serves them digests of its own (`rpc_state_digest`).
     """
 
     _outer_pipe: Any
@@ -147,6 +189,9 @@ class VerifiedStateDownloadMixin:
     serializer: Any
     last_loaded_epoch: int | None = None
     """The epoch of the state the last download loaded; None when no donor gave an acceptable one."""
+    states_agree_at_epoch: bool = True
+    """Whether honest peers at one epoch hold one state, so that other donors' digests can corroborate a download:
+    false in Moshpit SGD's parameter mode, where peers step alone between averaging rounds."""
 
     def state_template(self) -> StateTemplate:
         """This node's own state as a download must match it; subclasses list their tensors."""
@@ -157,13 +202,19 @@ class VerifiedStateDownloadMixin:
         return metadata
 
     def load_state_from_peers(
-        self, wait: bool = True, timeout: float | None = None, above_priority: float | None = None
+        self,
+        wait: bool = True,
+        timeout: float | None = None,
+        above_priority: float | None = None,
+        corroborate: bool = True,
     ) -> Any:
         """hivemind's DecentralizedAverager.load_state_from_peers, verified; returns (metadata, tensors) or None.
-        `above_priority`: ask only donors that declared a higher priority than this."""
+        `above_priority`: ask only donors that declared a higher priority than this. `corroborate`: have other
+        donors corroborate the state (with `states_agree_at_epoch`); False where they may differ from it honestly."""
         future: MPFuture = MPFuture()
         template = self.state_template()
-        request = dict(timeout=timeout, future=future, template=template, above_priority=above_priority)
+        corroborate = corroborate and self.states_agree_at_epoch
+        request = dict(future=future, template=template, above_priority=above_priority, corroborate=corroborate)
         self._outer_pipe.send(("_load_verified_state", [], request))
         if not wait:
             return future
@@ -172,38 +223,133 @@ class VerifiedStateDownloadMixin:
         return None if loaded is None else (self.trusted_metadata(loaded[0]), loaded[1])
 
     async def _load_verified_state(
-        self, future: MPFuture, timeout: float | None, template: StateTemplate, above_priority: float | None = None
+        self, future: MPFuture, template: StateTemplate, above_priority: float | None, corroborate: bool
     ) -> None:
         # Runs in the averager process. hivemind's own _load_state_from_peers, with the checks of this module.
         bad_donors: set[PeerID] = self.__dict__.setdefault("_bad_donors", set())
-        chunk_timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
         try:
-            for donor in await self._donors(bad_donors, above_priority):
-                started = time.monotonic()
-                try:
-                    metadata, tensors = await self._download(donor, template, chunk_timeout)
-                    epoch = check_state(metadata, tensors, template)
-                except StaleStateError as e:
-                    logger.debug(f"skipped the state of peer {donor}: {e}")
+            ranked = await self._ranked_donors(bad_donors)
+            for donor in [peer for peer, priority in ranked if above_priority is None or priority > above_priority]:
+                if donor in bad_donors:  # refuted while corroborating an earlier donor's state
                     continue
-                except UnacceptableStateError as e:
-                    if not isinstance(e, EpochTooHighError):
-                        bad_donors.add(donor)
-                    again = "" if isinstance(e, EpochTooHighError) else "; it will not be asked again"
-                    logger.warning(f"refused the state of peer {donor}: {e}{again}")
-                    continue
-                except Exception as e:
-                    logger.warning(f"could not download the state of peer {donor}: {e!r}")
-                    continue
-                logger.info(f"downloaded and verified the state of epoch {epoch} from {donor} "
-                            f"in {time.monotonic() - started:.1f} s")  # fmt: skip
-                future.set_result((metadata, tensors))
-                return
+                others = [peer for peer, _ in ranked if peer != donor and peer not in bad_donors]
+                state = await self._verified_state(donor, template, others if corroborate else None, bad_donors)
+                if state is not None:
+                    future.set_result(state)
+                    return
         finally:
             if not future.done():
                 future.set_result(None)
 
-    async def _donors(self, bad_donors: set[PeerID], above_priority: float | None = None) -> list[PeerID]:
+    async def _verified_state(
+        self, donor: PeerID, template: StateTemplate, others: list[PeerID] | None, bad_donors: set[PeerID]
+    ) -> tuple[Any, list[torch.Tensor]] | None:
+        """The state of `donor` if it fits `template` and `others` don't refute it (module docstring); else None.
+        `others` None: nobody is asked, as donors' states may differ honestly."""
+        chunk_timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
+        started = time.monotonic()
+        try:
+            metadata, tensors = await self._download(donor, template, chunk_timeout)
+            epoch = check_state(metadata, tensors, template)
+        except StaleStateError as e:
+            logger.debug(f"skipped the state of peer {donor}: {e}")
+            return None
+        except UnacceptableStateError as e:
+            if not isinstance(e, EpochTooHighError):
+                bad_donors.add(donor)
+            again = "" if isinstance(e, EpochTooHighError) else "; it will not be asked again"
+            logger.warning(f"refused the state of peer {donor}: {e}{again}")
+            return None
+        except Exception as e:
+            logger.warning(f"could not download the state of peer {donor}: {e!r}")
+            return None
+        seconds = time.monotonic() - started
+        judgement = await self._corroborate(epoch, tensors, template, others or [])
+        if not self._accept(donor, epoch, judgement, bad_donors):
+            return None
+        if judgement.verdict is Corroboration.CORROBORATED:
+            corroboration = f"corroborated: {judgement.num_agreeing} of {judgement.num_sketches} sketches agree"
+        elif others:
+            asked = min(len(others), NUM_CORROBORATORS)  # nobody disagreed, so nobody further was asked
+            corroboration = f"not corroborated: none of the {asked} other donors asked answered at its epoch"
+        elif others is not None:
+            corroboration = "not corroborated: no other donor to ask"
+        else:
+            corroboration = "not corroborated: donors' states may differ honestly here"
+        logger.info(f"downloaded and verified the state of epoch {epoch} from {donor} in {seconds:.1f} s; "
+                    f"{corroboration}")  # fmt: skip
+        return metadata, tensors
+
+    @staticmethod
+    def _accept(donor: PeerID, epoch: int, judgement: Judgement, bad_donors: set[PeerID]) -> bool:
+        """Whether a state others' digests judged so may be loaded; a refuted donor is not asked again."""
+        counts = f"{judgement.num_agreeing} of {judgement.num_sketches} sketches at epoch {epoch} agree with it"
+        if judgement.verdict is Corroboration.REFUTED:
+            bad_donors.add(donor)
+            logger.warning(f"refused the state of peer {donor}: only {counts}, the others with each other; "
+                           "it will not be asked again")  # fmt: skip
+            return False
+        if judgement.verdict is Corroboration.DISPUTED:
+            logger.warning(f"refused the state of peer {donor} for now: only {counts}")
+            return False
+        return True
+
+    async def _corroborate(
+        self, epoch: int, tensors: list[torch.Tensor], template: StateTemplate, others: list[PeerID]
+    ) -> Judgement:
+        """What `others` say of a downloaded state of `epoch`: asked for digests with a fresh seed, a further donor
+        asked after a disagreement. A peer that fails to answer, or answers at another epoch, is no answer."""
+        if not others:
+            return judge((), [])
+        seed = secrets.randbits(64)
+        mine = await asyncio.get_running_loop().run_in_executor(None, sketch_state, tensors, seed)
+        sizes = [math.prod(spec.shape) for spec in template.tensors]
+        first = others[:NUM_CORROBORATORS]
+        answers = await asyncio.gather(*(self._ask_digest(peer, seed, epoch, sizes) for peer in first))
+        sketches = [answer for answer in answers if answer is not None]
+        disputed = any(not sketches_agree(mine, sketch) for sketch in sketches)
+        for peer in others[NUM_CORROBORATORS:MAX_DIGEST_REQUESTS] if disputed else []:
+            answer = await self._ask_digest(peer, seed, epoch, sizes)
+            if answer is not None:
+                sketches.append(answer)
+                break
+        return judge(mine, sketches)
+
+    async def _ask_digest(self, peer: PeerID, seed: int, epoch: int, sizes: list[int]) -> Sketch | None:
+        """`peer`'s sketch of its state for `seed` if it answers in time, well-formed, at `epoch`; else None."""
+        averager: Any = self
+        try:
+            stub = averager.get_stub(averager._p2p, peer, namespace=self.prefix)
+            digest = await stub.rpc_state_digest(proto.StateDigestRequest(seed=seed), timeout=DIGEST_TIMEOUT_S)
+            answer = read_digest(digest, sizes)
+        except MalformedDigestError as e:
+            logger.warning(f"ignored the state digest of peer {peer}: {e}")
+            return None
+        except Exception as e:  # gone, too slow, or a version without the RPC: one donor fewer to compare with
+            logger.debug(f"peer {peer} sent no state digest: {e!r}")
+            return None
+        if answer is None or answer[0] != epoch:
+            logger.debug(f"peer {peer} has no state of epoch {epoch} to compare")
+            return None
+        return answer[1]
+
+    async def rpc_state_digest(self, request: proto.StateDigestRequest, context: P2PContext) -> proto.StateDigest:
+        """A sketch, drawn with the asker's seed, of the state rpc_download_state would stream now."""
+        averager: Any = self
+        limiter: DigestLimiter = self.__dict__.setdefault("_digest_limiter", DigestLimiter())
+        if not averager.allow_state_sharing or not limiter.admit(context.remote_id.to_base58()):
+            return proto.StateDigest(served=False)
+        metadata, tensors, _ = await averager._get_current_state_from_host_process()
+        metadata = self.serializer.loads(metadata)
+        epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+        if type(epoch) is not int or not 0 <= epoch < 2**64:
+            return proto.StateDigest(served=False)
+        sketch = await asyncio.get_running_loop().run_in_executor(None, sketch_state, tensors, request.seed)
+        return to_digest(epoch, sketch)
+
+    async def _ranked_donors(self, bad_donors: set[PeerID]) -> list[tuple[PeerID, float]]:
+        """Peers that declared they serve their state, with their priority, highest first (ties broken at random);
+        neither this node nor a bad donor."""
         averager: Any = self
         key_manager = averager._matchmaking.group_key_manager
         found = await averager.dht.get(f"{key_manager.prefix}.all_averagers", latest=True, return_future=True)
@@ -216,9 +362,7 @@ class VerifiedStateDownloadMixin:
             if isinstance(info, ValueWithExpiration) and isinstance(info.value, float | int)
         }
         donors = sorted(ranked, key=ranked.__getitem__, reverse=True)
-        if above_priority is not None:
-            donors = [donor for donor in donors if ranked[donor][0] > above_priority]
-        return [donor for donor in donors if donor != self.peer_id and donor not in bad_donors]
+        return [(donor, ranked[donor][0]) for donor in donors if donor != self.peer_id and donor not in bad_donors]
 
     async def _download(
         self, donor: PeerID, template: StateTemplate, chunk_timeout: float
