@@ -38,6 +38,7 @@ from crowdtrain.averaging.state_download import (
     StateTemplate,
     TensorSpec,
     UnacceptableStateError,
+    VerifiedStateDownloadMixin,
     check_state,
     epoch_ceiling,
     optimizer_tensor_specs,
@@ -279,6 +280,46 @@ def test_digests_are_rate_bounded_per_asker_and_in_all() -> None:
     assert not limiter.admit("QmNewcomer")
     now[0] = DigestLimiter.WINDOW_S + 0.1
     assert limiter.admit("QmA") and limiter.admit("QmNewcomer")
+
+
+class ScriptedDonors(VerifiedStateDownloadMixin):
+    """The asking side alone: each peer's digest answer is scripted, and the peers asked are recorded."""
+
+    def __init__(self, answers: dict[str, Any]):
+        self.answers, self.asked = answers, []
+
+    async def _ask_digest(self, peer: Any, seed: int, sizes: list[int]) -> Any:
+        self.asked.append(peer)
+        return self.answers[peer]
+
+
+def corroborate(answers: dict[str, Any], first: list[str], further: list[str]) -> tuple[Any, list[str]]:
+    donors = ScriptedDonors(answers)
+    mine = sketch_state(model_state(0), seed=9)
+
+    async def run() -> Any:
+        tasks = [asyncio.create_task(donors._ask_digest(peer, 9, SIZES)) for peer in first]
+        return await donors._corroborate(4, mine, tasks, further, 9, SIZES)
+
+    return asyncio.run(run()), donors.asked[len(first) :]
+
+
+def test_only_answers_at_the_states_epoch_count_and_a_disagreement_asks_one_more() -> None:
+    honest = (4, sketch_state(model_state(0), seed=9))
+    halved = (4, sketch_state([tensor * 0.5 for tensor in model_state(0)], seed=9))
+    later = (5, sketch_state(model_state(1), seed=9))  # training moved on: no opinion
+    answers = {"agrees": honest, "agrees too": honest, "disagrees": halved, "later": later, "silent": None}
+    judgement, further = corroborate(answers, ["agrees", "later"], ["agrees too"])
+    assert (judgement.verdict, judgement.num_sketches, further) == (Corroboration.CORROBORATED, 2, [])
+    judgement, further = corroborate(answers, ["later", "silent"], ["agrees"])
+    assert (judgement.verdict, further) == (Corroboration.UNCORROBORATED, [])
+    judgement, further = corroborate(answers, ["agrees", "disagrees"], ["later", "silent", "agrees too"])
+    assert (judgement.verdict, judgement.num_agreeing, judgement.num_sketches) == (Corroboration.CORROBORATED, 3, 4)
+    assert further == ["later", "silent", "agrees too"]  # until one more answer at the epoch came
+    judgement, further = corroborate(answers, ["agrees", "disagrees"], [])
+    assert judgement.verdict is Corroboration.CORROBORATED  # 2 of 3, nobody further to ask
+    judgement, _ = corroborate({**answers, "agrees": halved}, ["agrees", "disagrees"], ["silent"])
+    assert judgement.verdict is Corroboration.REFUTED
 
 
 @pytest.mark.parametrize("cls", [PlannedStateAverager, PseudoGradientAverager])
