@@ -193,6 +193,10 @@ class DiLoCoSpec:
     feedback, crowdtrain.averaging.error_feedback) or `none`."""
     topk_fraction: float = 0.02
     """`topk` only: the fraction of each tensor's values a peer sends per round, in (0, 1]."""
+    overlap: bool = True
+    """Average a round's pseudo-gradients in the background while the next round's inner steps run, and apply
+    the outer step when the average is in (one round late, as in overlapped and streaming DiLoCo); false: inner
+    steps wait for the round's all-reduce."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.inner_steps <= 1_000_000:

@@ -36,11 +36,11 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 OUTER_LR, OUTER_MOMENTUM = 0.5, 0.9
 
 
-def manifest(num_peers: int, compression: str, topk_fraction: float = 0.02) -> RunManifest:
+def manifest(num_peers: int, compression: str, topk_fraction: float = 0.02, overlap: bool = False) -> RunManifest:
     base = demo()
     return dataclasses.replace(
         base,
-        run_id=f"outer-{num_peers}-{compression}",
+        run_id=f"outer-{num_peers}-{compression}{'-overlap' if overlap else ''}",
         target_batch_size=64,
         averaging=dataclasses.replace(base.averaging, mode="diloco", group_size=4, matchmaking_time_s=2.0),
         diloco=DiLoCoSpec(
@@ -49,6 +49,7 @@ def manifest(num_peers: int, compression: str, topk_fraction: float = 0.02) -> R
             outer_momentum=OUTER_MOMENTUM,
             compression=compression,
             topk_fraction=topk_fraction,
+            overlap=overlap,
         ),
     )
 
@@ -104,25 +105,31 @@ def run_one_outer_round(
     )
     with ThreadPoolExecutor(len(modes)) as pool:
         list(pool.map(lambda mode: mode._outer_round(), modes))
+        if modes[0].spec.overlap:  # the round's all-reduce went on in the background: wait for it as the next would
+            list(pool.map(lambda mode: mode._finish_round_in_flight(wait=True), modes))
 
 
 def assert_every_peer_stepped_to(modes: list[DiLoCoMode], expected: torch.Tensor, tolerance: float) -> None:
     for mode in modes:
         assert mode.round == 1 and mode.num_local_rounds == 0, "the round was averaged with the whole group"
         assert torch.allclose(mode.global_parameters[0], expected, atol=tolerance)
-        assert torch.equal(mode.parameters[0].detach(), mode.global_parameters[0]), "the next round starts from them"
+        replica, start = mode.parameters[0].detach(), mode.global_parameters[0]
+        # with overlap the replica moved by θ₀' − θ_end from θ_end: the same values, up to float rounding
+        same = torch.allclose(replica, start, atol=1e-6) if mode.spec.overlap else torch.equal(replica, start)
+        assert same, "the next round starts from them"
     assert all(torch.equal(mode.global_parameters[0], modes[0].global_parameters[0]) for mode in modes)
 
 
 @pytest.mark.parametrize(
-    ("num_peers", "compression", "tolerance"),
-    [(2, "none", 1e-6), (4, "none", 1e-6), (4, "int8", 0.1)],  # int8: 256 levels over 6 deviations, times 0.95
+    ("num_peers", "compression", "tolerance", "overlap"),
+    # int8: 256 levels over 6 deviations, times 0.95
+    [(2, "none", 1e-6, False), (4, "none", 1e-6, False), (4, "int8", 0.1, False), (4, "int8", 0.1, True)],
 )
 def test_every_peer_applies_the_weighted_mean_pseudo_gradient_with_one_nesterov_step(
-    num_peers: int, compression: str, tolerance: float
+    num_peers: int, compression: str, tolerance: float, overlap: bool
 ) -> None:
     start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
-    with diloco_peers(manifest(num_peers, compression), num_peers, start) as modes:
+    with diloco_peers(manifest(num_peers, compression, overlap=overlap), num_peers, start) as modes:
         # what each peer's inner steps did: a known pseudo-gradient over a known number of samples
         generator = torch.Generator().manual_seed(num_peers)
         pseudo_gradients = [torch.randn(3, 4, generator=generator) for _ in modes]
@@ -131,6 +138,40 @@ def test_every_peer_applies_the_weighted_mean_pseudo_gradient_with_one_nesterov_
         mean = sum(w * g for w, g in zip(samples, pseudo_gradients, strict=True)) / sum(samples)
         # Nesterov SGD's first step: the buffer is the gradient, the update (1 + momentum) times it
         assert_every_peer_stepped_to(modes, start - OUTER_LR * (1 + OUTER_MOMENTUM) * mean, tolerance)
+
+
+def test_with_overlap_inner_steps_go_on_and_the_outer_step_moves_them_with_the_rounds_end_point() -> None:
+    start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    with diloco_peers(manifest(2, "topk", topk_fraction=1.0, overlap=True), 2, start) as modes:
+        generator = torch.Generator().manual_seed(11)
+        pseudo_gradients = [torch.randn(3, 4, generator=generator) for _ in modes]
+        for mode, pseudo_gradient in zip(modes, pseudo_gradients, strict=True):
+            with torch.no_grad():
+                mode.parameters[0].copy_(start - pseudo_gradient)
+            mode.samples = 8
+            mode.tracker.report_local_progress(mode.round, 8)
+        await_condition(lambda: all(mode.tracker.global_progress.num_peers == 2 for mode in modes), 60, "the peers")
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda mode: mode._outer_round(), modes))
+        moved = [torch.full((3, 4), 0.01 * (rank + 1)) for rank in range(2)]
+        for mode, step in zip(modes, moved, strict=True):
+            # the round is in flight: nothing applied yet, the next round's inner steps go on from θ_end
+            assert mode.round == 0 and mode.training_round == 1 and mode.tracker.local_progress.epoch == 1
+            assert torch.equal(mode.global_parameters[0], start)
+            with torch.no_grad():
+                mode.parameters[0].add_(step)  # an inner step taken while the all-reduce runs
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda mode: mode._finish_round_in_flight(wait=True), modes))
+        mean = (pseudo_gradients[0] + pseudo_gradients[1]) / 2  # equal samples; topk 1.0 sends all, in fp16
+        expected = start - OUTER_LR * (1 + OUTER_MOMENTUM) * mean
+        for mode, step in zip(modes, moved, strict=True):
+            assert mode.round == 1 and mode.num_local_rounds == 0 and mode.training_round == 1
+            assert torch.allclose(mode.global_parameters[0], expected, atol=2e-3)
+            # θ ← θ₀' + (θ − θ_end): the inner step survives, re-based on the new global parameters
+            assert torch.allclose(mode.parameters[0].detach(), mode.global_parameters[0] + step, atol=1e-6)
+            # the residual is Δ_end − what was sent: fp16's rounding alone (from the current θ it would hold the step)
+            assert mode.feedback is not None and float(mode.feedback.residuals[0].abs().max()) < 2e-3
+        assert torch.equal(modes[0].global_parameters[0], modes[1].global_parameters[0])
 
 
 def test_with_topk_every_peer_applies_the_mean_of_what_each_sent_and_keeps_back_the_rest() -> None:

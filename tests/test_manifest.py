@@ -14,6 +14,7 @@ from crowdtrain.manifest import (
     PROTOCOL_VERSION,
     AveragingSpec,
     DataSpec,
+    DiLoCoSpec,
     ModelSpec,
     OptimizerSpec,
     RunManifest,
@@ -244,3 +245,17 @@ def test_real_size_presets_have_their_parameter_counts_and_round_trip(name: str,
 def test_every_preset_round_trips_through_protobuf() -> None:
     for build in PRESETS.values():
         assert RunManifest.from_bytes(build().to_bytes()) == build()
+
+
+def test_diloco_overlap_defaults_on_reads_from_a_run_file_and_an_older_nodes_manifest_means_on(tmp_path: Path) -> None:
+    assert DiLoCoSpec().overlap
+    text = '[averaging]\nmode = "diloco"\n[diloco]\ninner_steps = 4\noverlap = false\n'
+    manifest = load_run_file(write_run_file(tmp_path, text))
+    assert manifest.diloco is not None and not manifest.diloco.overlap
+    assert RunManifest.from_bytes(manifest.to_bytes()) == manifest
+    message = proto.RunManifest.FromString(manifest.to_bytes())
+    message.diloco.ClearField("overlap")  # what a node whose proto has no such field sends
+    loaded = RunManifest.from_bytes(message.SerializeToString())
+    assert loaded.diloco is not None and loaded.diloco.overlap
+    with pytest.raises(BadInputError, match="overlap"):
+        load_run_file(write_run_file(tmp_path, text.replace("false", '"no"')))

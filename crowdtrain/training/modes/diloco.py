@@ -12,10 +12,19 @@ With `compression = "topk"` each peer sends only the largest `topk_fraction` of 
 and keeps the rest in a residual added to the next round's (error feedback, averaging/error_feedback.py); the
 residual is saved in checkpoints and dropped when the peer takes the swarm's state.
 
+With `overlap` (the default) the all-reduce runs in the background: at a round's end the peer writes its
+pseudo-gradient Δ = θ₀ − θ_end into the averager's buffers, starts the round's all-reduce and goes straight on
+with the next round's inner steps from θ_end. When the average is in (checked before each micro-batch; at the
+latest at the next round's end, which waits for it), the outer step makes θ₀' from θ₀ and the average, and
+the peer's replica is moved by what the step moved its round's end point: θ ← θ₀' + (θ − θ_end). The outer
+update is one round late, as in the overlapped and streaming DiLoCo variants, and compute never waits for the
+network unless a round takes longer than the next round's inner steps. A round that fails is applied with
+this peer's own Δ, as without overlap. It costs one model-sized copy (Δ, kept until the average is in).
+
 A joiner, or a peer whose round failed while the swarm has others, downloads θ₀, the outer momentum and the
-round from a peer (verified, averaging/state_download.py) before its next micro-batch. `crowdtrain status`
-shows the inner step of H, the bytes of the last round and the compute utilisation. Not built yet: the
-outer all-reduce overlapped with the next inner steps, fragment streaming, adaptive H.
+round from a peer (verified, averaging/state_download.py) before its next micro-batch (a round still in
+flight is applied first). `crowdtrain status` shows the inner step of H, the bytes of the last round and the
+compute utilisation. Not built yet: fragment streaming, adaptive H.
 """
 
 from __future__ import annotations
@@ -26,9 +35,11 @@ import math
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from hivemind.averaging.control import StepControl
 from hivemind.optim.progress_tracker import ProgressTracker
 
 from crowdtrain.averaging.collaboration import (
@@ -57,6 +68,19 @@ SYNC_RETRY_S = 10.0
 than any donor serves (a peer lying about its progress) must not make every micro-batch a download."""
 
 
+@dataclass(slots=True)
+class _RoundInFlight:
+    """An outer round whose all-reduce runs in the background (`overlap`)."""
+
+    control: StepControl
+    round: int
+    """The round it averages (the applied round then, `DiLoCoMode.round`)."""
+    pseudo_gradients: list[torch.Tensor]
+    """Δ = θ₀ − θ_end, this peer's own, as it was at the round's end (float32, on the parameters' devices)."""
+    kept: list[Kept] | None
+    """top-k: what was sent of each tensor (its residual is committed once the round is averaged)."""
+
+
 class DiLoCoMode(TrainingMode):
     """DiLoCo behind the training-mode seam (see the module's doc)."""
 
@@ -69,6 +93,7 @@ class DiLoCoMode(TrainingMode):
         self.parameters = [parameter for parameter in context.parameters if parameter.requires_grad]
         self.round, self.samples, self.inner_steps, self.num_local_rounds = 0, 0, 0, 0
         self.diverged = False
+        self._in_flight: _RoundInFlight | None = None
         self._sync_not_before = 0.0
         self._lock = threading.Lock()  # the outer state, between the training thread and a joiner's request
         with torch.no_grad():
@@ -124,9 +149,16 @@ class DiLoCoMode(TrainingMode):
     def epoch(self) -> int:
         return self.round
 
+    @property
+    def training_round(self) -> int:
+        """The round the inner steps now count toward: one past `round` while a round's average is in flight."""
+        return self.round + (self._in_flight is not None)
+
     def train_micro_batch(self, batch: torch.Tensor) -> float | None:
         compute = self.context.compute
         assert compute is not None, "a DiLoCo peer always computes"
+        if self._in_flight is not None and self._in_flight.control.done():
+            self._finish_round_in_flight()
         if self._behind_the_swarm():
             self._load_state_from_peers()
         loss = compute.forward_backward(batch)
@@ -140,7 +172,7 @@ class DiLoCoMode(TrainingMode):
         self.inner_optimizer.zero_grad(set_to_none=False)
         self.samples += self.context.micro_batch_size
         self.inner_steps += 1
-        self.tracker.report_local_progress(self.round, self.samples)
+        self.tracker.report_local_progress(self.training_round, self.samples)
         if self.tracker.ready_to_update_epoch:
             self._outer_round()
         return loss
@@ -192,17 +224,26 @@ class DiLoCoMode(TrainingMode):
             self.tracker.update_epoch(self.round)
 
     def close(self) -> None:
+        if self._in_flight is not None:
+            self._in_flight.control.cancel()  # a checkpoint holds the last applied round; this one is lost
+            self._in_flight = None
         self.tracker.shutdown()
         self.averager.shutdown()
 
     # the outer round
 
     def _outer_round(self) -> None:
-        """Average this peer's pseudo-gradient with a group, apply the outer step, start the next round."""
+        """Average this peer's pseudo-gradient with a group, apply the outer step, start the next round; with
+        `overlap`, start the average and return, the outer step follows when it is in."""
+        if self._in_flight is not None:
+            self._finish_round_in_flight(wait=True)  # at most one round in flight
         with self.tracker.pause_updates():
             together = self.tracker.global_progress.num_peers > 1
             self._write_pseudo_gradient()
             kept = self._sparsify() if together else None
+            if together and self.spec.overlap:
+                self._start_round_in_flight(kept)
+                return
             averaged = together and self._average()
             if averaged and kept is not None:
                 self._commit_residuals(kept)
@@ -219,6 +260,49 @@ class DiLoCoMode(TrainingMode):
         self.averager.state_sharing_priority = self._priority()
         logger.info(f"outer round {self.round}: {'averaged with the swarm' if averaged else 'alone'}, "
                     f"{self.inner_steps} inner steps so far")  # fmt: skip
+
+    def _start_round_in_flight(self, kept: list[Kept] | None) -> None:
+        """Start the round's all-reduce in the background; the next round's inner steps begin now."""
+        timeout = self.context.manifest.averaging.timeout_s
+        with torch.no_grad():
+            pseudo_gradients = [start - parameter.detach().float() for start, parameter in self._starts_and_params()]
+        control = self.averager.step(weight=float(self.samples), gather=self.round, timeout=timeout, wait=False)
+        self._in_flight = _RoundInFlight(control, self.round, pseudo_gradients, kept)
+        self.samples = 0
+        self.tracker.update_epoch(self.round + 1)
+
+    def _finish_round_in_flight(self, wait: bool = False) -> None:
+        """Apply the outer step of the round in flight, with its average or, when it failed, this peer's own Δ;
+        then move the replica by what the step moved the round's end point. `wait`: block until the round is
+        done (at most the averaging timeout), else it must be done already."""
+        flight = self._in_flight
+        assert flight is not None, "no round in flight"
+        timeout = self.context.manifest.averaging.timeout_s
+        if wait and not flight.control.done():
+            wait_for_round(flight.control, self.context.phases, timeout)
+        averaged = self._round_averaged(flight.control, flight.round, timeout)
+        self._in_flight = None
+        with self.tracker.pause_updates(), torch.no_grad():
+            if averaged and flight.kept is not None:
+                assert self.feedback is not None, "only top-k keeps something back"
+                self.feedback.commit(iter(flight.pseudo_gradients), flight.kept)
+            if not averaged:
+                with self.averager.get_tensors() as buffers:
+                    for buffer, pseudo_gradient in zip(buffers, flight.pseudo_gradients, strict=True):
+                        buffer.copy_(pseudo_gradient.cpu())
+                    if self.feedback is not None:
+                        self.feedback.flush_(buffers)
+                self.num_local_rounds += 1
+                self.diverged = True  # the others stepped without this peer: take their state next
+            ends = [start - delta for start, delta in zip(self.global_parameters, flight.pseudo_gradients, strict=True)]
+            with self.context.phases.measure(Phase.OPTIMIZER_STEP):
+                self._outer_step(ends)
+        self.averager.state_sharing_priority = self._priority()
+        logger.info(f"outer round {flight.round}: {'averaged with the swarm' if averaged else 'alone'} "
+                    f"in the background, {self.inner_steps} inner steps so far")  # fmt: skip
+
+    def _starts_and_params(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return zip(self.global_parameters, self.parameters, strict=True)
 
     def _write_pseudo_gradient(self, flush_residuals: bool = False) -> None:
         """θ₀ − θ into the averager's buffers; with `flush_residuals` (top-k only), plus the residuals, emptied."""
@@ -263,38 +347,48 @@ class DiLoCoMode(TrainingMode):
         timeout = self.context.manifest.averaging.timeout_s
         control = self.averager.step(weight=float(self.samples), gather=self.round, timeout=timeout, wait=False)
         wait_for_round(control, self.context.phases, timeout)
+        return self._round_averaged(control, self.round, timeout)
+
+    def _round_averaged(self, control: StepControl, round_: int, timeout: float) -> bool:
+        """Whether a finished all-reduce of round `round_` averaged it; False when it failed, found no group, mixed
+        rounds or is still running (then it is cancelled)."""
         if not control.done():
             control.cancel()
-            logger.warning(f"outer round {self.round} was not averaged within {timeout:g} s")
+            logger.warning(f"outer round {round_} was not averaged within {timeout:g} s")
             return False
         try:
             gathered = control.result()
         except EXPECTED_ROUND_FAILURES as e:
-            logger.warning(f"outer round {self.round} was not averaged: {e}")
+            logger.warning(f"outer round {round_} was not averaged: {e}")
             return False
         except Exception as e:
-            logger.warning(f"outer round {self.round} was not averaged: {e!r}")
+            logger.warning(f"outer round {round_} was not averaged: {e!r}")
             return False
         if not gathered or len(gathered) < 2:
             return False
         rounds = set(gathered.values())
-        if rounds != {self.round}:
-            logger.warning(f"outer round {self.round} met peers in rounds {sorted(map(str, rounds))}: not applied")
+        if rounds != {round_}:
+            logger.warning(f"outer round {round_} met peers in rounds {sorted(map(str, rounds))}: not applied")
             return False
         return True
 
-    def _outer_step(self) -> None:
+    def _outer_step(self, ends: list[torch.Tensor] | None = None) -> None:
+        """θ₀ ← the outer step of θ₀ with the buffers' (averaged) pseudo-gradient. The replica restarts from θ₀;
+        with `ends` (the round's end points, when inner steps went on meanwhile), it moves by θ₀' − θ_end."""
         with self._lock, torch.no_grad(), self.averager.get_tensors() as averaged:
             for start, pseudo_gradient in zip(self.global_parameters, averaged, strict=True):
                 start.grad = pseudo_gradient.to(start.device, copy=True)
             self.outer_optimizer.step()
-            for parameter, start in zip(self.parameters, self.global_parameters, strict=True):
-                parameter.copy_(start)
+            for index, (start, parameter) in enumerate(self._starts_and_params()):
+                if ends is None:
+                    parameter.copy_(start)
+                else:
+                    parameter.add_((start - ends[index]).to(parameter.dtype))
                 start.grad = None
             self.round += 1
 
     def _set_inner_learning_rate(self) -> None:
-        step = self.round * self.spec.inner_steps + min(
+        step = self.training_round * self.spec.inner_steps + min(
             self.spec.inner_steps - 1, self.tracker.global_progress.samples_accumulated // max(1, self.round_samples)
         )
         factor = learning_rate_factor(step, self.context.manifest.optimizer)
@@ -308,7 +402,7 @@ class DiLoCoMode(TrainingMode):
             return False
         if self.diverged and self.tracker.global_progress.num_peers > 1:
             return True
-        return self.tracker.global_epoch > self.round
+        return self.tracker.global_epoch > self.training_round
 
     def _priority(self) -> float:
         """What this peer declares as a state donor: its round, then a tiebreak every peer computes alike, so peers
@@ -320,6 +414,8 @@ class DiLoCoMode(TrainingMode):
         """Take the swarm's global parameters, outer momentum and round; inner optimizer state stays this peer's.
         Only a state at least as new as this peer's round, from a donor ranked above it, is taken."""
         self._sync_not_before = time.monotonic() + SYNC_RETRY_S
+        if self._in_flight is not None:  # applied first, so that a failed download leaves a consistent state
+            self._finish_round_in_flight(wait=True)
         with self.context.phases.measure(Phase.STATE_DOWNLOAD):
             loaded = self.averager.load_state_from_peers(
                 timeout=LOAD_STATE_TIMEOUT_S,
