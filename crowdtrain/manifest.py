@@ -197,6 +197,12 @@ class DiLoCoSpec:
     """Average a round's pseudo-gradients in the background while the next round's inner steps run, and apply
     the outer step when the average is in (one round late, as in overlapped and streaming DiLoCo); false: inner
     steps wait for the round's all-reduce."""
+    min_inner_steps: int | None = None
+    """Adaptive H (with `max_inner_steps`): the peers choose H from their measured compute and all-reduce times,
+    so that a round's all-reduce costs at most 5% of its compute (averaging/adaptive_h.py), starting from
+    `inner_steps`, never below this. None (both): H stays `inner_steps`."""
+    max_inner_steps: int | None = None
+    """Adaptive H: the largest H the peers may agree on (see `min_inner_steps`)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.inner_steps <= 1_000_000:
@@ -209,6 +215,21 @@ class DiLoCoSpec:
             raise ValueError(f"compression must be one of {', '.join(DILOCO_COMPRESSIONS)}, got {self.compression!r}")
         if not (math.isfinite(self.topk_fraction) and 0 < self.topk_fraction <= 1):
             raise ValueError(f"topk_fraction must be in (0, 1], got {self.topk_fraction}")
+        if (self.min_inner_steps is None) != (self.max_inner_steps is None):
+            raise ValueError("min_inner_steps and max_inner_steps go together (adaptive H), or neither")
+        if self.min_inner_steps is not None and self.max_inner_steps is not None:
+            if not 1 <= self.min_inner_steps <= self.inner_steps <= self.max_inner_steps <= 1_000_000:
+                raise ValueError(
+                    "adaptive H needs 1 <= min_inner_steps <= inner_steps <= max_inner_steps <= 1000000, got "
+                    f"{self.min_inner_steps}, {self.inner_steps}, {self.max_inner_steps}"
+                )
+
+    @property
+    def inner_steps_range(self) -> tuple[int, int]:
+        """The H peers may agree on: (min, max), both `inner_steps` when H is fixed."""
+        if self.min_inner_steps is None or self.max_inner_steps is None:
+            return self.inner_steps, self.inner_steps
+        return self.min_inner_steps, self.max_inner_steps
 
 
 EXPERT_ARCHITECTURES = ("ffn",)

@@ -30,17 +30,20 @@ from crowdtrain.testing.processes import await_condition
 from crowdtrain.training.checkpoint import load_checkpoint, write_checkpoint
 from crowdtrain.training.modes.base import ModeContext, SwarmView
 from crowdtrain.training.modes.diloco import DiLoCoMode
+from crowdtrain.training.progress import Progress
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 
 OUTER_LR, OUTER_MOMENTUM = 0.5, 0.9
 
 
-def manifest(num_peers: int, compression: str, topk_fraction: float = 0.02, overlap: bool = False) -> RunManifest:
+def manifest(
+    num_peers: int, compression: str, topk_fraction: float = 0.02, overlap: bool = False, adaptive: bool = False
+) -> RunManifest:
     base = demo()
     return dataclasses.replace(
         base,
-        run_id=f"outer-{num_peers}-{compression}{'-overlap' if overlap else ''}",
+        run_id=f"outer-{num_peers}-{compression}{'-overlap' if overlap else ''}{'-adaptive' if adaptive else ''}",
         target_batch_size=64,
         averaging=dataclasses.replace(base.averaging, mode="diloco", group_size=4, matchmaking_time_s=2.0),
         diloco=DiLoCoSpec(
@@ -50,6 +53,8 @@ def manifest(num_peers: int, compression: str, topk_fraction: float = 0.02, over
             compression=compression,
             topk_fraction=topk_fraction,
             overlap=overlap,
+            min_inner_steps=1 if adaptive else None,
+            max_inner_steps=64 if adaptive else None,
         ),
     )
 
@@ -172,6 +177,27 @@ def test_with_overlap_inner_steps_go_on_and_the_outer_step_moves_them_with_the_r
             # the residual is Δ_end − what was sent: fp16's rounding alone (from the current θ it would hold the step)
             assert mode.feedback is not None and float(mode.feedback.residuals[0].abs().max()) < 2e-3
         assert torch.equal(modes[0].global_parameters[0], modes[1].global_parameters[0])
+
+
+def test_with_adaptive_h_the_group_takes_the_lower_median_of_its_proposals_from_the_next_round() -> None:
+    start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    with diloco_peers(manifest(3, "none", adaptive=True), 3, start) as modes:
+        generator = torch.Generator().manual_seed(5)
+        run_one_outer_round(modes, start, [torch.randn(3, 4, generator=generator) for _ in modes], [8, 8, 8])
+        assert all(mode.round == 1 and mode.round_batches == 1 for mode in modes), "round 1 gathered H = 1 from all"
+        # Each peer now proposes from its own measurements; set them so the agreement is known: 5, 9 and a
+        # liar's 10**9 (outside [1, 64], ignored): the lower median of (5, 9) is 5.
+        for mode, proposal in zip(modes, [5, 9, 10**9], strict=True):
+            mode._proposal = proposal
+        run_one_outer_round(modes, modes[0].global_parameters[0].clone(), [torch.zeros(3, 4)] * 3, [8, 8, 8])
+        for mode in modes:
+            assert mode.round == 2 and mode.round_batches == 5, "every member took the same H for the next round"
+            assert mode.tracker.target_batch_size == 5 * mode.context.manifest.target_batch_size
+            progress = Progress()
+            mode.report(progress)
+            assert progress.inner_steps == 5
+            assert 1 <= mode._proposal <= 64, "its next proposal comes from its measurements, within bounds"
+            assert mode._outer_state()[0]["inner_steps"] == 5, "a joiner takes the H in force with the state"
 
 
 def test_with_topk_every_peer_applies_the_mean_of_what_each_sent_and_keeps_back_the_rest() -> None:

@@ -34,20 +34,24 @@ class RunManifest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., created_at: _Optional[float] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., target_batch_size: _Optional[int] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., moe: _Optional[_Union[MoESpec, _Mapping]] = ..., diloco: _Optional[_Union[DiLoCoSpec, _Mapping]] = ..., admission: _Optional[str] = ...) -> None: ...
 
 class DiLoCoSpec(_message.Message):
-    __slots__ = ("inner_steps", "outer_learning_rate", "outer_momentum", "compression", "topk_fraction", "overlap")
+    __slots__ = ("inner_steps", "outer_learning_rate", "outer_momentum", "compression", "topk_fraction", "overlap", "min_inner_steps", "max_inner_steps")
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     OUTER_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     OUTER_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     TOPK_FRACTION_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    MIN_INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     inner_steps: int
     outer_learning_rate: float
     outer_momentum: float
     compression: str
     topk_fraction: float
     overlap: bool
-    def __init__(self, inner_steps: _Optional[int] = ..., outer_learning_rate: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., compression: _Optional[str] = ..., topk_fraction: _Optional[float] = ..., overlap: _Optional[bool] = ...) -> None: ...
+    min_inner_steps: int
+    max_inner_steps: int
+    def __init__(self, inner_steps: _Optional[int] = ..., outer_learning_rate: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., compression: _Optional[str] = ..., topk_fraction: _Optional[float] = ..., overlap: _Optional[bool] = ..., min_inner_steps: _Optional[int] = ..., max_inner_steps: _Optional[int] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
     __slots__ = ("architecture", "config_json", "tokenizer", "precision")

@@ -24,7 +24,12 @@ this peer's own Δ, as without overlap. It costs one model-sized copy (Δ, kept 
 A joiner, or a peer whose round failed while the swarm has others, downloads θ₀, the outer momentum and the
 round from a peer (verified, averaging/state_download.py) before its next micro-batch (a round still in
 flight is applied first). `crowdtrain status` shows the inner step of H, the bytes of the last round and the
-compute utilisation. Not built yet: fragment streaming, adaptive H.
+compute utilisation.
+
+With `min_inner_steps` and `max_inner_steps` set, H adapts (averaging/adaptive_h.py): each peer proposes the H
+that keeps its last all-reduce within 5% of a round's compute, the proposals travel in the round's gathered
+data, and every member of the group takes the same H (their lower median) from the next round it starts. A
+joiner takes the H in force with the swarm's state. Not built yet: fragment streaming.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import torch
 from hivemind.averaging.control import StepControl
 from hivemind.optim.progress_tracker import ProgressTracker
 
+from crowdtrain.averaging.adaptive_h import agreed_round_batches, proposed_round_batches
 from crowdtrain.averaging.collaboration import (
     LOAD_STATE_TIMEOUT_S,
     chunk_timeout_s,
@@ -79,6 +85,8 @@ class _RoundInFlight:
     """Δ = θ₀ − θ_end, this peer's own, as it was at the round's end (float32, on the parameters' devices)."""
     kept: list[Kept] | None
     """top-k: what was sent of each tensor (its residual is committed once the round is averaged)."""
+    started: float
+    """time.monotonic() when its all-reduce started."""
 
 
 class DiLoCoMode(TrainingMode):
@@ -111,7 +119,12 @@ class DiLoCoMode(TrainingMode):
         self.feedback: ErrorFeedback | None = None
         if self.spec.compression == "topk":
             self.feedback = ErrorFeedback([parameter.shape for parameter in self.parameters], self.spec.topk_fraction)
-        self.round_samples = manifest.target_batch_size * self.spec.inner_steps
+        self.round_batches = self.spec.inner_steps
+        """H in force: global batches per outer round (the manifest's, or as the peers last agreed)."""
+        self._next_round_batches: int | None = None  # agreed, from the next round this peer starts
+        self._proposal = self.spec.inner_steps  # what this peer proposes in the data its next round gathers
+        self._seconds_per_batch = math.nan  # of the last round's inner steps
+        self._round_started_at = time.monotonic()
         run_prefix = f"crowdtrain-{manifest.run_id}_diloco"
         averaging = manifest.averaging
         with keep_sigint_handler():
@@ -130,7 +143,10 @@ class DiLoCoMode(TrainingMode):
                 client_mode=context.client_mode,
                 partial_counter=context.partial_counter,
                 traffic=context.traffic,
-                aggregation=AggregationSettings(rule=averaging.aggregation, max_weight=float(self.round_samples)),
+                aggregation=AggregationSettings(
+                    rule=averaging.aggregation,
+                    max_weight=float(manifest.target_batch_size * self.spec.inner_steps_range[1]),
+                ),
                 outer_state=self._outer_state,
                 template=self._template,
                 start=True,
@@ -148,6 +164,16 @@ class DiLoCoMode(TrainingMode):
     @property
     def epoch(self) -> int:
         return self.round
+
+    @property
+    def round_samples(self) -> int:
+        """Samples the swarm processes in an outer round: H global batches."""
+        return self.context.manifest.target_batch_size * self.round_batches
+
+    @property
+    def adaptive(self) -> bool:
+        low, high = self.spec.inner_steps_range
+        return low < high
 
     @property
     def training_round(self) -> int:
@@ -191,9 +217,9 @@ class DiLoCoMode(TrainingMode):
 
     def report(self, progress: Progress) -> None:
         progress.epoch = self.round
-        progress.inner_steps = self.spec.inner_steps
+        progress.inner_steps = self.round_batches
         global_batches = self.tracker.global_progress.samples_accumulated // self.context.manifest.target_batch_size
-        progress.inner_step = min(global_batches, self.spec.inner_steps)
+        progress.inner_step = min(global_batches, self.round_batches)
         progress.samples_accumulated = self.samples
         progress.num_partial_averages = self.context.partial_counter.value
         progress.num_local_steps = self.num_local_rounds
@@ -210,6 +236,7 @@ class DiLoCoMode(TrainingMode):
                 "outer_optimizer": self.outer_optimizer.state_dict(),
                 "inner_optimizer": self.inner_optimizer.state_dict(),
                 "residuals": [] if self.feedback is None else self.feedback.state_dict(),
+                "round_batches": self.round_batches,
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -220,6 +247,7 @@ class DiLoCoMode(TrainingMode):
             self.inner_optimizer.load_state_dict(state["inner_optimizer"])
             self.round = int(state["round"])
             self._load_residuals(state.get("residuals") or [])
+        self._take_round_batches(state.get("round_batches"))
         with self.tracker.pause_updates():
             self.tracker.update_epoch(self.round)
 
@@ -235,6 +263,7 @@ class DiLoCoMode(TrainingMode):
     def _outer_round(self) -> None:
         """Average this peer's pseudo-gradient with a group, apply the outer step, start the next round; with
         `overlap`, start the average and return, the outer step follows when it is in."""
+        self._seconds_per_batch = (time.monotonic() - self._round_started_at) / self.round_batches
         if self._in_flight is not None:
             self._finish_round_in_flight(wait=True)  # at most one round in flight
         with self.tracker.pause_updates():
@@ -256,6 +285,7 @@ class DiLoCoMode(TrainingMode):
             with self.context.phases.measure(Phase.OPTIMIZER_STEP):
                 self._outer_step()
             self.samples = 0
+            self._begin_round()
             self.tracker.update_epoch(self.round)
         self.averager.state_sharing_priority = self._priority()
         logger.info(f"outer round {self.round}: {'averaged with the swarm' if averaged else 'alone'}, "
@@ -266,9 +296,11 @@ class DiLoCoMode(TrainingMode):
         timeout = self.context.manifest.averaging.timeout_s
         with torch.no_grad():
             pseudo_gradients = [start - parameter.detach().float() for start, parameter in self._starts_and_params()]
-        control = self.averager.step(weight=float(self.samples), gather=self.round, timeout=timeout, wait=False)
-        self._in_flight = _RoundInFlight(control, self.round, pseudo_gradients, kept)
+        started = time.monotonic()
+        control = self.averager.step(weight=float(self.samples), gather=self._gather(), timeout=timeout, wait=False)
+        self._in_flight = _RoundInFlight(control, self.round, pseudo_gradients, kept, started)
         self.samples = 0
+        self._begin_round()
         self.tracker.update_epoch(self.round + 1)
 
     def _finish_round_in_flight(self, wait: bool = False) -> None:
@@ -280,7 +312,10 @@ class DiLoCoMode(TrainingMode):
         timeout = self.context.manifest.averaging.timeout_s
         if wait and not flight.control.done():
             wait_for_round(flight.control, self.context.phases, timeout)
-        averaged = self._round_averaged(flight.control, flight.round, timeout)
+        gathered = self._round_gathered(flight.control, flight.round, timeout)
+        averaged = gathered is not None
+        if gathered is not None:
+            self._note_round(gathered, time.monotonic() - flight.started)
         self._in_flight = None
         with self.tracker.pause_updates(), torch.no_grad():
             if averaged and flight.kept is not None:
@@ -345,32 +380,68 @@ class DiLoCoMode(TrainingMode):
     def _average(self) -> bool:
         """One all-reduce of the pseudo-gradients; False when it failed, found no group or mixed rounds."""
         timeout = self.context.manifest.averaging.timeout_s
-        control = self.averager.step(weight=float(self.samples), gather=self.round, timeout=timeout, wait=False)
+        started = time.monotonic()
+        control = self.averager.step(weight=float(self.samples), gather=self._gather(), timeout=timeout, wait=False)
         wait_for_round(control, self.context.phases, timeout)
-        return self._round_averaged(control, self.round, timeout)
+        gathered = self._round_gathered(control, self.round, timeout)
+        if gathered is not None:
+            self._note_round(gathered, time.monotonic() - started)
+        return gathered is not None
 
-    def _round_averaged(self, control: StepControl, round_: int, timeout: float) -> bool:
-        """Whether a finished all-reduce of round `round_` averaged it; False when it failed, found no group, mixed
-        rounds or is still running (then it is cancelled)."""
+    def _round_gathered(self, control: StepControl, round_: int, timeout: float) -> dict[Any, Any] | None:
+        """What the members of a finished all-reduce of round `round_` gathered, by peer; None when it failed,
+        found no group, mixed rounds or is still running (then it is cancelled)."""
         if not control.done():
             control.cancel()
             logger.warning(f"outer round {round_} was not averaged within {timeout:g} s")
-            return False
+            return None
         try:
             gathered = control.result()
         except EXPECTED_ROUND_FAILURES as e:
             logger.warning(f"outer round {round_} was not averaged: {e}")
-            return False
+            return None
         except Exception as e:
             logger.warning(f"outer round {round_} was not averaged: {e!r}")
-            return False
+            return None
         if not gathered or len(gathered) < 2:
-            return False
-        rounds = set(gathered.values())
+            return None
+        rounds = {_gathered_round(value) for value in gathered.values()}
         if rounds != {round_}:
             logger.warning(f"outer round {round_} met peers in rounds {sorted(map(str, rounds))}: not applied")
-            return False
-        return True
+            return None
+        return dict(gathered)
+
+    # adaptive H
+
+    def _gather(self) -> Any:
+        """What this peer's round gathers: its round, and with adaptive H the H it proposes."""
+        return [self.round, self._proposal] if self.adaptive else self.round
+
+    def _note_round(self, gathered: dict[Any, Any], allreduce_s: float) -> None:
+        """After an averaged round: the H the group agreed on (from the next round on) and this peer's next
+        proposal, from the round's measured all-reduce time and its inner steps' seconds per global batch."""
+        if not self.adaptive:
+            return
+        low, high = self.spec.inner_steps_range
+        proposals = (_gathered_proposal(value) for value in gathered.values())
+        self._next_round_batches = agreed_round_batches(proposals, low, high, self.round_batches)
+        self._proposal = proposed_round_batches(allreduce_s, self._seconds_per_batch, low, high)
+
+    def _begin_round(self) -> None:
+        """A new round starts: with the H last agreed on, if any."""
+        agreed, self._next_round_batches = self._next_round_batches, None
+        if agreed is not None and agreed != self.round_batches:
+            logger.info(f"outer rounds are now {agreed} global batches (were {self.round_batches}), as agreed")
+            self.round_batches = agreed
+        self.tracker.target_batch_size = self.round_samples
+        self._round_started_at = time.monotonic()
+
+    def _take_round_batches(self, value: Any) -> None:
+        """The H of a checkpoint or of the swarm's state, when adaptive and within bounds (else kept)."""
+        low, high = self.spec.inner_steps_range
+        if self.adaptive and isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
+            self.round_batches, self._next_round_batches = value, None
+            self.tracker.target_batch_size = self.round_samples
 
     def _outer_step(self, ends: list[torch.Tensor] | None = None) -> None:
         """θ₀ ← the outer step of θ₀ with the buffers' (averaged) pseudo-gradient. The replica restarts from θ₀;
@@ -388,8 +459,8 @@ class DiLoCoMode(TrainingMode):
             self.round += 1
 
     def _set_inner_learning_rate(self) -> None:
-        step = self.training_round * self.spec.inner_steps + min(
-            self.spec.inner_steps - 1, self.tracker.global_progress.samples_accumulated // max(1, self.round_samples)
+        step = self.training_round * self.round_batches + min(
+            self.round_batches - 1, self.tracker.global_progress.samples_accumulated // max(1, self.round_samples)
         )
         factor = learning_rate_factor(step, self.context.manifest.optimizer)
         for group in self.inner_optimizer.param_groups:
@@ -438,6 +509,7 @@ class DiLoCoMode(TrainingMode):
             self.round = int(metadata["epoch"])
             if self.feedback is not None:
                 self.feedback.reset()  # kept back from the trajectory this peer leaves for the swarm's
+        self._take_round_batches(metadata.get("inner_steps"))
         with self.tracker.pause_updates():
             self.samples = 0
             self.tracker.update_epoch(self.round)
@@ -449,7 +521,7 @@ class DiLoCoMode(TrainingMode):
         with self._lock:
             momenta = [self._momentum(start) for start in self.global_parameters]
             tensors = [start.detach().cpu().clone() for start in self.global_parameters] + momenta
-            return {"epoch": self.round}, tensors
+            return {"epoch": self.round, "inner_steps": self.round_batches}, tensors
 
     def _momentum(self, start: torch.Tensor) -> torch.Tensor:
         buffer = self.outer_optimizer.state.get(start, {}).get("momentum_buffer")
@@ -459,3 +531,15 @@ class DiLoCoMode(TrainingMode):
         specs = parameter_specs(self.global_parameters) * 2  # the global parameters, then their outer momenta
         ceiling = epoch_ceiling(self.context.manifest.created_at, time.time())
         return StateTemplate(tuple(specs), ceiling, epoch_floor=self.round)
+
+
+def _gathered_round(value: Any) -> int | None:
+    """The round in a peer's gathered data: an int, or the first of [round, proposed H] (adaptive H)."""
+    if isinstance(value, list | tuple) and len(value) == 2:
+        value = value[0]
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _gathered_proposal(value: Any) -> Any:
+    """The H a peer proposed in its gathered data (checked by agreed_round_batches); None without one."""
+    return value[1] if isinstance(value, list | tuple) and len(value) == 2 else None
