@@ -5,8 +5,9 @@ Two `crowdtrain run` daemons on loopback train a 25M-parameter LLaMA (the llama-
 `diloco` (inner AdamW steps, an all-reduce of int8 pseudo-gradients every `--inner-steps` global batches, the
 inner steps waiting for it) and `diloco-overlap` (the same, the all-reduce running while the next round's inner
 steps go on: `diloco.overlap`, the default).
-For each arm it prints the swarm's samples/s over the window (from the epochs completed: one epoch is
-a global batch, or an outer round of inner-steps global batches), the averaging bytes each peer sent per
+For each arm it prints the swarm's samples/s over the window (the samples both peers computed, from their
+`crowdtrain_samples_trained` counters), the epochs completed (a global batch, or an outer round of
+inner-steps global batches), the averaging bytes each peer sent per
 1000 samples (the daemons' Prometheus counters), the compute utilisation of the peers' last rounds (time in
 forward and backward / wall time), rounds that came back partial, and the loss at the end.
 
@@ -21,7 +22,14 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
-from crowdtrain.testing.bench import print_table, say, scrape_metrics, start_metered_daemons, write_json
+from crowdtrain.testing.bench import (
+    print_table,
+    save_logs,
+    say,
+    scrape_metrics,
+    start_metered_daemons,
+    write_json,
+)
 from crowdtrain.testing.processes import ProcessGroups
 
 RUN_FILE = """
@@ -64,7 +72,6 @@ def run_arm(arm: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     diloco = f'\n[diloco]\ninner_steps = {args.inner_steps}\ncompression = "int8"\noverlap = {overlap}\n'
     run_file = root / f"{arm}.toml"
     run_file.write_text(RUN_FILE.format(mode=mode, diloco=diloco if mode == "diloco" else ""))
-    samples_per_epoch = 64 * (args.inner_steps if mode == "diloco" else 1)
     groups = ProcessGroups()
     try:
         start_metered_daemons(groups, root / arm, run_file, 2, micro_batch=8, metrics_port=METRICS_PORT)
@@ -77,8 +84,10 @@ def run_arm(arm: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         elapsed = time.monotonic() - started
     finally:
         groups.kill_all()
+        save_logs(root / arm, args.out / "logs" / arm)
     epochs = min(a["crowdtrain_epoch"] for a in after) - min(b["crowdtrain_epoch"] for b in before)
-    samples = epochs * samples_per_epoch
+    counter = "crowdtrain_samples_trained"
+    samples = sum(a[counter] - b[counter] for a, b in zip(after, before, strict=True))
     key = "crowdtrain_averaging_sent_bytes"
     sent = [a[key] - b[key] for a, b in zip(after, before, strict=True)]
     return {

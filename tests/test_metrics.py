@@ -20,6 +20,7 @@ def endpoint() -> Iterator[tuple[MetricsEndpoint, Progress]]:
     progress = Progress(epoch=7, samples_per_second=12.5, loss=2.25, num_partial_averages=1, num_peers=3)
     progress.phase_times = PhaseTimes(compute_s=3.0, allreduce_s=1.5)
     progress.averaging_bytes_sent, progress.averaging_bytes_received = 4096, 2048
+    progress.samples_trained = 16
     metrics = start_metrics_endpoint(progress, 0)
     try:
         yield metrics, progress
@@ -39,6 +40,7 @@ def test_the_endpoint_serves_the_nodes_metrics_on_loopback(endpoint: tuple[Metri
     for line in (
         "crowdtrain_epoch 7.0",
         "crowdtrain_samples_per_second 12.5",
+        "crowdtrain_samples_trained_total 16.0",
         "crowdtrain_loss 2.25",
         'crowdtrain_step_phase_seconds{phase="compute"} 3.0',
         'crowdtrain_step_phase_seconds{phase="allreduce"} 1.5',
@@ -70,3 +72,10 @@ def test_metrics_port_is_off_by_default_and_must_be_a_port() -> None:
     for bad in (-1, 65536):
         with pytest.raises(ValueError, match="metrics_port"):
             NodeConfig(metrics_port=bad)
+
+
+def test_every_micro_batch_adds_its_samples_to_the_nodes_total() -> None:
+    progress = Progress()
+    for _ in range(3):
+        progress.observe(2.0, num_samples=8, elapsed_s=0.5)
+    assert progress.samples_trained == 24 and progress.samples_per_second == 16.0

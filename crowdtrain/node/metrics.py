@@ -49,6 +49,11 @@ class ProgressCollector(Collector):
                 phases.add_metric([phase.value], seconds)
         yield phases
         yield CounterMetricFamily(
+            "crowdtrain_samples_trained",
+            "Samples this node computed forward and backward since it started (skipped micro-batches not counted).",
+            value=progress.samples_trained,
+        )
+        yield CounterMetricFamily(
             "crowdtrain_partial_averages",
             "Averaging rounds this node rejected because some parts came back un-averaged.",
             value=progress.num_partial_averages,

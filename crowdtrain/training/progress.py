@@ -46,11 +46,14 @@ class Progress:
     """Averaging bytes sent during the last completed round (global step or outer round); None before one."""
     compute_utilisation: float | None = None
     """Time computing / wall time over the last completed round, in [0, 1]; None before one."""
+    samples_trained: int = 0
+    """Samples this node computed forward and backward since it started (all epochs; skipped micro-batches not)."""
     excluded_peers: dict[str, Verdict] = field(default_factory=dict)
     """Peers this node keeps out of its averaging groups for sending bad parts (averaging/quarantine.py)."""
 
     def observe(self, loss: float, num_samples: int, elapsed_s: float) -> None:
         """Fold one micro-step into the exponential moving averages."""
+        self.samples_trained += num_samples
         rate = num_samples / max(elapsed_s, 1e-6)
         alpha = THROUGHPUT_EMA_ALPHA
         self.samples_per_second = (
