@@ -14,7 +14,7 @@ import hivemind
 import pytest
 import torch
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.optim.progress_tracker import LocalTrainingProgress
+from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
@@ -23,8 +23,11 @@ from crowdtrain.averaging.exact import new_partial_counter
 from crowdtrain.averaging.progress_bounds import (
     DISTRUST_S,
     MAX_SAMPLES_PER_SECOND,
+    PLAUSIBLE_SLACK_S,
     BoundedProgressTracker,
+    EpochStarts,
     ProgressBounds,
+    plausible_samples,
 )
 from crowdtrain.averaging.state_download import epoch_ceiling
 from crowdtrain.manifest import demo
@@ -42,8 +45,20 @@ def claim(peer: str, epoch: int, **fields: Any) -> dict[str, Any]:
     return dict(peer_id=peer.encode(), epoch=epoch, **{**values, **fields})
 
 
-def bounds() -> ProgressBounds:
-    return ProgressBounds(target_batch_size=TARGET, run_created_at=CREATED_AT)
+def bounds(target_batch_size: int = TARGET) -> ProgressBounds:
+    return ProgressBounds(target_batch_size=target_batch_size, run_created_at=CREATED_AT)
+
+
+def in_epoch_since(checker: ProgressBounds, epoch: int, started_at: float) -> ProgressBounds:
+    """`checker` after this node looked at the swarm at `epoch - 1`, then stepped into `epoch` at `started_at`."""
+    checker.starts.observe(epoch - 1, started_at - 60.0)
+    checker.starts.observe(epoch, started_at, stepped=True)
+    return checker
+
+
+def estimated_samples(bounded: dict[str, Any], now: float) -> float:
+    """A claim's samples as hivemind's tracker estimates them at `now`."""
+    return bounded["samples_accumulated"] + (now - bounded["time"]) * bounded["samples_per_second"]
 
 
 def test_honest_claims_pass_unchanged() -> None:
@@ -87,6 +102,69 @@ def test_while_distrusted_only_epochs_one_ahead_of_this_node_count_until_it_expi
     assert list(checker.bounded(claims, NOW + DISTRUST_S, 7)) == [b"a", b"next", b"liar"], "believed again after"
 
 
+def test_the_plausible_samples_are_the_rate_times_the_time_since_the_epoch_began_plus_slack() -> None:
+    assert plausible_samples(2.0, 5.0, slack_s=3.0) == 16.0
+    assert plausible_samples(2.0, 5.0) == 2.0 * (5.0 + PLAUSIBLE_SLACK_S)
+    assert plausible_samples(2.0, -4.0, slack_s=3.0) == 6.0, "a start after now (clocks) leaves the slack"
+    assert plausible_samples(0.0, 1e6) == 0.0
+
+
+def test_an_epoch_begins_where_this_node_saw_it_begin() -> None:
+    starts = EpochStarts()
+    starts.observe(57, NOW - 100.0)
+    assert starts.started_at == {}, "a joiner's first look shows no beginning"
+    starts.observe(58, NOW - 50.0, stepped=True)
+    assert starts.started_at == {58: NOW - 50.0}, "stepped into it"
+    starts.observe(58, NOW - 40.0)
+    starts.observe(59, NOW - 30.0)
+    assert starts.started_at[59] == NOW - 40.0, "first shown by a look: the first peer stepped after the look before"
+    starts.observe(59, NOW - 29.0, stepped=True)
+    starts.observe(58, NOW - 28.0)
+    starts.observe(59, NOW - 27.0)
+    assert starts.started_at[59] == NOW - 40.0, "the earliest sight stays (a look that missed a record)"
+    starts.observe(61, NOW - 20.0)
+    assert 61 not in starts.started_at and 58 not in starts.started_at, "a jump shows none; old epochs forgotten"
+
+
+def test_honest_claims_within_their_rate_pass_unchanged() -> None:
+    checker = in_epoch_since(bounds(target_batch_size=10_000), 7, NOW - 20.0)
+    claims = {
+        b"steady": claim("steady", 7, samples_accumulated=38, time=NOW - 1.0),  # 2/s for 19 s, reported 1 s ago
+        b"joiner": claim("joiner", 7, samples_accumulated=10, time=NOW),  # joined 5 s ago
+        b"early": claim("early", 7, samples_accumulated=50, time=NOW),  # stepped 5 s before this node did
+        b"skewed": claim("skewed", 7, samples_accumulated=38, time=NOW - 6.0),  # its clock is 5 s behind
+        b"behind": claim("behind", 6, samples_accumulated=10_000, time=NOW),  # not counted toward epoch 7 anyway
+    }
+    assert checker.bounded(claims, NOW, 7) == claims
+    slowing = {b"slowing": claim("slowing", 7, samples_accumulated=40, samples_per_second=4.0, time=NOW - 10.0)}
+    assert checker.bounded(slowing, NOW - 10.0, 7) == slowing
+    slowing[b"slowing"].update(samples_accumulated=50, samples_per_second=1.0, time=NOW)
+    assert checker.bounded(slowing, NOW, 7) == slowing, "counted at the faster rate it claimed before"
+
+
+def test_a_whole_batch_a_second_into_the_epoch_is_cut_to_the_plausible(caplog: pytest.LogCaptureFixture) -> None:
+    checker = in_epoch_since(bounds(), 7, NOW - 1.0)
+    plausible = plausible_samples(2.0, 1.0)
+    assert plausible < TARGET
+    claims = {
+        b"liar": claim("liar", 7, samples_accumulated=TARGET, time=NOW),
+        b"stale": claim("stale", 7, samples_accumulated=0, time=NOW - 1e6),  # hivemind adds rate x age
+        b"me": claim("me", 7, samples_accumulated=TARGET, time=NOW),
+    }
+    with caplog.at_level(logging.WARNING):
+        bounded = checker.bounded(claims, NOW, 7, own_key=b"me")
+        checker.bounded(claims, NOW, 7, own_key=b"me")
+    assert bounded[b"liar"]["samples_accumulated"] == int(plausible)
+    assert estimated_samples(bounded[b"liar"], NOW) <= plausible
+    assert estimated_samples(bounded[b"stale"], NOW) == pytest.approx(plausible)
+    assert bounded[b"me"] == claims[b"me"], "this node knows its own samples"
+    assert len(caplog.records) == 2, "once per peer and epoch"
+    assert f"of the {TARGET} samples peer …" in caplog.text and "toward epoch 7" in caplog.text
+    assert checker.bounded(claims, NOW + 60.0, 7)[b"liar"]["samples_accumulated"] == TARGET, "plausible later"
+    unseen = bounds().bounded(claims, NOW, 7)
+    assert unseen[b"liar"]["samples_accumulated"] == TARGET, "an epoch not seen beginning: the batch bounds it"
+
+
 @pytest.fixture
 def dht() -> Iterator[hivemind.DHT]:
     node = hivemind.DHT(start=True)
@@ -120,6 +198,56 @@ def test_a_claim_no_download_backs_is_dropped_at_once(dht: hivemind.DHT) -> None
 
     tracker.global_progress = tracker._parse_swarm_progress_data(records(honest, dict(claim("next", 8), time=now)))
     assert tracker.global_epoch == 8, "a peer one epoch ahead is still followed"
+
+
+def test_stepping_dates_the_beginning_of_the_epoch(dht: hivemind.DHT) -> None:
+    tracker = BoundedProgressTracker(
+        dht=dht, prefix="bounds-step", target_batch_size=TARGET, start=False, bounds=bounds()
+    )
+    tracker.report_local_progress(local_epoch=6, samples_accumulated=0)
+    tracker.global_progress = tracker._parse_swarm_progress_data(records(dict(claim("a", 6), time=get_dht_time())))
+    before = get_dht_time()
+    with tracker.pause_updates():
+        assert tracker.update_epoch(7) == 7
+    assert before <= tracker.bounds.starts.started_at[7] <= get_dht_time()
+
+
+@pytest.mark.parametrize("liar_fields", [{"samples_accumulated": 256}, {"samples_accumulated": 0, "age_s": 1e6}])
+@pytest.mark.parametrize(
+    ("seconds", "ready", "ready_without_liar"),
+    [(1.0, False, False), (17.0, False, False), (19.0, True, False), (32.0, True, True)],
+)
+def test_one_liar_of_three_counts_only_what_its_rate_could_have_computed(
+    dht: hivemind.DHT, liar_fields: dict[str, float], seconds: float, ready: bool, ready_without_liar: bool
+) -> None:
+    # Two honest peers at 4 samples/s fill a batch of 256 in 32 s. A third claims the whole batch, or an old
+    # record whose rate times its age is the whole batch, `seconds` into the epoch. Unbounded, it steps the swarm
+    # at once. Bounded, it counts as much as a peer computing at its rate since the epoch began could have, so
+    # the batch fills from (256 - 4 x 10 s of slack) / (3 x 4) = 18 s on: like a swarm of three honest peers.
+    target, rate = 256, 4.0
+    unbounded = ProgressTracker(dht=dht, prefix=f"plain-{seconds}", target_batch_size=target, start=False)
+    checker = ProgressBounds(target_batch_size=target, run_created_at=time.time() - 3600.0)
+    tracker = BoundedProgressTracker(
+        dht=dht, prefix=f"bounded-{seconds}", target_batch_size=target, start=False, bounds=checker
+    )
+    for each in (unbounded, tracker):
+        each.report_local_progress(local_epoch=7, samples_accumulated=0)
+    now = get_dht_time()
+    honest_samples = int(rate * seconds)
+    honest = [claim(name, 7, samples_accumulated=honest_samples, samples_per_second=rate, time=now) for name in "ab"]
+    liar_samples, liar_age_s = int(liar_fields["samples_accumulated"]), liar_fields.get("age_s", 0.0)
+    liar = claim("liar", 7, samples_accumulated=liar_samples, samples_per_second=rate, time=now - liar_age_s)
+    unbounded.global_progress = unbounded._parse_swarm_progress_data(records(*honest, liar))
+    assert unbounded.ready_to_update_epoch, "without the bound, the liar steps the swarm at once"
+
+    in_epoch_since(tracker.bounds, 7, now - seconds)
+    tracker.global_progress = tracker._parse_swarm_progress_data(records(*honest, liar))
+    elapsed_s = seconds + get_dht_time() - now
+    counted = tracker.global_progress.samples_accumulated - 2 * honest_samples
+    assert 0 <= counted <= min(liar_samples, plausible_samples(rate, elapsed_s))
+    assert tracker.ready_to_update_epoch == ready
+    tracker.global_progress = tracker._parse_swarm_progress_data(records(*honest))
+    assert tracker.ready_to_update_epoch == ready_without_liar, "honest peers alone step at 32 s, as before"
 
 
 def _train_until(optimizer: hivemind.Optimizer, model: torch.nn.Module, epoch: int, deadline: float) -> None:
