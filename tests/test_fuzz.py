@@ -6,6 +6,8 @@ spliced; fields set to NaN, inf, negative, huge or overlong through the protobuf
 valid key, so the content checks run and not only the signature's), and random bytes. A case is hostile when the
 decoder's documented contract says it must be refused. A mutation that leaves its input valid (a base64 bit the
 decoder ignores) is benign: it may be accepted and is not counted. A crash is any error but the documented one.
+Where the contract also says what a checker must take (state digests, expert requests), valid inputs are generated
+too, and every benign case must be accepted: a checker that refuses everything would pass otherwise.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import enum
+import functools
+import itertools
 import json
 import math
 import random
@@ -22,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy
 import pytest
 import torch
 from cryptography.hazmat.primitives import serialization
@@ -32,9 +38,24 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.proto import runtime_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.streaming import split_for_streaming
+from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
 from crowdtrain import proto
 from crowdtrain.averaging.compression import MAX_SPARSE_PART_VALUES, SPARSE_WIRE_TYPE, BoundedInt8, SparseFloat16
+from crowdtrain.averaging.state_digest import (
+    SKETCH_RELATIVE_TOLERANCE,
+    SKETCH_SAMPLES,
+    Corroboration,
+    MalformedDigestError,
+    Sketch,
+    TensorSketch,
+    judge,
+    max_digest_bytes,
+    read_digest,
+    sketch_state,
+    to_digest,
+)
 from crowdtrain.averaging.state_download import StateTemplate, TensorSpec, UnacceptableStateError, check_state
 from crowdtrain.dht import keys, records
 from crowdtrain.dht.records import (
@@ -48,6 +69,14 @@ from crowdtrain.dht.records import (
 from crowdtrain.dht.validator import make_validators
 from crowdtrain.links.protocol import MAX_PLAUSIBLE_MBPS, dial_back_verdicts, retry_after_s, upload_sample
 from crowdtrain.manifest import PROTOCOL_VERSION, DiLoCoSpec, RunManifest, demo, demo_moe
+from crowdtrain.moe.experts import MAX_BATCH_SEQUENCES
+from crowdtrain.moe.requests import (
+    STREAM_CHUNK_BYTES,
+    RefusedRequestError,
+    RequestShape,
+    StreamedRequest,
+    check_tensors,
+)
 from crowdtrain.structured import FieldError, from_mapping
 
 SEED = 20_251
@@ -73,12 +102,14 @@ class Tally:
     benign: int = 0
     crashes: list[str] = field(default_factory=list)
     accepted: list[str] = field(default_factory=list)
+    benign_refused: list[str] = field(default_factory=list)
 
     def summary(self, name: str) -> str:
-        shown = "\n".join([*self.crashes[:5], *self.accepted[:5]])
+        shown = "\n".join([*self.crashes[:5], *self.accepted[:5], *self.benign_refused[:5]])
         return (
             f"{name} (seed {SEED}): {self.hostile} hostile and {self.benign} benign cases, "
-            f"{len(self.crashes)} crashes, {len(self.accepted)} hostile accepted\n{shown}"
+            f"{len(self.crashes)} crashes, {len(self.accepted)} hostile accepted, "
+            f"{len(self.benign_refused)} benign refused\n{shown}"
         )
 
 
@@ -98,6 +129,8 @@ def fuzz(
             accepted = False
         if case.hostile and accepted:
             tally.accepted.append(label)
+        if not case.hostile and not accepted:
+            tally.benign_refused.append(label)
         tally.hostile += case.hostile
         tally.benign += not case.hostile
         if tally.hostile >= CASES_PER_TYPE:
@@ -105,8 +138,12 @@ def fuzz(
     raise AssertionError(f"{name}: the case generator ran dry")
 
 
-def assert_all_refused(name: str, tally: Tally) -> None:
+def assert_all_refused(name: str, tally: Tally, *, min_benign_accepted: int = 0) -> None:
+    """No crash, no hostile case accepted; and, where `min_benign_accepted` is set, at least that many benign cases,
+    each accepted (a checker that refuses everything proves nothing)."""
     assert tally.hostile >= CASES_PER_TYPE and tally.crashes == [] and tally.accepted == [], tally.summary(name)
+    if min_benign_accepted:
+        assert tally.benign >= min_benign_accepted and tally.benign_refused == [], tally.summary(name)
 
 
 # --- mutations -----------------------------------------------------------------------------------------------
@@ -784,6 +821,247 @@ def test_check_state_refuses_every_hostile_state() -> None:
     assert_all_refused("check_state", tally)
 
 
+# --- state digests -------------------------------------------------------------------------------------------
+
+DIGEST_EPOCH = 1_234
+DIGEST_SEEDS = (0, 1, 7, 2**63, 2**64 - 1)
+"""The joiners' seeds: an honest answer to one is a replay for the others."""
+DIGEST_REFUSALS = (DecodeError, RuntimeWarning, MalformedDigestError)
+"""hivemind's stub refuses what does not parse; read_digest the rest (_ask_digest drops the answer either way)."""
+
+
+def digest_state() -> list[torch.Tensor]:
+    """A downloaded state: tensors of 12, 1, 5, 4 and 40 values; float, half and integer; of scale 1 and 1,000."""
+    generator = torch.Generator().manual_seed(SEED)
+    return [
+        torch.randn(3, 4, generator=generator),
+        torch.tensor(2.5),
+        torch.rand(5, generator=generator).half(),
+        torch.randint(0, 9, (2, 2), generator=generator),
+        1e3 * torch.randn(40, generator=generator),
+    ]
+
+
+DIGEST_SIZES = [tensor.numel() for tensor in digest_state()]
+JOINER_SKETCHES = [sketch_state(digest_state(), seed) for seed in DIGEST_SEEDS]
+
+
+def relative_difference(a: float, b: float, scale: float) -> float:
+    difference = abs(a - b)
+    return difference / scale if scale else (0.0 if difference == 0 else INF)
+
+
+def sketch_distance(part: proto.TensorSketch, mine: TensorSketch) -> float:
+    """The largest difference between `part`'s numbers and `mine`'s, each relative to its scale: the larger norm;
+    the sum's bound sqrt(n) × norm; a sample's magnitude, floored at the RMS."""
+    norm = max(part.norm, mine.norm)
+    rms = norm / math.sqrt(mine.num_values)
+    pairs = [
+        (part.norm, mine.norm, norm),
+        (part.sum, mine.total, norm * math.sqrt(mine.num_values)),
+        *((a, b, max(abs(a), abs(b), rms)) for a, b in zip(part.samples, mine.samples, strict=True)),
+    ]
+    return max(relative_difference(*pair) for pair in pairs)
+
+
+class DigestVerdict(enum.Enum):
+    """What an answer is to a joiner, by read_digest's and _corroborate's contracts."""
+
+    REFUSED = "refused"  # malformed, not served or at another epoch: it does not count
+    AGREES = "agrees"  # it corroborates the joiner's state
+    DISAGREES = "disagrees"  # it counts against it
+
+
+def digest_verdict(data: bytes, mine: Sketch) -> DigestVerdict | None:
+    """The contracts restated for an answer to a joiner whose sketch is `mine`. REFUSED: unparsable, not served
+    (whatever else it sets), over max_digest_bytes, not one sketch per tensor with min(16, size) samples, a number not
+    finite, a negative norm, or another epoch. Else AGREES when every number is within half SKETCH_RELATIVE_TOLERANCE
+    of `mine`'s, DISAGREES beyond twice it, and None in between: too close to the tolerance to call."""
+    try:
+        digest = proto.StateDigest.FromString(data)
+    except (DecodeError, RuntimeWarning):
+        return DigestVerdict.REFUSED
+    parts = list(digest.tensors)
+    well_formed = (
+        digest.served
+        and digest.ByteSize() <= max_digest_bytes(len(DIGEST_SIZES))
+        and len(parts) == len(DIGEST_SIZES)
+        and all(
+            len(part.samples) == min(SKETCH_SAMPLES, size)
+            and all(math.isfinite(number) for number in [part.sum, part.norm, *part.samples])
+            and part.norm >= 0
+            for part, size in zip(parts, DIGEST_SIZES, strict=False)
+        )
+    )
+    if not well_formed or digest.epoch != DIGEST_EPOCH:
+        return DigestVerdict.REFUSED
+    distance = max(map(sketch_distance, parts, mine))
+    if distance <= SKETCH_RELATIVE_TOLERANCE / 2:
+        return DigestVerdict.AGREES
+    return DigestVerdict.DISAGREES if distance >= 2 * SKETCH_RELATIVE_TOLERANCE else None
+
+
+def rounded_elsewhere(rng: random.Random, digest: proto.StateDigest) -> None:
+    """Another machine's last bits: every number of `digest` moved by at most 1e-5 of itself."""
+    for part in digest.tensors:
+        part.sum *= 1 + rng.uniform(-1e-5, 1e-5)
+        part.norm *= 1 + rng.uniform(-1e-5, 1e-5)
+        part.samples[:] = [value * (1 + rng.uniform(-1e-5, 1e-5)) for value in part.samples]
+
+
+def change_sketch_count(rng: random.Random, digest: proto.StateDigest) -> str:
+    how = rng.choice(["one fewer", "an empty one more", "a copy more", "hundreds more"])
+    if how == "one fewer" and digest.tensors:
+        del digest.tensors[rng.randrange(len(digest.tensors))]
+    elif how == "an empty one more" or not digest.tensors:
+        digest.tensors.add()
+    else:
+        copies = 1 if how == "a copy more" else rng.randrange(100, 400)
+        digest.tensors.extend([rng.choice(digest.tensors)] * copies)
+    return f"{how} tensor sketches"
+
+
+def change_sample_count(rng: random.Random, part: proto.TensorSketch) -> str:
+    how = rng.choice(["one fewer", "one more", "hundreds more", "none"])
+    if how == "one fewer" and part.samples:
+        del part.samples[-1]
+    elif how in ("one more", "hundreds more"):
+        part.samples.extend([rng.gauss(0, 1)] * (1 if how == "one more" else rng.randrange(100, 2000)))
+    else:
+        del part.samples[:]
+    return f"{how} samples"
+
+
+def change_number(rng: random.Random, part: proto.TensorSketch) -> str:
+    name, value = rng.choice(["sum", "norm", "sample"]), rng.choice([hostile_float(rng), 1e300, -1e300])
+    if name == "sample" and part.samples:
+        part.samples[rng.randrange(len(part.samples))] = value
+    else:
+        setattr(part, "norm" if name == "norm" else "sum", value)
+    return f"{name} {value}"
+
+
+def scale_sketch(rng: random.Random, part: proto.TensorSketch) -> str:
+    factor = rng.choice([0.0, -1.0, 0.5, 0.99, 1.01, 2.0, 1e6])
+    part.sum, part.norm = part.sum * factor, abs(part.norm * factor)
+    part.samples[:] = [value * factor for value in part.samples]
+    return f"scaled by {factor}"
+
+
+def attack_digest(rng: random.Random, digest: proto.StateDigest) -> str:
+    """One attack on an answer, through the protobuf API; its description."""
+    roll = rng.random()
+    if roll < 0.1:
+        digest.served = False
+        return "served=false with every other field set"
+    if roll < 0.25:
+        digest.epoch = rng.choice([0, 1, DIGEST_EPOCH - 1, DIGEST_EPOCH + 1, 2**63, 2**64 - 1, rng.randrange(2**64)])
+        return f"epoch {digest.epoch}"
+    if roll < 0.4 or not digest.tensors:
+        return change_sketch_count(rng, digest)
+    if roll < 0.9:
+        index = rng.randrange(len(digest.tensors))
+        change = change_sample_count if roll < 0.55 else change_number if roll < 0.75 else scale_sketch
+        return f"tensor {index}: {change(rng, digest.tensors[index])}"
+    other = rng.randrange(len(DIGEST_SEEDS))
+    digest.ClearField("tensors")
+    digest.tensors.extend(to_digest(DIGEST_EPOCH, JOINER_SKETCHES[other]).tensors)
+    return f"the answer to seed {DIGEST_SEEDS[other]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One donor's answer to a joiner, and what it is by the contracts (digest_verdict)."""
+
+    label: str
+    seed_index: int
+    data: bytes
+    verdict: DigestVerdict
+
+
+def digest_answers(rng: random.Random) -> Iterator[Answer]:
+    honest = [to_digest(DIGEST_EPOCH, sketch) for sketch in JOINER_SKETCHES]
+    donors = [digest.SerializeToString() for digest in honest]
+    while True:
+        seed_index = rng.randrange(len(DIGEST_SEEDS))
+        digest = proto.StateDigest()
+        digest.CopyFrom(honest[seed_index])
+        if rng.random() < 0.5:
+            rounded_elsewhere(rng, digest)
+        roll = rng.random()
+        if roll < 0.2:
+            label, data = "an honest answer", digest.SerializeToString()
+        elif roll < 0.25:  # an unknown field, as a later version may send: ignored
+            label, data = "an honest answer with an unknown field", digest.SerializeToString() + b"\x78\x2a"
+        elif roll < 0.6:
+            label = ", ".join(attack_digest(rng, digest) for _ in range(rng.randrange(1, 3)))
+            data = digest.SerializeToString()
+        elif roll < 0.9:
+            label, data = mutate(rng, digest.SerializeToString(), donors)
+        else:
+            label, data = "random bytes", random_bytes(rng, 256)
+        verdict = digest_verdict(data, JOINER_SKETCHES[seed_index])
+        if verdict is not None:
+            yield Answer(f"{label} (seed {DIGEST_SEEDS[seed_index]})", seed_index, data, verdict)
+
+
+def corroborates(answer: Answer) -> bool:
+    """Whether `answer`, parsed as hivemind's stub does and read as _ask_digest does, corroborates the joiner's
+    state (_corroborate: at its epoch, then judge)."""
+    read = read_digest(proto.StateDigest.FromString(answer.data), DIGEST_SIZES)
+    if read is None or read[0] != DIGEST_EPOCH:
+        return False
+    return judge(JOINER_SKETCHES[answer.seed_index], [read[1]]).verdict is Corroboration.CORROBORATED
+
+
+def test_state_digests_that_are_malformed_or_disagree_never_corroborate() -> None:
+    """read_digest's contract, then _corroborate's: an answer counts only when it parses, is served, is within
+    max_digest_bytes and holds one sketch per tensor with min(16, size) samples, every number finite and the norm
+    non-negative (else MalformedDigestError); it corroborates only at the state's epoch and within
+    SKETCH_RELATIVE_TOLERANCE of the state's own sketch. Honest answers whose last bits differ corroborate."""
+    answers = digest_answers(random.Random(f"{SEED}:digest"))
+    cases = (Case(answer.label, answer, hostile=answer.verdict is not DigestVerdict.AGREES) for answer in answers)
+    tally = fuzz("read_digest", corroborates, DIGEST_REFUSALS, cases)
+    assert_all_refused("read_digest", tally, min_benign_accepted=1_000)
+
+
+def judge_answers(case: tuple[int, list[Answer]]) -> bool:
+    """judge's verdict on the joiner's state from `answers` read as _ask_digest and _corroborate read them: an answer
+    refused is one donor fewer, one at another epoch does not count."""
+    seed_index, answers = case
+    sketches = []
+    for answer in answers:
+        try:
+            read = read_digest(proto.StateDigest.FromString(answer.data), DIGEST_SIZES)
+        except DIGEST_REFUSALS:
+            continue
+        if read is not None and read[0] == DIGEST_EPOCH:
+            sketches.append(read[1])
+    return judge(JOINER_SKETCHES[seed_index], sketches).verdict is Corroboration.CORROBORATED
+
+
+def majority_cases(rng: random.Random) -> Iterator[Case]:
+    pool: dict[int, list[Answer]] = {}
+    for _, answer in zip(range(2_000), digest_answers(rng), strict=False):
+        pool.setdefault(answer.seed_index, []).append(answer)
+    while True:
+        seed_index = rng.randrange(len(DIGEST_SEEDS))
+        answers = rng.choices(pool[seed_index], k=rng.randrange(1, 5))
+        agreeing = sum(answer.verdict is DigestVerdict.AGREES for answer in answers)
+        disagreeing = sum(answer.verdict is DigestVerdict.DISAGREES for answer in answers)
+        corroborated = agreeing + disagreeing > 0 and 1 + agreeing > disagreeing
+        label = f"{agreeing} agreeing and {disagreeing} disagreeing of " + "; ".join(a.label[:60] for a in answers)
+        yield Case(label, (seed_index, answers), hostile=not corroborated)
+
+
+def test_hostile_digests_never_make_a_majority() -> None:
+    """judge's contract: a downloaded state is corroborated only when answers at its epoch exist and a strict
+    majority of the sketches, its own included, agree with it. Refused answers and answers at another epoch count
+    for nothing; disagreeing ones count against it; honest majorities still corroborate."""
+    tally = fuzz("judge", judge_answers, (), majority_cases(random.Random(f"{SEED}:digest_majority")))
+    assert_all_refused("judge", tally, min_benign_accepted=1_000)
+
+
 # --- probe answers -------------------------------------------------------------------------------------------
 
 SENT_BYTES = 8 * 1024 * 1024
@@ -884,6 +1162,263 @@ def test_dial_back_answers_with_unknown_verdicts_or_extra_attempts_are_refused()
         dial_back_cases(random.Random(f"{SEED}:dial_back")),
     )
     assert_all_refused("dial_back_verdicts", tally)
+
+
+# --- expert requests -----------------------------------------------------------------------------------------
+
+EXPERT_SAMPLE = (8, 16)
+"""A small run's [sequence_length, hidden_size]: what make_backend declares after the batch dimension."""
+EXPERT_SCHEMA = BatchTensorDescriptor.from_tensor(torch.empty(1, *EXPERT_SAMPLE))
+REQUEST_SHAPES = {
+    "forward": RequestShape((EXPERT_SCHEMA,), MAX_BATCH_SEQUENCES),
+    "backward": RequestShape((EXPERT_SCHEMA, EXPERT_SCHEMA), MAX_BATCH_SEQUENCES),  # inputs, output gradients
+}
+NUM_SAMPLE_BYTES = math.prod(EXPERT_SAMPLE) * 4
+
+
+def request_within_contract(tensors: Sequence[runtime_pb2.Tensor], shape: RequestShape) -> bool:
+    """check_tensors' contract restated: one tensor per schema, each uncompressed float32 of shape [batch, 8, 16]
+    with 1 to max_batch_size sequences, the same batch for all, exactly the bytes of its shape, every value finite."""
+    if len(tensors) != len(shape.schemas) or len({tuple(tensor.size[:1]) for tensor in tensors}) > 1:
+        return False
+    for tensor in tensors:
+        if tensor.compression != runtime_pb2.CompressionType.NONE or tensor.dtype != "float32":
+            return False
+        if len(tensor.size) != 3 or tuple(tensor.size[1:]) != EXPERT_SAMPLE:
+            return False
+        if not 1 <= tensor.size[0] <= shape.max_batch_size or len(tensor.buffer) != tensor.size[0] * NUM_SAMPLE_BYTES:
+            return False
+    return all(numpy.isfinite(numpy.frombuffer(tensor.buffer, dtype="<f4")).all() for tensor in tensors)
+
+
+@functools.cache
+def serialized_batches() -> dict[int, list[runtime_pb2.Tensor]]:
+    """Four tensors per batch size as hivemind's client serializes them (two requiring grad), made once."""
+    generator = torch.Generator().manual_seed(SEED)
+    return {
+        batch: [
+            serialize_torch_tensor(
+                torch.randn(batch, *EXPERT_SAMPLE, generator=generator).requires_grad_(copy % 2 == 1)
+            )
+            for copy in range(4)
+        ]
+        for batch in range(1, MAX_BATCH_SEQUENCES + 1)
+    }
+
+
+def honest_request(rng: random.Random, shape: RequestShape) -> tuple[int, list[runtime_pb2.Tensor]]:
+    """What hivemind's client sends: a batch of 1 to max_batch_size sequences (mostly a few); a copy, to attack."""
+    batch = rng.choice([rng.randint(1, 4), rng.randint(1, shape.max_batch_size)])
+    tensors = [runtime_pb2.Tensor() for _ in shape.schemas]
+    for tensor in tensors:
+        tensor.CopyFrom(rng.choice(serialized_batches()[batch]))
+    return batch, tensors
+
+
+def change_tensor_count(rng: random.Random, tensors: list[runtime_pb2.Tensor]) -> str:
+    how = rng.choice(["one fewer", "one more", "dozens more", "none"])
+    if how == "one fewer" and tensors:
+        del tensors[rng.randrange(len(tensors))]
+    elif how in ("one more", "dozens more") and tensors:
+        tensors.extend([tensors[0]] * (1 if how == "one more" else rng.randrange(10, 60)))
+    else:
+        tensors.clear()
+    return f"{how} tensors"
+
+
+def change_shape(rng: random.Random, tensor: runtime_pb2.Tensor, batch: int) -> str:
+    size = rng.choice([
+        [batch], [batch, 8], [batch, 8, 16, 1], [batch, 16, 8], [batch, 128], [8, 16], [1, batch, 8, 16],
+        [0, 8, 16], [MAX_BATCH_SEQUENCES + 1, 8, 16], [2**31, 8, 16], [2**32 - 1, 8, 16],
+        [rng.randrange(2**32) for _ in range(rng.randrange(6))],
+    ])  # fmt: skip
+    del tensor.size[:]
+    tensor.size.extend(size)
+    if rng.random() < 0.3 and math.prod(size) <= 2**16:  # the buffer agrees with the lie
+        tensor.buffer = bytes(4 * math.prod(size))
+        return f"of shape {size}, with as many bytes"
+    return f"declares shape {size}"
+
+
+def change_dtype(rng: random.Random, tensor: runtime_pb2.Tensor, batch: int) -> str:
+    dtype = rng.choice([torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool])
+    if rng.random() < 0.5:
+        tensor.CopyFrom(serialize_torch_tensor(torch.randn(batch, *EXPERT_SAMPLE).to(dtype)))
+        return f"of dtype {dtype}"
+    tensor.dtype = rng.choice([str(dtype).replace("torch.", ""), "", "torch.float32", "Float32", "float32\x00"])
+    return f"labelled {tensor.dtype!r}"
+
+
+def change_compression(rng: random.Random, tensor: runtime_pb2.Tensor, batch: int) -> str:
+    tensor.compression = rng.choice([*range(1, 6), 99, 2**31 - 1])
+    return f"compressed as {tensor.compression}"
+
+
+def change_value(rng: random.Random, tensor: runtime_pb2.Tensor, batch: int) -> str:
+    value = struct.pack("<f", rng.choice(NON_FINITE)) if rng.random() < 0.8 else rng.randbytes(4)
+    at = 4 * rng.randrange(len(tensor.buffer) // 4 or 1)
+    tensor.buffer = tensor.buffer[:at] + value + tensor.buffer[at + 4 :]
+    return f"holds {struct.unpack('<f', value)[0]} at byte {at}"
+
+
+def change_buffer(rng: random.Random, tensor: runtime_pb2.Tensor, batch: int) -> str:
+    how, cut = rng.choice(["cut", "padded", "replaced"]), rng.randrange(1, len(tensor.buffer) + 2)
+    if how == "cut":
+        tensor.buffer = tensor.buffer[:-cut]
+    else:
+        tensor.buffer = (tensor.buffer if how == "padded" else b"") + random_bytes(rng, 4 * cut)
+    return f"has its buffer {how}"
+
+
+def change_batch(rng: random.Random, tensor: runtime_pb2.Tensor, batch: int) -> str:
+    tensor.CopyFrom(serialize_torch_tensor(torch.randn(rng.randint(1, MAX_BATCH_SEQUENCES), *EXPERT_SAMPLE)))
+    return f"of batch {tensor.size[0]}"
+
+
+TENSOR_ATTACKS = [change_shape, change_dtype, change_compression, change_value, change_value, change_buffer]
+
+
+def attack_request(rng: random.Random, tensors: list[runtime_pb2.Tensor], batch: int) -> str:
+    """One attack on a request of `batch` sequences, in place; its description."""
+    if rng.random() < 0.12 or not tensors:
+        return change_tensor_count(rng, tensors)
+    index = rng.randrange(len(tensors))
+    attack = rng.choice([*TENSOR_ATTACKS, change_batch] if len(tensors) > 1 else TENSOR_ATTACKS)
+    return f"tensor {index} {attack(rng, tensors[index], batch)}"
+
+
+def parse_request(data: bytes) -> runtime_pb2.ExpertRequest | None:
+    try:
+        return runtime_pb2.ExpertRequest.FromString(data)
+    except (DecodeError, RuntimeWarning):
+        return None
+
+
+def request_cases(rng: random.Random) -> Iterator[Case]:
+    while True:
+        call = rng.choice(list(REQUEST_SHAPES))
+        shape = REQUEST_SHAPES[call]
+        batch, tensors = honest_request(rng, shape)
+        roll, label = rng.random(), "an honest request"
+        if 0.2 <= roll < 0.3:
+            tensors[0].requires_grad, tensors[0].chunks = rng.random() < 0.5, rng.randrange(-(2**31), 2**31)
+            label = "an honest request, its ignored fields set"
+        elif 0.3 <= roll < 0.8:
+            label = ", ".join(attack_request(rng, tensors, batch) for _ in range(rng.randrange(1, 3)))
+        data = runtime_pb2.ExpertRequest(uid="ffn.0.0", tensors=tensors).SerializeToString()
+        if roll >= 0.95:
+            label, data = "random bytes", random_bytes(rng)
+        elif roll >= 0.8:
+            label, data = mutate(rng, data, [data])
+        request = parse_request(data)
+        yield Case(
+            f"{call}: {label}", (call, data), hostile=not request or not request_within_contract(request.tensors, shape)
+        )
+
+
+def take_request(case: tuple[str, bytes]) -> bool:
+    call, data = case
+    return check_tensors(runtime_pb2.ExpertRequest.FromString(data).tensors, REQUEST_SHAPES[call]) is not None
+
+
+def test_expert_requests_off_the_schema_are_refused() -> None:
+    """check_tensors' contract (moe/requests.py): a forward or backward request runs only with one tensor per schema,
+    each uncompressed float32 [batch, 8, 16], 1 to MAX_BATCH_SEQUENCES sequences shared by all, its buffer exactly
+    its shape's bytes, every value finite; else RefusedRequestError (or hivemind's DecodeError before it, for bytes
+    that don't parse). Honest requests, whatever their ignored fields, run."""
+    cases = request_cases(random.Random(f"{SEED}:expert_request"))
+    tally = fuzz("check_tensors", take_request, (RefusedRequestError, DecodeError, RuntimeWarning), cases)
+    assert_all_refused("check_tensors", tally, min_benign_accepted=1_000)
+
+
+def stream_within_contract(frames: Sequence[Sequence[runtime_pb2.Tensor]], shape: RequestShape) -> bool:
+    """StreamedRequest's contract restated: at most max_frames frames; its first part names a dtype and each part
+    that names one starts a tensor, whose header it is; the tensors so joined within check_tensors' contract."""
+    parts = [part for frame in frames for part in frame]
+    if len(frames) > shape.max_frames or (parts and not parts[0].dtype):
+        return False
+    headers: list[runtime_pb2.Tensor] = []
+    buffers: list[list[bytes]] = []
+    for part in parts:
+        if part.dtype:
+            headers.append(part)
+            buffers.append([])
+        buffers[-1].append(part.buffer)
+    tensors = [runtime_pb2.Tensor() for _ in headers]
+    for tensor, header, buffer in zip(tensors, headers, buffers, strict=True):
+        tensor.CopyFrom(header)
+        tensor.buffer = b"".join(buffer)
+    return request_within_contract(tensors, shape)
+
+
+def attack_stream(rng: random.Random, parts: list[runtime_pb2.Tensor]) -> str:
+    """One attack on a stream's parts, in place; its description."""
+    how = rng.choice(["headless", "a second header", "a lying later header", "dropped", "twice", "swapped", "padded"])
+    headers = [index for index, part in enumerate(parts) if part.dtype]
+    later = [index for index, part in enumerate(parts) if not part.dtype]
+    candidates = headers if how == "headless" else later if "header" in how else []
+    index = rng.choice(candidates or range(len(parts)))
+    part = runtime_pb2.Tensor()
+    part.CopyFrom(parts[index])
+    if how == "headless":  # its buffer joins the tensor before, if any
+        part = runtime_pb2.Tensor(buffer=part.buffer)
+    elif how == "a second header" and not part.dtype:
+        part.dtype, part.size[:] = "float32", [1, *EXPERT_SAMPLE]
+    elif how == "a lying later header" and not part.dtype:  # the tensor's header is its first part's: ignored
+        part.size[:], part.compression = [2**32 - 1], runtime_pb2.CompressionType.FLOAT16
+    elif how == "dropped":
+        del parts[index]
+        return f"part {index} dropped"
+    elif how == "twice":
+        parts.insert(index, part)
+        return f"part {index} twice"
+    elif how == "swapped":
+        other = rng.randrange(len(parts))
+        parts[index], parts[other] = parts[other], parts[index]
+        return f"parts {index} and {other} swapped"
+    else:
+        how = "padded"
+        part.buffer += random_bytes(rng, 64) + b"\x00"
+    parts[index] = part
+    return f"part {index} {how}"
+
+
+def stream_cases(rng: random.Random) -> Iterator[Case]:
+    while True:
+        call = rng.choice(list(REQUEST_SHAPES))
+        shape = REQUEST_SHAPES[call]
+        batch, tensors = honest_request(rng, shape)
+        labels = [attack_request(rng, tensors, batch)] if rng.random() < 0.4 else []
+        chunk_bytes = rng.choice([1024, 8192, 2**16, STREAM_CHUNK_BYTES])
+        parts = [part for tensor in tensors for part in split_for_streaming(tensor, chunk_bytes)]
+        if parts and rng.random() < 0.4:
+            labels.append(attack_stream(rng, parts))
+        ends = sorted({0, len(parts), *(rng.randrange(len(parts) + 1) for _ in range(len(parts) // 2))})
+        frames = [parts[start:end] for start, end in itertools.pairwise(ends)]  # 1 to a few parts each
+        if rng.random() < 0.15:
+            num_empty = rng.randrange(1, 2 * shape.max_frames)
+            for _ in range(num_empty):
+                frames.insert(rng.randrange(len(frames) + 1), [])
+            labels.append(f"{num_empty} empty frames")
+        label = f"{call} in {len(frames)} frames, chunks of {chunk_bytes} bytes: {', '.join(labels) or 'honest'}"
+        yield Case(label, (call, frames), hostile=not stream_within_contract(frames, shape))
+
+
+def take_stream(case: tuple[str, list[list[runtime_pb2.Tensor]]]) -> bool:
+    call, frames = case
+    streamed = StreamedRequest(REQUEST_SHAPES[call])
+    for frame in frames:
+        streamed.add(frame)
+    return streamed.tensors() is not None
+
+
+def test_expert_streams_off_the_schema_or_over_their_bounds_are_refused() -> None:
+    """StreamedRequest's contract (moe/requests.py): a streamed request runs only within max_frames frames, its first
+    part naming a dtype, and its parts joined (each part naming a dtype starts a tensor) within check_tensors'
+    contract; else RefusedRequestError, as soon as a frame is over a bound or at the end. Honest streams, whatever
+    their chunking within the frames, run."""
+    tally = fuzz("StreamedRequest", take_stream, (RefusedRequestError,), stream_cases(random.Random(f"{SEED}:stream")))
+    assert_all_refused("StreamedRequest", tally, min_benign_accepted=1_000)
 
 
 # --- what the fuzzer found, kept as plain cases ----------------------------------------------------------------
