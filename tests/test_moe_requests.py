@@ -19,6 +19,7 @@ from hivemind.moe.expert_uid import ExpertInfo
 from hivemind.p2p import P2P, P2PHandlerError
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
+from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
 from crowdtrain.manifest import expert_uids
 from crowdtrain.moe.experts import MAX_BATCH_SEQUENCES, build_expert, build_optimizer, make_backend
@@ -110,6 +111,17 @@ def test_header_lies_are_refused_before_any_buffer_is_read() -> None:
                 setattr(forged, name, value)
         with pytest.raises(RefusedRequestError):
             check_tensors([forged], forward)
+
+
+def test_an_integer_tensor_asking_for_gradients_is_refused_not_a_crash() -> None:
+    # No expert declares an integer input today; a schema that does must still refuse, not raise hivemind's error.
+    integer = RequestShape((BatchTensorDescriptor(SEQUENCE, HIDDEN, dtype=torch.int64),), max_batch_size=4)
+    (tensor,) = wire(torch.zeros(2, SEQUENCE, HIDDEN, dtype=torch.int64))
+    (taken,) = check_tensors([tensor], integer)
+    assert taken.dtype == torch.int64
+    tensor.requires_grad = True
+    with pytest.raises(RefusedRequestError, match="asks for gradients"):
+        check_tensors([tensor], integer)
 
 
 def parts(*tensors: torch.Tensor, chunk_bytes: int) -> list[runtime_pb2.Tensor]:

@@ -94,6 +94,9 @@ def _check_header(index: int, tensor: runtime_pb2.Tensor, schema: BatchTensorDes
         raise RefusedRequestError(f"tensor {index} is not uncompressed {dtype}")
     if len(size) != len(expected) or list(size[1:]) != expected[1:]:
         raise RefusedRequestError(f"tensor {index} has shape {list(size)}; this expert takes {expected} (batch first)")
+    if tensor.requires_grad and not schema.dtype.is_floating_point:
+        # hivemind's deserializer would call requires_grad_() and raise a RuntimeError of its own
+        raise RefusedRequestError(f"tensor {index} of {dtype} asks for gradients, which only float tensors have")
     if not 1 <= size[0] <= shape.max_batch_size:
         raise RefusedRequestError(
             f"tensor {index} has a batch of {size[0]}; this host takes 1 to {shape.max_batch_size}"

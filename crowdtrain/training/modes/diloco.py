@@ -45,7 +45,6 @@ from typing import Any
 
 import torch
 from hivemind.averaging.control import StepControl
-from hivemind.optim.progress_tracker import ProgressTracker
 
 from crowdtrain.averaging.adaptive_h import agreed_round_batches, proposed_round_batches
 from crowdtrain.averaging.collaboration import (
@@ -59,6 +58,7 @@ from crowdtrain.averaging.compression import compression_for
 from crowdtrain.averaging.error_feedback import ErrorFeedback, Kept
 from crowdtrain.averaging.partition import EXPECTED_ROUND_FAILURES
 from crowdtrain.averaging.phases import Phase, wait_for_round
+from crowdtrain.averaging.progress_bounds import BoundedProgressTracker, ProgressBounds
 from crowdtrain.averaging.pseudo_gradients import OuterState, PseudoGradientAverager
 from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.averaging.state_download import StateTemplate, epoch_ceiling, parameter_specs
@@ -152,13 +152,16 @@ class DiLoCoMode(TrainingMode):
                 start=True,
             )
         self.apply_swarm_view(context.swarm)  # the plan's share, the group size
-        self.tracker = ProgressTracker(
+        # Peers' progress claims are bounded before they count (averaging/progress_bounds.py): a liar can't end
+        # a round early by claiming its samples, nor make every peer download state with a far later round.
+        self.tracker = BoundedProgressTracker(
             dht=context.dht,
             prefix=run_prefix,
             target_batch_size=self.round_samples,
             client_mode=context.client_mode,
             private_key=context.private_key,
             start=True,
+            bounds=ProgressBounds(target_batch_size=self.round_samples, run_created_at=manifest.created_at),
         )
 
     @property
@@ -433,7 +436,7 @@ class DiLoCoMode(TrainingMode):
         if agreed is not None and agreed != self.round_batches:
             logger.info(f"outer rounds are now {agreed} global batches (were {self.round_batches}), as agreed")
             self.round_batches = agreed
-        self.tracker.target_batch_size = self.round_samples
+        self._set_tracker_target()
         self._round_started_at = time.monotonic()
 
     def _take_round_batches(self, value: Any) -> None:
@@ -441,7 +444,12 @@ class DiLoCoMode(TrainingMode):
         low, high = self.spec.inner_steps_range
         if self.adaptive and isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
             self.round_batches, self._next_round_batches = value, None
-            self.tracker.target_batch_size = self.round_samples
+            self._set_tracker_target()
+
+    def _set_tracker_target(self) -> None:
+        """The progress tracker's round, and the cap on any peer's claim toward it, follow H."""
+        self.tracker.target_batch_size = self.round_samples
+        self.tracker.bounds.target_batch_size = self.round_samples
 
     def _outer_step(self, ends: list[torch.Tensor] | None = None) -> None:
         """θ₀ ← the outer step of θ₀ with the buffers' (averaged) pseudo-gradient. The replica restarts from θ₀;
