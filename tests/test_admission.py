@@ -106,6 +106,11 @@ def test_hostile_access_tokens_are_refused_without_raising() -> None:
     assert not checker.is_token_valid(garbage)
 
 
+TIMER_SLACK_S = 0.005
+"""The gate spaces its fetches by its own clock reading just before each; the test's lookup stamps each a moment
+later, and on a loaded machine that moment varies by more than the spacing's rounding: checks allow for it."""
+
+
 def test_the_gate_admits_peers_whose_published_token_is_valid_for_them() -> None:
     honest, other = joiner(), joiner()
     honest_id = peer_id_of_public_key(load_public_key(honest.local_public_key.to_bytes())).to_base58()
@@ -129,7 +134,7 @@ def test_the_gate_admits_peers_whose_published_token_is_valid_for_them() -> None
     assert asyncio.run(ask()) == [True, False, False, True]
     # Each refused peer waited for one fresh fetch, and fetches never come closer than the interval.
     assert len(lookups) == 3
-    assert all(later - earlier >= 0.2 for earlier, later in zip(lookups, lookups[1:], strict=False))
+    assert all(later - earlier >= 0.2 - TIMER_SLACK_S for earlier, later in zip(lookups, lookups[1:], strict=False))
 
     async def scan() -> list[bool]:  # a burst of calls from unknown peers shares one fetch
         return await asyncio.gather(*(gate.admits(f"QmScanner{i}") for i in range(5)), gate.admits(honest_id))
@@ -137,7 +142,7 @@ def test_the_gate_admits_peers_whose_published_token_is_valid_for_them() -> None
     started = len(lookups)
     assert asyncio.run(scan()) == [False] * 5 + [True]
     assert len(lookups) - started == 1
-    assert all(later - earlier >= 0.2 for earlier, later in zip(lookups, lookups[1:], strict=False))
+    assert all(later - earlier >= 0.2 - TIMER_SLACK_S for earlier, later in zip(lookups, lookups[1:], strict=False))
 
 
 def test_invite_needs_a_run_this_node_founded(tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
 """An expert host checks every forward and backward request before it runs (moe/requests.py, moe/connection.py):
-the checks alone, then a real host refusing oversized and malformed requests and serving honest ones after."""
+the checks alone, then a real host refusing oversized and malformed requests and serving honest ones after, and
+an invite-only run's host serving nobody without an access token."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Iterator
@@ -18,9 +20,12 @@ from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.moe.expert_uid import ExpertInfo
 from hivemind.p2p import P2P, P2PHandlerError
 from hivemind.proto import runtime_pb2
+from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.streaming import split_for_streaming
 from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
+from crowdtrain.dht.admission import AccessChecker, AdmissionGate, set_process_gate
+from crowdtrain.dht.records import load_public_key, peer_id_of_public_key
 from crowdtrain.manifest import expert_uids
 from crowdtrain.moe.experts import MAX_BATCH_SEQUENCES, build_expert, build_optimizer, make_backend
 from crowdtrain.moe.hosting import ExpertHost, HostOptions
@@ -163,6 +168,12 @@ def test_a_stream_is_reassembled_and_checked_and_bounded_as_it_arrives() -> None
 @pytest.fixture
 def host_and_client(tmp_path: Path) -> Iterator[tuple[ExpertHost, P2P, Path]]:
     """A host serving UID over its own DHT, a client's p2p, and the file the host's handler processes log to."""
+    with serving_host(tmp_path) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def serving_host(tmp_path: Path) -> Iterator[tuple[ExpertHost, P2P, Path]]:
     log_path = tmp_path / "host.log"
     handler = logging.FileHandler(log_path)  # the handler processes are forked: they inherit it
     watched = [logging.getLogger("crowdtrain.moe.connection"), logging.getLogger("hivemind.p2p.p2p_daemon")]
@@ -184,6 +195,27 @@ def host_and_client(tmp_path: Path) -> Iterator[tuple[ExpertHost, P2P, Path]]:
         for logger in watched:
             logger.removeHandler(handler)
         handler.close()
+
+
+def test_an_invite_only_hosts_experts_serve_only_admitted_callers(tmp_path: Path) -> None:
+    # The daemon sets its process gate before it hosts experts; the handler processes fork with it. This gate's
+    # admission records hold nobody, so the client (no access token) is refused before any expert code runs.
+    async def nobody_admitted() -> dict[str, bytes]:
+        return {}
+
+    founder = peer_id_of_public_key(load_public_key(RSAPrivateKey().get_public_key().to_bytes())).to_base58()
+    set_process_gate(AdmissionGate(AccessChecker(MANIFEST.run_id, founder), nobody_admitted, "QmHost", 0.1))
+    try:
+        with serving_host(tmp_path) as (host, client, _):
+            for method, request in [
+                ("rpc_info", runtime_pb2.ExpertUID(uid=UID)),
+                ("rpc_forward", runtime_pb2.ExpertRequest(uid=UID, tensors=wire(hidden(2)))),
+                ("rpc_forward_stream", frames(runtime_pb2.ExpertRequest(uid=UID, tensors=wire(hidden(2))))),
+            ]:
+                with pytest.raises(P2PHandlerError, match="not admitted to this invite-only run"):
+                    call(client, host, method, request)
+    finally:
+        set_process_gate(None)
 
 
 def call(client: P2P, host: ExpertHost, method: str, request: Any) -> Any:

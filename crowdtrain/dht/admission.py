@@ -21,6 +21,7 @@ import binascii
 import inspect
 import logging
 import math
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -395,8 +396,18 @@ class AdmissionGate:
         self._admitted_until: dict[str, float] = {}
         self._fetched_at = -math.inf
         self._refetch_interval_s = refetch_interval_s
-        self._lock = asyncio.Lock()
+        self._lock_and_pid = (asyncio.Lock(), os.getpid())
         self._refused: set[str] = set()
+
+    @property
+    def _lock(self) -> asyncio.Lock:
+        # Processes forked from the daemon (averagers, expert handlers) inherit this gate; a lock the parent's event
+        # loop waited on is bound to that loop and would raise in the child's, so each process gets its own.
+        lock, pid = self._lock_and_pid
+        if pid != os.getpid():
+            lock = asyncio.Lock()
+            self._lock_and_pid = (lock, os.getpid())
+        return lock
 
     async def admits(self, peer_id: str) -> bool:
         if peer_id == self._local_peer_id or self._admitted_until.get(peer_id, 0.0) > time.time():

@@ -19,6 +19,7 @@ from hivemind.p2p.p2p_daemon import DEFAULT_MAX_MSG_SIZE
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 
+from crowdtrain.dht.admission import AdmissionGated
 from crowdtrain.moe.requests import (
     MAX_FRAME_BYTES,
     RefusedRequestError,
@@ -30,8 +31,10 @@ from crowdtrain.moe.requests import (
 logger = logging.getLogger(__name__)
 
 
-class BoundedConnectionHandler(ConnectionHandler):
-    """Serves the experts of `module_backends` to callers, refusing requests that don't fit their schemas.
+class BoundedConnectionHandler(AdmissionGated, ConnectionHandler):
+    """Serves the experts of `module_backends` to callers, refusing requests that don't fit their schemas and, in
+    an invite-only run, callers without a valid access token (the daemon's process gate, which the handler
+    processes inherit when they fork).
 
     The `rpc_*` annotations use `typing.AsyncIterator`: hivemind tells a stream from a unary call by that name.
     """
