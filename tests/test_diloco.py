@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,14 @@ ENV = {"CROWDTRAIN_MICRO_BATCH_SIZE": "8", "CROWDTRAIN_NUM_THREADS": "1"}
 
 def averaged_rounds(daemon: Daemon) -> set[int]:
     return {int(number) for number in re.findall(r"outer round (\d+): averaged with the swarm", daemon.log())}
+
+
+def solo_rounds(daemon: Daemon) -> set[int]:
+    return {int(number) for number in re.findall(r"outer round (\d+): alone", daemon.log())}
+
+
+def all_rounds(daemon: Daemon) -> set[int]:
+    return averaged_rounds(daemon) | solo_rounds(daemon)
 
 
 def snapshot_when(observer: Daemon, daemons: list[Daemon], epoch: int, timeout_s: float) -> dict[str, Any]:
@@ -77,3 +86,19 @@ def test_two_peers_average_outer_rounds_and_learn_and_a_joiner_takes_the_swarms_
     await_condition(lambda: "took the swarm's state of outer round" in late.log(), 120, "the joiner to sync")
     joined_round = int(re.findall(r"took the swarm's state of outer round (\d+)", late.log())[0])
     assert joined_round >= averaged_before_joining
+
+    # A peer that dies costs the others one outer round at most: the round it was part of (its all-reduce may
+    # have been running, with overlap, while the others computed), then they average without it.
+    await_condition(
+        lambda: averaged_rounds(founder) & averaged_rounds(second) & averaged_rounds(late), 200, "a round of three"
+    )
+    late.signal(signal.SIGKILL)
+    killed_after = max(all_rounds(founder) | all_rounds(second))
+    await_condition(
+        lambda: any(number > killed_after + 1 for number in averaged_rounds(founder) & averaged_rounds(second)),
+        200,
+        "the survivors to average a round without the dead peer",
+    )
+    for survivor in (founder, second):
+        lost = {number for number in solo_rounds(survivor) if number > killed_after}
+        assert len(lost) <= 1, f"{survivor.peer_id} lost rounds {sorted(lost)} to the dead peer"

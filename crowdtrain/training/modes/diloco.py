@@ -336,7 +336,8 @@ class DiLoCoMode(TrainingMode):
             with self.context.phases.measure(Phase.OPTIMIZER_STEP):
                 self._outer_step(ends)
         self.averager.state_sharing_priority = self._priority()
-        logger.info(f"outer round {flight.round}: {'averaged with the swarm' if averaged else 'alone'} "
+        # numbered as without overlap: the round the outer step made (the epoch status shows)
+        logger.info(f"outer round {self.round}: {'averaged with the swarm' if averaged else 'alone'} "
                     f"in the background, {self.inner_steps} inner steps so far")  # fmt: skip
 
     def _starts_and_params(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
