@@ -61,6 +61,8 @@ from crowdtrain.dht import keys, records
 from crowdtrain.dht.records import (
     MAX_INNER_STEPS,
     MAX_MODE_NAME_CHARS,
+    MAX_OBSERVED_UPLOADS,
+    MAX_PEER_ID_CHARS,
     MAX_PEER_STATUS_BYTES,
     MAX_PHASE_SECONDS,
     MAX_PLAN_DIGEST_CHARS,
@@ -432,7 +434,12 @@ def valid_status(peer_id: str) -> proto.PeerStatus:
         measured_samples_per_second=13.0, aggregation_share=0.5, plan_digest="abc",
         phase_times=proto.PhaseTimes(compute_s=3.0, wait_s=0.5),
         training=proto.TrainingStatus(mode="diloco", compression="int8", inner_step=3, inner_steps=8),
+        observed_uploads=[proto.ObservedUpload(peer_id="QmPeerA", upload_mbps=20.0)],
     )  # fmt: skip
+
+
+def observed_upload(peer_id: str, mbps: float) -> proto.ObservedUpload:
+    return proto.ObservedUpload(peer_id=peer_id, upload_mbps=mbps)
 
 
 def status_within_contract(data: bytes, owner_peer_id: str) -> bool:
@@ -444,6 +451,7 @@ def status_within_contract(data: bytes, owner_peer_id: str) -> bool:
     numbers = {name: getattr(status, name) for name in STATUS_LIMITS}
     phases = [getattr(status.phase_times, f.name) for f in status.phase_times.DESCRIPTOR.fields]
     training = status.training
+    observed = status.observed_uploads
     return (
         len(data) <= MAX_PEER_STATUS_BYTES
         and status.peer_id == owner_peer_id
@@ -453,6 +461,13 @@ def status_within_contract(data: bytes, owner_peer_id: str) -> bool:
         and max(len(training.mode), len(training.compression)) <= MAX_MODE_NAME_CHARS
         and training.inner_step <= training.inner_steps <= MAX_INNER_STEPS
         and 0 <= training.compute_utilisation <= 1
+        and len(observed) <= MAX_OBSERVED_UPLOADS
+        and len({entry.peer_id for entry in observed}) == len(observed)
+        and all(0 < len(entry.peer_id) <= MAX_PEER_ID_CHARS for entry in observed)
+        and all(
+            math.isfinite(entry.upload_mbps) and 0 < entry.upload_mbps <= STATUS_LIMITS["upload_mbps"]
+            for entry in observed
+        )
     )
 
 
@@ -470,6 +485,10 @@ STATUS_ATTACKS: list[tuple[str, Callable[[random.Random], Any]]] = [
     ("training.compute_utilisation", lambda rng: rng.choice([*NON_FINITE, -0.1, 1.0001, 1e300])),
     ("peer_id", lambda rng: rng.choice(["", "QmSomeoneElse", "x" * 2000])),
     ("experts", lambda rng: [f"expert.{i}" for i in range(MAX_PEER_STATUS_BYTES // 8)]),
+    ("observed_uploads", lambda rng: [observed_upload(f"Qm{i}", 1.0) for i in range(rng.randrange(9, 400))]),
+    ("observed_uploads", lambda rng: [observed_upload("QmPeerA", 1.0), observed_upload("QmPeerA", 2.0)]),
+    ("observed_uploads", lambda rng: [observed_upload(rng.choice(["", "x" * 65]), 1.0)]),
+    ("observed_uploads", lambda rng: [observed_upload("QmPeerA", rng.choice([*NON_FINITE, 0.0, -1.0, 4.1e5]))]),
 ]
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from crowdtrain import proto
 from crowdtrain.planning.plan import PlanProblem
+from crowdtrain.planning.planner import OBSERVED_SLACK, quantize, swarm_capabilities
 from crowdtrain.planning.roles import LinkProber, NodeRoles
 from crowdtrain.roles import Role
 
@@ -89,6 +90,22 @@ def test_forced_aggregator_computes_nothing_and_takes_a_share() -> None:
     share = roles.replan()
     assert share is not None and share > 0
     assert not roles.computes and roles.roles() == ("aggregator",)
+
+
+def test_the_status_publishes_what_this_node_saw_of_others_and_plans_with_it() -> None:
+    seen = {"me": 900.0, **{f"peer{i}": 10.0 + i for i in range(10)}}
+    liar = peer("peer0")
+    liar.upload_mbps = 1000.0
+    roles = NodeRoles(
+        peer_id="me", problem=PROBLEM, role=None, list_statuses=lambda: [liar], observed_uploads=lambda: seen
+    )
+    status = proto.PeerStatus()
+    roles.fill_status(status)
+    published = {entry.peer_id: entry.upload_mbps for entry in status.observed_uploads}
+    assert published == {f"peer{i}": 10.0 + i for i in range(8)}, "never itself, at most 8"
+    assert roles.own.observed_upload_mbps == published
+    planned = {entry.peer_id: entry.upload_mbps for entry in swarm_capabilities("me", roles.own, [liar])}
+    assert planned["peer0"] == quantize(OBSERVED_SLACK * 10.0)
 
 
 class FakeService:

@@ -13,6 +13,7 @@ from crowdtrain.manifest import demo
 from crowdtrain.planning.plan import PlanProblem
 from crowdtrain.planning.planner import (
     DEFAULT_BANDWIDTH_MBPS,
+    OBSERVED_SLACK,
     OwnCapabilities,
     Planner,
     plan_digest,
@@ -25,10 +26,19 @@ PROBLEM = PlanProblem(vector_size_bytes=10_000_000, target_batch_size=1024)
 ME = OwnCapabilities(samples_per_second=100.0, upload_mbps=100.0, download_mbps=100.0, reachable=True)
 
 
-def _status(peer_id: str, *, compute: float = 100.0, mbps: float | None = 100.0, **fields: object) -> proto.PeerStatus:
+def _status(
+    peer_id: str,
+    *,
+    compute: float = 100.0,
+    mbps: float | None = 100.0,
+    observed: dict[str, float] | None = None,
+    **fields: object,
+) -> proto.PeerStatus:
     status = proto.PeerStatus(peer_id=peer_id, measured_samples_per_second=compute, reachable=True)
     if mbps is not None:
         status.upload_mbps = status.download_mbps = mbps
+    for observed_id, observed_mbps in (observed or {}).items():
+        status.observed_uploads.add(peer_id=observed_id, upload_mbps=observed_mbps)
     for name, value in fields.items():
         setattr(status, name, value)
     return status
@@ -77,6 +87,7 @@ def _node_view(me: str, records: list[proto.PeerStatus]) -> tuple[OwnCapabilitie
         download_mbps=own.download_mbps if own.HasField("download_mbps") else None,
         reachable=own.reachable,
         role_override=own.role_override,
+        observed_upload_mbps={entry.peer_id: entry.upload_mbps for entry in own.observed_uploads},
     )
     shuffled = list(records)
     random.Random(me).shuffle(shuffled)  # the DHT lists records in no particular order
@@ -85,10 +96,10 @@ def _node_view(me: str, records: list[proto.PeerStatus]) -> tuple[OwnCapabilitie
 
 def test_every_node_derives_the_identical_plan_from_the_same_records() -> None:
     records = [
-        _status("p1", compute=3.5, mbps=2003.6),
-        _status("p2", compute=2.4, mbps=807.8),
+        _status("p1", compute=3.5, mbps=2003.6, observed={"p2": 17.3}),
+        _status("p2", compute=2.4, mbps=807.8, observed={"p1": 95.2, "p4": 17.9}),
         _status("p3", compute=0.0, mbps=None),  # still measuring itself
-        _status("p4", compute=40.0, mbps=18.0),
+        _status("p4", compute=40.0, mbps=18.0, observed={"p1": 17.6, "p2": 18.0, "p4": 9e3}),
         _status("p5", compute=12.0, mbps=95.0, role_override="client", reachable=False),
     ]
     problem = PlanProblem(vector_size_bytes=170_000_000, target_batch_size=32)
@@ -173,3 +184,59 @@ def test_one_peer_claiming_huge_numbers_counts_as_at_most_64_times_the_median() 
     assert peers["b"].samples_per_second == median
     two = {peer.peer_id: peer for peer in swarm_capabilities("a", ME, [liar])}
     assert two["z"].samples_per_second == quantize(9e6), "with two peers there is no median to speak of"
+
+
+def _planned(own: OwnCapabilities, statuses: list[proto.PeerStatus]) -> dict[str, float]:
+    """The upload each peer counts with in node a's plan."""
+    return {peer.peer_id: peer.upload_mbps for peer in swarm_capabilities("a", own, statuses)}
+
+
+def test_a_liar_observed_by_peers_counts_for_at_most_the_slack_over_their_observations() -> None:
+    liar = _status("z", mbps=1000.0)
+    honest = [_status("b"), _status("c")]
+    unobserved = Planner("a", PROBLEM).update(ME, [*honest, liar])
+    assert max(unobserved.shares, key=unobserved.shares.__getitem__) == "z", "self-reports alone: the liar wins"
+    observers = [_status("b", observed={"z": 20.0}), _status("c", observed={"z": 19.0})]
+    assert _planned(ME, [*observers, liar])["z"] == quantize(OBSERVED_SLACK * 20.0) <= OBSERVED_SLACK * 20.0
+    plan = Planner("a", PROBLEM).update(ME, [*observers, liar])
+    assert plan.shares["z"] < min(plan.shares[peer] for peer in "abc")
+    assert sum(plan.shares.values()) == pytest.approx(1.0)
+
+
+def test_an_honest_claim_within_the_slack_of_what_peers_saw_is_untouched() -> None:
+    # a joint probe: three streams at once, each slowed by one receiver's download
+    fast = _status("f", mbps=300.0)
+    observers = [_status("b", observed={"f": 100.0}), _status("c", observed={"f": 80.0})]
+    planned = _planned(replace(ME, observed_upload_mbps={"f": 90.0}), [*observers, fast])
+    assert planned["f"] == quantize(300.0)
+    assert planned["b"] == planned["c"] == quantize(100.0), "nobody observed them: their own figures"
+
+
+def test_a_peer_nobody_observed_keeps_its_self_report_within_the_outlier_bound() -> None:
+    liar = _status("z", mbps=9000.0)
+    planned = _planned(ME, [_status("b", observed={"c": 50.0}), _status("c"), liar])
+    assert planned["z"] == 64 * quantize(100.0), "the outlier rule still bounds it"
+    assert planned["c"] == quantize(100.0), "within the slack of 50"
+
+
+def test_what_a_peer_says_it_saw_of_itself_is_no_observation() -> None:
+    liar = _status("z", mbps=1000.0, observed={"z": 1000.0, "b": 100.0})
+    assert _planned(ME, [_status("b"), liar])["z"] == quantize(1000.0)
+    assert _planned(ME, [_status("b", observed={"z": 20.0}), liar])["z"] == quantize(OBSERVED_SLACK * 20.0)
+    me = replace(ME, upload_mbps=1000.0, observed_upload_mbps={"a": 1000.0})
+    assert _planned(me, [_status("b")])["a"] == quantize(1000.0)
+
+
+def test_this_nodes_observations_count_as_it_publishes_them() -> None:
+    # its own record in the DHT may lag what its heartbeat publishes next; `own` is what every node will read
+    statuses = [_status("a", observed={"z": 500.0}), _status("b"), _status("z", mbps=1000.0)]
+    assert _planned(replace(ME, observed_upload_mbps={"z": 20.0}), statuses)["z"] == quantize(OBSERVED_SLACK * 20.0)
+    me = replace(ME, upload_mbps=1000.0)
+    assert _planned(me, [_status("b", observed={"a": 20.0})])["a"] == quantize(OBSERVED_SLACK * 20.0)
+
+
+def test_only_uploads_are_capped_and_the_plan_takes_the_slower_direction() -> None:
+    # a download is timed by the downloader alone: nobody observes it, and the plan uses min(upload, download)
+    liar = _status("z", mbps=1000.0)
+    peers = {peer.peer_id: peer for peer in swarm_capabilities("a", ME, [_status("b", observed={"z": 20.0}), liar])}
+    assert peers["z"].download_mbps == quantize(1000.0) and peers["z"].upload_mbps == quantize(80.0)

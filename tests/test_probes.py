@@ -10,7 +10,10 @@ import hivemind
 import pytest
 
 from crowdtrain import proto
+from crowdtrain.dht.records import MAX_OBSERVED_UPLOADS
+from crowdtrain.links.observations import MAX_TRACKED_PEERS, UploadObservations
 from crowdtrain.links.probes import BandwidthSample, ProbeLimiter, ProbeLimits, ProbeService
+from crowdtrain.links.protocol import CHUNK_BYTES
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -54,6 +57,10 @@ def test_measure_gives_positive_bandwidth_and_reachability(pair: Pair) -> None:
     assert report.answered_peers == (server,)
     assert report.observed_ips == ("127.0.0.1",)
     assert {verdict.verdict for verdict in report.verdicts} == {"dialed"}
+    # each side timed the streams it received: the server's downloads sent, the client's uploads
+    client, seen_by_server = pair.client.peer_id, pair.server.observations.fastest()
+    assert list(pair.client.observations.fastest()) == [server] and list(seen_by_server) == [client]
+    assert 0 < seen_by_server[client] and 0 < pair.client.observations.fastest()[server]
 
 
 @pytest.mark.timeout(60)
@@ -188,3 +195,47 @@ def test_a_peers_unphysical_upload_figures_are_no_measurement(duration_s: float)
     # node the plan's aggregator.
     assert BandwidthSample(measured_bytes=10**6, duration_s=duration_s, truncated=False).mbps is None
     assert BandwidthSample(measured_bytes=10**6, duration_s=0.1, truncated=False).mbps == pytest.approx(80.0)
+
+
+def timed(mbps: float, duration_s: float = 1.0) -> BandwidthSample:
+    return BandwidthSample(measured_bytes=round(mbps * 125_000 * duration_s), duration_s=duration_s, truncated=False)
+
+
+def test_observations_keep_the_fastest_recent_rate_of_the_peers_seen_last() -> None:
+    clock = FakeClock()
+    observations = UploadObservations(max_age_s=100.0, clock=clock)
+    for mbps in (5.0, 40.0, 20.0, 0.0, 1e9):  # nothing timed, or not physical: not a rate
+        observations.record("b", timed(mbps))
+    observations.record("b", BandwidthSample(measured_bytes=10**9, duration_s=float("nan"), truncated=False))
+    assert observations.fastest() == {"b": 40.0}
+    clock.now += 60
+    observations.record("a", timed(7.0))
+    observations.record("b", timed(10.0))
+    assert observations.fastest() == {"a": 7.0, "b": 40.0}
+    clock.now += 50  # b's 40 Mbit/s is 110 s old, its 10 Mbit/s 50 s
+    assert observations.fastest() == {"a": 7.0, "b": 10.0}
+    clock.now += 100
+    assert observations.fastest() == {}
+
+
+def test_observations_publish_the_peers_observed_last_and_track_a_bounded_number() -> None:
+    clock = FakeClock()
+    observations = UploadObservations(clock=clock)
+    for i in range(MAX_TRACKED_PEERS + 10):
+        observations.record(f"peer{i:04}", timed(1.0 + i))
+        clock.now += 1
+    observations.record("peer0100", timed(1.0))  # seen again: among the latest, with its fastest rate
+    latest = observations.fastest()
+    assert len(latest) == MAX_OBSERVED_UPLOADS and list(latest) == sorted(latest)
+    assert latest["peer0100"] == 101.0 and latest["peer0265"] == 266.0 and "peer0258" not in latest
+    observations.record("peer0000", timed(1.0))
+    assert len(observations._samples) == MAX_TRACKED_PEERS and "peer0010" not in observations._samples
+
+
+def test_a_short_stream_read_in_one_burst_is_no_observation() -> None:
+    # two chunks queued while the event loop was busy arrive back to back: 256 KiB in 0.1 ms is no 20 Gbit/s link
+    observations = UploadObservations()
+    observations.record("burst", BandwidthSample(measured_bytes=CHUNK_BYTES, duration_s=1e-4, truncated=False))
+    observations.record("slow", BandwidthSample(measured_bytes=CHUNK_BYTES, duration_s=2.0, truncated=False))
+    observations.record("fast", BandwidthSample(measured_bytes=16 * 2**20, duration_s=0.05, truncated=False))
+    assert set(observations.fastest()) == {"slow", "fast"}

@@ -22,8 +22,11 @@ from crowdtrain import proto
 from crowdtrain.dht import keys
 from crowdtrain.dht.records import (
     MAX_MANIFEST_RECORD_BYTES,
+    MAX_OBSERVED_UPLOADS,
+    MAX_PEER_ID_CHARS,
     MAX_PEER_STATUS_BYTES,
     MAX_PHASE_SECONDS,
+    PHYSICAL_LIMITS,
     RecordError,
     decode_peer_status,
     encode_peer_status,
@@ -251,6 +254,40 @@ def test_peer_status_with_a_bogus_training_status_is_rejected(
     identity: Identity, fields: dict[str, object], match: str
 ) -> None:
     status = status_of(peer_id_of(identity), training=proto.TrainingStatus(**fields))
+    with pytest.raises(RecordError, match=match):
+        decode_peer_status(status.SerializeToString(), owner_marker(identity.private_key))
+
+
+def _observed(*entries: tuple[str, float]) -> list[proto.ObservedUpload]:
+    return [proto.ObservedUpload(peer_id=peer_id, upload_mbps=mbps) for peer_id, mbps in entries]
+
+
+def test_peer_status_with_observed_uploads_round_trips(identity: Identity) -> None:
+    observed = _observed(*((f"QmPeer{i}", 0.001 + i * 100.0) for i in range(MAX_OBSERVED_UPLOADS - 1)))
+    observed += _observed(("Qm" + "x" * (MAX_PEER_ID_CHARS - 2), PHYSICAL_LIMITS["upload_mbps"]))
+    status = status_of(peer_id_of(identity), observed_uploads=observed)
+    decoded = decode_peer_status(encode_peer_status(status), owner_marker(identity.private_key))
+    assert list(decoded.observed_uploads) == observed
+
+
+@pytest.mark.parametrize(
+    ("observed", "match"),
+    [
+        (_observed(*((f"QmPeer{i}", 10.0) for i in range(MAX_OBSERVED_UPLOADS + 1))), "over the 8 cap"),
+        (_observed(("QmPeerA", 10.0), ("QmPeerB", 20.0), ("QmPeerA", 900.0)), "twice"),
+        (_observed(("", 10.0)), "empty or overlong peer ID"),
+        (_observed(("x" * (MAX_PEER_ID_CHARS + 1), 10.0)), "empty or overlong peer ID"),
+        (_observed(("QmPeerA", float("nan"))), "upload_mbps"),
+        (_observed(("QmPeerA", float("inf"))), "upload_mbps"),
+        (_observed(("QmPeerA", 0.0)), "upload_mbps"),
+        (_observed(("QmPeerA", -5.0)), "upload_mbps"),
+        (_observed(("QmPeerA", PHYSICAL_LIMITS["upload_mbps"] * 1.001)), "upload_mbps"),
+    ],
+)
+def test_peer_status_with_malformed_observed_uploads_is_rejected(
+    identity: Identity, observed: list[proto.ObservedUpload], match: str
+) -> None:
+    status = status_of(peer_id_of(identity), observed_uploads=observed)
     with pytest.raises(RecordError, match=match):
         decode_peer_status(status.SerializeToString(), owner_marker(identity.private_key))
 

@@ -42,6 +42,8 @@ MAX_EXCLUSION_S = 6 * 3600.0
 """The longest a node keeps a peer out of its groups (averaging/quarantine.py)."""
 MAX_PEER_ID_CHARS = 64
 """A base58 peer ID of an RSA or Ed25519 key is 46-52 characters."""
+MAX_OBSERVED_UPLOADS = 8
+"""Cap on the peers whose upload one status record says its node timed (links/observations.py)."""
 MAX_INNER_STEPS = 1_000_000
 """Cap on a PeerStatus's inner steps per outer round: the manifest's own bound on `diloco.inner_steps`."""
 
@@ -176,7 +178,21 @@ def decode_peer_status(data: bytes, owner: bytes) -> proto.PeerStatus:
             raise RecordError(f"peer status has an invalid phase_times.{field.name}: {seconds}")
     _check_training_status(status.training)
     _check_excluded_peers(status.excluded_peers)
+    _check_observed_uploads(status.observed_uploads)
     return status
+
+
+def _check_observed_uploads(observed: Sequence[proto.ObservedUpload]) -> None:
+    if len(observed) > MAX_OBSERVED_UPLOADS:
+        raise RecordError(f"peer status observes {len(observed)} peers, over the {MAX_OBSERVED_UPLOADS} cap")
+    if len({entry.peer_id for entry in observed}) < len(observed):
+        raise RecordError("peer status observes one peer twice")
+    limit_mbps = PHYSICAL_LIMITS["upload_mbps"]
+    for entry in observed:
+        if not 0 < len(entry.peer_id) <= MAX_PEER_ID_CHARS:
+            raise RecordError("peer status has an observed upload with an empty or overlong peer ID")
+        if not (math.isfinite(entry.upload_mbps) and 0.0 < entry.upload_mbps <= limit_mbps):
+            raise RecordError(f"peer status has an observed upload with an invalid upload_mbps: {entry.upload_mbps}")
 
 
 def _check_excluded_peers(excluded: Sequence[proto.ExcludedPeer]) -> None:

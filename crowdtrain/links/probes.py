@@ -10,6 +10,10 @@ A node serves three RPCs (`proto/crowdtrain.proto`) on hivemind's P2P layer and 
 
 The server bounds every probe (bytes, time) and rate-limits them (`ProbeLimiter`), so nobody can use
 a node to flood another; refused probes get a `ProbeRefusal` reply saying why and when to retry.
+
+Whoever receives a stream times it, so each side learns something the other cannot fake: the rate of every
+stream this node receives (a download it asked for, an upload it serves) is a lower bound of the sender's upload,
+kept in `observations` and published for the plan (links/observations.py).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from crowdtrain import proto
 from crowdtrain.dht.service import P2PService
 from crowdtrain.links.limiter import ProbeLimiter, ProbeLimits
+from crowdtrain.links.observations import UploadObservations
 from crowdtrain.links.protocol import (
     CALL_MARGIN_S,
     CHUNK_BYTES,
@@ -74,6 +79,8 @@ class ProbeService(P2PService):
         super().__init__(dht, NAMESPACE, thread_name="probes")
         self.limits = limits or ProbeLimits()
         self.limiter = ProbeLimiter(self.limits)
+        self.observations = UploadObservations()
+        """The rates at which peers' streams reached this node, timed here: lower bounds of their uploads."""
 
     # ---- the server side -------------------------------------------------------------------------
     # Streams are annotated with typing.AsyncIterator: hivemind's ServicerBase recognises a streaming
@@ -97,6 +104,8 @@ class ProbeService(P2PService):
             result = await self._receive(requests, header.total_bytes)
         finally:
             self.limiter.release("bandwidth", peer, lease)
+        timed = BandwidthSample(measured_bytes=result.measured_bytes, duration_s=result.duration_s, truncated=False)
+        self.observations.record(peer, timed)  # the requester's upload, as this node's clock saw it
         yield result
         await self._drain(requests)
 
@@ -460,4 +469,6 @@ class ProbeService(P2PService):
         except TimeoutError:
             truncated = True  # report what arrived by then
         truncated = truncated or timer.received < num_bytes
-        return BandwidthSample(measured_bytes=timer.measured, duration_s=timer.duration_s, truncated=truncated)
+        sample = BandwidthSample(measured_bytes=timer.measured, duration_s=timer.duration_s, truncated=truncated)
+        self.observations.record(peer.to_base58(), sample)  # the server's upload, timed by this node
+        return sample

@@ -226,6 +226,7 @@ class Daemon:
             role=self.config.fixed_role,
             list_statuses=statuses,
             aggregate_only=auxiliary_aggregators,
+            observed_uploads=dict if self.probes is None else self.probes.observations.fastest,
         )
         roles.record_throughput(samples_per_second)
         if self.config.fixed_role != Role.CLIENT:

@@ -5,10 +5,12 @@ peer counts on it, and shares no longer sum to one. So a plan is computed from o
 run's status records as listed from the DHT at the epoch boundary, this node's own entry taken as
 it publishes it (never its fresher local measurement), each measurement rounded to a geometric grid
 (QUANTUM_RATIO steps) so noise between two readings doesn't change the plan, and nothing from the
-node's history (no hysteresis). `plan_digest` fingerprints a plan; nodes publish it, and `status`
-shows whether they agree. Where records disagree for a moment (a record refreshed between two
-nodes' readings), nothing breaks: a group's partition comes from the shares its members sent at
-matchmaking (averaging/partition.py).
+node's history (no hysteresis). A peer's self-reported upload counts for at most OBSERVED_SLACK times
+the fastest rate another peer published having received from it (links/observations.py), and no
+self-report for more than OUTLIER_RATIO times the swarm's median. `plan_digest` fingerprints a plan;
+nodes publish it, and `status` shows whether they agree. Where records disagree for a moment (a record
+refreshed between two nodes' readings), nothing breaks: a group's partition comes from the shares its
+members sent at matchmaking (averaging/partition.py).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import hashlib
 import logging
 import math
 import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from crowdtrain import proto
 from crowdtrain.dht.records import MIN_PEERS_FOR_OUTLIERS, OUTLIER_RATIO
@@ -40,6 +42,13 @@ DEFAULT_BANDWIDTH_MBPS = 100.0
 QUANTUM_RATIO = 2 ** (1 / 4)
 """Measurements enter the plan rounded to powers of this ratio (steps of ~19%): a probe that reads 5% more
 than the last one rarely changes the plan, and two readings of one record always give the same plan."""
+OBSERVED_SLACK = 4.0
+"""A peer's self-reported upload counts for at most this many times the fastest rate another peer received from
+it. What an honest observer times is a lower bound of the sender's upload: its own download, the path and a busy
+moment (training traffic, a loaded CPU reading the stream) all slow it. And an honest node's own figure may be its
+joint probe: MAX_PROBED_PEERS (3) streams at once, each timed by one of the receivers, so up to 3x the fastest
+stream any receiver saw; 4 leaves a third more for rounds measured at different times. A liar observed by honest
+peers gains at most this factor over its real link."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,6 +61,9 @@ class OwnCapabilities:
     reachable: bool
     role_override: str = ""
     """The plan role this node was told to take (trainer, aggregator, client), or "" for the plan's choice."""
+    observed_upload_mbps: Mapping[str, float] = field(default_factory=dict)
+    """Other peers' uploads this node timed receiving their probe streams, Mbit/s by peer ID, as it publishes them
+    (`PeerStatus.observed_uploads`)."""
 
 
 def plan_problem(manifest: RunManifest, num_parameters: int) -> PlanProblem:
@@ -66,13 +78,15 @@ def swarm_capabilities(
     """Every online peer's capabilities for the plan, in peer-ID order, each measurement quantized.
 
     This node's entry is `own`, which is what its heartbeat publishes, so every node reads the same values
-    for it. A peer that has not measured something yet is given the median of those who have (hivemind
-    does the same for undeclared bandwidths), so one newcomer doesn't swing the plan. Without
-    `aggregate_only` (parameters-mode runs, where every replica steps), no peer is left out of computing.
+    for it. A self-reported upload that other peers observed counts for at most OBSERVED_SLACK times the
+    fastest of their observations. A peer that has not measured something yet is given the median of those
+    who have (hivemind does the same for undeclared bandwidths), so one newcomer doesn't swing the plan.
+    Without `aggregate_only` (parameters-mode runs, where every replica steps), no peer is left out of computing.
     """
     others = [status for status in statuses if status.peer_id != own_peer_id and takes_part_in_averaging(status)]
     entries = sorted([(status.peer_id, _measured(status)) for status in others] + [(own_peer_id, own)])
-    measured = [_quantized(m) for _, m in entries]
+    observed = fastest_observed_uploads(own_peer_id, own, statuses)
+    measured = [_quantized(_within_observations(m, observed.get(peer_id))) for peer_id, m in entries]
     compute = _median([m.samples_per_second for m in measured], default=1.0)
     upload = _median([m.upload_mbps for m in measured], default=DEFAULT_BANDWIDTH_MBPS)
     download = _median([m.download_mbps for m in measured], default=DEFAULT_BANDWIDTH_MBPS)
@@ -89,6 +103,34 @@ def swarm_capabilities(
         )
         for (peer_id, _), m in zip(entries, measured, strict=True)
     ]
+
+
+def fastest_observed_uploads(
+    own_peer_id: str, own: OwnCapabilities, statuses: Sequence[proto.PeerStatus]
+) -> dict[str, float]:
+    """The fastest upload each peer was observed sending by another peer, in Mbit/s, over every record.
+
+    Every record counts as an observer, this node's as `own` publishes it (its record in the DHT may lag);
+    what a peer says it saw of itself is no observation. Records are decoded: every rate is finite and within
+    PHYSICAL_LIMITS.
+    """
+    observers = [
+        (status.peer_id, {entry.peer_id: entry.upload_mbps for entry in status.observed_uploads})
+        for status in statuses
+        if status.peer_id != own_peer_id
+    ]
+    fastest: dict[str, float] = {}
+    for observer, rates in [*observers, (own_peer_id, own.observed_upload_mbps)]:
+        for peer_id, mbps in rates.items():
+            if peer_id != observer:
+                fastest[peer_id] = max(mbps, fastest.get(peer_id, 0.0))
+    return fastest
+
+
+def _within_observations(m: OwnCapabilities, fastest_observed_mbps: float | None) -> OwnCapabilities:
+    if m.upload_mbps is None or fastest_observed_mbps is None:
+        return m  # nobody observed it (or it measured nothing): its self-report, bounded by the outlier rule
+    return replace(m, upload_mbps=min(m.upload_mbps, OBSERVED_SLACK * fastest_observed_mbps))
 
 
 def _within_outlier_ratio(m: OwnCapabilities, compute: float, upload: float, download: float) -> OwnCapabilities:

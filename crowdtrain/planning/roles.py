@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from crowdtrain import proto
+from crowdtrain.dht.records import MAX_OBSERVED_UPLOADS
 from crowdtrain.links.probes import MAX_PROBED_PEERS
 from crowdtrain.planning.plan import PlanProblem
 from crowdtrain.planning.planner import OwnCapabilities, Planner, takes_part_in_averaging
@@ -51,10 +52,13 @@ class NodeRoles:
         role: Role | None,
         list_statuses: Callable[[], Sequence[proto.PeerStatus]],
         aggregate_only: bool = True,
+        observed_uploads: Callable[[], Mapping[str, float]] = dict,
     ):
         """`role`: the one `--role` fixed (None: auto); `aggregate_only`: whether the run lets a peer aggregate
-        without computing (gradients mode)."""
+        without computing (gradients mode); `observed_uploads`: the rates this node timed receiving peers' probe
+        streams, Mbit/s by peer (links/observations.py), published with its status."""
         self.peer_id, self.list_statuses = peer_id, list_statuses
+        self.observed_uploads = observed_uploads
         self.planner = Planner(peer_id, problem, aggregate_only=aggregate_only)
         override = role.value if role in PLAN_ROLES else ""  # the status record's field: a string
         self.own = OwnCapabilities(
@@ -127,9 +131,14 @@ class NodeRoles:
         return (self.own.role_override,) if self.own.role_override else (Role.TRAINER,)
 
     def fill_status(self, status: proto.PeerStatus) -> None:
-        """Write this node's capabilities, roles and share into its status record."""
+        """Write this node's capabilities, observations of peers, roles and share into its status record.
+
+        The observations written are the ones this node's next plans use (as every other node reads them)."""
+        others = sorted((peer_id, mbps) for peer_id, mbps in self.observed_uploads().items() if peer_id != self.peer_id)
+        observed = dict(others[:MAX_OBSERVED_UPLOADS])  # more and every reader would refuse the record
         with self._lock:
-            own, measured = self.own, self.reachability_measured
+            self.own = own = replace(self.own, observed_upload_mbps=observed)
+            measured = self.reachability_measured
         status.ClearField("roles")
         status.roles.extend(self.roles())
         status.aggregation_share = self.planner.own_share() or 0.0
@@ -141,6 +150,10 @@ class NodeRoles:
             status.download_mbps = own.download_mbps
         status.reachable, status.reachability_measured = own.reachable, measured
         status.role_override = own.role_override
+        del status.observed_uploads[:]
+        status.observed_uploads.extend(
+            proto.ObservedUpload(peer_id=peer_id, upload_mbps=mbps) for peer_id, mbps in observed.items()
+        )
 
 
 class LinkService(Protocol):

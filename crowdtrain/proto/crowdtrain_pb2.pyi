@@ -146,7 +146,7 @@ class SignedManifest(_message.Message):
     def __init__(self, manifest: _Optional[bytes] = ..., founder_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("peer_id", "version", "state", "roles", "device", "samples_per_second", "epoch", "loss", "upload_mbps", "download_mbps", "reachable", "experts", "multiaddrs", "last_seen", "samples_accumulated", "run_id", "partial_averages", "local_steps", "measured_samples_per_second", "aggregation_share", "role_override", "reachability_measured", "plan_digest", "phase_times", "training", "excluded_peers")
+    __slots__ = ("peer_id", "version", "state", "roles", "device", "samples_per_second", "epoch", "loss", "upload_mbps", "download_mbps", "reachable", "experts", "multiaddrs", "last_seen", "samples_accumulated", "run_id", "partial_averages", "local_steps", "measured_samples_per_second", "aggregation_share", "role_override", "reachability_measured", "plan_digest", "phase_times", "training", "excluded_peers", "observed_uploads")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ONLINE: _ClassVar[PeerStatus.State]
@@ -179,6 +179,7 @@ class PeerStatus(_message.Message):
     PHASE_TIMES_FIELD_NUMBER: _ClassVar[int]
     TRAINING_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_PEERS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_UPLOADS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     version: str
     state: PeerStatus.State
@@ -205,7 +206,8 @@ class PeerStatus(_message.Message):
     phase_times: PhaseTimes
     training: TrainingStatus
     excluded_peers: _containers.RepeatedCompositeFieldContainer[ExcludedPeer]
-    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[PeerStatus.State, str]] = ..., roles: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., epoch: _Optional[int] = ..., loss: _Optional[float] = ..., upload_mbps: _Optional[float] = ..., download_mbps: _Optional[float] = ..., reachable: _Optional[bool] = ..., experts: _Optional[_Iterable[str]] = ..., multiaddrs: _Optional[_Iterable[str]] = ..., last_seen: _Optional[float] = ..., samples_accumulated: _Optional[int] = ..., run_id: _Optional[str] = ..., partial_averages: _Optional[int] = ..., local_steps: _Optional[int] = ..., measured_samples_per_second: _Optional[float] = ..., aggregation_share: _Optional[float] = ..., role_override: _Optional[str] = ..., reachability_measured: _Optional[bool] = ..., plan_digest: _Optional[str] = ..., phase_times: _Optional[_Union[PhaseTimes, _Mapping]] = ..., training: _Optional[_Union[TrainingStatus, _Mapping]] = ..., excluded_peers: _Optional[_Iterable[_Union[ExcludedPeer, _Mapping]]] = ...) -> None: ...
+    observed_uploads: _containers.RepeatedCompositeFieldContainer[ObservedUpload]
+    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[PeerStatus.State, str]] = ..., roles: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., epoch: _Optional[int] = ..., loss: _Optional[float] = ..., upload_mbps: _Optional[float] = ..., download_mbps: _Optional[float] = ..., reachable: _Optional[bool] = ..., experts: _Optional[_Iterable[str]] = ..., multiaddrs: _Optional[_Iterable[str]] = ..., last_seen: _Optional[float] = ..., samples_accumulated: _Optional[int] = ..., run_id: _Optional[str] = ..., partial_averages: _Optional[int] = ..., local_steps: _Optional[int] = ..., measured_samples_per_second: _Optional[float] = ..., aggregation_share: _Optional[float] = ..., role_override: _Optional[str] = ..., reachability_measured: _Optional[bool] = ..., plan_digest: _Optional[str] = ..., phase_times: _Optional[_Union[PhaseTimes, _Mapping]] = ..., training: _Optional[_Union[TrainingStatus, _Mapping]] = ..., excluded_peers: _Optional[_Iterable[_Union[ExcludedPeer, _Mapping]]] = ..., observed_uploads: _Optional[_Iterable[_Union[ObservedUpload, _Mapping]]] = ...) -> None: ...
 
 class ExcludedPeer(_message.Message):
     __slots__ = ("peer_id", "reason", "remaining_s")
@@ -216,6 +218,14 @@ class ExcludedPeer(_message.Message):
     reason: str
     remaining_s: float
     def __init__(self, peer_id: _Optional[str] = ..., reason: _Optional[str] = ..., remaining_s: _Optional[float] = ...) -> None: ...
+
+class ObservedUpload(_message.Message):
+    __slots__ = ("peer_id", "upload_mbps")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_MBPS_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    upload_mbps: float
+    def __init__(self, peer_id: _Optional[str] = ..., upload_mbps: _Optional[float] = ...) -> None: ...
 
 class TrainingStatus(_message.Message):
     __slots__ = ("mode", "compression", "inner_step", "inner_steps", "round_bytes_sent", "compute_utilisation")
