@@ -158,11 +158,26 @@ def test_a_whole_batch_a_second_into_the_epoch_is_cut_to_the_plausible(caplog: p
     assert estimated_samples(bounded[b"liar"], NOW) <= plausible
     assert estimated_samples(bounded[b"stale"], NOW) == pytest.approx(plausible)
     assert bounded[b"me"] == claims[b"me"], "this node knows its own samples"
-    assert len(caplog.records) == 2, "once per peer and epoch"
+    assert len(caplog.records) == 1, "once per peer and epoch; the stale record's samples (0) are no lie"
     assert f"of the {TARGET} samples peer …" in caplog.text and "toward epoch 7" in caplog.text
     assert checker.bounded(claims, NOW + 60.0, 7)[b"liar"]["samples_accumulated"] == TARGET, "plausible later"
     unseen = bounds().bounded(claims, NOW, 7)
     assert unseen[b"liar"]["samples_accumulated"] == TARGET, "an epoch not seen beginning: the batch bounds it"
+
+
+def test_an_honest_record_older_than_the_epoch_as_seen_here_is_bounded_without_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # This node saw epoch 7 begin only now (it caught up by downloading the swarm's state); a peer's record of 8
+    # samples at 2/s made 20 s ago extrapolates to 48, over the 20 this node can grant: bounded, and not called a
+    # liar, since the samples it claims are plausible.
+    checker = in_epoch_since(bounds(target_batch_size=1000), 7, NOW)
+    honest = {b"early": claim("early", 7, samples_accumulated=8, time=NOW - 20.0)}
+    with caplog.at_level(logging.WARNING):
+        bounded = checker.bounded(honest, NOW, 7)[b"early"]
+    assert bounded["samples_accumulated"] == 8
+    assert estimated_samples(bounded, NOW) == pytest.approx(plausible_samples(2.0, 0.0))
+    assert not caplog.records
 
 
 @pytest.fixture

@@ -153,6 +153,11 @@ class ProgressBounds:
             return
         claim["samples_accumulated"] = min(claimed, int(limit))
         claim["time"] = now - (limit - claim["samples_accumulated"]) / rate if rate > 0 else now
+        if claimed <= limit:
+            # Only hivemind's extrapolation (rate x the record's age) was over: bounded, but no sign of a liar. This
+            # node may have seen the epoch begin late (it caught up by a state download, or looked at the swarm
+            # seldom), and then an honest peer's record made earlier in the epoch extrapolates past the bound.
+            return
         if (key, claim["epoch"]) not in self._cut:
             self._cut.add((key, claim["epoch"]))
             logger.warning(

@@ -21,9 +21,13 @@ downloaded state. An answer at another epoch can't corroborate (training moved o
 the state's epoch agrees: the state is loaded. One disagrees: one further donor is asked, and the state is loaded
 only if a majority of the sketches at its epoch, its own included, agree with it; otherwise it is refused with a
 warning and the next donor is tried, and if a majority agree with each other against it, its donor is marked bad as
-well. No other donor, or none answering at the state's epoch within DIGEST_TIMEOUT_S: the state is loaded with an
-INFO line saying it was not corroborated, since a swarm of two has nobody to compare with and refusing would leave
-its joiners with no state.
+well. No other donor, or none answering at the state's epoch by DIGEST_GRACE_S after the download: the state is
+loaded with an INFO line saying it was not corroborated, since a swarm of two has nobody to compare with and refusing
+would leave its joiners with no state. The whole search ends DEADLINE_MARGIN_S before its caller's timeout.
+
+Measured so far: in the in-process tests the honest donors' sketches come back and corroborate; in the daemon swarm
+tests of gradient mode no digest came back at the state's epoch (every download logged "not corroborated"), cause not
+found yet, so there a liar's well-formed state is still loaded.
 
 What this does not stop: a state changed in a few values only (the sketch samples 16 per tensor); sybils that serve
 the liar's state outvote the honest donors. And honest donors can disagree at one epoch: briefly in gradient mode (a
@@ -83,6 +87,11 @@ NUM_CORROBORATORS = 2
 MAX_DIGEST_REQUESTS = 4
 """Donors asked for a digest per downloaded state at most, the further ones after a disagreement included."""
 DIGEST_TIMEOUT_S = 5.0
+DIGEST_GRACE_S = 1.0
+"""Digests were asked for as the download started; once it is done, the state waits this much longer for them
+(not DIGEST_TIMEOUT_S: every state download, a gradient-mode peer's catch-up included, would pay it)."""
+DEADLINE_MARGIN_S = 5.0
+"""A state download in the averager process ends this long before its caller's timeout."""
 """A donor's digest answer later than this is no answer. For an 85M-parameter model the donor fetches its state from
 its training process as for a download (views of the live tensors in gradient mode; DiLoCo copies its outer state
 and moves it to shared memory, 1-2.5 s on a loaded 2-core machine) and sketches it (30-80 ms on one core)."""
@@ -222,7 +231,16 @@ class VerifiedStateDownloadMixin:
         future: MPFuture = MPFuture()
         template = self.state_template()
         corroborate = corroborate and self.states_agree_at_epoch
-        request = dict(future=future, template=template, above_priority=above_priority, corroborate=corroborate)
+        # The averager gives up a little before this caller would: a late answer is lost, and hivemind logs the
+        # caller's TimeoutError with a traceback.
+        deadline_s = None if timeout is None else max(timeout - DEADLINE_MARGIN_S, 1.0)
+        request = dict(
+            future=future,
+            template=template,
+            above_priority=above_priority,
+            corroborate=corroborate,
+            deadline_s=deadline_s,
+        )
         self._outer_pipe.send(("_load_verified_state", [], request))
         if not wait:
             return future
@@ -231,23 +249,36 @@ class VerifiedStateDownloadMixin:
         return None if loaded is None else (self.trusted_metadata(loaded[0]), loaded[1])
 
     async def _load_verified_state(
-        self, future: MPFuture, template: StateTemplate, above_priority: float | None, corroborate: bool
+        self,
+        future: MPFuture,
+        template: StateTemplate,
+        above_priority: float | None,
+        corroborate: bool,
+        deadline_s: float | None = None,
     ) -> None:
         # Runs in the averager process. hivemind's own _load_state_from_peers, with the checks of this module.
-        bad_donors: set[PeerID] = self.__dict__.setdefault("_bad_donors", set())
         try:
-            ranked = await self._ranked_donors(bad_donors)
-            for donor in [peer for peer, priority in ranked if above_priority is None or priority > above_priority]:
-                if donor in bad_donors:  # refuted while corroborating an earlier donor's state
-                    continue
-                others = [peer for peer, _ in ranked if peer != donor and peer not in bad_donors]
-                state = await self._verified_state(donor, template, others if corroborate else None, bad_donors)
-                if state is not None:
-                    future.set_result(state)
-                    return
+            searching = self._first_verified_state(template, above_priority, corroborate)
+            future.set_result(await asyncio.wait_for(searching, deadline_s))
+        except TimeoutError:
+            logger.warning(f"found no verified state within {deadline_s:g} s; this node goes on with its own")
         finally:
             if not future.done():
                 future.set_result(None)
+
+    async def _first_verified_state(
+        self, template: StateTemplate, above_priority: float | None, corroborate: bool
+    ) -> tuple[Any, list[torch.Tensor]] | None:
+        bad_donors: set[PeerID] = self.__dict__.setdefault("_bad_donors", set())
+        ranked = await self._ranked_donors(bad_donors)
+        for donor in [peer for peer, priority in ranked if above_priority is None or priority > above_priority]:
+            if donor in bad_donors:  # refuted while corroborating an earlier donor's state
+                continue
+            others = [peer for peer, _ in ranked if peer != donor and peer not in bad_donors]
+            state = await self._verified_state(donor, template, others if corroborate else None, bad_donors)
+            if state is not None:
+                return state
+        return None
 
     async def _verified_state(
         self, donor: PeerID, template: StateTemplate, others: list[PeerID] | None, bad_donors: set[PeerID]
@@ -333,7 +364,10 @@ class VerifiedStateDownloadMixin:
     ) -> Judgement:
         """What others say of a downloaded state of `epoch` whose sketch is `mine`: the answers of `first`, then
         after a disagreement one more answer at `epoch` from `further`. Answers at another epoch don't count."""
-        answers = [answer for answer in await asyncio.gather(*first) if answer is not None and answer[0] == epoch]
+        if first:  # asked as the download started: what has not come DIGEST_GRACE_S after it does not count
+            await asyncio.wait(first, timeout=DIGEST_GRACE_S)
+        finished = [task.result() for task in first if task.done() and not task.cancelled()]
+        answers = [answer for answer in finished if answer is not None and answer[0] == epoch]
         sketches = [sketch for _, sketch in answers]
         disputed = any(not sketches_agree(mine, sketch) for sketch in sketches)
         for peer in further if disputed else []:
@@ -392,7 +426,8 @@ class VerifiedStateDownloadMixin:
     ) -> tuple[Any, list[torch.Tensor]]:
         averager: Any = self
         stub = averager.get_stub(averager._p2p, donor, namespace=self.prefix)
-        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        # Opening the stream (dialling the donor) is bounded like every chunk after it.
+        stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), chunk_timeout)
         metadata: Any = None
         parts: list[Any] = []
         tensors: list[torch.Tensor] = []
