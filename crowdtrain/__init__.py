@@ -18,7 +18,12 @@ Package map, from the top down; a package may import only those below it (tests/
   proto/      protobuf records stored in the DHT and the node's own RPC messages
   errors      exceptions that carry the CLI's exit code
   files       files kept across restarts: atomic writes, SHA-256 checksums beside them
+  forking     forked processes never garbage-collect their parent's shared tensors (installed on import)
 See ARCHITECTURE.md for how a global step flows through them.
 """
 
+from crowdtrain import forking as _forking
+
 __version__ = "0.1.0"
+
+_forking.install()

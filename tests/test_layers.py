@@ -12,6 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "crowdtrain"
 LAYERS: dict[str, int] = {
     "errors": 0,
     "files": 0,
+    "forking": 0,
     "structured": 0,
     "roles": 0,
     "proto": 0,

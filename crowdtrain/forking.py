@@ -1,0 +1,41 @@
+"""Forked processes never garbage-collect what their parent owns.
+
+hivemind starts its DHT, averagers and expert handlers as forked processes, and shares tensors (averaged tensors,
+MPFuture states) through torch's `file_system` strategy, which hivemind sets at import: each shared storage keeps a
+reference count in its shared-memory file and unlinks the file when the count reaches zero. A forked child inherits
+the parent's Python objects, storages included, without adding to those counts. When the child's garbage collector
+then frees an inherited object that holds such a storage (garbage the parent had not collected yet at the fork), the
+count drops for a reference the child never took: the file is unlinked while the parent still uses it, and whichever
+process frees it next fails to unlink it, throws from a C++ destructor and aborts ("Fatal Python error: Aborted",
+`could not unlink the shared memory file`; petals met the same crash on hivemind servers). A test run showed it: a
+DHT process forked by pytest aborted while "Garbage-collecting" right after the fork.
+
+So, around every fork (os.register_at_fork, which multiprocessing's fork start method goes through): the parent
+collects its garbage and freezes its objects first, and the child keeps them frozen, out of its collector's reach;
+the parent unfreezes after the fork. This is the pattern the `gc.freeze` documentation gives for forking servers. The
+child can still free inherited objects by reference count if it drops them, as any forked process can.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+_installed = False
+
+
+def _before_fork() -> None:
+    gc.collect()  # garbage freed here, by the process whose references it holds
+    gc.freeze()
+
+
+def _after_fork_in_parent() -> None:
+    gc.unfreeze()
+
+
+def install() -> None:
+    """Register the fork hooks once per interpreter (a forked child inherits them)."""
+    global _installed
+    if not _installed:
+        os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent)
+        _installed = True
