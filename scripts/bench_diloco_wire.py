@@ -14,29 +14,22 @@ reducers send back is the average of the group's sparse parts).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-import hivemind
 import torch
-from hivemind.utils.crypto import RSAPrivateKey
 
-from crowdtrain import proto
-from crowdtrain.averaging.exact import new_partial_counter
 from crowdtrain.data.corpus import load_token_stream
 from crowdtrain.data.sampler import WindowSampler
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, llama_20m
 from crowdtrain.models import build_model, load_tokenizer
 from crowdtrain.testing.bench import print_table, say
+from crowdtrain.testing.diloco import diloco_peers
 from crowdtrain.testing.processes import await_condition
-from crowdtrain.training.modes.base import ModeContext, SwarmView
-from crowdtrain.training.modes.diloco import DiLoCoMode
 
 MIB = 2**20
 
@@ -66,43 +59,9 @@ def inner_steps(manifest: RunManifest, args: argparse.Namespace) -> tuple[list[t
     return start, finals
 
 
-@contextlib.contextmanager
-def peers(run: RunManifest, start: list[torch.Tensor], num_peers: int) -> Iterator[list[DiLoCoMode]]:
-    """`num_peers` DiLoCoModes on loopback DHTs over replicas of θ₀; closed after."""
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dhts = [first] + [
-        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
-        for _ in range(num_peers - 1)
-    ]
-    statuses = [proto.PeerStatus(peer_id=dht.peer_id.to_base58()) for dht in dhts]
-    modes: list[DiLoCoMode] = []
-    try:
-        for dht, status in zip(dhts, statuses, strict=True):
-            context = ModeContext(
-                dht=dht,
-                manifest=run,
-                peer_id=status.peer_id,
-                private_key=RSAPrivateKey(),
-                parameters=[torch.nn.Parameter(value.clone()) for value in start],
-                compute=None,
-                micro_batch_size=8,
-                client_mode=False,
-                auxiliary=False,
-                swarm=SwarmView(plan_share=None, statuses=statuses),
-                partial_counter=new_partial_counter(),
-            )
-            modes.append(DiLoCoMode(context))
-        yield modes
-    finally:
-        for mode in modes:
-            mode.close()
-        for dht in dhts:
-            dht.shutdown()
-
-
 def one_round(run: RunManifest, start: list[torch.Tensor], finals: list[list[torch.Tensor]]) -> dict[str, float]:
     """One outer round of these pseudo-gradients: MiB each peer sent and received, the average's density."""
-    with peers(run, start, len(finals)) as modes:
+    with diloco_peers(run, len(finals), start) as modes:
         for mode, final in zip(modes, finals, strict=True):
             with torch.no_grad():
                 for parameter, value in zip(mode.parameters, final, strict=True):

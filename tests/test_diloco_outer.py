@@ -11,24 +11,18 @@ checkpoint gives a restarted peer its round, outer momentum and residual back.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import hivemind
 import pytest
 import torch
-from hivemind.utils.crypto import RSAPrivateKey
 
-from crowdtrain import proto
 from crowdtrain.averaging.error_feedback import keep_top_k_
-from crowdtrain.averaging.exact import new_partial_counter
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, demo
+from crowdtrain.testing.diloco import diloco_peers
 from crowdtrain.testing.processes import await_condition
 from crowdtrain.training.checkpoint import load_checkpoint, write_checkpoint
-from crowdtrain.training.modes.base import ModeContext, SwarmView
 from crowdtrain.training.modes.diloco import DiLoCoMode
 from crowdtrain.training.progress import Progress
 
@@ -57,41 +51,6 @@ def manifest(
             max_inner_steps=64 if adaptive else None,
         ),
     )
-
-
-@contextlib.contextmanager
-def diloco_peers(run: RunManifest, num_peers: int, start: torch.Tensor) -> Iterator[list[DiLoCoMode]]:
-    """`num_peers` real DiLoCoModes on loopback DHTs, each over a replica of `start`; all closed after."""
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dhts = [first] + [
-        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
-        for _ in range(num_peers - 1)
-    ]
-    peer_ids = [dht.peer_id.to_base58() for dht in dhts]
-    statuses = [proto.PeerStatus(peer_id=peer_id) for peer_id in peer_ids]
-    modes: list[DiLoCoMode] = []
-    try:
-        for dht, peer_id in zip(dhts, peer_ids, strict=True):
-            context = ModeContext(
-                dht=dht,
-                manifest=run,
-                peer_id=peer_id,
-                private_key=RSAPrivateKey(),
-                parameters=[torch.nn.Parameter(start.clone())],
-                compute=None,
-                micro_batch_size=8,
-                client_mode=False,
-                auxiliary=False,
-                swarm=SwarmView(plan_share=None, statuses=statuses),
-                partial_counter=new_partial_counter(),
-            )
-            modes.append(DiLoCoMode(context))
-        yield modes
-    finally:
-        for mode in modes:
-            mode.close()
-        for dht in dhts:
-            dht.shutdown()
 
 
 def run_one_outer_round(
@@ -134,7 +93,7 @@ def test_every_peer_applies_the_weighted_mean_pseudo_gradient_with_one_nesterov_
     num_peers: int, compression: str, tolerance: float, overlap: bool
 ) -> None:
     start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
-    with diloco_peers(manifest(num_peers, compression, overlap=overlap), num_peers, start) as modes:
+    with diloco_peers(manifest(num_peers, compression, overlap=overlap), num_peers, [start]) as modes:
         # what each peer's inner steps did: a known pseudo-gradient over a known number of samples
         generator = torch.Generator().manual_seed(num_peers)
         pseudo_gradients = [torch.randn(3, 4, generator=generator) for _ in modes]
@@ -147,7 +106,7 @@ def test_every_peer_applies_the_weighted_mean_pseudo_gradient_with_one_nesterov_
 
 def test_with_overlap_inner_steps_go_on_and_the_outer_step_moves_them_with_the_rounds_end_point() -> None:
     start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
-    with diloco_peers(manifest(2, "topk", topk_fraction=1.0, overlap=True), 2, start) as modes:
+    with diloco_peers(manifest(2, "topk", topk_fraction=1.0, overlap=True), 2, [start]) as modes:
         generator = torch.Generator().manual_seed(11)
         pseudo_gradients = [torch.randn(3, 4, generator=generator) for _ in modes]
         for mode, pseudo_gradient in zip(modes, pseudo_gradients, strict=True):
@@ -181,7 +140,7 @@ def test_with_overlap_inner_steps_go_on_and_the_outer_step_moves_them_with_the_r
 
 def test_with_adaptive_h_the_group_takes_the_lower_median_of_its_proposals_from_the_next_round() -> None:
     start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
-    with diloco_peers(manifest(3, "none", adaptive=True), 3, start) as modes:
+    with diloco_peers(manifest(3, "none", adaptive=True), 3, [start]) as modes:
         generator = torch.Generator().manual_seed(5)
         run_one_outer_round(modes, start, [torch.randn(3, 4, generator=generator) for _ in modes], [8, 8, 8])
         assert all(mode.round == 1 and mode.round_batches == 1 for mode in modes), "round 1 gathered H = 1 from all"
@@ -204,7 +163,7 @@ def test_with_topk_every_peer_applies_the_mean_of_what_each_sent_and_keeps_back_
     start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
     fraction = 0.25  # 3 values of 12 per peer
     residuals = [torch.randn(3, 4, generator=torch.Generator().manual_seed(rank)) * 0.1 for rank in range(2)]
-    with diloco_peers(manifest(2, "topk", topk_fraction=fraction), 2, start) as modes:
+    with diloco_peers(manifest(2, "topk", topk_fraction=fraction), 2, [start]) as modes:
         for mode, residual in zip(modes, residuals, strict=True):
             assert mode.feedback is not None
             mode.feedback.residuals[0].copy_(residual)  # kept back in earlier rounds
@@ -230,7 +189,7 @@ def test_with_topk_every_peer_applies_the_mean_of_what_each_sent_and_keeps_back_
 def test_a_topk_peers_checkpoint_restores_its_round_outer_momentum_and_residual(tmp_path: Path) -> None:
     start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
     run = manifest(2, "topk", topk_fraction=0.25)
-    with diloco_peers(run, 2, start) as modes:
+    with diloco_peers(run, 2, [start]) as modes:
         generator = torch.Generator().manual_seed(3)
         run_one_outer_round(modes, start, [torch.randn(3, 4, generator=generator) for _ in modes], [8, 8])
         saved = modes[0]
@@ -242,7 +201,7 @@ def test_a_topk_peers_checkpoint_restores_its_round_outer_momentum_and_residual(
         expected_residual = saved.feedback.residuals[0].clone()
         expected_global = saved.global_parameters[0].clone()
     # a restarted node: a fresh mode (fresh DHT, zero state) takes the checkpoint as the training loop does
-    with diloco_peers(run, 1, start) as (restarted,):
+    with diloco_peers(run, 1, [start]) as (restarted,):
         checkpoint = load_checkpoint(path, replica)
         restarted.load_state_dict(checkpoint.optimizer_state)
         assert restarted.round == checkpoint.epoch == 1

@@ -7,7 +7,6 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import hivemind
 import pytest
 import torch
 from hivemind.utils import MPFuture
@@ -19,6 +18,7 @@ from crowdtrain.averaging.quarantine import MAX_QUARANTINE_S, MAX_QUARANTINED, Q
 from crowdtrain.averaging.traffic import AggregationSettings, TrafficCountingAverager
 from crowdtrain.cli.status import render, summarize
 from crowdtrain.dht.records import RecordError, decode_peer_status, owner_marker, peer_id_of_owner
+from crowdtrain.testing.diloco import loopback_dhts
 from crowdtrain.testing.processes import await_condition
 from crowdtrain.training.progress import Progress
 from tests.harness import shut_down
@@ -115,13 +115,7 @@ PART_BYTES = 4 * 500
 
 @pytest.mark.swarm
 def test_a_peer_that_sent_nan_parts_is_left_out_of_the_next_round() -> None:
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
-    dhts = [first] + [
-        hivemind.DHT(
-            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), use_ipfs=False
-        )
-        for _ in range(2)
-    ]
+    dhts = loopback_dhts(3)
     values = [torch.full((SIZE,), 1.0), torch.full((SIZE,), 3.0), torch.full((SIZE,), math.nan)]
     averagers: list[Any] = [
         QuarantiningAverager(

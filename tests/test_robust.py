@@ -6,7 +6,6 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import hivemind
 import pytest
 import torch
 
@@ -20,6 +19,7 @@ from crowdtrain.averaging.robust import (
     trimmed_mean,
 )
 from crowdtrain.averaging.traffic import AggregationSettings, TrafficCountingAverager
+from crowdtrain.testing.diloco import loopback_dhts
 from tests.harness import shut_down
 
 HONEST = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.2, 1.8, 3.1]), torch.tensor([0.8, 2.2, 2.9])]
@@ -98,13 +98,7 @@ class RobustAverager(TrafficCountingAverager):
 
 @pytest.mark.swarm
 def test_one_peer_of_four_sending_huge_values_does_not_move_the_honest_average() -> None:
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
-    dhts = [first] + [
-        hivemind.DHT(
-            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), use_ipfs=False
-        )
-        for _ in range(3)
-    ]
+    dhts = loopback_dhts(4)
     values = [*HONEST, torch.full((3,), 1e6)]
     averagers: list[Any] = [
         RobustAverager(
