@@ -11,8 +11,10 @@ process frees it next fails to unlink it, throws from a C++ destructor and abort
 DHT process forked by pytest aborted while "Garbage-collecting" right after the fork.
 
 So, around every fork (os.register_at_fork, which multiprocessing's fork start method goes through): the parent
-collects its garbage and freezes its objects first, and the child keeps them frozen, out of its collector's reach;
-the parent unfreezes after the fork. This is the pattern the `gc.freeze` documentation gives for forking servers. The
+freezes its objects first, and the child keeps them frozen, out of its collector's reach; the parent unfreezes
+after the fork, and its own collector frees that garbage later, as it would have without the fork. (An earlier
+version collected before freezing: a full collection of a large test process before each of its many forks cost
+minutes of a test run, and freezing alone already keeps the child off the garbage.) This is the pattern the `gc.freeze` documentation gives for forking servers. The
 child can still free inherited objects by reference count if it drops them, as any forked process can.
 """
 
@@ -25,8 +27,7 @@ _installed = False
 
 
 def _before_fork() -> None:
-    gc.collect()  # garbage freed here, by the process whose references it holds
-    gc.freeze()
+    gc.freeze()  # garbage included: the parent, whose references it holds, frees it after the fork
 
 
 def _after_fork_in_parent() -> None:
