@@ -14,8 +14,9 @@ So, around every fork (os.register_at_fork, which multiprocessing's fork start m
 freezes its objects first, and the child keeps them frozen, out of its collector's reach; the parent unfreezes
 after the fork, and its own collector frees that garbage later, as it would have without the fork. (An earlier
 version collected before freezing: a full collection of a large test process before each of its many forks cost
-minutes of a test run, and freezing alone already keeps the child off the garbage.) This is the pattern the `gc.freeze` documentation gives for forking servers. The
-child can still free inherited objects by reference count if it drops them, as any forked process can.
+minutes of a test run, and freezing alone already keeps the child off the garbage.) This is the pattern the
+`gc.freeze` documentation gives for forking servers. The child can still free inherited objects by reference
+count if it drops them, as any forked process can.
 """
 
 from __future__ import annotations
