@@ -127,7 +127,7 @@ class OptimizerSpec:
             raise ValueError(f"max_grad_norm must be 0 (no clipping) or positive, got {self.max_grad_norm}")
 
 
-TRAINING_MODES = ("gradients", "parameters", "diloco")
+TRAINING_MODES = ("gradients", "parameters", "diloco", "spes")
 AGGREGATION_RULES = ("mean", "trimmed_mean", "centered_clip")
 """The values of `averaging.aggregation` (crowdtrain.averaging.robust)."""
 """The values of `averaging.mode`: one per training mode (crowdtrain.training.modes.MODES)."""
@@ -232,6 +232,32 @@ class DiLoCoSpec:
         return self.min_inner_steps, self.max_inner_steps
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SPESSpec:
+    """SPES runs (`averaging.mode = "spes"`): each node trains the dense parameters (averaged as in DiLoCo, with the
+    [diloco] settings) and only the routed experts it owns; the others come from their owners every round."""
+
+    merge_every: int = 0
+    """M: every M inner steps, each owner pulls each of its experts toward its most similar experts (the
+    expert-merging warm-up); 0: no warm-up."""
+    merge_neighbours: int = 2
+    """How many most similar experts (cosine similarity of their weights, same layer) an expert is pulled toward."""
+    merge_alpha: float = 0.1
+    """The pull's weight at the first inner step: θ ← (1 − α)·θ + α·mean(neighbours); it decays linearly to 0."""
+    merge_warmup_steps: int = 500
+    """The swarm's inner steps (global batches) over which α decays to 0; no merging after them."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.merge_every <= 1_000_000:
+            raise ValueError(f"merge_every must be between 0 (no warm-up) and 1000000, got {self.merge_every}")
+        if not 1 <= self.merge_neighbours <= 64:
+            raise ValueError(f"merge_neighbours must be between 1 and 64, got {self.merge_neighbours}")
+        if not (math.isfinite(self.merge_alpha) and 0 <= self.merge_alpha <= 1):
+            raise ValueError(f"merge_alpha must be in [0, 1], got {self.merge_alpha}")
+        if not 1 <= self.merge_warmup_steps <= 10_000_000:
+            raise ValueError(f"merge_warmup_steps must be between 1 and 10000000, got {self.merge_warmup_steps}")
+
+
 EXPERT_ARCHITECTURES = ("ffn",)
 UID_PREFIX_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
 MAX_EXPERTS_PER_LAYER = 65536
@@ -308,7 +334,9 @@ class RunManifest:
     moe: MoESpec | None = None
     """DMoE runs only: the expert grid that replaces the model's FFNs; None for a dense run."""
     diloco: DiLoCoSpec | None = None
-    """DiLoCo runs only (`averaging.mode = "diloco"`); None there means DiLoCoSpec's defaults."""
+    """DiLoCo runs, and SPES runs for their dense part; None there means DiLoCoSpec's defaults."""
+    spes: SPESSpec | None = None
+    """SPES runs only (`averaging.mode = "spes"`); None there means SPESSpec's defaults."""
     admission: str = "open"
     """`open`: anyone who reaches the swarm may join; `invite`: only nodes holding a join token the founder issued
     (`crowdtrain invite`), checked on every DHT request and every RPC (crowdtrain/dht/admission.py)."""
@@ -329,8 +357,16 @@ class RunManifest:
             _check_moe_layers(self.moe, self.model)
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
-        if self.diloco is not None and self.averaging.mode != "diloco":
-            raise ValueError(f"a [diloco] section needs averaging.mode = 'diloco', not {self.averaging.mode!r}")
+        self._check_mode_sections()
+
+    def _check_mode_sections(self) -> None:
+        """The [diloco], [spes] and [moe] sections fit the training mode."""
+        if self.diloco is not None and self.averaging.mode not in ("diloco", "spes"):
+            raise ValueError(f"a [diloco] section needs averaging.mode 'diloco' or 'spes', not {self.averaging.mode!r}")
+        if self.spes is not None and self.averaging.mode != "spes":
+            raise ValueError(f"a [spes] section needs averaging.mode = 'spes', not {self.averaging.mode!r}")
+        if self.averaging.mode == "spes" and self.moe is not None:
+            raise ValueError("a SPES run trains the model's own experts: it can't have a [moe] section (DMoE)")
         if self.diloco is not None and self.diloco.compression == "topk" and self.averaging.aggregation != "mean":
             # a robust rule sees each peer's top-k values as outliers against the others' zeros: it drops them
             raise ValueError(
@@ -460,6 +496,78 @@ def llama_350m() -> RunManifest:
     )
 
 
+def spes_demo() -> RunManifest:
+    """SPES on a 5M-parameter OLMoE (8 routed experts per layer, top-2), CPU-friendly, with the merging warm-up."""
+    return RunManifest(
+        run_id="spes-demo",
+        model=ModelSpec(
+            architecture="OlmoeForCausalLM",
+            config=_byte_olmoe_config(hidden_size=192, intermediate_size=256, num_layers=4, num_heads=4, experts=8),
+            tokenizer="bytes",
+        ),
+        data=DataSpec(source="embedded", sequence_length=128),
+        optimizer=OptimizerSpec(name="adamw", learning_rate=1e-3, warmup_steps=10, total_steps=10_000),
+        target_batch_size=256,
+        averaging=AveragingSpec(mode="spes", group_size=16, grid_dims=2, compression="fp16"),
+        diloco=DiLoCoSpec(inner_steps=20, compression="fp16", overlap=False),
+        spes=SPESSpec(merge_every=10, merge_neighbours=2, merge_alpha=0.1, merge_warmup_steps=200),
+    )
+
+
+def spes_28m() -> RunManifest:
+    """SPES on a 28M-parameter OLMoE (6 layers of 8 experts, top-2), the realistic shape for CPU benchmarks."""
+    return dataclasses.replace(
+        spes_demo(),
+        run_id="spes-28m",
+        model=ModelSpec(
+            architecture="OlmoeForCausalLM",
+            config=_byte_olmoe_config(hidden_size=384, intermediate_size=448, num_layers=6, num_heads=6, experts=8),
+            tokenizer="bytes",
+        ),
+    )
+
+
+def spes_250m() -> RunManifest:
+    """SPES on a 255M-parameter OLMoE (12 layers of 16 experts, top-2; 30M dense), for GPUs: sequence 512."""
+    return dataclasses.replace(
+        spes_demo(),
+        run_id="spes-250m",
+        model=ModelSpec(
+            architecture="OlmoeForCausalLM",
+            config=_byte_olmoe_config(hidden_size=768, intermediate_size=512, num_layers=12, num_heads=12, experts=16),
+            tokenizer="bytes",
+        ),
+        data=DataSpec(source="embedded", sequence_length=512),
+        optimizer=OptimizerSpec(name="adamw", learning_rate=6e-4, warmup_steps=50, total_steps=10_000),
+        target_batch_size=512,
+        averaging=AveragingSpec(mode="spes", group_size=16, grid_dims=2, compression="fp16", timeout_s=60.0),
+        diloco=DiLoCoSpec(inner_steps=50, compression="fp16", overlap=False),
+    )
+
+
+def _byte_olmoe_config(
+    *, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int, experts: int
+) -> dict[str, Any]:
+    """An OlmoeForCausalLM config over the byte tokenizer: top-2 routing with OLMoE's load-balancing loss."""
+    return {
+        "vocab_size": 260,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_heads,
+        "num_experts": experts,
+        "num_experts_per_tok": 2,
+        "output_router_logits": True,
+        "router_aux_loss_coef": 0.01,
+        "max_position_embeddings": 512,
+        "bos_token_id": 256,
+        "eos_token_id": 257,
+        "pad_token_id": 258,
+        "tie_word_embeddings": True,
+    }
+
+
 def _byte_llama_config(*, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int) -> dict[str, Any]:
     """A LlamaForCausalLM config over the byte tokenizer (260 ids), embeddings tied, as the demo's."""
     return {
@@ -480,6 +588,9 @@ PRESETS: dict[str, Callable[[], RunManifest]] = {
     "llama-20m": llama_20m,
     "llama-85m": llama_85m,
     "llama-350m": llama_350m,
+    "spes-demo": spes_demo,
+    "spes-28m": spes_28m,
+    "spes-250m": spes_250m,
 }
 
 

@@ -189,9 +189,10 @@ def _copy(training: proto.TrainingStatus) -> proto.TrainingStatus:
 
 
 def _describe_training(training: proto.TrainingStatus) -> str:
-    """The table's mode cell, e.g. "diloco 3/8 int8" or "gradients fp16"."""
+    """The table's mode cell, e.g. "diloco 3/8 int8", "spes 3/8 fp16, owns 4/32 experts" or "gradients fp16"."""
     step = f" {training.inner_step}/{training.inner_steps}" if training.inner_steps else ""
-    return f"{training.mode}{step} {training.compression}".strip()
+    owned = f", owns {training.experts_owned}/{training.experts_total} experts" if training.experts_total else ""
+    return f"{training.mode}{step} {training.compression}".strip() + owned
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,8 @@ MAX_OBSERVED_UPLOADS = 8
 """Cap on the peers whose upload one status record says its node timed (links/observations.py)."""
 MAX_INNER_STEPS = 1_000_000
 """Cap on a PeerStatus's inner steps per outer round: the manifest's own bound on `diloco.inner_steps`."""
+MAX_SPES_EXPERTS = 65536
+"""Cap on the experts a SPES node's status may count (all layers)."""
 
 M = TypeVar("M", proto.PeerStatus, proto.SignedManifest)
 
@@ -213,6 +215,8 @@ def _check_training_status(training: proto.TrainingStatus) -> None:
         raise RecordError(f"peer status has an invalid inner step {training.inner_step} of {training.inner_steps}")
     if not (math.isfinite(training.compute_utilisation) and 0.0 <= training.compute_utilisation <= 1.0):
         raise RecordError(f"peer status has an invalid training.compute_utilisation: {training.compute_utilisation}")
+    if training.experts_total > MAX_SPES_EXPERTS or training.experts_owned > training.experts_total:
+        raise RecordError(f"peer status owns an invalid {training.experts_owned} of {training.experts_total} experts")
 
 
 def _parse(message_type: type[M], data: bytes) -> M:

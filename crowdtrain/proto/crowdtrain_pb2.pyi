@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunManifest(_message.Message):
-    __slots__ = ("run_id", "protocol_version", "created_at", "model", "data", "optimizer", "target_batch_size", "averaging", "moe", "diloco", "admission")
+    __slots__ = ("run_id", "protocol_version", "created_at", "model", "data", "optimizer", "target_batch_size", "averaging", "moe", "diloco", "admission", "spes")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class RunManifest(_message.Message):
     MOE_FIELD_NUMBER: _ClassVar[int]
     DILOCO_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    SPES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     protocol_version: int
     created_at: float
@@ -31,7 +32,20 @@ class RunManifest(_message.Message):
     moe: MoESpec
     diloco: DiLoCoSpec
     admission: str
-    def __init__(self, run_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., created_at: _Optional[float] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., target_batch_size: _Optional[int] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., moe: _Optional[_Union[MoESpec, _Mapping]] = ..., diloco: _Optional[_Union[DiLoCoSpec, _Mapping]] = ..., admission: _Optional[str] = ...) -> None: ...
+    spes: SpesSpec
+    def __init__(self, run_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., created_at: _Optional[float] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., target_batch_size: _Optional[int] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., moe: _Optional[_Union[MoESpec, _Mapping]] = ..., diloco: _Optional[_Union[DiLoCoSpec, _Mapping]] = ..., admission: _Optional[str] = ..., spes: _Optional[_Union[SpesSpec, _Mapping]] = ...) -> None: ...
+
+class SpesSpec(_message.Message):
+    __slots__ = ("merge_every", "merge_neighbours", "merge_alpha", "merge_warmup_steps")
+    MERGE_EVERY_FIELD_NUMBER: _ClassVar[int]
+    MERGE_NEIGHBOURS_FIELD_NUMBER: _ClassVar[int]
+    MERGE_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    MERGE_WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    merge_every: int
+    merge_neighbours: int
+    merge_alpha: float
+    merge_warmup_steps: int
+    def __init__(self, merge_every: _Optional[int] = ..., merge_neighbours: _Optional[int] = ..., merge_alpha: _Optional[float] = ..., merge_warmup_steps: _Optional[int] = ...) -> None: ...
 
 class DiLoCoSpec(_message.Message):
     __slots__ = ("inner_steps", "outer_learning_rate", "outer_momentum", "compression", "topk_fraction", "overlap", "min_inner_steps", "max_inner_steps")
@@ -228,20 +242,24 @@ class ObservedUpload(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., upload_mbps: _Optional[float] = ...) -> None: ...
 
 class TrainingStatus(_message.Message):
-    __slots__ = ("mode", "compression", "inner_step", "inner_steps", "round_bytes_sent", "compute_utilisation")
+    __slots__ = ("mode", "compression", "inner_step", "inner_steps", "round_bytes_sent", "compute_utilisation", "experts_owned", "experts_total")
     MODE_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     ROUND_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_UTILISATION_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_OWNED_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     mode: str
     compression: str
     inner_step: int
     inner_steps: int
     round_bytes_sent: int
     compute_utilisation: float
-    def __init__(self, mode: _Optional[str] = ..., compression: _Optional[str] = ..., inner_step: _Optional[int] = ..., inner_steps: _Optional[int] = ..., round_bytes_sent: _Optional[int] = ..., compute_utilisation: _Optional[float] = ...) -> None: ...
+    experts_owned: int
+    experts_total: int
+    def __init__(self, mode: _Optional[str] = ..., compression: _Optional[str] = ..., inner_step: _Optional[int] = ..., inner_steps: _Optional[int] = ..., round_bytes_sent: _Optional[int] = ..., compute_utilisation: _Optional[float] = ..., experts_owned: _Optional[int] = ..., experts_total: _Optional[int] = ...) -> None: ...
 
 class PhaseTimes(_message.Message):
     __slots__ = ("compute_s", "wait_s", "matchmaking_s", "allreduce_s", "state_averaging_s", "optimizer_step_s", "state_download_s")
@@ -354,6 +372,24 @@ class ExpertParametersRequest(_message.Message):
     def __init__(self, uid: _Optional[str] = ...) -> None: ...
 
 class ExpertParametersChunk(_message.Message):
+    __slots__ = ("found", "num_values", "payload")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    NUM_VALUES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    num_values: int
+    payload: bytes
+    def __init__(self, found: _Optional[bool] = ..., num_values: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class SpesExpertRequest(_message.Message):
+    __slots__ = ("unit", "round")
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    unit: int
+    round: int
+    def __init__(self, unit: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+
+class SpesExpertChunk(_message.Message):
     __slots__ = ("found", "num_values", "payload")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     NUM_VALUES_FIELD_NUMBER: _ClassVar[int]

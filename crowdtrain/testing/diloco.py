@@ -1,8 +1,9 @@
-"""Real DiLoCoModes in one process, for the outer-step tests and the wire benchmark.
+"""Real DiLoCo and SPES modes in one process, for the outer-step tests, the SPES tests and the wire benchmarks.
 
-Each peer is a real DiLoCoMode (its averager process, its progress tracker, a DHT on loopback) over its own
-replica of the given tensors; nothing computes (compute=None): callers write what inner steps would have done
-straight into the replicas.
+Each DiLoCo peer (`diloco_peers`) is a real DiLoCoMode (its averager process, its progress tracker, a DHT on
+loopback) over its own replica of the given tensors; nothing computes (compute=None): callers write what inner
+steps would have done straight into the replicas. Each SPES peer (`spes_peers`) is a real SPESMode over its own
+replica of the run's model, built from the same seed, with real forward and backward passes.
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain import proto
 from crowdtrain.averaging.exact import new_partial_counter
+from crowdtrain.averaging.phases import PhaseAccumulator
 from crowdtrain.manifest import RunManifest
+from crowdtrain.models import MicroStep, build_model, model_kind, precision_for_device
+from crowdtrain.training.compute import LocalCompute
 from crowdtrain.training.modes.base import ModeContext, SwarmView
 from crowdtrain.training.modes.diloco import DiLoCoMode
+from crowdtrain.training.modes.spes import SPESMode
 
 
 def loopback_dhts(count: int) -> list[hivemind.DHT]:
@@ -41,23 +46,65 @@ def diloco_peers(run: RunManifest, num_peers: int, start: Sequence[torch.Tensor]
     modes: list[DiLoCoMode] = []
     try:
         for dht, status in zip(dhts, statuses, strict=True):
-            context = ModeContext(
-                dht=dht,
-                manifest=run,
-                peer_id=status.peer_id,
-                private_key=RSAPrivateKey(),
-                parameters=[torch.nn.Parameter(value.clone()) for value in start],
-                compute=None,
-                micro_batch_size=8,
-                client_mode=False,
-                auxiliary=False,
-                swarm=SwarmView(plan_share=None, statuses=statuses),
-                partial_counter=new_partial_counter(),
-            )
-            modes.append(DiLoCoMode(context))
+            parameters = [torch.nn.Parameter(value.clone()) for value in start]
+            modes.append(DiLoCoMode(_context(run, dht, status, statuses, parameters, None)))
         yield modes
     finally:
-        for mode in modes:
-            mode.close()
-        for dht in dhts:
-            dht.shutdown()
+        _close(modes, dhts)
+
+
+@contextlib.contextmanager
+def spes_peers(run: RunManifest, num_peers: int, micro_batch_size: int = 4) -> Iterator[list[SPESMode]]:
+    """`num_peers` real SPESModes on loopback DHTs, each over its own replica of `run`'s model (the same initial
+    weights), computing on the CPU; all closed after. The peers' statuses carry no measured compute: equal shares."""
+    dhts = loopback_dhts(num_peers)
+    statuses = [proto.PeerStatus(peer_id=dht.peer_id.to_base58()) for dht in dhts]
+    modes: list[SPESMode] = []
+    try:
+        for dht, status in zip(dhts, statuses, strict=True):
+            model = build_model(run.model, 260, seed=0)
+            micro_step = MicroStep(precision_for_device(run.model.precision, "cpu"), "cpu")
+            compute = LocalCompute(
+                model=model,
+                kind=model_kind(run.model),
+                micro_step=micro_step,
+                device="cpu",
+                generator=torch.Generator().manual_seed(0),
+                phases=PhaseAccumulator(),
+            )
+            context = _context(run, dht, status, statuses, list(model.parameters()), compute, micro_batch_size)
+            modes.append(SPESMode(context))
+        yield modes
+    finally:
+        _close(modes, dhts)
+
+
+def _context(
+    run: RunManifest,
+    dht: hivemind.DHT,
+    status: proto.PeerStatus,
+    statuses: Sequence[proto.PeerStatus],
+    parameters: Sequence[torch.nn.Parameter],
+    compute: LocalCompute | None,
+    micro_batch_size: int = 8,
+) -> ModeContext:
+    return ModeContext(
+        dht=dht,
+        manifest=run,
+        peer_id=status.peer_id,
+        private_key=RSAPrivateKey(),
+        parameters=parameters,
+        compute=compute,
+        micro_batch_size=micro_batch_size,
+        client_mode=False,
+        auxiliary=False,
+        swarm=SwarmView(plan_share=None, statuses=statuses),
+        partial_counter=new_partial_counter(),
+    )
+
+
+def _close(modes: Sequence[DiLoCoMode], dhts: Sequence[hivemind.DHT]) -> None:
+    for mode in modes:
+        mode.close()
+    for dht in dhts:
+        dht.shutdown()

@@ -46,6 +46,10 @@ class Progress:
     """Averaging bytes sent during the last completed round (global step or outer round); None before one."""
     compute_utilisation: float | None = None
     """Time computing / wall time over the last completed round, in [0, 1]; None before one."""
+    experts_owned: int = 0
+    """spes: the experts (of all layers) this node trains now; 0 in other modes."""
+    experts_total: int = 0
+    """spes: the experts of all layers in the model; 0 in other modes."""
     samples_trained: int = 0
     """Samples this node computed forward and backward since it started (all epochs; skipped micro-batches not)."""
     excluded_peers: dict[str, Verdict] = field(default_factory=dict)

@@ -3,6 +3,7 @@
 base           TrainingMode (the seam), ModeContext (what a mode is built from), SwarmView (a re-planning read)
 collaborative  `gradients` (DeDLOC) and `parameters` (Moshpit SGD), both on hivemind.Optimizer
 diloco         `diloco`: inner steps alone, then pseudo-gradients averaged and one outer Nesterov step
+spes           `spes`: DiLoCo rounds over the dense parameters; each node trains and serves only the experts it owns
 
 A new mode (DiLoCo, SPES, SkipPipe) is one more TrainingMode subclass registered in MODES and a value of the
 manifest's `averaging.mode`; the daemon and the training loop do not change.
@@ -14,8 +15,11 @@ from crowdtrain.manifest import RunManifest
 from crowdtrain.training.modes.base import ModeContext, SwarmView, TrainingMode
 from crowdtrain.training.modes.collaborative import GradientsMode, ParametersMode
 from crowdtrain.training.modes.diloco import DiLoCoMode
+from crowdtrain.training.modes.spes import SPESMode
 
-MODES: dict[str, type[TrainingMode]] = {mode.name: mode for mode in (GradientsMode, ParametersMode, DiLoCoMode)}
+MODES: dict[str, type[TrainingMode]] = {
+    mode.name: mode for mode in (GradientsMode, ParametersMode, DiLoCoMode, SPESMode)
+}
 
 
 def mode_class(manifest: RunManifest) -> type[TrainingMode]:
@@ -29,6 +33,7 @@ __all__ = [
     "GradientsMode",
     "ModeContext",
     "ParametersMode",
+    "SPESMode",
     "SwarmView",
     "TrainingMode",
     "mode_class",

@@ -98,7 +98,7 @@ class DiLoCoMode(TrainingMode):
         super().__init__(context)
         manifest = context.manifest
         self.spec = manifest.diloco if manifest.diloco is not None else DiLoCoSpec()
-        self.parameters = [parameter for parameter in context.parameters if parameter.requires_grad]
+        self.parameters = self._synchronised_parameters()
         self.round, self.samples, self.inner_steps, self.num_local_rounds = 0, 0, 0, 0
         self.diverged = False
         self._in_flight: _RoundInFlight | None = None
@@ -177,6 +177,15 @@ class DiLoCoMode(TrainingMode):
     def adaptive(self) -> bool:
         low, high = self.spec.inner_steps_range
         return low < high
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether a round's all-reduce runs in the background while the next round's inner steps go on."""
+        return self.spec.overlap
+
+    def _synchronised_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters whose pseudo-gradients the outer rounds average: every trainable one."""
+        return [parameter for parameter in self.context.parameters if parameter.requires_grad]
 
     @property
     def training_round(self) -> int:
@@ -273,7 +282,7 @@ class DiLoCoMode(TrainingMode):
             together = self.tracker.global_progress.num_peers > 1
             self._write_pseudo_gradient()
             kept = self._sparsify() if together else None
-            if together and self.spec.overlap:
+            if together and self.overlapped:
                 self._start_round_in_flight(kept)
                 return
             averaged = together and self._average()
@@ -467,11 +476,15 @@ class DiLoCoMode(TrainingMode):
                 start.grad = None
             self.round += 1
 
-    def _set_inner_learning_rate(self) -> None:
-        step = self.training_round * self.round_batches + min(
-            self.round_batches - 1, self.tracker.global_progress.samples_accumulated // max(1, self.round_samples)
+    def _swarm_inner_step(self) -> int:
+        """The swarm's inner step, counted in global batches over all rounds: the learning-rate schedule's step."""
+        return self.training_round * self.round_batches + min(
+            self.round_batches - 1,
+            self.tracker.global_progress.samples_accumulated // self.context.manifest.target_batch_size,
         )
-        factor = learning_rate_factor(step, self.context.manifest.optimizer)
+
+    def _set_inner_learning_rate(self) -> None:
+        factor = learning_rate_factor(self._swarm_inner_step(), self.context.manifest.optimizer)
         for group in self.inner_optimizer.param_groups:
             group["lr"] = self.context.manifest.optimizer.learning_rate * factor
 
@@ -490,9 +503,10 @@ class DiLoCoMode(TrainingMode):
         tiebreak = int.from_bytes(hashlib.blake2b(self.context.peer_id.encode(), digest_size=4).digest(), "big")
         return self.round + tiebreak / 2**33
 
-    def _load_state_from_peers(self) -> None:
+    def _load_state_from_peers(self) -> bool:
         """Take the swarm's global parameters, outer momentum and round; inner optimizer state stays this peer's.
-        Only a state at least as new as this peer's round, from a donor ranked above it, is taken."""
+        Only a state at least as new as this peer's round, from a donor ranked above it, is taken. False when
+        no donor had one."""
         self._sync_not_before = time.monotonic() + SYNC_RETRY_S
         if self._in_flight is not None:  # applied first, so that a failed download leaves a consistent state
             self._finish_round_in_flight(wait=True)
@@ -506,7 +520,7 @@ class DiLoCoMode(TrainingMode):
             )
         if loaded is None:
             self.diverged = False  # nobody to take a state from: go on with this one
-            return
+            return False
         metadata, tensors = loaded
         count = len(self.global_parameters)
         with self._lock, torch.no_grad():
@@ -525,6 +539,7 @@ class DiLoCoMode(TrainingMode):
         self.averager.state_sharing_priority = self._priority()
         self.diverged = False
         logger.info(f"took the swarm's state of outer round {self.round}")
+        return True
 
     def _outer_state(self) -> OuterState:
         with self._lock:

@@ -1,0 +1,221 @@
+"""`spes`: each node trains the dense parameters and only the routed experts it owns; no server.
+
+SPES (Pretraining A Large Language Model using Distributed GPUs: A Memory-Efficient Decentralized Paradigm),
+peer to peer. Every node holds the whole mixture-of-experts model (transformers' fused experts: OLMoE and
+its kin) but keeps gradients and optimizer state only for the dense parameters and the experts it owns
+(models/owned_experts.py); the others are frozen locally. Rounds are DiLoCo's (training/modes/diloco.py, the
+[diloco] settings): when the swarm has processed H global batches, the *dense* pseudo-gradients are averaged in
+Moshpit groups and every node applies the same outer step. Then each owner publishes the weights its experts
+reached, and every node fetches each expert it does not own from that expert's owner, versioned by round,
+float16 on the wire, checked (averaging/expert_exchange.py). A node so sends the dense all-reduce and its own
+experts, never the others'.
+
+Ownership is a pure function of the swarm's status records (planning/ownership.py): balanced by measured compute,
+stable when peers come and go, recomputed at each round's end from the latest re-planning read. A node that
+leaves stops heartbeating; at the next round its experts go to others, who go on from the copies they fetched
+at the last round's end. A fetch that fails (an owner gone mid-round, or behind) leaves that expert as this node
+last had it, and says so in the log: a partial exchange is never silent.
+
+With `spes.merge_every` set, each owner runs the expert-merging warm-up on its experts every M inner steps
+(models/expert_merging.py), from the copies of the others it holds.
+
+Not built yet: replicas of an expert on a second owner (an owner that vanishes mid-round loses that round's
+training of its experts), ownership weighted by memory, and overlap of the exchange with the next round's
+inner steps (SPES rounds run without DiLoCo's `overlap`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from crowdtrain.averaging.expert_exchange import ExpertExchange, ExpertFetchError
+from crowdtrain.manifest import SPESSpec
+from crowdtrain.models.expert_merging import merge_alpha, merged_experts
+from crowdtrain.models.owned_experts import (
+    expert_parameter_ids,
+    find_fused_experts,
+    own,
+    unit_experts,
+    units_of,
+)
+from crowdtrain.planning.ownership import assign_units
+from crowdtrain.training.modes.base import ModeContext, SwarmView
+from crowdtrain.training.modes.diloco import DiLoCoMode
+from crowdtrain.training.progress import Progress
+
+logger = logging.getLogger(__name__)
+
+
+class SPESMode(DiLoCoMode):
+    """SPES behind the training-mode seam (see the module's doc)."""
+
+    name = "spes"
+
+    def __init__(self, context: ModeContext):
+        compute = context.compute
+        if compute is None:
+            raise ValueError("a SPES peer always computes")
+        self.layers = find_fused_experts(compute.model)
+        self.num_units = units_of(self.layers)
+        own(self.layers, [])  # freeze every expert before the dense parameters are chosen
+        self.spes = context.manifest.spes if context.manifest.spes is not None else SPESSpec()
+        self._view = context.swarm
+        self.owners: list[str] = []
+        """The owner of each unit in the current round."""
+        self.owned: list[int] = []
+        self.fetch_failures = 0
+        """Experts this node could not fetch from their owners (it kept its own copy of them)."""
+        self.exchange = ExpertExchange(context.dht)
+        self.exchange.start()
+        try:
+            super().__init__(context)
+        except BaseException:
+            self.exchange.close()
+            raise
+        self._take_ownership()
+
+    @property
+    def overlapped(self) -> bool:
+        return False  # the exchange follows the outer step; overlapping both is not built
+
+    def _synchronised_parameters(self) -> list[torch.nn.Parameter]:
+        experts = expert_parameter_ids(self.layers)
+        return [p for p in self.context.parameters if p.requires_grad and id(p) not in experts]
+
+    def train_micro_batch(self, batch: torch.Tensor) -> float | None:
+        loss = super().train_micro_batch(batch)
+        if loss is not None and self.spes.merge_every and self.inner_steps % self.spes.merge_every == 0:
+            self._merge_warm_up()
+        return loss
+
+    def apply_swarm_view(self, view: SwarmView) -> None:
+        super().apply_swarm_view(view)
+        self._view = view  # ownership follows it from the next round's start
+
+    def report(self, progress: Progress) -> None:
+        super().report(progress)
+        progress.averaging_bytes_sent += self.exchange.bytes_served
+        progress.experts_owned, progress.experts_total = len(self.owned), self.num_units
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.exchange.close()
+
+    # ownership
+
+    def _take_ownership(self, peers: list[str] | None = None) -> None:
+        """Recompute who owns what from the last swarm view (or `peers`); train exactly this node's units."""
+        me = self.context.peer_id
+        weighted = [(status.peer_id, status.measured_samples_per_second) for status in self._view.statuses]
+        if peers is not None:
+            weighted = [(peer, weight) for peer, weight in weighted if peer in peers]
+        if me not in {peer for peer, _ in weighted} and peers is None:
+            weighted.append((me, 0.0))  # this node trains whether or not its status is in the view yet
+        owners = assign_units(weighted, self.num_units)
+        owned = [unit for unit, owner in enumerate(owners) if owner == me]
+        if owned != self.owned:
+            logger.info(f"owns {len(owned)} of {self.num_units} experts (was {len(self.owned)})")
+        self.owners, self.owned = owners, owned
+        self._set_inner_optimizer(own(self.layers, owned))
+
+    def _set_inner_optimizer(self, owned_parameters: list[torch.nn.Parameter]) -> None:
+        """The inner AdamW over the dense parameters and `owned_parameters`; state carries over for parameters it
+        had before (the dense ones, experts still owned); a newly owned expert starts with none."""
+        previous = self.inner_optimizer
+        spec = self.context.manifest.optimizer
+        optimizer = torch.optim.AdamW(
+            [{"params": self.parameters}, {"params": owned_parameters}],
+            lr=previous.param_groups[0]["lr"],
+            weight_decay=spec.weight_decay,
+        )
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                if parameter in previous.state:
+                    optimizer.state[parameter] = previous.state[parameter]
+        self.inner_optimizer = optimizer
+
+    # the exchange, after each outer step
+
+    def _outer_step(self, ends: list[torch.Tensor] | None = None) -> None:
+        super()._outer_step(ends)
+        self._exchange_experts(self.owners)
+        self._take_ownership()
+
+    def _exchange_experts(self, owners: list[str]) -> None:
+        """Publish this node's experts as of the round just made; fetch every other one from `owners`."""
+        me, round_ = self.context.peer_id, self.round
+        self.exchange.publish(round_, {unit: self._flat(unit) for unit, owner in enumerate(owners) if owner == me})
+        wanted = [unit for unit, owner in enumerate(owners) if owner != me]
+        started, timeout = time.monotonic(), self.context.manifest.averaging.timeout_s
+        missing: list[str] = []
+        for unit in wanted:
+            left = max(timeout - (time.monotonic() - started), 1.0)
+            try:
+                values = self.exchange.fetch(owners[unit], unit, round_, self._flat(unit).numel(), left)
+            except ExpertFetchError as e:
+                missing.append(f"{unit} ({e})")
+                continue
+            self._write(unit, values)
+        self.fetch_failures += len(missing)
+        if missing:
+            logger.warning(f"round {round_}: kept this node's own copy of {len(missing)} of {len(wanted)} experts "
+                           f"its owners did not send: {'; '.join(missing[:3])}")  # fmt: skip
+
+    def _flat(self, unit: int) -> torch.Tensor:
+        gate_up, down = unit_experts(self.layers, unit)
+        return torch.cat([gate_up.detach().reshape(-1), down.detach().reshape(-1)]).float()
+
+    def _write(self, unit: int, values: torch.Tensor) -> None:
+        gate_up, down = unit_experts(self.layers, unit)
+        with torch.no_grad():
+            gate_up.copy_(values[: gate_up.numel()].view_as(gate_up))
+            down.copy_(values[gate_up.numel() :].view_as(down))
+
+    # joining
+
+    def _load_state_from_peers(self) -> bool:
+        if not super()._load_state_from_peers():
+            return False
+        # The experts come from the owners of the swarm without this node: they trained the round it took.
+        others = [status.peer_id for status in self._view.statuses if status.peer_id != self.context.peer_id]
+        if others:
+            self._take_ownership(peers=others)
+            self._exchange_experts(self.owners)
+        self._take_ownership()
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "owned": list(self.owned)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # the saved inner optimizer's groups are the dense parameters and the experts owned then
+        saved = state.get("owned")
+        if isinstance(saved, list) and all(isinstance(u, int) and 0 <= u < self.num_units for u in saved):
+            self.owned = sorted(set(saved))
+            self._set_inner_optimizer(own(self.layers, self.owned))
+        super().load_state_dict(state)
+        self._take_ownership()
+
+    # the expert-merging warm-up
+
+    def _merge_warm_up(self) -> None:
+        step = self._swarm_inner_step()
+        alpha = merge_alpha(step, self.spes.merge_alpha, self.spes.merge_warmup_steps)
+        if alpha <= 0 or not self.owned:
+            return
+        per_layer = self.layers[0].num_experts
+        with torch.no_grad():
+            for layer in self.layers:
+                targets = [unit % per_layer for unit in self.owned if unit // per_layer == layer.layer]
+                if not targets:
+                    continue
+                rows = torch.stack([self._flat(layer.layer * per_layer + index) for index in range(per_layer)])
+                merged = merged_experts(rows, targets, self.spes.merge_neighbours, alpha)
+                for index, values in zip(targets, merged, strict=True):
+                    self._write(layer.layer * per_layer + index, values)
