@@ -1,14 +1,20 @@
 """SPES's expert exchange: after each outer round, every node takes each expert it does not own from its owner.
 
-An owner publishes, at the end of each round, the weights its experts reached (`publish`), and serves them by
-round (`rpc_spes_expert`, `proto/crowdtrain.proto`): a header with the number of values, then float16 payload
-chunks. It keeps the last `KEPT_ROUNDS` rounds, so a node one round behind still finds what it asks for. A
-fetcher asks for an exact round and checks everything before use: the header's size against the expert's
-shape in the model every node builds, the bytes received against it, every value finite. An owner that has
-not reached the round yet answers `found: false`; the fetcher asks again until its deadline.
+Every node holds a copy of every expert, tagged with the round it is from; copies of one round are the same bits
+on every node. At a round's end an owner makes the expert's new copy from its trained weights θ as
+P_r = P_b + int8(θ − P_b), with P_b its copy from round b (usually r − 1): the change is quantized (hivemind's
+uniform 8-bit codebook, crowdtrain/averaging/compression.py), and P_r is what every node reconstructs from it,
+bit for bit. The owner keeps training θ; what the quantization left out of P_r stays in θ − P_r and travels
+with the next round's change (error feedback, without a residual to keep). `publish` serves P_r by round
+(`rpc_spes_expert`, `proto/crowdtrain.proto`): as the int8 change to a fetcher whose copy is P_b, in float32
+to any other (a joiner, or a node that missed a round). An owner keeps the last `KEPT_ROUNDS` rounds.
 
-Each value travels once per fetcher, in float16: an owner uploads its experts to each other node, where a
-DiLoCo all-reduce would send every value twice (reduce-scatter, then all-gather).
+A fetcher asks for an exact round and checks everything before use: the header's encoding, base round and size
+against the expert's shape in the model every node builds, the bytes received against it, every value finite.
+An owner that has not reached the round yet answers `found: false`; the fetcher asks again until its deadline.
+
+Each value travels once per fetcher, in one byte: a DiLoCo all-reduce sends each value of the model twice
+(reduce-scatter, then all-gather), in two bytes under its default fp16.
 """
 
 from __future__ import annotations
@@ -19,13 +25,17 @@ import threading
 import time
 import typing
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import hivemind
 import numpy as np
 import torch
+from hivemind.compression import CompressionInfo
 from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import runtime_pb2
 
 from crowdtrain import proto
+from crowdtrain.averaging.compression import BoundedInt8
 from crowdtrain.dht.service import P2PService
 from crowdtrain.errors import CrowdtrainError
 
@@ -33,15 +43,48 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "crowdtrain.spes.v1"
 """Prefix of the exchange's protocol names; a new, incompatible protocol gets a new one."""
-CHUNK_VALUES = 512 * 1024
-"""float16 values per streamed message (1 MiB)."""
+CHUNK_BYTES = 1 << 20
+"""Payload bytes per streamed message."""
 KEPT_ROUNDS = 2
 """Rounds of published experts an owner keeps."""
 MAX_CONCURRENT_READS = 4
 """Expert requests this node answers at once; others wait their turn."""
 RETRY_S = 0.25
 """Between asks to an owner that has not published the round yet."""
-_WIRE_DTYPE = np.dtype("<f2")
+_FULL_DTYPE = np.dtype("<f4")
+_INT8 = BoundedInt8()
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """An expert's copy at a round's end, as its owner serves it."""
+
+    values: torch.Tensor
+    """P_r, float32, flattened."""
+    base_round: int
+    """The round of the copy the change is from; -1: none (only the full values are served)."""
+    change: bytes
+    """The int8 change P_r − P_base as hivemind's uniform 8-bit buffer; empty without a base."""
+
+
+def encode_change(base: torch.Tensor, target: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+    """The int8 change from `base` toward `target` (float32, flattened), and the copy it makes: base + change."""
+    delta = (target.float() - base).contiguous()
+    buffer = _INT8.compress(delta, CompressionInfo.from_tensor(delta)).buffer
+    return buffer, apply_change(base, buffer)
+
+
+def apply_change(base: torch.Tensor, buffer: bytes) -> torch.Tensor:
+    """base + the int8 change in `buffer` (raises ValueError for a buffer that is not one for base's size)."""
+    message = runtime_pb2.Tensor(
+        buffer=buffer, size=[base.numel()], dtype="float32", compression=runtime_pb2.UNIFORM_8BIT
+    )
+    return base + _INT8.extract(message)
+
+
+def change_bytes(num_values: int) -> int:
+    """The size of an int8 change of `num_values` values: a header, the 256-level codebook, a byte per value."""
+    return 8 + 4 * _INT8.n_bins + num_values
 
 
 class ExpertFetchError(CrowdtrainError):
@@ -53,51 +96,57 @@ class ExpertExchange(P2PService):
 
     def __init__(self, dht: hivemind.DHT):
         super().__init__(dht, NAMESPACE, thread_name="spes-experts")
-        self._published: OrderedDict[int, dict[int, np.ndarray]] = OrderedDict()
+        self._published: OrderedDict[int, dict[int, Published]] = OrderedDict()
         self._lock = threading.Lock()
         self._reads: asyncio.Semaphore | None = None
         self.bytes_served = 0
         """Payload bytes this node has sent to fetchers."""
 
-    def publish(self, round_: int, experts: dict[int, torch.Tensor]) -> None:
-        """Serve `experts` (unit → its flattened weights) as the weights at round `round_`'s end."""
-        encoded = {
-            unit: values.detach().reshape(-1).to("cpu", torch.float16).numpy() for unit, values in experts.items()
-        }
+    def publish(self, round_: int, experts: dict[int, Published]) -> None:
+        """Serve `experts` (unit → its copy) as the copies at round `round_`'s end."""
         with self._lock:
-            self._published[round_] = encoded
+            self._published[round_] = dict(experts)
             while len(self._published) > KEPT_ROUNDS:
                 self._published.popitem(last=False)
 
-    def published(self, round_: int, unit: int) -> np.ndarray | None:
+    def published(self, round_: int, unit: int) -> Published | None:
         with self._lock:
             return self._published.get(round_, {}).get(unit)
 
     async def rpc_spes_expert(
         self, request: proto.SpesExpertRequest, context: P2PContext
     ) -> typing.AsyncIterator[proto.SpesExpertChunk]:
-        """Stream unit `request.unit`'s weights at round `request.round`'s end, or `found: false`."""
-        values = self.published(request.round, request.unit)
-        if values is None:
+        """Stream unit `request.unit`'s copy of round `request.round`: the change from the fetcher's copy of
+        `request.base_round` when that is what it was made from, else the full values; or `found: false`."""
+        copy = self.published(request.round, request.unit)
+        if copy is None:
             yield proto.SpesExpertChunk(found=False)
             return
         if self._reads is None:
             self._reads = asyncio.Semaphore(MAX_CONCURRENT_READS)
+        as_change = request.HasField("base_round") and copy.base_round >= 0 and request.base_round == copy.base_round
+        if as_change:
+            payload = copy.change
+        else:
+            payload = await asyncio.to_thread(lambda: copy.values.numpy().astype(_FULL_DTYPE).tobytes())
         async with self._reads:
-            yield proto.SpesExpertChunk(found=True, num_values=values.size)
-            for offset in range(0, values.size, CHUNK_VALUES):
-                payload = values[offset : offset + CHUNK_VALUES].astype(_WIRE_DTYPE, copy=False).tobytes()
-                self.bytes_served += len(payload)
-                yield proto.SpesExpertChunk(payload=payload)
-
-    def fetch(self, peer_id: str, unit: int, round_: int, expected_values: int, timeout_s: float) -> torch.Tensor:
-        """Unit `unit`'s weights at round `round_`'s end from `peer_id`, float32, flattened; waits up to
-        `timeout_s` for the owner to publish them. Raises ExpertFetchError with a sentence why not."""
-        deadline = time.monotonic() + timeout_s
-        try:
-            return self.run(
-                self._fetch(PeerID.from_base58(peer_id), unit, round_, expected_values, deadline), timeout_s
+            yield proto.SpesExpertChunk(
+                found=True, num_values=copy.values.numel(), change=as_change, base_round=max(copy.base_round, 0)
             )
+            for offset in range(0, len(payload), CHUNK_BYTES):
+                chunk = payload[offset : offset + CHUNK_BYTES]
+                self.bytes_served += len(chunk)
+                yield proto.SpesExpertChunk(payload=chunk)
+
+    def fetch(
+        self, peer_id: str, unit: int, round_: int, held: tuple[int, torch.Tensor], timeout_s: float
+    ) -> torch.Tensor:
+        """Unit `unit`'s copy of round `round_` from `peer_id`, float32, flattened. `held`: this node's copy (its
+        round, -1 when unknown, and its values), which a change applies to. Waits up to `timeout_s` for the owner
+        to publish the round. Raises ExpertFetchError with a sentence why not."""
+        try:
+            fetching = self._fetch(PeerID.from_base58(peer_id), unit, round_, held, time.monotonic() + timeout_s)
+            return self.run(fetching, timeout_s)
         except ExpertFetchError:
             raise
         except TimeoutError as e:
@@ -107,39 +156,59 @@ class ExpertExchange(P2PService):
         except Exception as e:
             raise ExpertFetchError(f"peer {peer_id[-8:]} could not send expert {unit}: {e!r}") from e
 
-    async def _fetch(self, peer: PeerID, unit: int, round_: int, expected_values: int, deadline: float) -> torch.Tensor:
-        stub: typing.Any = self.get_stub(self.require_p2p(), peer, namespace=NAMESPACE)
+    async def _fetch(
+        self, peer: PeerID, unit: int, round_: int, held: tuple[int, torch.Tensor], deadline: float
+    ) -> torch.Tensor:
         where = f"peer {peer.to_base58()[-8:]}"
         request = proto.SpesExpertRequest(unit=unit, round=round_)
-        while True:
-            responses = await stub.rpc_spes_expert(request)
-            received = bytearray()
-            try:
-                header = await anext(responses)
-                if header.found:
-                    if header.num_values != expected_values:
-                        raise ExpertFetchError(
-                            f"{where} has {header.num_values} values for expert {unit}, not {expected_values}: "
-                            "a different model"
-                        )
-                    expected_bytes = expected_values * _WIRE_DTYPE.itemsize
-                    async for chunk in responses:
-                        received += chunk.payload
-                        if len(received) > expected_bytes:
-                            raise ExpertFetchError(
-                                f"{where} sent more than the {expected_values} values of expert {unit}"
-                            )
-                    if len(received) != expected_bytes:
-                        raise ExpertFetchError(
-                            f"{where} sent {len(received)} of the {expected_bytes} bytes of expert {unit}"
-                        )
-                    break
-            finally:
-                await responses.aclose()
+        if held[0] >= 0:
+            request.base_round = held[0]
+        while (received := await self._receive(peer, request, held, where)) is None:
             if time.monotonic() + RETRY_S > deadline:
                 raise ExpertFetchError(f"{where} has no expert {unit} of round {round_} (not its owner, or behind)")
             await asyncio.sleep(RETRY_S)
-        values = torch.from_numpy(np.frombuffer(bytes(received), dtype=_WIRE_DTYPE).astype(np.float32))
+        change, payload = received
+        if change:
+            try:
+                values = apply_change(held[1], payload)
+            except ValueError as e:
+                raise ExpertFetchError(f"{where} sent an unreadable change of expert {unit}: {e}") from None
+        else:
+            values = torch.from_numpy(np.frombuffer(payload, dtype=_FULL_DTYPE).astype(np.float32))
         if not bool(torch.isfinite(values).all()):
             raise ExpertFetchError(f"{where} sent non-finite weights for expert {unit}")
         return values
+
+    async def _receive(
+        self, peer: PeerID, request: proto.SpesExpertRequest, held: tuple[int, torch.Tensor], where: str
+    ) -> tuple[bool, bytes] | None:
+        """One ask: (whether it is a change, the payload), or None when the owner has no such copy (yet)."""
+        stub: typing.Any = self.get_stub(self.require_p2p(), peer, namespace=NAMESPACE)
+        responses = await stub.rpc_spes_expert(request)
+        try:
+            header = await anext(responses)
+            if not header.found:
+                return None
+            size = self._expected_size(header, held, where, request.unit)
+            received = bytearray()
+            async for chunk in responses:
+                received += chunk.payload
+                if len(received) > size:
+                    raise ExpertFetchError(f"{where} sent over {size} bytes for expert {request.unit}")
+            if len(received) != size:
+                raise ExpertFetchError(f"{where} sent {len(received)} of {size} bytes of expert {request.unit}")
+            return header.change, bytes(received)
+        finally:
+            await responses.aclose()
+
+    @staticmethod
+    def _expected_size(header: proto.SpesExpertChunk, held: tuple[int, torch.Tensor], where: str, unit: int) -> int:
+        """The payload bytes the header announces, once it is checked against what this node expects."""
+        num_values = held[1].numel()
+        if header.num_values != num_values:
+            raise ExpertFetchError(f"{where} has {header.num_values} values for expert {unit}, not {num_values}")
+        if header.change:
+            if held[0] < 0 or header.base_round != held[0]:
+                raise ExpertFetchError(f"{where} sent a change of expert {unit} from a round this node doesn't hold")
+            return change_bytes(num_values)
+        return num_values * _FULL_DTYPE.itemsize

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from crowdtrain.averaging.expert_exchange import ExpertExchange, ExpertFetchError
+from crowdtrain.averaging.expert_exchange import ExpertExchange, ExpertFetchError, Published, encode_change
 from crowdtrain.manifest import SPESSpec
 from crowdtrain.models.expert_merging import merge_alpha, merged_experts
 from crowdtrain.models.owned_experts import (
@@ -67,6 +67,12 @@ class SPESMode(DiLoCoMode):
         self.owners: list[str] = []
         """The owner of each unit in the current round."""
         self.owned: list[int] = []
+        self.copy_rounds = [0] * self.num_units
+        """The round each expert's copy here is from (0: the initial weights every node builds alike; -1:
+        unknown, e.g. from a checkpoint). For an owned expert, the round of `bases[unit]`."""
+        self.bases: dict[int, torch.Tensor] = {}
+        """Owned expert → the copy every other node holds of it (float32, flattened); its trained weights are
+        the model's."""
         self.fetch_failures = 0
         """Experts this node could not fetch from their owners (it kept its own copy of them)."""
         self.exchange = ExpertExchange(context.dht)
@@ -121,6 +127,10 @@ class SPESMode(DiLoCoMode):
         owned = [unit for unit, owner in enumerate(owners) if owner == me]
         if owned != self.owned:
             logger.info(f"owns {len(owned)} of {self.num_units} experts (was {len(self.owned)})")
+        for unit in set(self.bases) - set(owned):
+            self._write(unit, self.bases.pop(unit))  # given up: hold the copy every other node holds
+        for unit in set(owned) - set(self.bases):
+            self.bases[unit] = self._flat(unit).clone()  # taken over: train on from this node's copy
         self.owners, self.owned = owners, owned
         self._set_inner_optimizer(own(self.layers, owned))
 
@@ -148,24 +158,37 @@ class SPESMode(DiLoCoMode):
         self._take_ownership()
 
     def _exchange_experts(self, owners: list[str]) -> None:
-        """Publish this node's experts as of the round just made; fetch every other one from `owners`."""
+        """Publish this node's experts' copies of the round just made; fetch every other one from `owners`."""
         me, round_ = self.context.peer_id, self.round
-        self.exchange.publish(round_, {unit: self._flat(unit) for unit, owner in enumerate(owners) if owner == me})
-        wanted = [unit for unit, owner in enumerate(owners) if owner != me]
+        self.exchange.publish(round_, {unit: self._publish(unit, round_) for unit in self.bases})
+        wanted = [unit for unit, owner in enumerate(owners) if owner != me and unit not in self.bases]
         started, timeout = time.monotonic(), self.context.manifest.averaging.timeout_s
         missing: list[str] = []
         for unit in wanted:
             left = max(timeout - (time.monotonic() - started), 1.0)
+            held = (self.copy_rounds[unit], self._flat(unit))
             try:
-                values = self.exchange.fetch(owners[unit], unit, round_, self._flat(unit).numel(), left)
+                values = self.exchange.fetch(owners[unit], unit, round_, held, left)
             except ExpertFetchError as e:
                 missing.append(f"{unit} ({e})")
                 continue
             self._write(unit, values)
+            self.copy_rounds[unit] = round_
         self.fetch_failures += len(missing)
         if missing:
             logger.warning(f"round {round_}: kept this node's own copy of {len(missing)} of {len(wanted)} experts "
                            f"its owners did not send: {'; '.join(missing[:3])}")  # fmt: skip
+
+    def _publish(self, unit: int, round_: int) -> Published:
+        """The copy of owned `unit` at round `round_`'s end: its base plus the int8 change toward its trained
+        weights (the base's round known), else the trained weights themselves."""
+        base, base_round = self.bases[unit], self.copy_rounds[unit]
+        if base_round >= 0:
+            change, copy = encode_change(base, self._flat(unit))
+        else:
+            change, copy = b"", self._flat(unit).clone()
+        self.bases[unit], self.copy_rounds[unit] = copy, round_
+        return Published(values=copy, base_round=base_round, change=change)
 
     def _flat(self, unit: int) -> torch.Tensor:
         gate_up, down = unit_experts(self.layers, unit)
@@ -200,6 +223,8 @@ class SPESMode(DiLoCoMode):
             self.owned = sorted(set(saved))
             self._set_inner_optimizer(own(self.layers, self.owned))
         super().load_state_dict(state)
+        self.copy_rounds = [-1] * self.num_units  # a checkpoint's copies are not known to match the swarm's
+        self.bases = {unit: self._flat(unit).clone() for unit in self.owned}
         self._take_ownership()
 
     # the expert-merging warm-up
