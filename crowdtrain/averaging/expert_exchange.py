@@ -30,12 +30,9 @@ from dataclasses import dataclass
 import hivemind
 import numpy as np
 import torch
-from hivemind.compression import CompressionInfo
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import runtime_pb2
 
 from crowdtrain import proto
-from crowdtrain.averaging.compression import BoundedInt8
 from crowdtrain.dht.service import P2PService
 from crowdtrain.errors import CrowdtrainError
 
@@ -51,8 +48,14 @@ MAX_CONCURRENT_READS = 4
 """Expert requests this node answers at once; others wait their turn."""
 RETRY_S = 0.25
 """Between asks to an owner that has not published the round yet."""
+BLOCK = 256
+"""Values per int8 block of a change (each block has its own scale)."""
 _FULL_DTYPE = np.dtype("<f4")
-_INT8 = BoundedInt8()
+_SCALE_DTYPE = np.dtype("<f4")
+
+
+class ExpertFetchError(CrowdtrainError):
+    """An expert could not be had from its owner (not there, wrong size, non-finite, no answer in time)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,31 +67,42 @@ class Published:
     base_round: int
     """The round of the copy the change is from; -1: none (only the full values are served)."""
     change: bytes
-    """The int8 change P_r − P_base as hivemind's uniform 8-bit buffer; empty without a base."""
+    """The int8 change P_r − P_base (`encode_change`); empty without a base."""
 
 
 def encode_change(base: torch.Tensor, target: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-    """The int8 change from `base` toward `target` (float32, flattened), and the copy it makes: base + change."""
-    delta = (target.float() - base).contiguous()
-    buffer = _INT8.compress(delta, CompressionInfo.from_tensor(delta)).buffer
+    """The int8 change from `base` toward `target` (float32, flattened), and the copy it makes: base + change.
+
+    Blockwise absmax: each block of `BLOCK` values is scaled by its largest magnitude / 127 and rounded, so no
+    value is clipped and each is off by at most half its block's step. Layout: the blocks' float32 scales, then
+    one int8 per value."""
+    delta = (target.float() - base).reshape(-1)
+    count = delta.numel()
+    blocks = torch.nn.functional.pad(delta, (0, -count % BLOCK)).view(-1, BLOCK)
+    scales = blocks.abs().amax(dim=1) / 127
+    steps = torch.where(scales > 0, scales, torch.ones_like(scales))
+    quantized = torch.round(blocks / steps[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:count]
+    buffer = scales.numpy().astype(_SCALE_DTYPE).tobytes() + quantized.numpy().tobytes()
     return buffer, apply_change(base, buffer)
 
 
 def apply_change(base: torch.Tensor, buffer: bytes) -> torch.Tensor:
-    """base + the int8 change in `buffer` (raises ValueError for a buffer that is not one for base's size)."""
-    message = runtime_pb2.Tensor(
-        buffer=buffer, size=[base.numel()], dtype="float32", compression=runtime_pb2.UNIFORM_8BIT
-    )
-    return base + _INT8.extract(message)
+    """base + the int8 change in `buffer`; ValueError for a buffer that is not one for base's size."""
+    count = base.numel()
+    num_blocks = -(-count // BLOCK)
+    if len(buffer) != change_bytes(count):
+        raise ValueError(f"a change of {len(buffer)} bytes for {count} values (expected {change_bytes(count)})")
+    scales = torch.from_numpy(np.frombuffer(buffer, dtype=_SCALE_DTYPE, count=num_blocks).astype(np.float32))
+    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise ValueError("a change with a negative or non-finite scale")
+    quantized = torch.from_numpy(np.frombuffer(buffer, dtype=np.int8, offset=4 * num_blocks).astype(np.float32))
+    padded = torch.nn.functional.pad(quantized, (0, -count % BLOCK)).view(-1, BLOCK)
+    return base + (padded * scales[:, None]).reshape(-1)[:count]
 
 
 def change_bytes(num_values: int) -> int:
-    """The size of an int8 change of `num_values` values: a header, the 256-level codebook, a byte per value."""
-    return 8 + 4 * _INT8.n_bins + num_values
-
-
-class ExpertFetchError(CrowdtrainError):
-    """An expert could not be had from its owner (not there, wrong size, non-finite, no answer in time)."""
+    """The size of an int8 change of `num_values` values: a float32 scale per block, a byte per value."""
+    return 4 * -(-num_values // BLOCK) + num_values
 
 
 class ExpertExchange(P2PService):

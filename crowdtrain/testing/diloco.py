@@ -61,22 +61,28 @@ def spes_peers(run: RunManifest, num_peers: int, micro_batch_size: int = 4) -> I
     statuses = [proto.PeerStatus(peer_id=dht.peer_id.to_base58()) for dht in dhts]
     modes: list[SPESMode] = []
     try:
-        for dht, status in zip(dhts, statuses, strict=True):
-            model = build_model(run.model, 260, seed=0)
-            micro_step = MicroStep(precision_for_device(run.model.precision, "cpu"), "cpu")
-            compute = LocalCompute(
-                model=model,
-                kind=model_kind(run.model),
-                micro_step=micro_step,
-                device="cpu",
-                generator=torch.Generator().manual_seed(0),
-                phases=PhaseAccumulator(),
-            )
-            context = _context(run, dht, status, statuses, list(model.parameters()), compute, micro_batch_size)
-            modes.append(SPESMode(context))
+        for dht in dhts:
+            modes.append(spes_peer(run, dht, statuses, micro_batch_size))
         yield modes
     finally:
         _close(modes, dhts)
+
+
+def spes_peer(
+    run: RunManifest, dht: hivemind.DHT, statuses: Sequence[proto.PeerStatus], micro_batch_size: int = 4
+) -> SPESMode:
+    """One real SPESMode over a new replica of `run`'s model on `dht`, seeing the swarm `statuses`."""
+    model = build_model(run.model, 260, seed=0)
+    compute = LocalCompute(
+        model=model,
+        kind=model_kind(run.model),
+        micro_step=MicroStep(precision_for_device(run.model.precision, "cpu"), "cpu"),
+        device="cpu",
+        generator=torch.Generator().manual_seed(0),
+        phases=PhaseAccumulator(),
+    )
+    status = proto.PeerStatus(peer_id=dht.peer_id.to_base58())
+    return SPESMode(_context(run, dht, status, statuses, list(model.parameters()), compute, micro_batch_size))
 
 
 def _context(
