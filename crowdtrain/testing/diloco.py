@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import TypeVar
 
 import hivemind
 import torch
@@ -24,6 +25,8 @@ from crowdtrain.training.compute import LocalCompute
 from crowdtrain.training.modes.base import ModeContext, SwarmView
 from crowdtrain.training.modes.diloco import DiLoCoMode
 from crowdtrain.training.modes.spes import SPESMode
+
+M = TypeVar("M", bound=DiLoCoMode)
 
 
 def loopback_dhts(count: int) -> list[hivemind.DHT]:
@@ -57,12 +60,22 @@ def diloco_peers(run: RunManifest, num_peers: int, start: Sequence[torch.Tensor]
 def spes_peers(run: RunManifest, num_peers: int, micro_batch_size: int = 4) -> Iterator[list[SPESMode]]:
     """`num_peers` real SPESModes on loopback DHTs, each over its own replica of `run`'s model (the same initial
     weights), computing on the CPU; all closed after. The peers' statuses carry no measured compute: equal shares."""
+    with computing_peers(run, num_peers, SPESMode, micro_batch_size) as modes:
+        yield modes
+
+
+@contextlib.contextmanager
+def computing_peers(
+    run: RunManifest, num_peers: int, mode_class: type[M], micro_batch_size: int = 4
+) -> Iterator[list[M]]:
+    """`num_peers` real modes of `mode_class` (DiLoCoMode or SPESMode) over replicas of `run`'s model, computing
+    on the CPU, on loopback DHTs; all closed after."""
     dhts = loopback_dhts(num_peers)
     statuses = [proto.PeerStatus(peer_id=dht.peer_id.to_base58()) for dht in dhts]
-    modes: list[SPESMode] = []
+    modes: list[M] = []
     try:
         for dht in dhts:
-            modes.append(spes_peer(run, dht, statuses, micro_batch_size))
+            modes.append(computing_peer(run, dht, statuses, mode_class, micro_batch_size))
         yield modes
     finally:
         _close(modes, dhts)
@@ -72,6 +85,17 @@ def spes_peer(
     run: RunManifest, dht: hivemind.DHT, statuses: Sequence[proto.PeerStatus], micro_batch_size: int = 4
 ) -> SPESMode:
     """One real SPESMode over a new replica of `run`'s model on `dht`, seeing the swarm `statuses`."""
+    return computing_peer(run, dht, statuses, SPESMode, micro_batch_size)
+
+
+def computing_peer(
+    run: RunManifest,
+    dht: hivemind.DHT,
+    statuses: Sequence[proto.PeerStatus],
+    mode_class: type[M],
+    micro_batch_size: int = 4,
+) -> M:
+    """One real mode of `mode_class` over a new replica of `run`'s model on `dht`, seeing the swarm `statuses`."""
     model = build_model(run.model, 260, seed=0)
     compute = LocalCompute(
         model=model,
@@ -82,7 +106,7 @@ def spes_peer(
         phases=PhaseAccumulator(),
     )
     status = proto.PeerStatus(peer_id=dht.peer_id.to_base58())
-    return SPESMode(_context(run, dht, status, statuses, list(model.parameters()), compute, micro_batch_size))
+    return mode_class(_context(run, dht, status, statuses, list(model.parameters()), compute, micro_batch_size))
 
 
 def _context(
