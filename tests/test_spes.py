@@ -17,10 +17,16 @@ import pytest
 import torch
 
 from crowdtrain import proto
-from crowdtrain.averaging.expert_exchange import change_bytes
+from crowdtrain.averaging.expert_exchange import (
+    ExpertExchange,
+    ExpertFetchError,
+    Published,
+    change_bytes,
+    encode_change,
+)
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, SPESSpec, spes_demo
 from crowdtrain.models.owned_experts import unit_experts
-from crowdtrain.testing.diloco import spes_peer, spes_peers
+from crowdtrain.testing.diloco import loopback_dhts, spes_peer, spes_peers
 from crowdtrain.testing.processes import await_condition
 from crowdtrain.training.modes.base import SwarmView
 from crowdtrain.training.modes.spes import SPESMode
@@ -157,3 +163,37 @@ def test_a_joiner_takes_the_dense_state_and_every_expert_from_the_swarm() -> Non
 
 def statuses_of(modes: Sequence[SPESMode]) -> list[proto.PeerStatus]:
     return [proto.PeerStatus(peer_id=mode.context.peer_id) for mode in modes]
+
+
+def test_a_fetcher_refuses_non_finite_mis_sized_and_unknown_base_copies() -> None:
+    first, second = loopback_dhts(2)
+    owner, fetcher = ExpertExchange(first), ExpertExchange(second)
+    owner.start()
+    fetcher.start(serve=False)
+    try:
+        base = torch.zeros(1000)
+        change, copy = encode_change(base, torch.full((1000,), 0.5))
+        owner.publish(3, {
+            0: Published(values=copy, base_round=2, change=change),
+            1: Published(values=torch.full((1000,), float("nan")), base_round=-1, change=b""),
+            2: Published(values=torch.zeros(999), base_round=-1, change=b""),
+            3: Published(values=copy, base_round=2, change=change[:-1]),  # a change cut short
+        })  # fmt: skip
+        peer = first.peer_id.to_base58()
+        assert torch.equal(fetcher.fetch(peer, 0, 3, (2, base), 5.0), copy), "the change from the copy held"
+        assert torch.equal(fetcher.fetch(peer, 0, 3, (-1, base), 5.0), copy), "whole, to a node without the base"
+        assert torch.equal(fetcher.fetch(peer, 0, 3, (1, base), 5.0), copy), "whole, to a node with another base"
+        for unit, held, reason in [
+            (1, (-1, base), "non-finite"),
+            (2, (-1, base), "999 values"),
+            (3, (2, base), "bytes"),
+            (0, (2, torch.zeros(10)), "1000 values"),
+            (0, (2, base), "no expert 0 of round 4"),  # not published (yet): asked until the deadline
+        ]:
+            with pytest.raises(ExpertFetchError, match=reason):
+                fetcher.fetch(peer, unit, 4 if "round 4" in reason else 3, held, 1.0)
+    finally:
+        fetcher.close()
+        owner.close()
+        first.shutdown()
+        second.shutdown()
