@@ -339,12 +339,26 @@ def test_training_mode_and_round_of_a_diloco_peer() -> None:
         "inner_steps": 8,
         "round_bytes_sent": 5 * 2**20,
         "compute_utilisation": 0.96,
+        "experts_owned": 0,
+        "experts_total": 0,
     }
     assert report.peers[1].to_json()["training"] is None
     console = Console(width=400, record=True)
     console.print(render(report, now=1000.0))
     table = console.export_text()
     assert "diloco 3/8 int8" in table and "96%" in table and "5.0 MiB" in table
+    assert "experts" not in table
+
+
+def test_a_spes_peer_shows_the_experts_it_owns() -> None:
+    training = proto.TrainingStatus(
+        mode="spes", compression="fp16", inner_step=2, inner_steps=20, experts_owned=8, experts_total=32
+    )
+    report = summarize("demo", None, [proto.PeerStatus(peer_id=PEER_A, training=training), *statuses()[1:]])
+    assert report.peers[0].to_json()["training"]["experts_owned"] == 8
+    console = Console(width=400, record=True)
+    console.print(render(report, now=1000.0))
+    assert "spes 2/20 fp16, owns 8/32 experts" in console.export_text()
 
 
 def test_loss_of_zero_is_not_unset() -> None:

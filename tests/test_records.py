@@ -248,6 +248,8 @@ def test_peer_status_with_a_training_status_round_trips(identity: Identity) -> N
         ({"compression": "[/bold]" * 3}, "training.compression"),
         ({"inner_step": 9, "inner_steps": 8}, "inner step"),
         ({"inner_step": 0, "inner_steps": 10**12}, "inner step"),
+        ({"experts_owned": 9, "experts_total": 8}, "experts"),
+        ({"experts_owned": 0, "experts_total": 70_000}, "experts"),
     ],
 )
 def test_peer_status_with_a_bogus_training_status_is_rejected(
