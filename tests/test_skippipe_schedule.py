@@ -1,0 +1,264 @@
+"""SkipPipe's scheduler: hand-made swarms, the constraints on random ones, dead nodes, determinism, the timeline."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from crowdtrain.planning.skippipe import (
+    NodeInfo,
+    Route,
+    Schedule,
+    SkipPipeProblem,
+    StageZeroUnavailableError,
+    full_pipeline,
+    num_visited_stages,
+    random_skipping,
+    schedule_microbatches,
+    simulate,
+)
+
+SCHEDULERS = (schedule_microbatches, full_pipeline, random_skipping)
+
+
+def node(peer_id: str, stage: int, seconds: float = 1.0, memory: int = 8) -> NodeInfo:
+    return NodeInfo(peer_id=peer_id, stage=stage, seconds_per_microbatch=seconds, memory_microbatches=memory)
+
+
+def four_by_two(slow_factor: float = 4.0, memory: int = 8) -> tuple[NodeInfo, ...]:
+    """4 stages × 2 replicas, 1 s per microbatch, except s2b, `slow_factor` times slower."""
+    return tuple(
+        node(f"s{stage}{replica}", stage, slow_factor if f"s{stage}{replica}" == "s2b" else 1.0, memory)
+        for stage in range(4)
+        for replica in "ab"
+    )
+
+
+def problem(nodes: tuple[NodeInfo, ...], **overrides: object) -> SkipPipeProblem:
+    settings: dict[str, object] = {"num_stages": 4, "num_microbatches": 16, "skip_ratio": 0.25, "seed": 7}
+    settings.update(overrides)
+    return SkipPipeProblem(nodes=nodes, **settings)  # type: ignore[arg-type]
+
+
+def check_constraints(p: SkipPipeProblem, schedule: Schedule) -> None:
+    """Constraints (1)-(4) of a schedule, and that its timeline is that of its routes."""
+    by_peer = {n.peer_id: n for n in p.nodes}
+    live_stages = {n.stage for n in p.nodes if n.peer_id not in p.exclude}
+    present = sorted(stage for stage in live_stages if stage != 0)
+    assert schedule.missing_stages == tuple(s for s in range(1, p.num_stages) if s not in live_stages)
+    assert [route.microbatch for route in schedule.routes] == list(range(p.num_microbatches))
+    for route in schedule.routes:
+        assert route.stages[0] == 0 and route.source == route.path[0]
+        assert len(set(route.stages)) == len(route.stages) == len(route.path), "no stage twice"
+        assert all(by_peer[peer].stage == stage for peer, stage in zip(route.path, route.stages, strict=True))
+        assert not set(route.path) & p.exclude
+        assert len(route.stages) - 1 == min(num_visited_stages(p.num_stages, p.skip_ratio), len(present))
+        if not p.reorder:
+            assert list(route.stages) == sorted(route.stages)
+    visits = Counter(stage for route in schedule.routes for stage in route.stages[1:])
+    assert set(visits) <= set(present)
+    for peer, peak in schedule.timeline.peak_microbatches.items():
+        assert peak <= by_peer[peer].memory_microbatches
+    counted = Counter(peer for route in schedule.routes for peer in route.path)
+    assert {peer: count for peer, count in schedule.microbatches_per_node.items() if count} == dict(counted)
+    assert schedule.timeline == simulate(p, schedule.routes)
+    assert schedule.makespan_s >= max(schedule.timeline.busy_s.values()) - 1e-9
+
+
+def check_balanced(schedule: Schedule, present: list[int]) -> None:
+    visits = Counter(stage for route in schedule.routes for stage in route.stages[1:])
+    counts = [visits[stage] for stage in present] or [0]
+    assert max(counts) - min(counts) <= 1, counts
+
+
+def random_problem(rng: random.Random) -> SkipPipeProblem:
+    num_stages = rng.randint(2, 6)
+    nodes = []
+    for stage in range(num_stages):
+        for replica in range(rng.choice((1, 1, 2, 2, 3)) if stage == 0 else rng.choice((0, 1, 2, 3))):
+            seconds = rng.choice((0.5, 1.0, 1.0, 2.0, 4.0)) * rng.uniform(0.9, 1.1)
+            nodes.append(node(f"p{stage}-{replica}", stage, seconds, rng.randint(1, 4)))
+    stage_zero = [n.peer_id for n in nodes if n.stage == 0]
+    exclude = {n.peer_id for n in nodes if rng.random() < 0.15} - {stage_zero[0]}
+    pairs = [(a.peer_id, b.peer_id) for a in nodes for b in nodes if a != b and rng.random() < 0.2]
+    return SkipPipeProblem(
+        num_stages=num_stages,
+        nodes=tuple(nodes),
+        num_microbatches=rng.randint(1, 24),
+        skip_ratio=rng.choice((0.0, 0.25, 0.5, rng.uniform(0, 0.95))),
+        reorder=rng.random() < 0.5,
+        seed=rng.randrange(1000),
+        latency_s={pair: rng.uniform(0, 0.3) for pair in pairs},
+        exclude=frozenset(exclude),
+    )
+
+
+def test_slow_replica_gets_fewer_microbatches_and_the_iteration_is_shorter() -> None:
+    p = problem(four_by_two())
+    scheduled, full, drawn = schedule_microbatches(p), full_pipeline(p), random_skipping(p)
+    assert scheduled.microbatches_per_node["s2b"] * 3 <= scheduled.microbatches_per_node["s2a"]  # 2 and 9
+    assert full.microbatches_per_node["s2b"] == full.microbatches_per_node["s2a"] == 8
+    # Measured: full 34.07 s, scheduled 12.58 s (0.37), random 26.68 s.
+    assert scheduled.makespan_s <= 0.45 * full.makespan_s
+    assert scheduled.makespan_s <= 0.6 * drawn.makespan_s
+    assert drawn.makespan_s < full.makespan_s
+
+
+def test_constraints_hold_on_random_topologies() -> None:
+    rng = random.Random(2025)
+    for case in range(200):
+        p = random_problem(rng)
+        present = sorted({n.stage for n in p.nodes if n.peer_id not in p.exclude} - {0})
+        schedule = schedule_microbatches(p)
+        check_constraints(p, schedule)
+        check_balanced(schedule, present)
+        if case % 5 == 0:
+            for baseline in (full_pipeline, random_skipping):
+                check_constraints(
+                    dataclasses.replace(p, skip_ratio=0.0) if baseline is full_pipeline else p, baseline(p)
+                )
+
+
+def test_dead_replica_is_never_used_and_its_twin_takes_the_load() -> None:
+    p = problem(four_by_two(), exclude=frozenset({"s2b"}))
+    schedule = schedule_microbatches(p)
+    check_constraints(p, schedule)
+    assert "s2b" not in schedule.microbatches_per_node and "s2b" not in schedule.timeline.busy_s
+    stage_two_visits = sum(2 in route.stages for route in schedule.routes)
+    assert stage_two_visits > 0 and schedule.microbatches_per_node["s2a"] == stage_two_visits
+    assert schedule.missing_stages == ()
+
+
+def test_stage_with_every_replica_dead_is_skipped_by_every_path() -> None:
+    p = problem(four_by_two(), exclude=frozenset({"s2a", "s2b"}))
+    for scheduler in SCHEDULERS:
+        schedule = scheduler(p)
+        assert schedule.missing_stages == (2,)
+        assert all(2 not in route.stages for route in schedule.routes)
+    assert all(route.stages == (0, 1, 3) for route in schedule_microbatches(p).routes)  # the dead stage is the skip
+
+
+def test_a_stage_nobody_serves_is_missing() -> None:
+    nodes = tuple(n for n in four_by_two() if n.stage != 3)
+    schedule = schedule_microbatches(problem(nodes, skip_ratio=0.0))
+    assert schedule.missing_stages == (3,)
+    assert all(route.stages == (0, 1, 2) for route in schedule.routes)
+
+
+def test_no_live_stage_zero_is_a_clear_error() -> None:
+    p = problem(four_by_two(), exclude=frozenset({"s0a", "s0b"}))
+    for scheduler in SCHEDULERS:
+        with pytest.raises(StageZeroUnavailableError, match="no live node serves stage 0") as caught:
+            scheduler(p)
+        assert isinstance(caught.value, ValueError)
+
+
+def test_the_same_schedule_whatever_the_input_order() -> None:
+    rng = random.Random(11)
+    for _ in range(20):
+        p = random_problem(rng)
+        nodes, latencies = list(p.nodes), list(p.latency_s.items())
+        rng.shuffle(nodes)
+        rng.shuffle(latencies)
+        shuffled = dataclasses.replace(p, nodes=tuple(nodes), latency_s=dict(latencies))
+        for scheduler in SCHEDULERS:
+            assert scheduler(shuffled) == scheduler(p)
+
+
+def test_the_seed_only_breaks_ties() -> None:
+    p = problem(four_by_two(slow_factor=1.0), num_microbatches=12)
+    first, second = schedule_microbatches(p), schedule_microbatches(dataclasses.replace(p, seed=8))
+    assert first.routes != second.routes
+    assert Counter(first.microbatches_per_node.values()) == Counter(second.microbatches_per_node.values())
+
+
+def test_without_reorder_stages_ascend_and_with_it_they_may_not() -> None:
+    assert all(list(r.stages) == sorted(r.stages) for r in schedule_microbatches(problem(four_by_two())).routes)
+    reordered = schedule_microbatches(problem(four_by_two(), reorder=True))
+    check_constraints(problem(four_by_two(), reorder=True), reordered)
+    assert any(list(r.stages) != sorted(r.stages) for r in reordered.routes)
+
+
+def test_without_skipping_every_stage_is_visited() -> None:
+    p = problem(four_by_two(), skip_ratio=0.0)
+    for scheduler in SCHEDULERS:
+        assert all(route.stages == (0, 1, 2, 3) for route in scheduler(p).routes)
+
+
+@pytest.mark.parametrize(
+    ("num_stages", "skip_ratio", "expected"),
+    [(4, 0.0, 3), (4, 0.25, 2), (3, 0.25, 1), (5, 0.5, 2), (9, 0.3, 6), (2, 0.9, 1), (8, 0.99, 1)],
+)
+def test_number_of_visited_stages(num_stages: int, skip_ratio: float, expected: int) -> None:
+    assert num_visited_stages(num_stages, skip_ratio) == expected
+
+
+def test_timeline_of_one_microbatch_by_hand() -> None:
+    # 3 s per microbatch: 1 s forward and 2 s backward; stage 0's backward is 1 s of head and 1 s at the end.
+    p = SkipPipeProblem(
+        num_stages=2,
+        nodes=(node("a", 0, 3.0), node("b", 1, 3.0)),
+        num_microbatches=1,
+        latency_s={("b", "a"): 0.1},
+    )
+    timeline = schedule_microbatches(p).timeline
+    # a forward 1 | 0.1 | b forward 1 | 0.1 | a head 1 | 0.1 | b backward 2 | 0.1 | a backward 1
+    assert timeline.makespan_s == pytest.approx(6.4)
+    assert timeline.busy_s == {"a": pytest.approx(3.0), "b": pytest.approx(3.0)}
+    assert timeline.peak_microbatches == {"a": 1, "b": 1}
+
+
+def test_a_full_memory_holds_the_next_microbatch_back() -> None:
+    nodes = (node("a", 0, 3.0, memory=1), node("b", 1, 3.0, memory=4))
+    p = SkipPipeProblem(num_stages=2, nodes=nodes, num_microbatches=3, default_latency_s=0.1)
+    schedule = schedule_microbatches(p)
+    assert schedule.makespan_s == pytest.approx(3 * 6.4)  # one at a time: a holds one microbatch
+    assert schedule.timeline.peak_microbatches == {"a": 1, "b": 1}
+    roomy = dataclasses.replace(p, nodes=(node("a", 0, 3.0, memory=3), nodes[1]))
+    assert schedule_microbatches(roomy).makespan_s < 2 * 6.4
+
+
+def test_simulate_times_any_routes() -> None:
+    p = problem(four_by_two(), num_microbatches=2)
+    routes = [
+        Route(microbatch=0, stages=(0, 3, 1), path=("s0a", "s3b", "s1a")),
+        Route(microbatch=1, stages=(0,), path=("s0b",)),
+    ]
+    timeline = simulate(p, routes)
+    assert timeline.busy_s["s3b"] == pytest.approx(1.0) and timeline.busy_s["s2a"] == 0.0
+    assert math.isfinite(timeline.makespan_s)
+    with pytest.raises(ValueError, match="not a node of the problem"):
+        simulate(p, [Route(microbatch=0, stages=(0,), path=("ghost",))])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"num_stages": 1},
+        {"num_microbatches": 0},
+        {"skip_ratio": 1.0},
+        {"skip_ratio": math.nan},
+        {"default_latency_s": -0.1},
+        {"latency_s": {("s0a", "s1a"): math.inf}},
+        {"nodes": (node("x", 0), node("x", 1))},
+        {"nodes": (node("x", 0), node("y", 4))},
+    ],
+)
+def test_bad_problems_are_refused(overrides: dict[str, object]) -> None:
+    settings = {"nodes": four_by_two(), "num_stages": 4, "num_microbatches": 16} | overrides
+    with pytest.raises(ValueError):
+        SkipPipeProblem(**settings)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "fields", [{"seconds_per_microbatch": 0.0}, {"seconds_per_microbatch": math.inf}, {"memory_microbatches": 0}]
+)
+def test_bad_nodes_are_refused(fields: dict[str, object]) -> None:
+    settings: dict[str, object] = {"peer_id": "x", "stage": 0, "seconds_per_microbatch": 1.0, "memory_microbatches": 1}
+    settings.update(fields)
+    with pytest.raises(ValueError):
+        NodeInfo(**settings)  # type: ignore[arg-type]
