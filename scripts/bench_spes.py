@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import resource
+import os
 import subprocess
 import sys
 import time
@@ -42,6 +42,7 @@ from crowdtrain.models import ByteTokenizer, build_model, training_loss
 from crowdtrain.testing.bench import bench_parser, plot_to_png, print_table, say, say_plotted, write_json
 from crowdtrain.testing.diloco import computing_peer, computing_peers, loopback_dhts
 from crowdtrain.testing.processes import await_condition
+from crowdtrain.testing.procfs import peak_rss_kib
 from crowdtrain.training.modes.diloco import DiLoCoMode
 from crowdtrain.training.modes.spes import SPESMode
 
@@ -118,7 +119,7 @@ def centralized(args: argparse.Namespace, data: Data) -> dict[str, Any]:
         "trainable_state_bytes": state_bytes(optimizer, trained),
         "outer_state_bytes": 0,
         "bytes_sent_per_round": 0.0,
-        "tokens_per_s_per_node": tokens / compute_s / NUM_PEERS,
+        "tokens_per_s_per_node": tokens / compute_s,  # one node doing the four peers' work
     }
 
 
@@ -216,7 +217,7 @@ def child_rss(args: argparse.Namespace) -> None:
         mode.train_micro_batch(
             torch.randint(0, 256, (args.micro_batch_size, run.data.sequence_length), generator=generator)
         )
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_rss_kib(os.getpid()) / 1024  # not ru_maxrss: a child inherits the parent's across fork and exec
     mode.close()
     dht.shutdown()
     print(json.dumps({"peak_rss_mib": peak}))

@@ -92,6 +92,12 @@ def memory_kib(pid: int) -> tuple[int, int]:
     return _field_kib(f"/proc/{pid}/status", "VmRSS:"), _field_kib(f"/proc/{pid}/smaps_rollup", "Pss:")
 
 
+def peak_rss_kib(pid: int) -> int:
+    """The process's peak RSS (VmHWM) in KiB, 0 where it can't be read. Unlike getrusage's ru_maxrss, which a child
+    inherits from its parent across fork and exec, it counts only the process's own memory since its exec."""
+    return _field_kib(f"/proc/{pid}/status", "VmHWM:")
+
+
 def _field_kib(path: str, name: str) -> int:
     try:
         with open(path) as file:
