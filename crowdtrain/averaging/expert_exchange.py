@@ -48,6 +48,8 @@ MAX_CONCURRENT_READS = 4
 """Expert requests this node answers at once; others wait their turn."""
 RETRY_S = 0.25
 """Between asks to an owner that has not published the round yet."""
+MAX_CUT_SHORT = 2
+"""Asks again after a stream that ended before its announced bytes, at most this many times."""
 BLOCK = 256
 """Values per int8 block of a change (each block has its own scale)."""
 _FULL_DTYPE = np.dtype("<f4")
@@ -56,6 +58,10 @@ _SCALE_DTYPE = np.dtype("<f4")
 
 class ExpertFetchError(CrowdtrainError):
     """An expert could not be had from its owner (not there, wrong size, non-finite, no answer in time)."""
+
+
+class _CutShort(ExpertFetchError):
+    """The owner's stream ended before the bytes its header announced."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +183,18 @@ class ExpertExchange(P2PService):
         request = proto.SpesExpertRequest(unit=unit, round=round_)
         if held[0] >= 0:
             request.base_round = held[0]
-        while (received := await self._receive(peer, request, held, where)) is None:
+        cut_short = 0
+        while True:
+            try:
+                received = await self._receive(peer, request, held, where)
+            except _CutShort as e:
+                # the stream ended early (seen once in ~600 fetches between daemons): ask again, a few times
+                cut_short += 1
+                if cut_short > MAX_CUT_SHORT or time.monotonic() + RETRY_S > deadline:
+                    raise ExpertFetchError(str(e)) from None
+                received = None
+            if received is not None:
+                break
             if time.monotonic() + RETRY_S > deadline:
                 raise ExpertFetchError(f"{where} has no expert {unit} of round {round_} (not its owner, or behind)")
             await asyncio.sleep(RETRY_S)
@@ -210,7 +227,7 @@ class ExpertExchange(P2PService):
                 if len(received) > size:
                     raise ExpertFetchError(f"{where} sent over {size} bytes for expert {request.unit}")
             if len(received) != size:
-                raise ExpertFetchError(f"{where} sent {len(received)} of {size} bytes of expert {request.unit}")
+                raise _CutShort(f"{where} sent {len(received)} of {size} bytes of expert {request.unit}")
             return header.change, bytes(received)
         finally:
             await responses.aclose()
