@@ -22,6 +22,7 @@ from crowdtrain.averaging.expert_exchange import (
     ExpertFetchError,
     Published,
     change_bytes,
+    copy_digest,
     encode_change,
 )
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, SPESSpec, spes_demo
@@ -133,6 +134,20 @@ def test_an_owner_that_goes_costs_its_experts_one_round_and_they_are_re_owned() 
         assert_every_node_holds_the_owners_copies(survivors)
 
 
+def test_nodes_that_disagreed_about_owners_hold_the_owners_copies_after_the_next_round() -> None:
+    with spes_peers(manifest("disagree"), 2) as modes:
+        first, second = modes
+        second._take_ownership(peers=[second.context.peer_id])  # it believes it owns every expert (a stale view)
+        assert set(first.owned) < set(second.owned)
+        train(modes, steps=2, seed=6)
+        outer_round(modes)  # both trained the first one's experts; the round's group makes them agree again
+        assert sorted(first.owned + second.owned) == list(range(first.num_units))
+        train(modes, steps=2, seed=7)
+        outer_round(modes)
+        # a copy made from another base is never patched with a change: the whole copy came, checked by digest
+        assert_every_node_holds_the_owners_copies(modes)
+
+
 def test_a_joiner_takes_the_dense_state_and_every_expert_from_the_swarm() -> None:
     run = manifest("join")
     with spes_peers(run, 2) as modes:
@@ -165,33 +180,39 @@ def statuses_of(modes: Sequence[SPESMode]) -> list[proto.PeerStatus]:
     return [proto.PeerStatus(peer_id=mode.context.peer_id) for mode in modes]
 
 
-def test_a_fetcher_refuses_non_finite_mis_sized_and_unknown_base_copies() -> None:
+def test_a_fetcher_refuses_non_finite_mis_sized_forged_and_unowned_copies() -> None:
     first, second = loopback_dhts(2)
     owner, fetcher = ExpertExchange(first), ExpertExchange(second)
     owner.start()
     fetcher.start(serve=False)
     try:
-        base = torch.zeros(1000)
+        base, other = torch.zeros(1000), torch.ones(1000)
         change, copy = encode_change(base, torch.full((1000,), 0.5))
+        forged = encode_change(base, torch.full((1000,), -0.5))[0]
         owner.publish(3, {
-            0: Published(values=copy, base_round=2, change=change),
-            1: Published(values=torch.full((1000,), float("nan")), base_round=-1, change=b""),
-            2: Published(values=torch.zeros(999), base_round=-1, change=b""),
-            3: Published(values=copy, base_round=2, change=change[:-1]),  # a change cut short
+            0: Published(values=copy, base_digest=copy_digest(base), change=change),
+            1: Published(values=torch.full((1000,), float("nan")), base_digest=b"", change=b""),
+            2: Published(values=torch.zeros(999), base_digest=b"", change=b""),
+            3: Published(values=copy, base_digest=copy_digest(base), change=change[:-1]),  # a change cut short
+            4: Published(values=copy, base_digest=copy_digest(base), change=forged),  # not the copy it names
         })  # fmt: skip
         peer = first.peer_id.to_base58()
-        assert torch.equal(fetcher.fetch(peer, 0, 3, (2, base), 5.0), copy), "the change from the copy held"
-        assert torch.equal(fetcher.fetch(peer, 0, 3, (-1, base), 5.0), copy), "whole, to a node without the base"
-        assert torch.equal(fetcher.fetch(peer, 0, 3, (1, base), 5.0), copy), "whole, to a node with another base"
-        for unit, held, reason in [
-            (1, (-1, base), "non-finite"),
-            (2, (-1, base), "999 values"),
-            (3, (2, base), "bytes"),
-            (0, (2, torch.zeros(10)), "1000 values"),
-            (0, (2, base), "no expert 0 of round 4"),  # not published (yet): asked until the deadline
+        sent = owner.bytes_served
+        assert torch.equal(fetcher.fetch(peer, 0, 3, base, 5.0), copy), "the change from the copy held"
+        assert owner.bytes_served - sent == change_bytes(1000)
+        assert torch.equal(fetcher.fetch(peer, 0, 3, other, 5.0), copy), "whole, to a node holding another copy"
+        assert owner.bytes_served - sent == change_bytes(1000) + 4000
+        for unit, round_, held, reason in [
+            (1, 3, base, "non-finite"),
+            (2, 3, base, "999 values"),
+            (3, 3, base, "bytes"),
+            (4, 3, base, "not the copy its digest names"),
+            (0, 3, torch.zeros(10), "1000 values"),
+            (5, 3, base, "did not own expert 5"),  # at once, not after the deadline
+            (0, 4, base, "no expert 0 of round 4"),  # not published (yet): asked until the deadline
         ]:
             with pytest.raises(ExpertFetchError, match=reason):
-                fetcher.fetch(peer, unit, 4 if "round 4" in reason else 3, held, 1.0)
+                fetcher.fetch(peer, unit, round_, held, 1.0)
     finally:
         fetcher.close()
         owner.close()

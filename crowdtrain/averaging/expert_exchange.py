@@ -20,6 +20,8 @@ Each value travels once per fetcher, in one byte: a DiLoCo all-reduce sends each
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import logging
 import threading
 import time
@@ -50,6 +52,7 @@ RETRY_S = 0.25
 """Between asks to an owner that has not published the round yet."""
 MAX_CUT_SHORT = 2
 """Asks again after a stream that ended before its announced bytes, at most this many times."""
+DIGEST_BYTES = 16
 BLOCK = 256
 """Values per int8 block of a change (each block has its own scale)."""
 _FULL_DTYPE = np.dtype("<f4")
@@ -69,11 +72,13 @@ class Published:
     """An expert's copy at a round's end, as its owner serves it."""
 
     values: torch.Tensor
-    """P_r, float32, flattened."""
-    base_round: int
-    """The round of the copy the change is from; -1: none (only the full values are served)."""
+    """P', float32, flattened."""
+    base_digest: bytes
+    """`copy_digest` of the copy P the change is from; empty: none (only the full values are served)."""
     change: bytes
-    """The int8 change P_r − P_base (`encode_change`); empty without a base."""
+    """The int8 change P' − P (`encode_change`); empty without a base."""
+    digest: bytes = b""
+    """`copy_digest(values)`, computed when published."""
 
 
 def encode_change(base: torch.Tensor, target: torch.Tensor) -> tuple[bytes, torch.Tensor]:
@@ -106,6 +111,11 @@ def apply_change(base: torch.Tensor, buffer: bytes) -> torch.Tensor:
     return base + (padded * scales[:, None]).reshape(-1)[:count]
 
 
+def copy_digest(values: torch.Tensor) -> bytes:
+    """A 16-byte digest of a copy's float32 bits: what a change applies to, and what a fetched copy must be."""
+    return hashlib.blake2b(values.detach().float().contiguous().numpy().tobytes(), digest_size=DIGEST_BYTES).digest()
+
+
 def change_bytes(num_values: int) -> int:
     """The size of an int8 change of `num_values` values: a float32 scale per block, a byte per value."""
     return 4 * -(-num_values // BLOCK) + num_values
@@ -124,8 +134,9 @@ class ExpertExchange(P2PService):
 
     def publish(self, round_: int, experts: dict[int, Published]) -> None:
         """Serve `experts` (unit → its copy) as the copies at round `round_`'s end."""
+        digested = {unit: dataclasses.replace(copy, digest=copy_digest(copy.values)) for unit, copy in experts.items()}
         with self._lock:
-            self._published[round_] = dict(experts)
+            self._published[round_] = digested
             while len(self._published) > KEPT_ROUNDS:
                 self._published.popitem(last=False)
 
@@ -136,34 +147,34 @@ class ExpertExchange(P2PService):
     async def rpc_spes_expert(
         self, request: proto.SpesExpertRequest, context: P2PContext
     ) -> typing.AsyncIterator[proto.SpesExpertChunk]:
-        """Stream unit `request.unit`'s copy of round `request.round`: the change from the fetcher's copy of
-        `request.base_round` when that is what it was made from, else the full values; or `found: false`."""
-        copy = self.published(request.round, request.unit)
+        """Stream unit `request.unit`'s copy of round `request.round`: the change from the fetcher's copy when its
+        digest is `request.base_digest`, else the full values; or `found: false`."""
+        with self._lock:
+            round_published = self._published.get(request.round)
+        copy = None if round_published is None else round_published.get(request.unit)
         if copy is None:
-            yield proto.SpesExpertChunk(found=False)
+            yield proto.SpesExpertChunk(found=False, not_owner=round_published is not None)
             return
         if self._reads is None:
             self._reads = asyncio.Semaphore(MAX_CONCURRENT_READS)
-        as_change = request.HasField("base_round") and copy.base_round >= 0 and request.base_round == copy.base_round
+        as_change = bool(copy.base_digest) and request.base_digest == copy.base_digest
         if as_change:
             payload = copy.change
         else:
             payload = await asyncio.to_thread(lambda: copy.values.numpy().astype(_FULL_DTYPE).tobytes())
         async with self._reads:
             yield proto.SpesExpertChunk(
-                found=True, num_values=copy.values.numel(), change=as_change, base_round=max(copy.base_round, 0)
+                found=True, num_values=copy.values.numel(), change=as_change, digest=copy.digest
             )
             for offset in range(0, len(payload), CHUNK_BYTES):
                 chunk = payload[offset : offset + CHUNK_BYTES]
                 self.bytes_served += len(chunk)
                 yield proto.SpesExpertChunk(payload=chunk)
 
-    def fetch(
-        self, peer_id: str, unit: int, round_: int, held: tuple[int, torch.Tensor], timeout_s: float
-    ) -> torch.Tensor:
-        """Unit `unit`'s copy of round `round_` from `peer_id`, float32, flattened. `held`: this node's copy (its
-        round, -1 when unknown, and its values), which a change applies to. Waits up to `timeout_s` for the owner
-        to publish the round. Raises ExpertFetchError with a sentence why not."""
+    def fetch(self, peer_id: str, unit: int, round_: int, held: torch.Tensor, timeout_s: float) -> torch.Tensor:
+        """Unit `unit`'s copy of round `round_` from `peer_id`, float32, flattened. `held`: this node's copy, which
+        a change applies to. Waits up to `timeout_s` for the owner to publish the round. Raises ExpertFetchError
+        with a sentence why not."""
         try:
             fetching = self._fetch(PeerID.from_base58(peer_id), unit, round_, held, time.monotonic() + timeout_s)
             return self.run(fetching, timeout_s)
@@ -176,13 +187,9 @@ class ExpertExchange(P2PService):
         except Exception as e:
             raise ExpertFetchError(f"peer {peer_id[-8:]} could not send expert {unit}: {e!r}") from e
 
-    async def _fetch(
-        self, peer: PeerID, unit: int, round_: int, held: tuple[int, torch.Tensor], deadline: float
-    ) -> torch.Tensor:
+    async def _fetch(self, peer: PeerID, unit: int, round_: int, held: torch.Tensor, deadline: float) -> torch.Tensor:
         where = f"peer {peer.to_base58()[-8:]}"
-        request = proto.SpesExpertRequest(unit=unit, round=round_)
-        if held[0] >= 0:
-            request.base_round = held[0]
+        request = proto.SpesExpertRequest(unit=unit, round=round_, base_digest=copy_digest(held))
         cut_short = 0
         while True:
             try:
@@ -198,26 +205,30 @@ class ExpertExchange(P2PService):
             if time.monotonic() + RETRY_S > deadline:
                 raise ExpertFetchError(f"{where} has no expert {unit} of round {round_} (not its owner, or behind)")
             await asyncio.sleep(RETRY_S)
-        change, payload = received
-        if change:
+        header, payload = received
+        if header.change:
             try:
-                values = apply_change(held[1], payload)
+                values = apply_change(held, payload)
             except ValueError as e:
                 raise ExpertFetchError(f"{where} sent an unreadable change of expert {unit}: {e}") from None
         else:
             values = torch.from_numpy(np.frombuffer(payload, dtype=_FULL_DTYPE).astype(np.float32))
         if not bool(torch.isfinite(values).all()):
             raise ExpertFetchError(f"{where} sent non-finite weights for expert {unit}")
+        if copy_digest(values) != header.digest:
+            raise ExpertFetchError(f"{where} sent expert {unit}, but not the copy its digest names")
         return values
 
     async def _receive(
-        self, peer: PeerID, request: proto.SpesExpertRequest, held: tuple[int, torch.Tensor], where: str
-    ) -> tuple[bool, bytes] | None:
-        """One ask: (whether it is a change, the payload), or None when the owner has no such copy (yet)."""
+        self, peer: PeerID, request: proto.SpesExpertRequest, held: torch.Tensor, where: str
+    ) -> tuple[proto.SpesExpertChunk, bytes] | None:
+        """One ask: (the header, the payload), or None when the owner has no such copy (yet)."""
         stub: typing.Any = self.get_stub(self.require_p2p(), peer, namespace=NAMESPACE)
         responses = await stub.rpc_spes_expert(request)
         try:
             header = await anext(responses)
+            if not header.found and header.not_owner:
+                raise ExpertFetchError(f"{where} did not own expert {request.unit} in round {request.round}")
             if not header.found:
                 return None
             size = self._expected_size(header, held, where, request.unit)
@@ -228,18 +239,18 @@ class ExpertExchange(P2PService):
                     raise ExpertFetchError(f"{where} sent over {size} bytes for expert {request.unit}")
             if len(received) != size:
                 raise _CutShort(f"{where} sent {len(received)} of {size} bytes of expert {request.unit}")
-            return header.change, bytes(received)
+            return header, bytes(received)
         finally:
             await responses.aclose()
 
     @staticmethod
-    def _expected_size(header: proto.SpesExpertChunk, held: tuple[int, torch.Tensor], where: str, unit: int) -> int:
+    def _expected_size(header: proto.SpesExpertChunk, held: torch.Tensor, where: str, unit: int) -> int:
         """The payload bytes the header announces, once it is checked against what this node expects."""
-        num_values = held[1].numel()
+        num_values = held.numel()
         if header.num_values != num_values:
             raise ExpertFetchError(f"{where} has {header.num_values} values for expert {unit}, not {num_values}")
+        if len(header.digest) != DIGEST_BYTES:
+            raise ExpertFetchError(f"{where} sent expert {unit} without its copy's digest")
         if header.change:
-            if held[0] < 0 or header.base_round != held[0]:
-                raise ExpertFetchError(f"{where} sent a change of expert {unit} from a round this node doesn't hold")
             return change_bytes(num_values)
         return num_values * _FULL_DTYPE.itemsize

@@ -382,28 +382,30 @@ class ExpertParametersChunk(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., num_values: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class SpesExpertRequest(_message.Message):
-    __slots__ = ("unit", "round", "base_round")
+    __slots__ = ("unit", "round", "base_digest")
     UNIT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
-    BASE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    BASE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     unit: int
     round: int
-    base_round: int
-    def __init__(self, unit: _Optional[int] = ..., round: _Optional[int] = ..., base_round: _Optional[int] = ...) -> None: ...
+    base_digest: bytes
+    def __init__(self, unit: _Optional[int] = ..., round: _Optional[int] = ..., base_digest: _Optional[bytes] = ...) -> None: ...
 
 class SpesExpertChunk(_message.Message):
-    __slots__ = ("found", "num_values", "payload", "change", "base_round")
+    __slots__ = ("found", "num_values", "payload", "change", "digest", "not_owner")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     NUM_VALUES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     CHANGE_FIELD_NUMBER: _ClassVar[int]
-    BASE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NOT_OWNER_FIELD_NUMBER: _ClassVar[int]
     found: bool
     num_values: int
     payload: bytes
     change: bool
-    base_round: int
-    def __init__(self, found: _Optional[bool] = ..., num_values: _Optional[int] = ..., payload: _Optional[bytes] = ..., change: _Optional[bool] = ..., base_round: _Optional[int] = ...) -> None: ...
+    digest: bytes
+    not_owner: bool
+    def __init__(self, found: _Optional[bool] = ..., num_values: _Optional[int] = ..., payload: _Optional[bytes] = ..., change: _Optional[bool] = ..., digest: _Optional[bytes] = ..., not_owner: _Optional[bool] = ...) -> None: ...
 
 class SparsePart(_message.Message):
     __slots__ = ("version", "dense", "index_gaps", "values")

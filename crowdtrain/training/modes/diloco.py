@@ -101,6 +101,9 @@ class DiLoCoMode(TrainingMode):
         self.parameters = self._synchronised_parameters()
         self.round, self.samples, self.inner_steps, self.num_local_rounds = 0, 0, 0, 0
         self.diverged = False
+        self.round_group: list[str] | None = None
+        """The peers (base58, sorted) whose pseudo-gradients the last outer round averaged; None when it was not
+        averaged (alone, failed) or none ended yet."""
         self._in_flight: _RoundInFlight | None = None
         self._sync_not_before = 0.0
         self._lock = threading.Lock()  # the outer state, between the training thread and a joiner's request
@@ -276,6 +279,7 @@ class DiLoCoMode(TrainingMode):
         """Average this peer's pseudo-gradient with a group, apply the outer step, start the next round; with
         `overlap`, start the average and return, the outer step follows when it is in."""
         self._seconds_per_batch = (time.monotonic() - self._round_started_at) / self.round_batches
+        self.round_group = None
         if self._in_flight is not None:
             self._finish_round_in_flight(wait=True)  # at most one round in flight
         with self.tracker.pause_updates():
@@ -431,8 +435,10 @@ class DiLoCoMode(TrainingMode):
         return [self.round, self._proposal] if self.adaptive else self.round
 
     def _note_round(self, gathered: dict[Any, Any], allreduce_s: float) -> None:
-        """After an averaged round: the H the group agreed on (from the next round on) and this peer's next
-        proposal, from the round's measured all-reduce time and its inner steps' seconds per global batch."""
+        """After an averaged round: its group (`round_group`), the H the group agreed on (from the next round on)
+        and this peer's next proposal, from the round's measured all-reduce time and its inner steps' seconds per
+        global batch."""
+        self.round_group = sorted(peer.to_base58() if hasattr(peer, "to_base58") else str(peer) for peer in gathered)
         if not self.adaptive:
             return
         low, high = self.spec.inner_steps_range

@@ -32,7 +32,13 @@ from typing import Any
 
 import torch
 
-from crowdtrain.averaging.expert_exchange import ExpertExchange, ExpertFetchError, Published, encode_change
+from crowdtrain.averaging.expert_exchange import (
+    ExpertExchange,
+    ExpertFetchError,
+    Published,
+    copy_digest,
+    encode_change,
+)
 from crowdtrain.manifest import SPESSpec
 from crowdtrain.models.expert_merging import merge_alpha, merged_experts
 from crowdtrain.models.owned_experts import (
@@ -67,9 +73,6 @@ class SPESMode(DiLoCoMode):
         self.owners: list[str] = []
         """The owner of each unit in the current round."""
         self.owned: list[int] = []
-        self.copy_rounds = [0] * self.num_units
-        """The round each expert's copy here is from (0: the initial weights every node builds alike; -1:
-        unknown, e.g. from a checkpoint). For an owned expert, the round of `bases[unit]`."""
         self.bases: dict[int, torch.Tensor] = {}
         """Owned expert → the copy every other node holds of it (float32, flattened); its trained weights are
         the model's."""
@@ -116,23 +119,45 @@ class SPESMode(DiLoCoMode):
     # ownership
 
     def _take_ownership(self, peers: list[str] | None = None) -> None:
-        """Recompute who owns what from the last swarm view (or `peers`); train exactly this node's units."""
+        """Train exactly this node's experts of the next round (`_next_owners`, or among `peers` only)."""
         me = self.context.peer_id
-        weighted = [(status.peer_id, status.measured_samples_per_second) for status in self._view.statuses]
         if peers is not None:
-            weighted = [(peer, weight) for peer, weight in weighted if peer in peers]
-        if me not in {peer for peer, _ in weighted} and peers is None:
-            weighted.append((me, 0.0))  # this node trains whether or not its status is in the view yet
-        owners = assign_units(weighted, self.num_units)
+            owners = assign_units([(peer, self._compute_of(peer)) for peer in peers], self.num_units)
+        else:
+            owners = self._next_owners()
         owned = [unit for unit, owner in enumerate(owners) if owner == me]
         if owned != self.owned:
             logger.info(f"owns {len(owned)} of {self.num_units} experts (was {len(self.owned)})")
         for unit in set(self.bases) - set(owned):
-            self._write(unit, self.bases.pop(unit))  # given up: hold the copy every other node holds
+            self._write(unit, self.bases.pop(unit))  # given up: hold the copy the other nodes hold
         for unit in set(owned) - set(self.bases):
             self.bases[unit] = self._flat(unit).clone()  # taken over: train on from this node's copy
         self.owners, self.owned = owners, owned
         self._set_inner_optimizer(own(self.layers, owned))
+
+    def _next_owners(self) -> list[str]:
+        """Who owns which expert in the next round. Nodes must agree, and the freshest agreed fact is the round
+        just averaged: when its group was the whole swarm (the swarm fits in one group), the experts go to its
+        members. A node alone takes every expert. A node whose round was not averaged while others train leaves
+        the experts to them for a round: it can't know whom they counted, and two owners of one expert would
+        waste a round of its training. Otherwise (a fresh run, a swarm larger than one group) the last
+        re-planning read decides; it lags a round or two behind joins and leaves."""
+        me = self.context.peer_id
+        known = {status.peer_id for status in self._view.statuses} | {me}
+        group, started = self.round_group, self.round > 0
+        if group is not None and len(known) <= self.context.manifest.averaging.group_size:
+            peers = list(group)
+        elif started and self.tracker.global_progress.num_peers <= 1:
+            peers = [me]
+        elif started and group is None:
+            peers = sorted(known - {me}) or [me]
+        else:
+            peers = sorted(known)
+        return assign_units([(peer, self._compute_of(peer)) for peer in peers], self.num_units)
+
+    def _compute_of(self, peer: str) -> float:
+        """The peer's measured samples/s from the last re-planning read; 0 (counted as the median) if unknown."""
+        return next((s.measured_samples_per_second for s in self._view.statuses if s.peer_id == peer), 0.0)
 
     def _set_inner_optimizer(self, owned_parameters: list[torch.nn.Parameter]) -> None:
         """The inner AdamW over the dense parameters and `owned_parameters`; state carries over for parameters it
@@ -160,35 +185,30 @@ class SPESMode(DiLoCoMode):
     def _exchange_experts(self, owners: list[str]) -> None:
         """Publish this node's experts' copies of the round just made; fetch every other one from `owners`."""
         me, round_ = self.context.peer_id, self.round
-        self.exchange.publish(round_, {unit: self._publish(unit, round_) for unit in self.bases})
+        self.exchange.publish(round_, {unit: self._publish(unit) for unit in self.bases})
         wanted = [unit for unit, owner in enumerate(owners) if owner != me and unit not in self.bases]
         started, timeout = time.monotonic(), self.context.manifest.averaging.timeout_s
         missing: list[str] = []
         for unit in wanted:
             left = max(timeout - (time.monotonic() - started), 1.0)
-            held = (self.copy_rounds[unit], self._flat(unit))
             try:
-                values = self.exchange.fetch(owners[unit], unit, round_, held, left)
+                values = self.exchange.fetch(owners[unit], unit, round_, self._flat(unit), left)
             except ExpertFetchError as e:
                 missing.append(f"{unit} ({e})")
                 continue
             self._write(unit, values)
-            self.copy_rounds[unit] = round_
         self.fetch_failures += len(missing)
         if missing:
             logger.warning(f"round {round_}: kept this node's own copy of {len(missing)} of {len(wanted)} experts "
                            f"its owners did not send: {'; '.join(missing[:3])}")  # fmt: skip
 
-    def _publish(self, unit: int, round_: int) -> Published:
-        """The copy of owned `unit` at round `round_`'s end: its base plus the int8 change toward its trained
-        weights (the base's round known), else the trained weights themselves."""
-        base, base_round = self.bases[unit], self.copy_rounds[unit]
-        if base_round >= 0:
-            change, copy = encode_change(base, self._flat(unit))
-        else:
-            change, copy = b"", self._flat(unit).clone()
-        self.bases[unit], self.copy_rounds[unit] = copy, round_
-        return Published(values=copy, base_round=base_round, change=change)
+    def _publish(self, unit: int) -> Published:
+        """The new copy of owned `unit`: its last copy plus the int8 change toward its trained weights. Fetchers
+        holding that last copy get the change; others, the whole copy."""
+        base = self.bases[unit]
+        change, copy = encode_change(base, self._flat(unit))
+        self.bases[unit] = copy
+        return Published(values=copy, base_digest=copy_digest(base), change=change)
 
     def _flat(self, unit: int) -> torch.Tensor:
         gate_up, down = unit_experts(self.layers, unit)
@@ -223,7 +243,6 @@ class SPESMode(DiLoCoMode):
             self.owned = sorted(set(saved))
             self._set_inner_optimizer(own(self.layers, self.owned))
         super().load_state_dict(state)
-        self.copy_rounds = [-1] * self.num_units  # a checkpoint's copies are not known to match the swarm's
         self.bases = {unit: self._flat(unit).clone() for unit in self.owned}
         self._take_ownership()
 
