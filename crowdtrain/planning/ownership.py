@@ -1,10 +1,10 @@
-"""Who owns which expert in a SPES run: a pure function of the swarm's status records, so every node agrees.
+"""Who owns which expert in a SPES run: a pure function of the peers and their compute, so every node agrees.
 
 SPES (training/modes/spes.py) has each node train only the routed experts it owns. There is no server to hand
-experts out: ownership is computed, like the DeDLOC plan, from the `PeerStatus` records every node reads from
-the DHT. Those records are the claims, with the DHT's TTL: a node that stops heartbeating drops out of every
-other node's next computation, and its experts go to the others (who continue from the copies they fetched
-last round: nothing restarts from scratch).
+experts out: every node computes ownership from the same list of peers, the members of the round just averaged
+(or, for a swarm larger than one group, the `PeerStatus` records it reads from the DHT, with their TTL), and
+each peer's measured compute from its record. A node that vanishes drops out of the next computation, and its
+experts go to the others (who continue from the copies they fetched last round: nothing restarts from scratch).
 
 Balance: each peer's share of the units (one unit is one expert of one layer) is proportional to its measured
 compute (`measured_samples_per_second`, the throughput probe), the largest-remainder way, every peer at least

@@ -10,11 +10,13 @@ reached, and every node fetches each expert it does not own from that expert's o
 float16 on the wire, checked (averaging/expert_exchange.py). A node so sends the dense all-reduce and its own
 experts, never the others'.
 
-Ownership is a pure function of the swarm's status records (planning/ownership.py): balanced by measured compute,
-stable when peers come and go, recomputed at each round's end from the latest re-planning read. A node that
-leaves stops heartbeating; at the next round its experts go to others, who go on from the copies they fetched
-at the last round's end. A fetch that fails (an owner gone mid-round, or behind) leaves that expert as this node
-last had it, and says so in the log: a partial exchange is never silent.
+Ownership is a pure function of a list of peers and their measured compute (planning/ownership.py): balanced,
+stable when peers come and go, recomputed at each round's end. The list is the round's averaging group when the
+swarm fits in one group (`_next_owners`): every member saw the same group, so they agree, and a vanished peer's
+experts go to the others at the end of the round it missed; they go on from the copies fetched the round
+before. A fetch that fails (an owner gone mid-round, or behind) leaves that expert as this node last had it,
+and says so in the log: a partial exchange is never silent. Changes are keyed by the digest of the copy they
+apply to, so nodes that briefly disagreed about owners converge to the owner's copy at the next exchange.
 
 With `spes.merge_every` set, each owner runs the expert-merging warm-up on its experts every M inner steps
 (models/expert_merging.py), from the copies of the others it holds.
