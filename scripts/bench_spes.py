@@ -8,10 +8,12 @@ trains one model with AdamW on the four peers' micro-batches of each step togeth
 
 Arms: `centralized`, `diloco` (every peer trains the whole model; pseudo-gradients of all of it averaged),
 `spes` (dense pseudo-gradients averaged, experts trained by their owners and fetched as int8 changes), and
-`spes-warmup` (SPES with the expert-merging warm-up). For each it prints the held-out loss after each round (the
-first peer's replica; the same windows for every arm), the trainable state per node (gradients and AdamW moments
-of what the node trains; DiLoCo's outer state, the round's start and its momentum, beside it), the bytes each node
-sent per round (all-reduce parts plus served experts), and tokens/s per node over its inner steps. With
+`spes-warmup` (SPES with the expert-merging warm-up); by name, DiLoCo's variants `diloco-int8`, `diloco-topk` and
+`diloco-overlap` (the outer step one round late; each point is the replica as the peer holds it then). For each
+it prints the held-out loss after each round (the first peer's replica; the same windows for every arm), the
+trainable state per node (gradients and AdamW moments of what the node trains; DiLoCo's outer state, the round's
+start and its momentum, beside it), the bytes each node sent per round (all-reduce parts plus served experts),
+and tokens/s per node over its inner steps. With
 `--rss`, each mode also trains alone in a child process, as one of four peers, to give a node's peak RSS.
 
     python scripts/bench_spes.py [--preset spes-demo] [--rounds 8] [--inner-steps 8] [--arms ...] [--rss]
@@ -46,7 +48,10 @@ from crowdtrain.testing.procfs import peak_rss_kib
 from crowdtrain.training.modes.diloco import DiLoCoMode
 from crowdtrain.training.modes.spes import SPESMode
 
-ARMS = ("centralized", "diloco", "spes", "spes-warmup")
+ARMS = ("centralized", "diloco", "spes", "spes-warmup", "diloco-int8", "diloco-topk", "diloco-overlap")
+DEFAULT_ARMS = ARMS[:4]
+"""The DiLoCo variants (issue 15's loss per sample: int8 and top-k pseudo-gradients, the one-round-late outer step
+of `overlap`) run when named."""
 NUM_PEERS = 4
 EVAL_BATCHES = 8
 
@@ -67,7 +72,11 @@ def run_for(args: argparse.Namespace, arm: str) -> RunManifest:
             base.averaging, mode="spes" if arm.startswith("spes") else "diloco", group_size=4, matchmaking_time_s=2.0,
             timeout_s=120.0,
         ),
-        diloco=DiLoCoSpec(inner_steps=args.inner_steps, compression=args.compression, overlap=False),
+        diloco=DiLoCoSpec(
+            inner_steps=args.inner_steps,
+            compression={"diloco-int8": "int8", "diloco-topk": "topk"}.get(arm, args.compression),
+            overlap=arm == "diloco-overlap",
+        ),
         spes=merge if arm == "spes-warmup" else (SPESSpec() if arm == "spes" else None),
     )  # fmt: skip
 
@@ -139,6 +148,9 @@ def swarm(args: argparse.Namespace, arm: str, data: Data) -> dict[str, Any]:
                     compute_s[peer] += time.perf_counter() - began
                     tokens += batch.numel() if peer == 0 else 0
             outer_round(modes)
+            if round_ == args.rounds - 1 and modes[0].overlapped:  # the last round's average, applied at the end
+                with ThreadPoolExecutor(len(modes)) as pool:
+                    list(pool.map(lambda mode: mode._finish_round_in_flight(wait=True), modes))
             losses.append(held_out_loss(modes[0].context.compute.model, data))  # type: ignore[union-attr]
             say(f"{arm} round {round_ + 1}: held-out loss {losses[-1]:.4f}, "
                 f"{sum(mode.num_local_rounds for mode in modes)} solo rounds")  # fmt: skip
@@ -162,6 +174,7 @@ def outer_round(modes: Sequence[DiLoCoMode]) -> None:
     await_condition(lambda: all(mode.tracker.global_progress.num_peers >= len(modes) for mode in modes), 120,
                     "every peer's tracker to see the others")  # fmt: skip
     with ThreadPoolExecutor(len(modes)) as pool:
+        # with overlap, the round's average goes on in the background: the next round's end applies it
         list(pool.map(lambda mode: mode._outer_round(), modes))
 
 
@@ -238,13 +251,13 @@ def plot_losses(results: dict[str, Any], axes: Any) -> None:
 
 def main() -> int:
     parser = bench_parser(__doc__)
-    parser.add_argument("--preset", default="spes-demo", choices=[name for name in PRESETS if name.startswith("spes")])
+    parser.add_argument("--preset", default="spes-demo", choices=list(PRESETS), help="spes-* for the SPES arms")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--inner-steps", type=int, default=8, help="H: inner steps per round (default 8)")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--compression", default="fp16", help="the dense all-reduce's encoding, both modes")
     parser.add_argument("--merge-every", type=int, default=4, help="spes-warmup: M, inner steps between merges")
-    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(DEFAULT_ARMS))
     parser.add_argument("--rss", action="store_true", help="also measure a node's peak RSS per mode (child processes)")
     parser.add_argument("--child-rss", help=argparse.SUPPRESS)
     args = parser.parse_args()
