@@ -104,6 +104,8 @@ class DiLoCoMode(TrainingMode):
         self.round_group: list[str] | None = None
         """The peers (base58, sorted) whose pseudo-gradients the last outer round averaged; None when it was not
         averaged (alone, failed) or none ended yet."""
+        self.round_gathered: dict[str, Any] = {}
+        """What each member of the last averaged round gathered (`_gather`), by peer (base58); unchecked."""
         self._in_flight: _RoundInFlight | None = None
         self._sync_not_before = 0.0
         self._lock = threading.Lock()  # the outer state, between the training thread and a joiner's request
@@ -438,7 +440,8 @@ class DiLoCoMode(TrainingMode):
         """After an averaged round: its group (`round_group`), the H the group agreed on (from the next round on)
         and this peer's next proposal, from the round's measured all-reduce time and its inner steps' seconds per
         global batch."""
-        self.round_group = sorted(peer.to_base58() if hasattr(peer, "to_base58") else str(peer) for peer in gathered)
+        self.round_gathered = {_base58(peer): value for peer, value in gathered.items()}
+        self.round_group = sorted(self.round_gathered)
         if not self.adaptive:
             return
         low, high = self.spec.inner_steps_range
@@ -563,13 +566,17 @@ class DiLoCoMode(TrainingMode):
         return StateTemplate(tuple(specs), ceiling, epoch_floor=self.round)
 
 
+def _base58(peer: Any) -> str:
+    return peer.to_base58() if hasattr(peer, "to_base58") else str(peer)
+
+
 def _gathered_round(value: Any) -> int | None:
-    """The round in a peer's gathered data: an int, or the first of [round, proposed H] (adaptive H)."""
-    if isinstance(value, list | tuple) and len(value) == 2:
+    """The round in a peer's gathered data: an int, or the first of [round, proposed H, ...] (adaptive H, SPES)."""
+    if isinstance(value, list | tuple) and 2 <= len(value) <= 3:
         value = value[0]
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _gathered_proposal(value: Any) -> Any:
     """The H a peer proposed in its gathered data (checked by agreed_round_batches); None without one."""
-    return value[1] if isinstance(value, list | tuple) and len(value) == 2 else None
+    return value[1] if isinstance(value, list | tuple) and 2 <= len(value) <= 3 else None

@@ -148,14 +148,26 @@ class SPESMode(DiLoCoMode):
         known = {status.peer_id for status in self._view.statuses} | {me}
         group, started = self.round_group, self.round > 0
         if group is not None and len(known) <= self.context.manifest.averaging.group_size:
-            peers = list(group)
-        elif started and self.tracker.global_progress.num_peers <= 1:
+            # every member computes from the same gathered rates (status records differ between readers)
+            return assign_units([(peer, self._gathered_rate(peer)) for peer in group], self.num_units)
+        if started and self.tracker.global_progress.num_peers <= 1:
             peers = [me]
         elif started and group is None:
             peers = sorted(known - {me}) or [me]
         else:
             peers = sorted(known)
         return assign_units([(peer, self._compute_of(peer)) for peer in peers], self.num_units)
+
+    def _gather(self) -> Any:
+        """This node's round, its proposed H and its samples/s in the round, for every member to see alike."""
+        elapsed = time.monotonic() - self._round_started_at
+        return [self.round, self._proposal, float(self.samples) / elapsed if elapsed > 0 else 0.0]
+
+    def _gathered_rate(self, peer: str) -> float:
+        """The samples/s `peer` gathered in the last averaged round; 0 (counted as the median) if not a number."""
+        value = self.round_gathered.get(peer)
+        rate = value[2] if isinstance(value, list | tuple) and len(value) == 3 else None
+        return float(rate) if isinstance(rate, int | float) and not isinstance(rate, bool) else 0.0
 
     def _compute_of(self, peer: str) -> float:
         """The peer's measured samples/s from the last re-planning read; 0 (counted as the median) if unknown."""
