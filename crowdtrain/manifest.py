@@ -500,11 +500,7 @@ def spes_demo() -> RunManifest:
     """SPES on a 5M-parameter OLMoE (8 routed experts per layer, top-2), CPU-friendly, with the merging warm-up."""
     return RunManifest(
         run_id="spes-demo",
-        model=ModelSpec(
-            architecture="OlmoeForCausalLM",
-            config=_byte_olmoe_config(hidden_size=192, intermediate_size=256, num_layers=4, num_heads=4, experts=8),
-            tokenizer="bytes",
-        ),
+        model=_byte_olmoe(hidden_size=192, intermediate_size=256, num_layers=4, num_heads=4, experts=8),
         data=DataSpec(source="embedded", sequence_length=128),
         optimizer=OptimizerSpec(name="adamw", learning_rate=1e-3, warmup_steps=10, total_steps=10_000),
         target_batch_size=256,
@@ -519,11 +515,7 @@ def spes_28m() -> RunManifest:
     return dataclasses.replace(
         spes_demo(),
         run_id="spes-28m",
-        model=ModelSpec(
-            architecture="OlmoeForCausalLM",
-            config=_byte_olmoe_config(hidden_size=384, intermediate_size=448, num_layers=6, num_heads=6, experts=8),
-            tokenizer="bytes",
-        ),
+        model=_byte_olmoe(hidden_size=384, intermediate_size=448, num_layers=6, num_heads=6, experts=8),
     )
 
 
@@ -532,11 +524,7 @@ def spes_250m() -> RunManifest:
     return dataclasses.replace(
         spes_demo(),
         run_id="spes-250m",
-        model=ModelSpec(
-            architecture="OlmoeForCausalLM",
-            config=_byte_olmoe_config(hidden_size=768, intermediate_size=512, num_layers=12, num_heads=12, experts=16),
-            tokenizer="bytes",
-        ),
+        model=_byte_olmoe(hidden_size=768, intermediate_size=512, num_layers=12, num_heads=12, experts=16),
         data=DataSpec(source="embedded", sequence_length=512),
         optimizer=OptimizerSpec(name="adamw", learning_rate=6e-4, warmup_steps=50, total_steps=10_000),
         target_batch_size=512,
@@ -545,11 +533,11 @@ def spes_250m() -> RunManifest:
     )
 
 
-def _byte_olmoe_config(
+def _byte_olmoe(
     *, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int, experts: int
-) -> dict[str, Any]:
-    """An OlmoeForCausalLM config over the byte tokenizer: top-2 routing with OLMoE's load-balancing loss."""
-    return {
+) -> ModelSpec:
+    """An OlmoeForCausalLM over the byte tokenizer: top-2 routing with OLMoE's load-balancing loss."""
+    config = {
         "vocab_size": 260,
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
@@ -566,6 +554,7 @@ def _byte_olmoe_config(
         "pad_token_id": 258,
         "tie_word_embeddings": True,
     }
+    return ModelSpec(architecture="OlmoeForCausalLM", config=config, tokenizer="bytes")
 
 
 def _byte_llama_config(*, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int) -> dict[str, Any]:
