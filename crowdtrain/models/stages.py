@@ -107,9 +107,13 @@ class StagedModel:
 
     def embed(self, input_ids: torch.Tensor) -> Activations:
         """The token embeddings of `input_ids` [batch, sequence], with the positions and mask every layer uses."""
+        return self.activations(self.model.model.embed_tokens(input_ids))
+
+    def activations(self, hidden_states: torch.Tensor) -> Activations:
+        """`hidden_states` [batch, sequence, hidden] with the positions and mask every layer uses: what a stage
+        that received only the hidden states of a microbatch (a pipeline hop) runs its layers on."""
         inner = self.model.model
-        hidden_states = inner.embed_tokens(input_ids)
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
         # As LlamaModel.forward builds them: no padding mask, no cache.
         attention_mask = create_causal_mask(
             config=inner.config, inputs_embeds=hidden_states, attention_mask=None, cache=None, position_ids=position_ids
@@ -140,6 +144,15 @@ class StagedModel:
         """Logits [batch, sequence, vocab] of the final norm and the LM head."""
         return cast(torch.Tensor, self.model.lm_head(self.model.model.norm(activations.hidden_states)))
 
+    def head_loss(self, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The causal LM loss of the hidden states [batch, sequence, hidden] after a path's last stage, against
+        `input_ids` (the microbatch's tokens): the final norm, the head and the model's loss function."""
+        logits = self.model.lm_head(self.model.model.norm(hidden_states))
+        return cast(
+            torch.Tensor,
+            self.model.loss_function(logits=logits, labels=input_ids, vocab_size=self.model.config.vocab_size),
+        )
+
     def logits(self, input_ids: torch.Tensor, path: Sequence[int]) -> torch.Tensor:
         """Logits [batch, sequence, vocab] of `input_ids` [batch, sequence] run along `path`."""
         activations = self.embed(input_ids)
@@ -150,11 +163,10 @@ class StagedModel:
     def loss(self, input_ids: torch.Tensor, path: Sequence[int]) -> torch.Tensor:
         """The causal LM loss of `input_ids` [batch, sequence] along `path`: the model's loss function, labels
         the inputs (it shifts them), as `model(input_ids=..., labels=...)` computes it."""
-        logits = self.logits(input_ids, path)
-        return cast(
-            torch.Tensor,
-            self.model.loss_function(logits=logits, labels=input_ids, vocab_size=self.model.config.vocab_size),
-        )
+        activations = self.embed(input_ids)
+        for stage in check_path(path, self.num_stages):
+            activations = self.run_stage(stage, activations)
+        return self.head_loss(activations.hidden_states, input_ids)
 
     def _check_stage(self, stage: int) -> None:
         if not 0 <= stage < self.num_stages:

@@ -1,0 +1,354 @@
+"""SkipPipe's pipeline hops: a node serves its stage's layers to the stage-0 nodes whose microbatches visit it.
+
+A stage-0 node (the microbatch's source) sends the hidden states of a microbatch to a node of the next stage on
+its path (`rpc_stage_forward`); the node runs its stage's decoder layers on them, keeps the input and output for
+the backward, and answers the output. When the source's backward comes back along the path it sends the gradient
+of that output (`rpc_stage_backward`); the node runs its layers' backward, which adds to its parameters' `.grad`
+(the iteration's gradient), and answers the gradient of the input. Only hidden states travel: positions and the
+causal mask are rebuilt from the shape (`StagedModel.activations`), as every layer of a decoder LM computes them.
+
+Everything a caller sends is bounded and checked before it runs: a header first (`proto.StageHop`: iteration,
+microbatch, stage, shape, wire dtype), the stage must be this node's, the shape [batch, sequence, hidden] within
+`HopLimits`, the payload exactly the shape's bytes (refused as soon as it runs over), every value finite; a
+backward must name a forward this node holds for the same caller, with the output's shape. A node holds at most
+`memory_microbatches` forwards at once (a caller gets "busy" and goes to another replica) and forgets one whose
+backward did not come within `hold_s` (its source died or gave up on it). A refusal is one log line here and its
+sentence at the caller.
+
+Values travel in the wire dtype the caller chose, `float16` by default (half of float32's bytes; SkipPipe's paper
+sends activations in half precision); the answer uses the request's dtype. Compute is float32 on the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+import typing
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import NoReturn, TypeVar
+
+import hivemind
+import torch
+from hivemind.p2p import P2PContext, PeerID
+
+from crowdtrain import proto
+from crowdtrain.dht.service import P2PService
+from crowdtrain.errors import CrowdtrainError
+from crowdtrain.models.stages import StagedModel
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "crowdtrain.skippipe.v1"
+"""Prefix of the hop protocol names; a new, incompatible protocol gets a new one."""
+CHUNK_BYTES = 1 << 20
+"""Payload bytes per streamed frame."""
+WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+"""How hidden states and their gradients may travel."""
+BUSY = "busy:"
+"""Starts the refusal of a forward that finds the node's memory full (the caller may ask again later)."""
+DEFAULT_HOLD_S = 120.0
+"""A forward whose backward has not come after this long is dropped (its source died or gave up)."""
+
+T = TypeVar("T")
+
+
+class HopRefusedError(CrowdtrainError):
+    """A hop request this node does not run: its sentence goes back to the caller."""
+
+
+class HopFailedError(CrowdtrainError):
+    """A hop to a peer did not give an answer: refused, timed out, unreachable, or a malformed answer."""
+
+    def __init__(self, message: str, *, busy: bool = False):
+        super().__init__(message)
+        self.busy = busy
+        """The peer refused only because it holds as many microbatches as it can: worth asking again later."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HopLimits:
+    """The largest tensor a hop may carry: [max_batch, max_sequence, hidden_size]."""
+
+    max_batch: int
+    max_sequence: int
+    hidden_size: int
+
+    def check_shape(self, shape: typing.Sequence[int]) -> tuple[int, int, int]:
+        """`shape` as a tuple when it is [batch, sequence, hidden] within the limits; else HopRefusedError."""
+        if len(shape) != 3:
+            raise HopRefusedError(f"hidden states must be [batch, sequence, hidden], got {len(shape)} dimensions")
+        batch, sequence, hidden = (int(size) for size in shape)
+        if not 1 <= batch <= self.max_batch or not 1 <= sequence <= self.max_sequence or hidden != self.hidden_size:
+            raise HopRefusedError(
+                f"hidden states of shape {[batch, sequence, hidden]}; this run takes [1..{self.max_batch}, "
+                f"1..{self.max_sequence}, {self.hidden_size}]"
+            )
+        return batch, sequence, hidden
+
+
+def encode_frames(tensor: torch.Tensor, header: proto.StageHop, dtype: str) -> Iterator[proto.StageHop]:
+    """`tensor` as a stream: `header` with its shape and dtype, then its bytes in `CHUNK_BYTES` chunks."""
+    payload = tensor.detach().to("cpu", WIRE_DTYPES[dtype]).contiguous().view(torch.uint8).numpy().tobytes()
+    first = proto.StageHop()
+    first.CopyFrom(header)
+    first.shape[:] = list(tensor.shape)
+    first.dtype = dtype
+    yield first
+    for offset in range(0, len(payload), CHUNK_BYTES):
+        yield proto.StageHop(payload=payload[offset : offset + CHUNK_BYTES])
+
+
+async def decode_frames(
+    frames: AsyncIterator[proto.StageHop],
+    limits: HopLimits,
+    error: Callable[[str], Exception],
+    expected_stage: int | None = None,
+) -> tuple[proto.StageHop, torch.Tensor]:
+    """The header and the float32 tensor a stream carries, checked as the module says, the header's stage against
+    `expected_stage` before any value is read; raises `error(sentence)`."""
+    header = await anext(frames, None)
+    if header is None:
+        raise error("the stream ended before its header")
+    if expected_stage is not None and header.stage != expected_stage:
+        raise error(f"this node serves stage {expected_stage}, not {header.stage}")
+    if header.dtype not in WIRE_DTYPES:
+        raise error(f"wire dtype {header.dtype[:20]!r} is not one of {sorted(WIRE_DTYPES)}")
+    if header.payload:
+        raise error("the header frame carries values")
+    try:
+        shape = limits.check_shape(header.shape)
+    except HopRefusedError as e:
+        raise error(str(e)) from None
+    size = math.prod(shape) * WIRE_DTYPES[header.dtype].itemsize
+    received = bytearray()
+    async for frame in frames:
+        received += frame.payload
+        if len(received) > size:
+            raise error(f"the stream carries more than the {size} bytes of its shape {list(shape)}")
+    if len(received) != size:
+        raise error(f"the stream ended after {len(received)} of its {size} bytes")
+    tensor = torch.frombuffer(received, dtype=WIRE_DTYPES[header.dtype]).view(shape).float()
+    if not bool(torch.isfinite(tensor).all()):
+        raise error("the hidden states hold NaN or infinite values")
+    return header, tensor
+
+
+@dataclass(slots=True)
+class _Held:
+    """A forward this node ran and whose backward it waits for."""
+
+    inputs: torch.Tensor
+    outputs: torch.Tensor
+    since: float
+
+
+class StageService(P2PService):
+    """Serves one stage of `staged` to callers (forward and backward hops) and calls other nodes' stages."""
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        staged: StagedModel,
+        stage: int,
+        limits: HopLimits,
+        *,
+        memory_microbatches: int = 4,
+        hold_s: float = DEFAULT_HOLD_S,
+    ):
+        super().__init__(dht, NAMESPACE, thread_name=f"skippipe-stage{stage}")
+        _quiet_refusals()
+        if memory_microbatches < 1:
+            raise ValueError(f"memory_microbatches must be >= 1, got {memory_microbatches}")
+        self.staged, self.stage, self.limits = staged, stage, limits
+        self.memory_microbatches, self.hold_s = memory_microbatches, hold_s
+        self.model_lock = threading.Lock()
+        """Held while the stage's layers run forward or backward: take it to step the stage's optimizer."""
+        self._held: OrderedDict[tuple[str, int, int], _Held] = OrderedDict()
+        self._held_lock = threading.Lock()
+        self._backwards: Counter[int] = Counter()
+        self._backwards_changed = threading.Condition(self._held_lock)
+        self.bytes_received = self.bytes_sent = 0
+        """Payload bytes of hops this node served."""
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        return f"{namespace}::StageService.{method_name}"  # one protocol name, whatever subclass serves it
+
+    # ----- serving -----
+
+    async def rpc_stage_forward(
+        self, requests: typing.AsyncIterator[proto.StageHop], context: P2PContext
+    ) -> typing.AsyncIterator[proto.StageHop]:
+        """Run this stage on a microbatch's hidden states; keep what its backward needs; answer the outputs."""
+        header, inputs = await self._receive(requests, "forward", context)
+        key = (context.remote_id.to_base58(), header.iteration, header.microbatch)
+        self._reserve(key, context)
+        try:
+            outputs = await asyncio.to_thread(self._forward, key, inputs)
+        except BaseException:
+            with self._held_lock:
+                self._held.pop(key, None)
+            raise
+        for frame in encode_frames(outputs, _reply_header(header), header.dtype):
+            self.bytes_sent += len(frame.payload)
+            yield frame
+
+    async def rpc_stage_backward(
+        self, requests: typing.AsyncIterator[proto.StageHop], context: P2PContext
+    ) -> typing.AsyncIterator[proto.StageHop]:
+        """Run this stage's backward for a microbatch it ran forward for the caller; answer the inputs' gradient."""
+        header, grad_outputs = await self._receive(requests, "backward", context)
+        key = (context.remote_id.to_base58(), header.iteration, header.microbatch)
+        with self._held_lock:
+            held = self._held.pop(key, None)
+        if held is None:
+            self._refuse(
+                f"no forward of microbatch {header.microbatch} of iteration {header.iteration}", "backward", context
+            )
+        if held.outputs.shape != grad_outputs.shape:
+            self._refuse(
+                f"a gradient of shape {list(grad_outputs.shape)} for outputs of {list(held.outputs.shape)}",
+                "backward",
+                context,
+            )
+        grad_inputs = await asyncio.to_thread(self._backward, held, grad_outputs)
+        with self._backwards_changed:
+            self._backwards[header.iteration] += 1
+            self._backwards_changed.notify_all()
+        for frame in encode_frames(grad_inputs, _reply_header(header), header.dtype):
+            self.bytes_sent += len(frame.payload)
+            yield frame
+
+    def _forward(self, key: tuple[str, int, int], inputs: torch.Tensor) -> torch.Tensor:
+        with self.model_lock:
+            inputs.requires_grad_(True)
+            outputs = self.staged.run_stage(self.stage, self.staged.activations(inputs)).hidden_states
+        with self._held_lock:
+            held = self._held.get(key)
+            if held is not None:  # still reserved (not expired meanwhile)
+                held.inputs, held.outputs = inputs, outputs
+        return outputs.detach()
+
+    def _backward(self, held: _Held, grad_outputs: torch.Tensor) -> torch.Tensor:
+        with self.model_lock:
+            torch.autograd.backward(held.outputs, grad_outputs)
+        assert held.inputs.grad is not None
+        return held.inputs.grad
+
+    def _reserve(self, key: tuple[str, int, int], context: P2PContext) -> None:
+        """Take one of the `memory_microbatches` slots for `key`, after dropping forwards held past `hold_s`."""
+        now = time.monotonic()
+        with self._held_lock:
+            for old in [old for old, held in self._held.items() if now - held.since > self.hold_s]:
+                logger.info(f"dropped microbatch {old[2]} of iteration {old[1]} from peer {old[0][-8:]}: no backward")
+                del self._held[old]
+            if key in self._held:
+                reason = f"microbatch {key[2]} of iteration {key[1]} is already held"
+            elif len(self._held) >= self.memory_microbatches:
+                reason = f"{BUSY} holds {len(self._held)} microbatches, its memory's limit"
+            else:
+                empty = torch.empty(0)
+                self._held[key] = _Held(inputs=empty, outputs=empty, since=now)
+                return
+        self._refuse(reason, "forward", context)
+
+    async def _receive(
+        self, requests: AsyncIterator[proto.StageHop], call: str, context: P2PContext
+    ) -> tuple[proto.StageHop, torch.Tensor]:
+        def refused(reason: str) -> Exception:
+            logger.warning(f"refused a stage {call} from peer {context.remote_id.to_base58()[-8:]}: {reason}")
+            return HopRefusedError(f"stage {call} refused: {reason}")
+
+        header, tensor = await decode_frames(requests, self.limits, refused, expected_stage=self.stage)
+        self.bytes_received += tensor.numel() * WIRE_DTYPES[header.dtype].itemsize
+        return header, tensor
+
+    def _refuse(self, reason: str, call: str, context: P2PContext) -> NoReturn:
+        logger.warning(f"refused a stage {call} from peer {context.remote_id.to_base58()[-8:]}: {reason}")
+        raise HopRefusedError(f"stage {call} refused: {reason}")
+
+    # ----- the stage's iteration -----
+
+    def wait_backwards(self, iteration: int, count: int, timeout_s: float) -> int:
+        """Wait until `count` backwards of `iteration` ran here, or `timeout_s`; how many ran."""
+        deadline = time.monotonic() + timeout_s
+        with self._backwards_changed:
+            while self._backwards[iteration] < count and (left := deadline - time.monotonic()) > 0:
+                self._backwards_changed.wait(left)
+            return self._backwards[iteration]
+
+    def finish_iteration(self, iteration: int) -> int:
+        """Forget `iteration`'s held forwards and backward count (its step is taken); how many forwards were still
+        held without their backward."""
+        with self._held_lock:
+            stale = [key for key in self._held if key[1] <= iteration]
+            for key in stale:
+                del self._held[key]
+            for old in [old for old in self._backwards if old <= iteration]:
+                del self._backwards[old]
+        return len(stale)
+
+    @property
+    def held_microbatches(self) -> int:
+        with self._held_lock:
+            return len(self._held)
+
+    # ----- calling other nodes -----
+
+    def call(
+        self, peer_id: str, call: str, header: proto.StageHop, tensor: torch.Tensor, timeout_s: float
+    ) -> torch.Tensor:
+        """Send `tensor` to `peer_id`'s `rpc_stage_<call>` ("forward" or "backward") under `header` (iteration,
+        microbatch, stage, wire dtype) and return its answer, float32; HopFailedError with a sentence if none."""
+        where = f"peer {peer_id[-8:]}"
+        try:
+            return self.run(self._call(PeerID.from_base58(peer_id), call, header, tensor, where), timeout_s)
+        except HopFailedError:
+            raise
+        except TimeoutError:
+            raise HopFailedError(f"{where} did not answer a stage {call} within {timeout_s:.1f} s") from None
+        except Exception as e:
+            raise HopFailedError(f"{where} failed a stage {call}: {e}", busy=BUSY in str(e)) from None
+
+    async def _call(
+        self, peer: PeerID, call: str, header: proto.StageHop, tensor: torch.Tensor, where: str
+    ) -> torch.Tensor:
+        async def frames() -> AsyncIterator[proto.StageHop]:
+            for frame in encode_frames(tensor, header, header.dtype):
+                yield frame
+
+        stub: typing.Any = self.get_stub(self.require_p2p(), peer, namespace=NAMESPACE)
+        answers = await getattr(stub, f"rpc_stage_{call}")(frames())
+        try:
+            reply, answer = await decode_frames(
+                answers, self.limits, lambda reason: HopFailedError(f"{where}: {reason}")
+            )
+        finally:
+            await answers.aclose()
+        if (reply.iteration, reply.microbatch, reply.stage) != (header.iteration, header.microbatch, header.stage):
+            raise HopFailedError(f"{where} answered for another microbatch or stage")
+        if answer.shape != tensor.shape:
+            raise HopFailedError(f"{where} answered shape {list(answer.shape)} for {list(tensor.shape)}")
+        return answer
+
+
+def _reply_header(request: proto.StageHop) -> proto.StageHop:
+    return proto.StageHop(iteration=request.iteration, microbatch=request.microbatch, stage=request.stage)
+
+
+class _QuietRefusals(logging.Filter):
+    """Drops hivemind's traceback for a hop this module refused: its one line is already logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], HopRefusedError))
+
+
+def _quiet_refusals() -> None:
+    handler_logger = logging.getLogger("hivemind.p2p.p2p_daemon")
+    if not any(isinstance(existing, _QuietRefusals) for existing in handler_logger.filters):
+        handler_logger.addFilter(_QuietRefusals())

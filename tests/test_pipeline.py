@@ -1,0 +1,231 @@
+"""SkipPipe's pipeline hops between real p2p daemons: gradients along a path of nodes equal the model's own, a failed
+hop goes to another replica or is skipped, and every hostile hop is refused with a sentence."""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import hivemind
+import pytest
+import torch
+from hivemind.p2p import P2PContext, PeerID
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from crowdtrain import proto
+from crowdtrain.models.stages import StagedModel
+from crowdtrain.pipeline import HopFailedError, HopLimits, HopRefusedError, PipelineDriver, StageService
+from crowdtrain.pipeline.stage_service import CHUNK_BYTES, NAMESPACE
+from crowdtrain.planning.skippipe import Route
+
+NUM_STAGES = 4
+HIDDEN = 32
+LIMITS = HopLimits(max_batch=4, max_sequence=16, hidden_size=HIDDEN)
+STAGE_OF_NODE = (0, 1, 1, 2, 3)
+"""Node 0 drives (stage 0); nodes 1 and 2 are replicas of stage 1; nodes 3 and 4 hold stages 2 and 3."""
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=NUM_STAGES,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=LIMITS.max_sequence,
+    )
+    return LlamaForCausalLM(config)
+
+
+def tokens(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(seed))
+
+
+class RefusesBackwards(StageService):
+    """A replica whose backward hops fail, as a node that died between a microbatch's forward and backward."""
+
+    async def rpc_stage_backward(
+        self, requests: typing.AsyncIterator[proto.StageHop], context: P2PContext
+    ) -> typing.AsyncIterator[proto.StageHop]:
+        async for _ in requests:
+            pass
+        raise HopRefusedError("stage backward refused: this node is going away")
+        yield proto.StageHop()  # an async generator, as hivemind serves streams
+
+
+@dataclass
+class Swarm:
+    dhts: list[hivemind.DHT]
+    services: list[StageService]
+    peers: list[str]
+
+    def peer(self, node: int) -> str:
+        return self.peers[node]
+
+    def route(self, nodes: Sequence[int]) -> Route:
+        return Route(
+            microbatch=0,
+            stages=tuple(STAGE_OF_NODE[node] for node in nodes),
+            path=tuple(self.peer(node) for node in nodes),
+        )
+
+    def driver(self, wire_dtype: str = "float32") -> PipelineDriver:
+        replicas: dict[int, list[str]] = {}
+        for node, stage in enumerate(STAGE_OF_NODE):
+            replicas.setdefault(stage, []).append(self.peer(node))
+        return PipelineDriver(service=self.services[0], replicas=replicas, wire_dtype=wire_dtype, hop_timeout_s=20.0)
+
+
+@pytest.fixture
+def swarm(request: pytest.FixtureRequest) -> Iterator[Swarm]:
+    """Five nodes with their own p2p daemons and the same weights; `refusing` (indirect) names nodes whose backwards
+    fail."""
+    refusing = getattr(request, "param", ())
+    dhts: list[hivemind.DHT] = []
+    services: list[StageService] = []
+    try:
+        for node, stage in enumerate(STAGE_OF_NODE):
+            initial_peers = dhts[0].get_visible_maddrs() if dhts else []
+            dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers))
+            kind = RefusesBackwards if node in refusing else StageService
+            service = kind(dhts[-1], StagedModel(model(), NUM_STAGES), stage, LIMITS, memory_microbatches=2)
+            service.start()
+            services.append(service)
+        yield Swarm(dhts, services, [service.peer_id for service in services])
+    finally:
+        for service in services:
+            service.close()
+        for dht in dhts:
+            dht.shutdown()
+
+
+def reference_grads(path: Sequence[int], batch: torch.Tensor) -> dict[int, list[torch.Tensor]]:
+    """Each stage's parameter gradients of the model's loss along `path`, in one process."""
+    staged = StagedModel(model(), NUM_STAGES)
+    staged.loss(batch, path).backward()
+    return {stage: [grad_of(p) for p in staged.stage_parameters(stage)] for stage in range(NUM_STAGES)}
+
+
+def grad_of(parameter: torch.nn.Parameter) -> torch.Tensor:
+    return parameter.grad.clone() if parameter.grad is not None else torch.zeros_like(parameter)
+
+
+def node_grads(service: StageService) -> list[torch.Tensor]:
+    return [grad_of(p) for p in service.staged.stage_parameters(service.stage)]
+
+
+def assert_grads(got: list[torch.Tensor], expected: list[torch.Tensor], atol: float) -> None:
+    assert len(got) == len(expected)
+    for mine, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=atol, rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "wire_dtype", "atol"),
+    [
+        ((0, 1, 3, 4), "float32", 1e-6),  # the full pipeline
+        ((0, 4, 2), "float32", 1e-6),  # stage 2 skipped, stages 3 and 1 reordered
+        ((0, 1, 3, 4), "float16", 2e-3),  # half the bytes on the wire
+    ],
+)
+def test_gradients_along_a_path_of_nodes_are_the_models_own(
+    swarm: Swarm, nodes: tuple[int, ...], wire_dtype: str, atol: float
+) -> None:
+    batch = tokens()
+    route = swarm.route(nodes)
+    outcome = swarm.driver(wire_dtype).run_microbatch(1, route, batch)
+    expected = reference_grads(route.stages, batch)
+    staged = StagedModel(model(), NUM_STAGES)
+    assert outcome.loss == pytest.approx(float(staged.loss(batch, route.stages).detach()), abs=10 * atol)
+    assert outcome.stages == route.stages and outcome.peers == route.path
+    assert (outcome.rerouted, outcome.skipped, outcome.backward_lost) == (0, (), ())
+    for node in nodes:
+        assert_grads(node_grads(swarm.services[node]), expected[STAGE_OF_NODE[node]], atol)
+    for node in set(range(len(STAGE_OF_NODE))) - set(nodes):
+        assert all(grad.abs().sum() == 0 for grad in node_grads(swarm.services[node])), "a node off the path trained"
+    assert all(service.held_microbatches == 0 for service in swarm.services), "a forward was held past its backward"
+
+
+def test_a_dead_replica_is_routed_around_and_a_stage_with_none_left_is_skipped(swarm: Swarm) -> None:
+    driver = swarm.driver()
+    swarm.services[1].close()  # the replica the route names for stage 1 goes away
+    batch = tokens()
+    outcome = driver.run_microbatch(1, swarm.route((0, 1, 3, 4)), batch)
+    assert outcome.peers == (swarm.peer(0), swarm.peer(2), swarm.peer(3), swarm.peer(4))
+    assert (outcome.rerouted, outcome.skipped) == (1, ())
+    assert_grads(node_grads(swarm.services[2]), reference_grads((0, 1, 2, 3), batch)[1], 1e-6)
+    assert swarm.peer(1) in driver.failed
+
+    swarm.services[2].close()  # now stage 1 has no live replica: the next microbatch goes on without it
+    outcome = driver.run_microbatch(2, swarm.route((0, 1, 3, 4)), batch)
+    assert (outcome.stages, outcome.skipped, outcome.backward_lost) == ((0, 2, 3), (1,), ())
+    staged = StagedModel(model(), NUM_STAGES)
+    assert outcome.loss == pytest.approx(float(staged.loss(batch, (0, 2, 3)).detach()), abs=1e-5)
+
+
+@pytest.mark.parametrize("swarm", [(1,)], indirect=True)
+def test_a_backward_that_fails_is_recomputed_on_another_replica(swarm: Swarm) -> None:
+    batch = tokens()
+    outcome = swarm.driver().run_microbatch(1, swarm.route((0, 1, 3, 4)), batch)
+    assert outcome.backward_lost == () and outcome.rerouted == 1
+    assert outcome.peers[1] == swarm.peer(2), "the replica that gave the gradient is the one named"
+    expected = reference_grads((0, 1, 2, 3), batch)
+    assert_grads(node_grads(swarm.services[2]), expected[1], 1e-6)
+    assert_grads(node_grads(swarm.services[0]), expected[0], 1e-6)  # stage 0 got its gradient after all
+    assert swarm.services[1].held_microbatches == 1  # the failed node's forward waits out its hold time
+
+
+def hop(stage: int, shape: Sequence[int], dtype: str = "float32", iteration: int = 1) -> proto.StageHop:
+    return proto.StageHop(iteration=iteration, microbatch=0, stage=stage, shape=list(shape), dtype=dtype)
+
+
+async def raw_call(service: StageService, peer: str, call: str, frames: list[proto.StageHop]) -> None:
+    async def stream() -> typing.AsyncIterator[proto.StageHop]:
+        for frame in frames:
+            yield frame
+
+    stub: typing.Any = service.get_stub(service.require_p2p(), PeerID.from_base58(peer), namespace=NAMESPACE)
+    answers = await getattr(stub, f"rpc_stage_{call}")(stream())
+    async for _ in answers:
+        pass
+
+
+def test_hostile_hops_are_refused_with_a_sentence_and_the_node_keeps_serving(swarm: Swarm) -> None:
+    caller, target = swarm.services[0], swarm.peer(3)  # node 3 serves stage 2
+    good = torch.randn(2, 8, HIDDEN)
+    nan = good.clone()
+    nan[0, 0, 0] = float("nan")
+    cases: list[tuple[str, list[proto.StageHop], str]] = [
+        ("forward", [hop(1, good.shape)], "serves stage 2, not 1"),
+        ("forward", [hop(2, (5, 8, HIDDEN))], r"shape \[5, 8, 32\]"),
+        ("forward", [hop(2, (2, 17, HIDDEN))], r"shape \[2, 17, 32\]"),
+        ("forward", [hop(2, (2, 8, HIDDEN + 1))], r"shape \[2, 8, 33\]"),
+        ("forward", [hop(2, (2, 8), "float32")], "2 dimensions"),
+        ("forward", [hop(2, good.shape, "int64")], "wire dtype 'int64'"),
+        ("forward", [hop(2, good.shape), proto.StageHop(payload=b"\0" * 100)], "ended after 100 of its 2048 bytes"),
+        ("forward", [hop(2, good.shape), proto.StageHop(payload=b"\0" * (CHUNK_BYTES + 1))], "more than the 2048"),
+        ("forward", [hop(2, good.shape), proto.StageHop(payload=nan.numpy().tobytes())], "NaN or infinite"),
+        ("forward", [], "ended before its header"),
+        ("backward", [hop(2, good.shape), proto.StageHop(payload=good.numpy().tobytes())], "no forward of"),
+    ]
+    for call, frames, sentence in cases:
+        with pytest.raises(Exception, match=sentence):
+            caller.run(raw_call(caller, target, call, frames), 20.0)
+
+    # a node holds at most memory_microbatches (2) forwards: the third is refused as busy, then served once one is done
+    for microbatch in range(2):
+        header = proto.StageHop(iteration=1, microbatch=microbatch, stage=2, dtype="float32")
+        caller.call(target, "forward", header, good, 20.0)
+    third = proto.StageHop(iteration=1, microbatch=2, stage=2, dtype="float32")
+    with pytest.raises(HopFailedError, match="busy") as refused:
+        caller.call(target, "forward", third, good, 20.0)
+    assert refused.value.busy
+    first = proto.StageHop(iteration=1, microbatch=0, stage=2, dtype="float32")
+    caller.call(target, "backward", first, torch.ones_like(good), 20.0)
+    assert swarm.services[3].wait_backwards(1, 1, 5.0) == 1
+    answer = caller.call(target, "forward", third, good, 20.0)
+    assert answer.shape == good.shape and bool(torch.isfinite(answer).all())
+    assert swarm.services[3].finish_iteration(1) == 2  # microbatches 1 and 2 never came back
