@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import hivemind
@@ -16,8 +17,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from crowdtrain import proto
 from crowdtrain.models.stages import StagedModel
 from crowdtrain.pipeline import HopFailedError, HopLimits, HopRefusedError, PipelineDriver, StageService
+from crowdtrain.pipeline.iteration import IterationReport, SkipPipeNode
 from crowdtrain.pipeline.stage_service import CHUNK_BYTES, NAMESPACE
-from crowdtrain.planning.skippipe import Route
+from crowdtrain.planning.skippipe import NodeInfo, Route
 
 NUM_STAGES = 4
 HIDDEN = 32
@@ -229,3 +231,62 @@ def test_hostile_hops_are_refused_with_a_sentence_and_the_node_keeps_serving(swa
     answer = caller.call(target, "forward", third, good, 20.0)
     assert answer.shape == good.shape and bool(torch.isfinite(answer).all())
     assert swarm.services[3].finish_iteration(1) == 2  # microbatches 1 and 2 never came back
+
+
+def test_iterations_on_every_node_step_each_stage_as_one_process_would(swarm: Swarm) -> None:
+    """Two SkipPipe iterations of 6 microbatches on the five nodes, each node in its own thread: every node's stage
+    ends where one process ends that runs the same routes with gradient accumulation, clipping and AdamW, and the
+    two replicas of stage 1 hold the same bits."""
+    nodes = [
+        NodeInfo(peer_id=swarm.peer(node), stage=stage, seconds_per_microbatch=1.0, memory_microbatches=2)
+        for node, stage in enumerate(STAGE_OF_NODE)
+    ]
+    num_microbatches, iterations = 6, 2
+    data = [tokens(seed) for seed in range(num_microbatches * iterations)]
+    drawn = iter(data)
+    runners = [
+        SkipPipeNode(
+            service=service,
+            nodes=nodes,
+            num_microbatches=num_microbatches,
+            skip_ratio=0.25,
+            reorder=True,
+            optimizer=torch.optim.AdamW(service.staged.stage_parameters(service.stage), lr=1e-2),
+            batch=lambda: next(drawn),
+            wire_dtype="float32",
+            in_flight=1,
+            done_timeout_s=60.0,
+        )
+        for service in swarm.services
+    ]
+    reports: dict[int, list[IterationReport]] = {}
+    with ThreadPoolExecutor(max_workers=len(runners)) as pool:
+        for iteration in range(iterations):
+            futures = [pool.submit(runner.run_iteration, iteration) for runner in runners]
+            reports[iteration] = [future.result(timeout=120) for future in futures]
+
+    reference = StagedModel(model(), NUM_STAGES)
+    optimizers = {stage: torch.optim.AdamW(reference.stage_parameters(stage), lr=1e-2) for stage in range(NUM_STAGES)}
+    reference_batches = iter(data)
+    for iteration in range(iterations):
+        report = reports[iteration][0]
+        assert report.sources == report.sources_done == 1
+        assert len(report.outcomes) == num_microbatches
+        assert all(not (o.skipped or o.backward_lost or o.rerouted) for o in report.outcomes)
+        assert all(len(o.stages) == 3 for o in report.outcomes), "k = 0.25 of stages 1..3: each path visits 2"
+        assert reports[iteration][1].replicas_summed == reports[iteration][2].replicas_summed == 2
+        for outcome in report.outcomes:
+            (reference.loss(next(reference_batches), outcome.stages) / num_microbatches).backward()
+        for stage, optimizer in optimizers.items():
+            torch.nn.utils.clip_grad_norm_(reference.stage_parameters(stage), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+    for service in swarm.services:
+        for mine, theirs in zip(
+            service.staged.stage_parameters(service.stage),
+            reference.stage_parameters(service.stage),
+            strict=True,
+        ):
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
+    first, second = (torch.cat([p.reshape(-1) for p in swarm.services[n].staged.stage_parameters(1)]) for n in (1, 2))
+    assert torch.equal(first, second), "the replicas of stage 1 stepped on different gradients"

@@ -88,13 +88,21 @@ class PipelineDriver:
         self.failed = set()
 
     def run_iteration(
-        self, iteration: int, routes: Sequence[Route], batches: Sequence[torch.Tensor], *, in_flight: int = 1
+        self,
+        iteration: int,
+        routes: Sequence[Route],
+        batches: Sequence[torch.Tensor],
+        *,
+        in_flight: int = 1,
+        loss_scale: float | None = None,
     ) -> list[MicrobatchOutcome]:
         """Run each route with its batch of token ids, up to `in_flight` microbatches at once; each one's loss counts
-        1/len(routes) of the iteration's gradient."""
+        `loss_scale` (default 1/len(routes)) of the iteration's gradient."""
         if len(routes) != len(batches):
             raise ValueError(f"{len(routes)} routes for {len(batches)} batches")
-        scale = 1.0 / len(routes)
+        if not routes:
+            return []
+        scale = 1.0 / len(routes) if loss_scale is None else loss_scale
         if in_flight <= 1:
             return [
                 self.run_microbatch(iteration, route, batch, scale)

@@ -51,6 +51,10 @@ WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": t
 """How hidden states and their gradients may travel."""
 BUSY = "busy:"
 """Starts the refusal of a forward that finds the node's memory full (the caller may ask again later)."""
+OPEN_WAIT_S = 10.0
+"""How long a forward of the next iteration waits for this node to finish stepping the last."""
+GRADIENT_RETRY_S = 0.02
+"""Between asks for a replica's gradient that is not published yet."""
 DEFAULT_HOLD_S = 120.0
 """A forward whose backward has not come after this long is dropped (its source died or gave up)."""
 
@@ -78,7 +82,7 @@ class HopLimits:
     max_sequence: int
     hidden_size: int
 
-    def check_shape(self, shape: typing.Sequence[int]) -> tuple[int, int, int]:
+    def check_shape(self, shape: typing.Sequence[int]) -> tuple[int, ...]:
         """`shape` as a tuple when it is [batch, sequence, hidden] within the limits; else HopRefusedError."""
         if len(shape) != 3:
             raise HopRefusedError(f"hidden states must be [batch, sequence, hidden], got {len(shape)} dimensions")
@@ -105,7 +109,7 @@ def encode_frames(tensor: torch.Tensor, header: proto.StageHop, dtype: str) -> I
 
 async def decode_frames(
     frames: AsyncIterator[proto.StageHop],
-    limits: HopLimits,
+    check_shape: Callable[[typing.Sequence[int]], tuple[int, ...]],
     error: Callable[[str], Exception],
     expected_stage: int | None = None,
 ) -> tuple[proto.StageHop, torch.Tensor]:
@@ -121,7 +125,7 @@ async def decode_frames(
     if header.payload:
         raise error("the header frame carries values")
     try:
-        shape = limits.check_shape(header.shape)
+        shape = check_shape(header.shape)
     except HopRefusedError as e:
         raise error(str(e)) from None
     size = math.prod(shape) * WIRE_DTYPES[header.dtype].itemsize
@@ -174,6 +178,9 @@ class StageService(P2PService):
         self._backwards_changed = threading.Condition(self._held_lock)
         self.bytes_received = self.bytes_sent = 0
         """Payload bytes of hops this node served."""
+        self._open: int | None = None
+        self._done: dict[int, set[str]] = {}
+        self._gradients: OrderedDict[int, torch.Tensor] = OrderedDict()
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -186,6 +193,7 @@ class StageService(P2PService):
     ) -> typing.AsyncIterator[proto.StageHop]:
         """Run this stage on a microbatch's hidden states; keep what its backward needs; answer the outputs."""
         header, inputs = await self._receive(requests, "forward", context)
+        await self._wait_open(header.iteration, context)
         key = (context.remote_id.to_base58(), header.iteration, header.microbatch)
         self._reserve(key, context)
         try:
@@ -223,6 +231,38 @@ class StageService(P2PService):
         for frame in encode_frames(grad_inputs, _reply_header(header), header.dtype):
             self.bytes_sent += len(frame.payload)
             yield frame
+
+    async def rpc_stage_done(self, request: proto.StageHop, context: P2PContext) -> proto.StageHop:
+        """A source says it ran every microbatch of `request.iteration` it will: no more backwards from it."""
+        with self._backwards_changed:
+            if self._open is None or request.iteration >= self._open:
+                self._done.setdefault(request.iteration, set()).add(context.remote_id.to_base58())
+                self._backwards_changed.notify_all()
+        return proto.StageHop(iteration=request.iteration, stage=self.stage)
+
+    async def rpc_stage_gradient(
+        self, request: proto.StageHop, context: P2PContext
+    ) -> typing.AsyncIterator[proto.StageHop]:
+        """This replica's gradient of `request.iteration` (float32, flattened), for the stage's other replicas; a
+        header with no shape while it is not ready (yet, or any more)."""
+        with self._held_lock:
+            gradient = self._gradients.get(request.iteration)
+        if request.stage != self.stage or gradient is None:
+            yield proto.StageHop(iteration=request.iteration, stage=self.stage)
+            return
+        for frame in encode_frames(gradient, _reply_header(request), "float32"):
+            self.bytes_sent += len(frame.payload)
+            yield frame
+
+    async def _wait_open(self, iteration: int, context: P2PContext) -> None:
+        """With iterations opened (`open_iteration`): a forward of the next one waits until it opens (this node
+        still steps the last), one of a closed iteration is refused."""
+        deadline = time.monotonic() + OPEN_WAIT_S
+        while self._open is not None and iteration > self._open and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        if self._open is not None and iteration != self._open:
+            reason = "is over" if iteration < self._open else "has not begun"
+            self._refuse(f"{BUSY} iteration {iteration} {reason} here (at {self._open})", "forward", context)
 
     def _forward(self, key: tuple[str, int, int], inputs: torch.Tensor) -> torch.Tensor:
         with self.model_lock:
@@ -264,7 +304,7 @@ class StageService(P2PService):
             logger.warning(f"refused a stage {call} from peer {context.remote_id.to_base58()[-8:]}: {reason}")
             return HopRefusedError(f"stage {call} refused: {reason}")
 
-        header, tensor = await decode_frames(requests, self.limits, refused, expected_stage=self.stage)
+        header, tensor = await decode_frames(requests, self.limits.check_shape, refused, expected_stage=self.stage)
         self.bytes_received += tensor.numel() * WIRE_DTYPES[header.dtype].itemsize
         return header, tensor
 
@@ -273,6 +313,26 @@ class StageService(P2PService):
         raise HopRefusedError(f"stage {call} refused: {reason}")
 
     # ----- the stage's iteration -----
+
+    def open_iteration(self, iteration: int) -> None:
+        """Serve forwards of `iteration` from now on (and refuse those of others)."""
+        with self._held_lock:
+            self._open = iteration
+
+    def wait_sources(self, iteration: int, sources: typing.Collection[str], timeout_s: float) -> set[str]:
+        """Wait until every one of `sources` said it is done with `iteration`, or `timeout_s`; those who did."""
+        deadline = time.monotonic() + timeout_s
+        with self._backwards_changed:
+            while not set(sources) <= self._done.get(iteration, set()) and (left := deadline - time.monotonic()) > 0:
+                self._backwards_changed.wait(left)
+            return self._done.get(iteration, set()) & set(sources)
+
+    def publish_gradient(self, iteration: int, gradient: torch.Tensor) -> None:
+        """Serve `gradient` (float32, flattened) as this replica's of `iteration`; the last two are kept."""
+        with self._held_lock:
+            self._gradients[iteration] = gradient
+            while len(self._gradients) > 2:
+                self._gradients.popitem(last=False)
 
     def wait_backwards(self, iteration: int, count: int, timeout_s: float) -> int:
         """Wait until `count` backwards of `iteration` ran here, or `timeout_s`; how many ran."""
@@ -291,6 +351,8 @@ class StageService(P2PService):
                 del self._held[key]
             for old in [old for old in self._backwards if old <= iteration]:
                 del self._backwards[old]
+            for old in [old for old in self._done if old <= iteration]:
+                del self._done[old]
         return len(stale)
 
     @property
@@ -326,7 +388,7 @@ class StageService(P2PService):
         answers = await getattr(stub, f"rpc_stage_{call}")(frames())
         try:
             reply, answer = await decode_frames(
-                answers, self.limits, lambda reason: HopFailedError(f"{where}: {reason}")
+                answers, self.limits.check_shape, lambda reason: HopFailedError(f"{where}: {reason}")
             )
         finally:
             await answers.aclose()
@@ -335,6 +397,60 @@ class StageService(P2PService):
         if answer.shape != tensor.shape:
             raise HopFailedError(f"{where} answered shape {list(answer.shape)} for {list(tensor.shape)}")
         return answer
+
+    def say_done(self, peer_id: str, iteration: int, timeout_s: float) -> None:
+        """Tell `peer_id` this source will send no more of `iteration`; HopFailedError if it could not be told."""
+        try:
+            stub: typing.Any = self.get_stub(self.require_p2p(), PeerID.from_base58(peer_id), namespace=NAMESPACE)
+            self.run(stub.rpc_stage_done(proto.StageHop(iteration=iteration), timeout=timeout_s), timeout_s + 1.0)
+        except Exception as e:
+            raise HopFailedError(f"peer {peer_id[-8:]} was not told iteration {iteration} is done: {e!r}") from None
+
+    def fetch_gradient(self, peer_id: str, iteration: int, num_values: int, timeout_s: float) -> torch.Tensor:
+        """`peer_id`'s gradient of `iteration` for this node's stage, `num_values` float32 values; waits up to
+        `timeout_s` for it to be published; HopFailedError if it is not had."""
+        where = f"peer {peer_id[-8:]}"
+        deadline = time.monotonic() + timeout_s
+        try:
+            return self.run(
+                self._fetch_gradient(PeerID.from_base58(peer_id), iteration, num_values, deadline, where),
+                timeout_s + 1.0,
+            )
+        except HopFailedError:
+            raise
+        except Exception as e:
+            raise HopFailedError(f"{where} did not send its gradient of iteration {iteration}: {e!r}") from None
+
+    async def _fetch_gradient(
+        self, peer: PeerID, iteration: int, num_values: int, deadline: float, where: str
+    ) -> torch.Tensor:
+        def flat(shape: typing.Sequence[int]) -> tuple[int, ...]:
+            if list(shape) != [num_values]:
+                raise HopRefusedError(f"a gradient of shape {list(shape)[:4]}, not [{num_values}]")
+            return (num_values,)
+
+        request = proto.StageHop(iteration=iteration, stage=self.stage)
+        stub: typing.Any = self.get_stub(self.require_p2p(), peer, namespace=NAMESPACE)
+        while True:
+            answers = await stub.rpc_stage_gradient(request)
+            try:
+                header = await anext(answers, None)
+                if header is not None and header.shape:
+                    _, gradient = await decode_frames(
+                        _prepend(header, answers), flat, lambda reason: HopFailedError(f"{where}: {reason}")
+                    )
+                    return gradient
+            finally:
+                await answers.aclose()
+            if time.monotonic() + GRADIENT_RETRY_S > deadline:
+                raise HopFailedError(f"{where} published no gradient of iteration {iteration} in time")
+            await asyncio.sleep(GRADIENT_RETRY_S)
+
+
+async def _prepend(first: proto.StageHop, rest: AsyncIterator[proto.StageHop]) -> AsyncIterator[proto.StageHop]:
+    yield first
+    async for frame in rest:
+        yield frame
 
 
 def _reply_header(request: proto.StageHop) -> proto.StageHop:

@@ -1,0 +1,198 @@
+"""One node's SkipPipe iteration: the schedule, the microbatches, the stage's gradient summed over its replicas, a step.
+
+Every node computes the iteration's schedule from the same inputs (`planning.skippipe.schedule_microbatches`:
+the swarm's nodes, seeded by the iteration), so no message carries it. An iteration on a node of stage s:
+
+1. open the iteration: forwards of it are served from now on (`StageService.open_iteration`);
+2. a stage-0 node runs the routes whose source it is (`PipelineDriver`, up to `in_flight` at once), then tells
+   every other node it is done with the iteration (`rpc_stage_done`);
+3. every node waits until each source of the schedule said it is done (or `done_timeout_s`: a source that died);
+   a peer that failed a hop, a done message or the exchange is *suspected* and left out of this node's later
+   schedules (nodes may then differ on a schedule; only the balance suffers: step 3 waits for done messages,
+   not for counts, and every source tells every node);
+4. the stage's gradient: each microbatch's gradient landed on exactly one replica of each stage it visited, so the
+   iteration's gradient is the *sum* of the replicas' `.grad`. Each replica publishes its own and fetches the
+   others' (`rpc_stage_gradient`), and adds them in peer-ID order, so every replica that heard from all of them
+   holds the same bits; a replica that does not answer within `exchange_timeout_s` is left out (its share of
+   microbatches is lost for the others this iteration, and the replicas may differ until they average again);
+5. clip to `max_grad_norm`, the optimizer's step, gradients zeroed, the iteration closed.
+
+Each microbatch's loss counts 1/M of the iteration's gradient (M microbatches in the iteration), as in one
+process with gradient accumulation. What this does not do yet (issue 17): take the swarm from DHT declarations
+(the caller passes the nodes), elect a leader that announces and checks the schedule, or average weights between
+replicas that drifted apart; see the module's users.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from crowdtrain.pipeline.driver import MicrobatchOutcome, PipelineDriver
+from crowdtrain.pipeline.stage_service import HopFailedError, StageService
+from crowdtrain.planning.skippipe import NodeInfo, SkipPipeProblem, schedule_microbatches
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IterationReport:
+    """What one node saw of one iteration."""
+
+    iteration: int
+    outcomes: tuple[MicrobatchOutcome, ...]
+    """The microbatches this node drove (stage-0 nodes only)."""
+    sources_done: int
+    """Sources that said they were done, of `sources`."""
+    sources: int
+    replicas_summed: int
+    """Replicas of this node's stage whose gradient went into the step, this one included."""
+    replicas: int
+    seconds: float
+    phase_seconds: dict[str, float]
+    """Where the time went: microbatches, waiting for sources, the gradient exchange, the step."""
+
+
+@dataclass(kw_only=True)
+class SkipPipeNode:
+    """Runs SkipPipe iterations on one node serving `service.stage`."""
+
+    service: StageService
+    nodes: Sequence[NodeInfo]
+    """Every node of the swarm, this one included (the same list on every node)."""
+    num_microbatches: int
+    skip_ratio: float
+    reorder: bool
+    optimizer: torch.optim.Optimizer
+    batch: Callable[[], torch.Tensor]
+    """A stage-0 node's next microbatch of token ids [batch, sequence]."""
+    wire_dtype: str = "float16"
+    in_flight: int = 2
+    max_grad_norm: float = 1.0
+    hop_timeout_s: float = 30.0
+    done_timeout_s: float = 120.0
+    exchange_timeout_s: float = 30.0
+    parameters: list[torch.nn.Parameter] = field(init=False)
+    suspected: set[str] = field(default_factory=set)
+    """Peers that failed a hop, a done message or a gradient exchange: left out of later schedules."""
+
+    def __post_init__(self) -> None:
+        self.parameters = self.service.staged.stage_parameters(self.service.stage)
+        self.peer_id = self.service.peer_id
+        replicas: dict[int, list[str]] = {}
+        for node in self.nodes:
+            replicas.setdefault(node.stage, []).append(node.peer_id)
+        self.replicas = {stage: sorted(peers) for stage, peers in replicas.items()}
+        self.driver = (
+            PipelineDriver(
+                service=self.service,
+                replicas=self.replicas,
+                wire_dtype=self.wire_dtype,
+                hop_timeout_s=self.hop_timeout_s,
+            )
+            if self.service.stage == 0
+            else None
+        )
+
+    def run_iteration(self, iteration: int) -> IterationReport:
+        started = time.perf_counter()
+        phases: dict[str, float] = {}
+        schedule = schedule_microbatches(
+            SkipPipeProblem(
+                num_stages=self.service.staged.num_stages,
+                nodes=tuple(self.nodes),
+                num_microbatches=self.num_microbatches,
+                skip_ratio=self.skip_ratio,
+                reorder=self.reorder,
+                seed=iteration,
+                exclude=frozenset(self.suspected),
+            )
+        )
+        sources = sorted({route.source for route in schedule.routes})
+        self.service.open_iteration(iteration)
+        outcomes: list[MicrobatchOutcome] = []
+        if self.driver is not None:
+            self.driver.new_iteration(self.replicas)
+            mine = [route for route in schedule.routes if route.source == self.peer_id]
+            batches = [self.batch() for _ in mine]
+            scale_to = len(schedule.routes)
+            outcomes = self.driver.run_iteration(
+                iteration, mine, batches, in_flight=self.in_flight, loss_scale=1.0 / scale_to
+            )
+            for node in self.nodes:
+                if node.peer_id != self.peer_id:
+                    try:
+                        self.service.say_done(node.peer_id, iteration, self.hop_timeout_s)
+                    except HopFailedError as e:
+                        logger.info(str(e))
+                        self.suspected.add(node.peer_id)
+            self.suspected |= self.driver.failed
+        phases["microbatches"] = time.perf_counter() - started
+        mark = time.perf_counter()
+        done = self.service.wait_sources(
+            iteration, [peer for peer in sources if peer != self.peer_id], self.done_timeout_s
+        )
+        sources_done = len(done) + (self.peer_id in sources)
+        phases["waiting for sources"] = time.perf_counter() - mark
+        mark = time.perf_counter()
+        replicas_summed = self._sum_gradients(iteration)
+        phases["gradient exchange"] = time.perf_counter() - mark
+        mark = time.perf_counter()
+        with self.service.model_lock:
+            torch.nn.utils.clip_grad_norm_(self.parameters, self.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=False)
+        self.service.finish_iteration(iteration)
+        phases["step"] = time.perf_counter() - mark
+        return IterationReport(
+            iteration=iteration,
+            outcomes=tuple(outcomes),
+            sources_done=sources_done,
+            sources=len(sources),
+            replicas_summed=replicas_summed,
+            replicas=len(self.replicas[self.service.stage]),
+            seconds=time.perf_counter() - started,
+            phase_seconds=phases,
+        )
+
+    def _sum_gradients(self, iteration: int) -> int:
+        """Replace each parameter's `.grad` with the sum over the stage's replicas; how many were summed."""
+        with self.service.model_lock:
+            own = torch.cat([_grad(p).reshape(-1) for p in self.parameters])
+        replicas = self.replicas[self.service.stage]
+        if len(replicas) == 1:
+            return 1
+        self.service.publish_gradient(iteration, own)
+        total = torch.zeros_like(own)
+        summed = 0
+        for peer in replicas:  # peer-ID order: the same sum, bit for bit, on every replica
+            if peer == self.peer_id:
+                gradient = own
+            elif peer in self.suspected:
+                continue
+            else:
+                try:
+                    gradient = self.service.fetch_gradient(peer, iteration, own.numel(), self.exchange_timeout_s)
+                except HopFailedError as e:
+                    logger.warning(f"{e}; the stage's step goes on without it")
+                    self.suspected.add(peer)
+                    continue
+            total += gradient
+            summed += 1
+        with self.service.model_lock:
+            offset = 0
+            for parameter in self.parameters:
+                count = parameter.numel()
+                _grad(parameter).copy_(total[offset : offset + count].view_as(parameter))
+                offset += count
+        return summed
+
+
+def _grad(parameter: torch.nn.Parameter) -> torch.Tensor:
+    if parameter.grad is None:
+        parameter.grad = torch.zeros_like(parameter)
+    return parameter.grad
