@@ -210,3 +210,19 @@ def test_a_topk_peers_checkpoint_restores_its_round_outer_momentum_and_residual(
         assert torch.equal(momentum, expected_momentum)
         assert restarted.feedback is not None and torch.equal(restarted.feedback.residuals[0], expected_residual)
         assert restarted.tracker.local_progress.epoch == 1, "it reports the round it resumed at"
+
+
+def test_a_group_of_peers_at_different_rounds_skips_its_all_reduce_and_quarantines_nobody() -> None:
+    """Four peers meet in one group, one of them a round ahead with a pseudo-gradient 100x the others' (it covers
+    more inner steps). Such a round is never applied, so nothing is sent for it, and the reducers' norm check must
+    not drop and quarantine an honest peer for it: it used to, keeping a late joiner out of its groups for 10 min."""
+    start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    with diloco_peers(manifest(4, "none"), 4, [start]) as modes:
+        generator = torch.Generator().manual_seed(7)
+        pseudo_gradients = [torch.randn(3, 4, generator=generator) for _ in modes]
+        pseudo_gradients[3] *= 100
+        modes[3].round = 1
+        run_one_outer_round(modes, start, pseudo_gradients, [8, 8, 8, 8])
+        assert [mode.num_local_rounds for mode in modes] == [1, 1, 1, 1], "a round of mixed rounds is not applied"
+        assert [mode.averager.excluded_peers() for mode in modes] == [{}] * 4, "an honest peer was quarantined"
+        assert [mode.context.traffic.sent_bytes.value for mode in modes] == [0] * 4, "the skipped all-reduce sent"

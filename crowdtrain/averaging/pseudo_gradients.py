@@ -14,6 +14,7 @@ from multiprocessing.sharedctypes import Synchronized
 from typing import Any
 
 import torch
+from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import CompressionInfo
 
 from crowdtrain.averaging.exact import ExactRoundsMixin
@@ -50,6 +51,16 @@ class PseudoGradientAverager(
         self._outer_state, self._template = outer_state, template
         super().__init__(averaged_tensors, **kwargs)
 
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+        # A group whose members are at different outer rounds is never applied (DiLoCoMode._round_gathered), so
+        # its all-reduce is skipped: no bytes for nothing, and no honest member dropped and quarantined by the
+        # reducers' norm check for a pseudo-gradient of another round's length. Every member holds the same
+        # gathered data (the leader sends it to all), so every member skips the same all-reduce.
+        gathered = _members_gathered(self.serializer, group_info)
+        if gathered is not None and len({gathered_round(value) for value in gathered.values()}) > 1:
+            return gathered
+        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+
     def get_current_state(self) -> tuple[dict[str, Any], list[torch.Tensor], list[CompressionInfo]]:
         # hivemind's DecentralizedAverager.get_current_state (run in this, the host process, when a peer asks).
         metadata, tensors = self._outer_state()
@@ -61,3 +72,19 @@ class PseudoGradientAverager(
 
     def state_template(self) -> StateTemplate:
         return self._template()
+
+
+def gathered_round(value: Any) -> int | None:
+    """The round in a peer's gathered data: an int, or the first of [round, proposed H, ...] (adaptive H, SPES)."""
+    if isinstance(value, list | tuple) and 2 <= len(value) <= 3:
+        value = value[0]
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _members_gathered(serializer: Any, group_info: GroupInfo) -> dict[Any, Any] | None:
+    """What each member of the group gathered, by peer ID, as hivemind decodes it; None if any is unreadable."""
+    try:
+        user_bytes = [serializer.loads(member)[2] for member in group_info.gathered]
+        return dict(zip(group_info.peer_ids, map(serializer.loads, user_bytes), strict=True))
+    except Exception:
+        return None  # hivemind's own decoding refuses it, with its error

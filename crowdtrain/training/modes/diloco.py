@@ -59,7 +59,7 @@ from crowdtrain.averaging.error_feedback import ErrorFeedback, Kept
 from crowdtrain.averaging.partition import EXPECTED_ROUND_FAILURES
 from crowdtrain.averaging.phases import Phase, wait_for_round
 from crowdtrain.averaging.progress_bounds import BoundedProgressTracker, ProgressBounds
-from crowdtrain.averaging.pseudo_gradients import OuterState, PseudoGradientAverager
+from crowdtrain.averaging.pseudo_gradients import OuterState, PseudoGradientAverager, gathered_round
 from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.averaging.state_download import StateTemplate, epoch_ceiling, parameter_specs
 from crowdtrain.averaging.traffic import AggregationSettings
@@ -424,7 +424,7 @@ class DiLoCoMode(TrainingMode):
             return None
         if not gathered or len(gathered) < 2:
             return None
-        rounds = {_gathered_round(value) for value in gathered.values()}
+        rounds = {gathered_round(value) for value in gathered.values()}
         if rounds != {round_}:
             logger.warning(f"outer round {round_} met peers in rounds {sorted(map(str, rounds))}: not applied")
             return None
@@ -568,13 +568,6 @@ class DiLoCoMode(TrainingMode):
 
 def _base58(peer: Any) -> str:
     return peer.to_base58() if hasattr(peer, "to_base58") else str(peer)
-
-
-def _gathered_round(value: Any) -> int | None:
-    """The round in a peer's gathered data: an int, or the first of [round, proposed H, ...] (adaptive H, SPES)."""
-    if isinstance(value, list | tuple) and 2 <= len(value) <= 3:
-        value = value[0]
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _gathered_proposal(value: Any) -> Any:
