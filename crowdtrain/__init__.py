@@ -5,6 +5,7 @@ Package map, from the top down; a package may import only those below it (tests/
   cli/        the command line: `run`, `status`, `check`; flags, exit codes, rendering of reports
   node/       the daemon's lifecycle: config, identity, state dir, join, heartbeats, leave
   training/   the training loop, checkpoints, the throughput probe
+  pipeline/   SkipPipe: stage nodes' forward/backward hops, the stage-0 driver, one node's iteration
   planning/   the DeDLOC plan and this node's roles from measured capabilities
   links/      measuring links: bandwidth and reachability probes
   averaging/  all-reduce machinery: Moshpit groups, plan-partitioned rounds, exactness, phases, traffic

@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "moe": 3,
     "links": 3,
     "planning": 4,
+    "pipeline": 5,
     "training": 5,
     "node": 6,
     "cli": 7,

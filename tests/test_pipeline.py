@@ -243,7 +243,6 @@ def test_iterations_on_every_node_step_each_stage_as_one_process_would(swarm: Sw
     ]
     num_microbatches, iterations = 6, 2
     data = [tokens(seed) for seed in range(num_microbatches * iterations)]
-    drawn = iter(data)
     runners = [
         SkipPipeNode(
             service=service,
@@ -252,7 +251,7 @@ def test_iterations_on_every_node_step_each_stage_as_one_process_would(swarm: Sw
             skip_ratio=0.25,
             reorder=True,
             optimizer=torch.optim.AdamW(service.staged.stage_parameters(service.stage), lr=1e-2),
-            batch=lambda: next(drawn),
+            batch=lambda iteration, microbatch: data[iteration * num_microbatches + microbatch],
             wire_dtype="float32",
             in_flight=1,
             done_timeout_s=60.0,
@@ -267,7 +266,6 @@ def test_iterations_on_every_node_step_each_stage_as_one_process_would(swarm: Sw
 
     reference = StagedModel(model(), NUM_STAGES)
     optimizers = {stage: torch.optim.AdamW(reference.stage_parameters(stage), lr=1e-2) for stage in range(NUM_STAGES)}
-    reference_batches = iter(data)
     for iteration in range(iterations):
         report = reports[iteration][0]
         assert report.sources == report.sources_done == 1
@@ -276,7 +274,8 @@ def test_iterations_on_every_node_step_each_stage_as_one_process_would(swarm: Sw
         assert all(len(o.stages) == 3 for o in report.outcomes), "k = 0.25 of stages 1..3: each path visits 2"
         assert reports[iteration][1].replicas_summed == reports[iteration][2].replicas_summed == 2
         for outcome in report.outcomes:
-            (reference.loss(next(reference_batches), outcome.stages) / num_microbatches).backward()
+            batch = data[iteration * num_microbatches + outcome.microbatch]
+            (reference.loss(batch, outcome.stages) / num_microbatches).backward()
         for stage, optimizer in optimizers.items():
             torch.nn.utils.clip_grad_norm_(reference.stage_parameters(stage), 1.0)
             optimizer.step()

@@ -68,8 +68,8 @@ class SkipPipeNode:
     skip_ratio: float
     reorder: bool
     optimizer: torch.optim.Optimizer
-    batch: Callable[[], torch.Tensor]
-    """A stage-0 node's next microbatch of token ids [batch, sequence]."""
+    batch: Callable[[int, int], torch.Tensor]
+    """The token ids [batch, sequence] of microbatch m of iteration i, `batch(i, m)`, for a stage-0 node."""
     wire_dtype: str = "float16"
     in_flight: int = 2
     max_grad_norm: float = 1.0
@@ -118,7 +118,7 @@ class SkipPipeNode:
         if self.driver is not None:
             self.driver.new_iteration(self.replicas)
             mine = [route for route in schedule.routes if route.source == self.peer_id]
-            batches = [self.batch() for _ in mine]
+            batches = [self.batch(iteration, route.microbatch) for route in mine]
             scale_to = len(schedule.routes)
             outcomes = self.driver.run_iteration(
                 iteration, mine, batches, in_flight=self.in_flight, loss_scale=1.0 / scale_to

@@ -1,0 +1,390 @@
+"""Benchmark SkipPipe across processes: stage nodes with their own p2p daemons against one process, and a node killed.
+
+The model (the 8-layer demo LLaMA, or `--model llama-20m`: 25.4M parameters, 8 layers) is cut into 4 stages of 2
+layers; 8 node processes hold them, 2 replicas per stage, each node its own hivemind DHT and p2pd on loopback,
+torch on one thread. Every iteration, every node computes the same schedule (`planning.skippipe`, k = 0.25:
+each microbatch visits 2 of stages 1..3, reordered) over the nodes' measured costs, the two stage-0 nodes drive
+their microbatches along their routes through the other nodes (`crowdtrain.pipeline`: fp16 hidden states on the
+wire), each stage sums its gradient over its replicas and steps AdamW. Arms, one after the other, same data:
+
+    one-process   the same routes in one process: gradient accumulation over the iteration's microbatches, one step
+    swarm         the 8 node processes
+    swarm-kill    the same, with one replica of stage 2 SIGKILLed (its whole session, p2pd included) after
+                  iteration `--kill-at`: its microbatches are rerouted to the other replica, then left out of the
+                  schedule
+
+Reported per arm: seconds per iteration (median after the first two), training samples per second, the mean
+training loss of the last iterations, the held-out loss of the trained model along the full path (for a swarm,
+one replica of each stage put together), and for the swarms: rerouted and skipped hops, lost backwards, bytes
+sent per iteration by the stage nodes, and where the time went (per node: microbatches, waiting for sources,
+gradient exchange, step).
+
+On this 2-core machine 8 processes (and their 8 p2pd) share two cores, so the swarm's seconds per iteration
+measure the protocol's overhead under contention, not a pipeline's speed-up: that needs a core (or a machine) per
+node. The one-process arm is the best alternative here; the swarm's ratio to it is reported as measured.
+
+    python scripts/bench_skippipe_swarm.py [--model demo|llama-20m] [--iterations 30] [--kill-at 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any
+
+import hivemind
+import torch
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from crowdtrain.data import WindowSampler, load_token_stream
+from crowdtrain.manifest import ModelSpec, RunManifest, demo, llama_20m
+from crowdtrain.models import ByteTokenizer, build_model
+from crowdtrain.models.stages import StagedModel
+from crowdtrain.pipeline import HopLimits, StageService
+from crowdtrain.pipeline.iteration import IterationReport, SkipPipeNode
+from crowdtrain.planning.skippipe import NodeInfo, SkipPipeProblem, schedule_microbatches
+from crowdtrain.testing.bench import bench_parser, environment_json, print_table, say, write_json
+from crowdtrain.testing.processes import ProcessGroups, await_condition
+
+NUM_STAGES = 4
+REPLICAS = 2
+SKIP_RATIO = 0.25
+LEARNING_RATE = 1e-3
+EVAL_BATCHES = 8
+EVAL_BATCH_SIZE = 8
+KILLED_STAGE = 2
+"""The stage one of whose replicas the swarm-kill arm kills (its second replica, never a source)."""
+STARTUP_TIMEOUT_S = 120.0
+
+
+def bench_run(model: str) -> RunManifest:
+    """The run whose model is cut: the demo LLaMA made 8 layers deep, or llama-20m (8 layers already)."""
+    if model == "llama-20m":
+        return llama_20m()
+    base = demo()
+    spec = ModelSpec(config={**base.model.config, "num_hidden_layers": 8}, tokenizer=base.model.tokenizer)
+    return dataclasses.replace(base, run_id="bench-skippipe-swarm", model=spec)
+
+
+class Data:
+    """Microbatch m of iteration i is the same windows in every arm and on every node; a fixed held-out set."""
+
+    def __init__(self, run: RunManifest, micro_batch_size: int, cache: Path) -> None:
+        tokens = load_token_stream(run.data, ByteTokenizer(), cache)
+        self.sampler = WindowSampler(tokens, run.data.sequence_length, peer_seed=0)
+        self.micro_batch_size = micro_batch_size
+
+    def batch(self, iteration: int, microbatch: int) -> torch.Tensor:
+        return self.sampler.batch(iteration, self.micro_batch_size, microbatch)
+
+    def held_out(self) -> list[torch.Tensor]:
+        return self.sampler.eval_batches(EVAL_BATCH_SIZE, EVAL_BATCHES)
+
+
+def staged_model(run: RunManifest) -> StagedModel:
+    return StagedModel(build_model(run.model, ByteTokenizer().vocab_size, seed=0), NUM_STAGES)
+
+
+def held_out_loss(staged: StagedModel, data: Data) -> float:
+    staged.model.eval()
+    with torch.no_grad():
+        return statistics.fmean(float(staged.loss(batch, staged.full_path)) for batch in data.held_out())
+
+
+def stage_seconds(run: RunManifest, data: Data) -> list[float]:
+    """Median seconds of one microbatch's forward and backward over each stage (stage 0 with embeddings and head)."""
+    staged = staged_model(run)
+    batch = data.batch(0, 0)
+    seconds = []
+    for stage in range(NUM_STAGES):
+        timings = []
+        for _ in range(4):
+            began = time.perf_counter()
+            if stage == 0:
+                staged.loss(batch, (0,)).backward()
+            else:
+                hidden = staged.embed(batch).hidden_states.detach().requires_grad_()
+                began = time.perf_counter()
+                out = staged.run_stage(stage, staged.activations(hidden)).hidden_states
+                out.backward(torch.ones_like(out))
+            timings.append(time.perf_counter() - began)
+        seconds.append(statistics.median(timings[1:]))
+    return seconds
+
+
+def topology(peer_ids: Sequence[str], seconds: Sequence[float], memory: int) -> list[NodeInfo]:
+    return [
+        NodeInfo(peer_id=peer, stage=index // REPLICAS, seconds_per_microbatch=seconds[index // REPLICAS],
+                 memory_microbatches=memory)
+        for index, peer in enumerate(peer_ids)
+    ]  # fmt: skip
+
+
+# ----- one process -----
+
+
+def one_process(args: argparse.Namespace, run: RunManifest, data: Data, seconds: Sequence[float]) -> dict[str, Any]:
+    """The same routes (the schedule over 8 stand-in node names) in one process."""
+    nodes = topology([f"node{index}" for index in range(NUM_STAGES * REPLICAS)], seconds, args.memory)
+    staged = staged_model(run)
+    optimizers = [torch.optim.AdamW(staged.stage_parameters(stage), lr=LEARNING_RATE) for stage in range(NUM_STAGES)]
+    iteration_s, losses = [], []
+    for iteration in range(args.iterations):
+        began = time.perf_counter()
+        schedule = schedule_microbatches(_problem(args, nodes, iteration))
+        iteration_losses = []
+        for route in schedule.routes:
+            loss = staged.loss(data.batch(iteration, route.microbatch), route.stages)
+            (loss / len(schedule.routes)).backward()
+            iteration_losses.append(float(loss.detach()))
+        for stage, optimizer in enumerate(optimizers):
+            torch.nn.utils.clip_grad_norm_(staged.stage_parameters(stage), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        iteration_s.append(time.perf_counter() - began)
+        losses.append(statistics.fmean(iteration_losses))
+    return {"iteration_s": iteration_s, "train_loss": losses, "held_out_loss": held_out_loss(staged, data)}
+
+
+def _problem(args: argparse.Namespace, nodes: Sequence[NodeInfo], iteration: int) -> SkipPipeProblem:
+    return SkipPipeProblem(num_stages=NUM_STAGES, nodes=tuple(nodes), num_microbatches=args.microbatches,
+                           skip_ratio=SKIP_RATIO, reorder=True, seed=iteration)  # fmt: skip
+
+
+# ----- a node process -----
+
+
+def node_main(args: argparse.Namespace) -> int:
+    """One stage node: start, publish its address, wait for the topology, run the iterations, save its stage."""
+    torch.set_num_threads(1)
+    folder, index = Path(args.folder), args.index
+    run = bench_run(args.model)
+    stage = index // REPLICAS
+    with TemporaryDirectory() as cache:
+        data = Data(run, args.micro_batch_size, Path(cache))
+        initial = json.loads((folder / "node0.json").read_text())["maddrs"] if index else []
+        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial)
+        staged = staged_model(run)
+        hidden = run.model.config["hidden_size"]
+        limits = HopLimits(max_batch=args.micro_batch_size, max_sequence=run.data.sequence_length, hidden_size=hidden)
+        service = StageService(dht, staged, stage, limits, memory_microbatches=args.memory)
+        service.start()
+        me = {"peer_id": service.peer_id, "maddrs": [str(m) for m in dht.get_visible_maddrs()]}
+        _write_atomically(folder / f"node{index}.json", me)
+        swarm = await_condition(lambda: _read(folder / "topology.json"), STARTUP_TIMEOUT_S, "the topology")
+        for other in swarm["nodes"]:  # dial every node once, so that hops and exchanges find each other at once
+            if other["peer_id"] != me["peer_id"]:
+                peer = PeerID.from_base58(other["peer_id"])
+                maddrs = [Multiaddr(m).decapsulate(Multiaddr(f"/p2p/{other['peer_id']}")) for m in other["maddrs"]]
+                service.run(service.require_p2p()._client.connect(peer, maddrs), 30.0)
+        nodes = topology([node["peer_id"] for node in swarm["nodes"]], swarm["stage_seconds"], args.memory)
+        runner = SkipPipeNode(
+            service=service, nodes=nodes, num_microbatches=args.microbatches, skip_ratio=SKIP_RATIO, reorder=True,
+            optimizer=torch.optim.AdamW(staged.stage_parameters(stage), lr=LEARNING_RATE), batch=data.batch,
+            in_flight=args.memory, hop_timeout_s=60.0, done_timeout_s=300.0, exchange_timeout_s=60.0,
+        )  # fmt: skip
+        with (folder / f"node{index}.jsonl").open("a") as log:
+            for iteration in range(args.iterations):
+                report = runner.run_iteration(iteration)
+                log.write(json.dumps(_report_json(report, service)) + "\n")
+                log.flush()
+        torch.save([p.detach() for p in staged.stage_parameters(stage)], folder / f"stage{stage}-{index}.pt")
+        (folder / f"node{index}.finished").touch()
+        # stay until every node finished: a node that left early would fail the others' last gradient fetches
+        await_condition(lambda: (folder / "all-finished").exists(), 600.0, "every node to finish")
+        service.close()
+        dht.shutdown()
+    return 0
+
+
+def _report_json(report: IterationReport, service: StageService) -> dict[str, Any]:
+    return {
+        "iteration": report.iteration,
+        "seconds": report.seconds,
+        "phases": report.phase_seconds,
+        "losses": [o.loss for o in report.outcomes],
+        "rerouted": sum(o.rerouted for o in report.outcomes),
+        "skipped": sum(len(o.skipped) for o in report.outcomes),
+        "backward_lost": sum(bool(o.backward_lost) for o in report.outcomes),
+        "replicas_summed": report.replicas_summed,
+        "bytes_sent": service.bytes_sent,
+        "microbatches": len(report.outcomes),
+    }
+
+
+def _write_atomically(path: Path, value: Any) -> None:
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(value))
+    temporary.replace(path)
+
+
+def _read(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+# ----- a swarm arm -----
+
+
+def swarm_arm(args: argparse.Namespace, run: RunManifest, data: Data, seconds: Sequence[float], kill: bool
+              ) -> dict[str, Any]:  # fmt: skip
+    groups = ProcessGroups()
+    num_nodes = NUM_STAGES * REPLICAS
+    victim = KILLED_STAGE * REPLICAS + 1
+    with TemporaryDirectory(prefix="skippipe-swarm-") as directory:
+        folder = Path(directory)
+        try:
+            processes = []
+            for index in range(num_nodes):
+                command = [sys.executable, __file__, "--node", "--folder", directory, "--index", str(index),
+                           "--model", args.model, "--iterations", str(args.iterations), "--microbatches",
+                           str(args.microbatches), "--micro-batch-size", str(args.micro_batch_size),
+                           "--memory", str(args.memory)]  # fmt: skip
+                log = (folder / f"node{index}.log").open("w")
+                processes.append(groups.start(command, stdout=log, stderr=log))
+                if index == 0:
+                    await_condition(lambda: _read(folder / "node0.json"), STARTUP_TIMEOUT_S, "node 0")
+            peers = [
+                await_condition(lambda i=index: _read(folder / f"node{i}.json"), STARTUP_TIMEOUT_S, f"node {index}")
+                for index in range(num_nodes)
+            ]
+            _write_atomically(folder / "topology.json", {"nodes": peers, "stage_seconds": list(seconds)})
+            began = time.monotonic()
+            if kill:
+                await_condition(lambda: len(_lines(folder / "node0.jsonl")) >= args.kill_at, 1800.0, "the kill")
+                groups.kill(processes[victim])
+                say(f"killed node {victim} (stage {KILLED_STAGE}) after iteration {args.kill_at}")
+            living = [index for index in range(num_nodes) if not (kill and index == victim)]
+            await_condition(lambda: all((folder / f"node{i}.finished").exists() for i in living), 3600.0, "the run")
+            wall_s = time.monotonic() - began
+            (folder / "all-finished").touch()
+            for index in living:
+                processes[index].wait(timeout=60)
+            reports = {index: _lines(folder / f"node{index}.jsonl") for index in living}
+            staged = staged_model(run)
+            for stage in range(NUM_STAGES):  # one replica of each stage: the first that lived
+                index = next(i for i in living if i // REPLICAS == stage)
+                saved = torch.load(folder / f"stage{stage}-{index}.pt", weights_only=True)
+                with torch.no_grad():
+                    for parameter, value in zip(staged.stage_parameters(stage), saved, strict=True):
+                        parameter.copy_(value)
+            held_out = held_out_loss(staged, data)
+        finally:
+            groups.kill_all()
+    return _swarm_json(reports, wall_s, held_out, victim if kill else None)
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def _swarm_json(reports: dict[int, list[dict[str, Any]]], wall_s: float, held_out: float, killed: int | None
+                ) -> dict[str, Any]:  # fmt: skip
+    sources = [index for index in reports if index // REPLICAS == 0]
+    iterations = len(reports[sources[0]])
+    iteration_s = [max(reports[i][n]["seconds"] for i in sources) for n in range(iterations)]
+    train_loss = [
+        statistics.fmean(loss for i in sources for loss in reports[i][n]["losses"]) for n in range(iterations)
+    ]
+    phases = {
+        index: {phase: statistics.fmean(r["phases"][phase] for r in lines[2:] or lines) for phase in lines[0]["phases"]}
+        for index, lines in reports.items()
+    }
+    served = [lines[-1]["bytes_sent"] for index, lines in reports.items() if index // REPLICAS != 0]
+    return {
+        "iteration_s": iteration_s,
+        "train_loss": train_loss,
+        "held_out_loss": held_out,
+        "wall_s": wall_s,
+        "killed_node": killed,
+        "rerouted": [sum(reports[i][n]["rerouted"] for i in sources) for n in range(iterations)],
+        "skipped": [sum(reports[i][n]["skipped"] for i in sources) for n in range(iterations)],
+        "backward_lost": [sum(reports[i][n]["backward_lost"] for i in sources) for n in range(iterations)],
+        "bytes_served_per_iteration": statistics.fmean(served) / iterations,
+        "phase_s": phases,
+    }
+
+
+def show(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    rows = []
+    samples = args.microbatches * args.micro_batch_size
+    base = statistics.median(results["arms"]["one-process"]["iteration_s"][2:])
+    for arm, result in results["arms"].items():
+        per_iteration = statistics.median(result["iteration_s"][2:])
+        tail = result["train_loss"][-5:]
+        rows.append([arm, per_iteration, samples / per_iteration, base / per_iteration, statistics.fmean(tail),
+                     result["held_out_loss"], sum(result.get("rerouted", [0])), sum(result.get("skipped", [0])),
+                     sum(result.get("backward_lost", [0])), result.get("bytes_served_per_iteration")])  # fmt: skip
+    print_table(
+        f"SkipPipe, {results['model']} in {NUM_STAGES} stages x {REPLICAS} replicas, {args.iterations} iterations of "
+        f"{args.microbatches} x {args.micro_batch_size} windows, k = {SKIP_RATIO}, reordered",
+        ["arm", "s/iteration", "samples/s", "x one process", "train loss (last 5)", "held-out loss", "rerouted",
+         "skipped", "backward lost", "bytes/iter/stage node"],
+        rows,
+    )  # fmt: skip
+    for arm, result in results["arms"].items():
+        if "phase_s" in result:
+            print_table(f"{arm}: mean seconds per iteration by phase, per node (stage = node // {REPLICAS})",
+                        ["node", *next(iter(result["phase_s"].values()))],
+                        [[node, *phases.values()] for node, phases in result["phase_s"].items()])  # fmt: skip
+
+
+def main() -> int:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--model", choices=("demo", "llama-20m"), default="demo")
+    parser.add_argument("--iterations", type=int, default=30)
+    parser.add_argument("--microbatches", type=int, default=8, help="M per iteration (default 8)")
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--memory", type=int, default=2, help="microbatches a node holds at once, and in flight")
+    parser.add_argument("--kill-at", type=int, default=10, help="swarm-kill: iterations before the kill")
+    parser.add_argument("--arms", nargs="+", choices=("one-process", "swarm", "swarm-kill"),
+                        default=["one-process", "swarm", "swarm-kill"])  # fmt: skip
+    parser.add_argument("--node", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.node:
+        return node_main(args)
+    torch.set_num_threads(1)
+    run = bench_run(args.model)
+    environment = environment_json(quick=False)
+    with TemporaryDirectory() as cache:
+        data = Data(run, args.micro_batch_size, Path(cache))
+        seconds = stage_seconds(run, data)
+        say("seconds per microbatch by stage: " + ", ".join(f"{s:.3f}" for s in seconds))
+        arms: dict[str, Any] = {}
+        if "one-process" not in args.arms:
+            args.arms.insert(0, "one-process")  # the baseline every ratio is taken against
+        for arm in args.arms:
+            say(f"arm {arm}")
+            arms[arm] = one_process(args, run, data, seconds) if arm == "one-process" else swarm_arm(
+                args, run, data, seconds, kill=arm == "swarm-kill")  # fmt: skip
+    parameters = sum(p.numel() for p in staged_model(run).model.parameters())
+    results = {
+        "environment": {**environment, "load_average_at_end": os.getloadavg()},
+        "model": f"{args.model} ({parameters / 1e6:.1f}M parameters, 8 layers)",
+        "stage_seconds_per_microbatch": seconds,
+        "arguments": {key: value for key, value in vars(args).items() if key not in ("node", "folder", "index", "out")},
+        "arms": arms,
+    }
+    show(args, results)
+    write_json(args.out / "skippipe_swarm.json", results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
