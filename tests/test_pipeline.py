@@ -93,7 +93,8 @@ def swarm(request: pytest.FixtureRequest) -> Iterator[Swarm]:
             initial_peers = dhts[0].get_visible_maddrs() if dhts else []
             dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers))
             kind = RefusesBackwards if node in refusing else StageService
-            service = kind(dhts[-1], StagedModel(model(), NUM_STAGES), stage, LIMITS, memory_microbatches=2)
+            staged = StagedModel(model(), NUM_STAGES)
+            service = kind(dhts[-1], staged, stage, LIMITS, memory_microbatches=2, slot_wait_s=0.5)
             service.start()
             services.append(service)
         yield Swarm(dhts, services, [service.peer_id for service in services])

@@ -11,9 +11,9 @@ Everything a caller sends is bounded and checked before it runs: a header first 
 microbatch, stage, shape, wire dtype), the stage must be this node's, the shape [batch, sequence, hidden] within
 `HopLimits`, the payload exactly the shape's bytes (refused as soon as it runs over), every value finite; a
 backward must name a forward this node holds for the same caller, with the output's shape. A node holds at most
-`memory_microbatches` forwards at once (a caller gets "busy" and goes to another replica) and forgets one whose
-backward did not come within `hold_s` (its source died or gave up on it). A refusal is one log line here and its
-sentence at the caller.
+`memory_microbatches` forwards at once (a forward waits up to `slot_wait_s` for a slot, then the caller gets
+"busy" and goes to another replica) and forgets one whose backward did not come within `hold_s` (its source died
+or gave up on it). A refusal is one log line here and its sentence at the caller.
 
 Values travel in the wire dtype the caller chose, `float16` by default (half of float32's bytes; SkipPipe's paper
 sends activations in half precision); the answer uses the request's dtype. Compute is float32 on the node.
@@ -51,6 +51,8 @@ WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": t
 """How hidden states and their gradients may travel."""
 BUSY = "busy:"
 """Starts the refusal of a forward that finds the node's memory full (the caller may ask again later)."""
+SLOT_WAIT_S = 10.0
+"""How long a forward that finds the node's memory full waits for a slot before it is refused as busy."""
 OPEN_WAIT_S = 10.0
 """How long a forward of the next iteration waits for this node to finish stepping the last."""
 GRADIENT_RETRY_S = 0.02
@@ -163,13 +165,14 @@ class StageService(P2PService):
         *,
         memory_microbatches: int = 4,
         hold_s: float = DEFAULT_HOLD_S,
+        slot_wait_s: float = SLOT_WAIT_S,
     ):
         super().__init__(dht, NAMESPACE, thread_name=f"skippipe-stage{stage}")
         _quiet_refusals()
         if memory_microbatches < 1:
             raise ValueError(f"memory_microbatches must be >= 1, got {memory_microbatches}")
         self.staged, self.stage, self.limits = staged, stage, limits
-        self.memory_microbatches, self.hold_s = memory_microbatches, hold_s
+        self.memory_microbatches, self.hold_s, self.slot_wait_s = memory_microbatches, hold_s, slot_wait_s
         self.model_lock = threading.Lock()
         """Held while the stage's layers run forward or backward: take it to step the stage's optimizer."""
         self._held: OrderedDict[tuple[str, int, int], _Held] = OrderedDict()
@@ -195,7 +198,7 @@ class StageService(P2PService):
         header, inputs = await self._receive(requests, "forward", context)
         await self._wait_open(header.iteration, context)
         key = (context.remote_id.to_base58(), header.iteration, header.microbatch)
-        self._reserve(key, context)
+        await self._reserve(key, context)
         try:
             outputs = await asyncio.to_thread(self._forward, key, inputs)
         except BaseException:
@@ -280,22 +283,26 @@ class StageService(P2PService):
         assert held.inputs.grad is not None
         return held.inputs.grad
 
-    def _reserve(self, key: tuple[str, int, int], context: P2PContext) -> None:
-        """Take one of the `memory_microbatches` slots for `key`, after dropping forwards held past `hold_s`."""
-        now = time.monotonic()
-        with self._held_lock:
-            for old in [old for old, held in self._held.items() if now - held.since > self.hold_s]:
-                logger.info(f"dropped microbatch {old[2]} of iteration {old[1]} from peer {old[0][-8:]}: no backward")
-                del self._held[old]
-            if key in self._held:
-                reason = f"microbatch {key[2]} of iteration {key[1]} is already held"
-            elif len(self._held) >= self.memory_microbatches:
-                reason = f"{BUSY} holds {len(self._held)} microbatches, its memory's limit"
-            else:
-                empty = torch.empty(0)
-                self._held[key] = _Held(inputs=empty, outputs=empty, since=now)
-                return
-        self._refuse(reason, "forward", context)
+    async def _reserve(self, key: tuple[str, int, int], context: P2PContext) -> None:
+        """Take one of the `memory_microbatches` slots for `key`, after dropping forwards held past `hold_s`;
+        waits up to `slot_wait_s` for a slot to free (a backward ending), then refuses as busy."""
+        deadline = time.monotonic() + self.slot_wait_s
+        while True:
+            now = time.monotonic()
+            with self._held_lock:
+                for old in [old for old, held in self._held.items() if now - held.since > self.hold_s]:
+                    logger.info(f"dropped microbatch {old[2]} of iteration {old[1]} from {old[0][-8:]}: no backward")
+                    del self._held[old]
+                if key in self._held:
+                    self._refuse(f"microbatch {key[2]} of iteration {key[1]} is already held", "forward", context)
+                if len(self._held) < self.memory_microbatches:
+                    empty = torch.empty(0)
+                    self._held[key] = _Held(inputs=empty, outputs=empty, since=now)
+                    return
+                held = len(self._held)
+            if now >= deadline:
+                self._refuse(f"{BUSY} holds {held} microbatches, its memory's limit", "forward", context)
+            await asyncio.sleep(0.005)
 
     async def _receive(
         self, requests: AsyncIterator[proto.StageHop], call: str, context: P2PContext
