@@ -290,3 +290,40 @@ def test_iterations_on_every_node_step_each_stage_as_one_process_would(swarm: Sw
             torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
     first, second = (torch.cat([p.reshape(-1) for p in swarm.services[n].staged.stage_parameters(1)]) for n in (1, 2))
     assert torch.equal(first, second), "the replicas of stage 1 stepped on different gradients"
+    assert_a_joiner_steps_as_the_replica_it_joined(swarm, nodes, runners[1], iterations)
+
+
+def assert_a_joiner_steps_as_the_replica_it_joined(
+    swarm: Swarm, nodes: list[NodeInfo], replica: SkipPipeNode, iterations: int
+) -> None:
+    # A joining replica of stage 1 takes the stage's state from node 1 and steps exactly as node 1 does from then on.
+    joiner_dht = hivemind.DHT(
+        start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=swarm.dhts[0].get_visible_maddrs()
+    )
+    joiner = StageService(joiner_dht, StagedModel(model(), NUM_STAGES), 1, LIMITS)
+    try:
+        joiner.start()
+        with torch.no_grad():
+            for parameter in joiner.staged.stage_parameters(1):
+                parameter.add_(1.0)  # whatever it held, the download replaces
+        joining = SkipPipeNode(
+            service=joiner,
+            nodes=nodes,
+            num_microbatches=6,
+            skip_ratio=0.25,
+            reorder=True,
+            optimizer=torch.optim.AdamW(joiner.staged.stage_parameters(1), lr=1e-2),
+            batch=lambda iteration, microbatch: tokens(),
+        )
+        with pytest.raises(HopFailedError, match=r"not \[5\]"):
+            joiner.fetch_state(swarm.peer(1), 5, 10.0)
+        assert joining.join(swarm.peer(1)) == iterations
+        for runner in (replica, joining):
+            for parameter in runner.parameters:
+                parameter.grad = torch.full_like(parameter, 0.01)
+            runner.optimizer.step()
+        for mine, theirs in zip(joining.parameters, replica.parameters, strict=True):
+            assert torch.equal(mine, theirs), "the joiner stepped differently from the replica it joined"
+    finally:
+        joiner.close()
+        joiner_dht.shutdown()

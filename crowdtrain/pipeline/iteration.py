@@ -18,9 +18,14 @@ the swarm's nodes, seeded by the iteration), so no message carries it. An iterat
 5. clip to `max_grad_norm`, the optimizer's step, gradients zeroed, the iteration closed.
 
 Each microbatch's loss counts 1/M of the iteration's gradient (M microbatches in the iteration), as in one
-process with gradient accumulation. What this does not do yet (issue 17): take the swarm from DHT declarations
-(the caller passes the nodes), elect a leader that announces and checks the schedule, or average weights between
-replicas that drifted apart; see the module's users.
+process with gradient accumulation. Replicas that summed the same gradients hold the same parameters and AdamW
+moments; a joining replica takes them from one (`join`, `rpc_stage_state`), checked: the stage's exact number of
+float32 values, finite, second moments not negative.
+
+What this does not do yet (issue 17): take the swarm from signed DHT declarations (the caller passes the nodes, the
+same list on every node, and a joiner must be added to every node's list at one iteration), elect a leader that
+announces and checks the schedule (each node computes it instead), or average weights between replicas that drifted
+apart (a replica that missed another's gradient steps differently from then on).
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ from crowdtrain.pipeline.stage_service import HopFailedError, StageService
 from crowdtrain.planning.skippipe import NodeInfo, SkipPipeProblem, schedule_microbatches
 
 logger = logging.getLogger(__name__)
+
+STATE_PARTS = 3
+"""A stage's state for a joiner: its parameters, AdamW's first moments, its second moments."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,7 +89,12 @@ class SkipPipeNode:
     """Peers that failed a hop, a done message or a gradient exchange: left out of later schedules."""
 
     def __post_init__(self) -> None:
+        if type(self.optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+            raise ValueError(f"a SkipPipe node's stage state is AdamW's; got {type(self.optimizer).__name__}")
         self.parameters = self.service.staged.stage_parameters(self.service.stage)
+        self.last_iteration = -1
+        """The last iteration this node stepped (or took the state of); -1 before any."""
+        self.service.set_state_source(self._state)
         self.peer_id = self.service.peer_id
         replicas: dict[int, list[str]] = {}
         for node in self.nodes:
@@ -97,6 +110,41 @@ class SkipPipeNode:
             if self.service.stage == 0
             else None
         )
+
+    def join(self, peer_id: str, timeout_s: float = 60.0) -> int:
+        """Take the stage's state from `peer_id`, a replica of it: parameters and AdamW moments, so that this node
+        steps as the replica does from now on; the iteration to run next. HopFailedError if it is not had."""
+        numel = sum(parameter.numel() for parameter in self.parameters)
+        header, values = self.service.fetch_state(peer_id, STATE_PARTS * numel, timeout_s)
+        params, exp_avg, exp_avg_sq = values.split(numel)
+        if bool((exp_avg_sq < 0).any()):
+            raise HopFailedError(f"peer {peer_id[-8:]} sent a stage state with negative second moments")
+        with self.service.model_lock, torch.no_grad():
+            offset = 0
+            for parameter in self.parameters:
+                count = parameter.numel()
+                parameter.copy_(params[offset : offset + count].view_as(parameter))
+                self.optimizer.state[parameter] = {
+                    "step": torch.tensor(float(header.optimizer_steps)),
+                    "exp_avg": exp_avg[offset : offset + count].view_as(parameter).clone(),
+                    "exp_avg_sq": exp_avg_sq[offset : offset + count].view_as(parameter).clone(),
+                }
+                offset += count
+        self.last_iteration = header.iteration
+        logger.info(f"took stage {self.service.stage}'s state of iteration {header.iteration} from {peer_id[-8:]}")
+        return header.iteration + 1
+
+    def _state(self) -> tuple[int, int, torch.Tensor]:
+        """(the last finished iteration, AdamW's steps, parameters then first then second moments), float32."""
+        parts: list[list[torch.Tensor]] = [[], [], []]
+        steps = 0
+        for parameter in self.parameters:
+            state = self.optimizer.state.get(parameter, {})
+            steps = int(state.get("step", 0))
+            parts[0].append(parameter.detach().reshape(-1))
+            for index, key in ((1, "exp_avg"), (2, "exp_avg_sq")):
+                parts[index].append(state[key].reshape(-1) if key in state else torch.zeros(parameter.numel()))
+        return self.last_iteration, steps, torch.cat([torch.cat(part) for part in parts]).float()
 
     def run_iteration(self, iteration: int) -> IterationReport:
         started = time.perf_counter()
@@ -146,6 +194,7 @@ class SkipPipeNode:
             torch.nn.utils.clip_grad_norm_(self.parameters, self.max_grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=False)
+            self.last_iteration = iteration
         self.service.finish_iteration(iteration)
         phases["step"] = time.perf_counter() - mark
         return IterationReport(

@@ -184,6 +184,8 @@ class StageService(P2PService):
         self._open: int | None = None
         self._done: dict[int, set[str]] = {}
         self._gradients: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._state_source: Callable[[], tuple[int, int, torch.Tensor]] | None = None
+        self._state_reads = asyncio.Semaphore(1)  # one state snapshot at a time: each copies the whole stage
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -256,6 +258,31 @@ class StageService(P2PService):
         for frame in encode_frames(gradient, _reply_header(request), "float32"):
             self.bytes_sent += len(frame.payload)
             yield frame
+
+    async def rpc_stage_state(
+        self, request: proto.StageHop, context: P2PContext
+    ) -> typing.AsyncIterator[proto.StageHop]:
+        """This node's state of its stage for a joining replica (`set_state_source`): a header naming the last
+        finished iteration and the optimizer's steps, then float32 values; a header with no shape if none."""
+        source = self._state_source
+        if request.stage != self.stage or source is None:
+            yield proto.StageHop(stage=self.stage)
+            return
+        async with self._state_reads:
+            iteration, steps, values = await asyncio.to_thread(self._snapshot, source)
+            header = proto.StageHop(iteration=iteration, stage=self.stage, optimizer_steps=steps)
+            for frame in encode_frames(values, header, "float32"):
+                self.bytes_sent += len(frame.payload)
+                yield frame
+
+    def _snapshot(self, source: Callable[[], tuple[int, int, torch.Tensor]]) -> tuple[int, int, torch.Tensor]:
+        with self.model_lock:  # between steps: parameters and optimizer state of one iteration
+            return source()
+
+    def set_state_source(self, source: Callable[[], tuple[int, int, torch.Tensor]] | None) -> None:
+        """Serve `source()` to joining replicas: (the last finished iteration, the optimizer's steps, float32
+        values), read under `model_lock`; None: serve nothing."""
+        self._state_source = source
 
     async def _wait_open(self, iteration: int, context: P2PContext) -> None:
         """With iterations opened (`open_iteration`): a forward of the next one waits until it opens (this node
@@ -416,41 +443,58 @@ class StageService(P2PService):
     def fetch_gradient(self, peer_id: str, iteration: int, num_values: int, timeout_s: float) -> torch.Tensor:
         """`peer_id`'s gradient of `iteration` for this node's stage, `num_values` float32 values; waits up to
         `timeout_s` for it to be published; HopFailedError if it is not had."""
+        request = proto.StageHop(iteration=iteration, stage=self.stage)
+        what = f"gradient of iteration {iteration}"
+        return self._fetch_flat(peer_id, "gradient", request, num_values, timeout_s, what)[1]
+
+    def fetch_state(self, peer_id: str, num_values: int, timeout_s: float) -> tuple[proto.StageHop, torch.Tensor]:
+        """`peer_id`'s state of this node's stage (`set_state_source`'s layout, `num_values` float32 values) and its
+        header (the iteration it is from, the optimizer's steps); HopFailedError if it is not had."""
+        return self._fetch_flat(peer_id, "state", proto.StageHop(stage=self.stage), num_values, timeout_s, "state")
+
+    def _fetch_flat(
+        self, peer_id: str, call: str, request: proto.StageHop, num_values: int, timeout_s: float, what: str
+    ) -> tuple[proto.StageHop, torch.Tensor]:
         where = f"peer {peer_id[-8:]}"
         deadline = time.monotonic() + timeout_s
         try:
-            return self.run(
-                self._fetch_gradient(PeerID.from_base58(peer_id), iteration, num_values, deadline, where),
-                timeout_s + 1.0,
-            )
+            fetching = self._fetch(PeerID.from_base58(peer_id), call, request, num_values, deadline, where, what)
+            return self.run(fetching, timeout_s + 1.0)
         except HopFailedError:
             raise
         except Exception as e:
-            raise HopFailedError(f"{where} did not send its gradient of iteration {iteration}: {e!r}") from None
+            raise HopFailedError(f"{where} did not send its {what}: {e!r}") from None
 
-    async def _fetch_gradient(
-        self, peer: PeerID, iteration: int, num_values: int, deadline: float, where: str
-    ) -> torch.Tensor:
+    async def _fetch(
+        self,
+        peer: PeerID,
+        call: str,
+        request: proto.StageHop,
+        num_values: int,
+        deadline: float,
+        where: str,
+        what: str,
+    ) -> tuple[proto.StageHop, torch.Tensor]:
+        """One float32 vector of `num_values` from `rpc_stage_<call>`, asking again while the peer has none yet."""
+
         def flat(shape: typing.Sequence[int]) -> tuple[int, ...]:
             if list(shape) != [num_values]:
-                raise HopRefusedError(f"a gradient of shape {list(shape)[:4]}, not [{num_values}]")
+                raise HopRefusedError(f"a {what} of shape {list(shape)[:4]}, not [{num_values}]")
             return (num_values,)
 
-        request = proto.StageHop(iteration=iteration, stage=self.stage)
         stub: typing.Any = self.get_stub(self.require_p2p(), peer, namespace=NAMESPACE)
         while True:
-            answers = await stub.rpc_stage_gradient(request)
+            answers = await getattr(stub, f"rpc_stage_{call}")(request)
             try:
                 header = await anext(answers, None)
                 if header is not None and header.shape:
-                    _, gradient = await decode_frames(
+                    return await decode_frames(
                         _prepend(header, answers), flat, lambda reason: HopFailedError(f"{where}: {reason}")
                     )
-                    return gradient
             finally:
                 await answers.aclose()
             if time.monotonic() + GRADIENT_RETRY_S > deadline:
-                raise HopFailedError(f"{where} published no gradient of iteration {iteration} in time")
+                raise HopFailedError(f"{where} had no {what} for stage {self.stage} in time")
             await asyncio.sleep(GRADIENT_RETRY_S)
 
 

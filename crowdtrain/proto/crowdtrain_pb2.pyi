@@ -470,17 +470,19 @@ class StateDigest(_message.Message):
     def __init__(self, served: _Optional[bool] = ..., epoch: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSketch, _Mapping]]] = ...) -> None: ...
 
 class StageHop(_message.Message):
-    __slots__ = ("iteration", "microbatch", "stage", "shape", "dtype", "payload")
+    __slots__ = ("iteration", "microbatch", "stage", "shape", "dtype", "payload", "optimizer_steps")
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEPS_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     microbatch: int
     stage: int
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     payload: bytes
-    def __init__(self, iteration: _Optional[int] = ..., microbatch: _Optional[int] = ..., stage: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    optimizer_steps: int
+    def __init__(self, iteration: _Optional[int] = ..., microbatch: _Optional[int] = ..., stage: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., payload: _Optional[bytes] = ..., optimizer_steps: _Optional[int] = ...) -> None: ...
