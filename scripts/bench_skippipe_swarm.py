@@ -14,6 +14,8 @@ wire), each stage sums its gradient over its replicas and steps AdamW. Arms, one
     swarm-kill    the same, with one replica of stage 2 SIGKILLed (its whole session, p2pd included) after
                   iteration `--kill-at`: its microbatches are rerouted to the other replica, then left out of the
                   schedule
+    swarm-full    the 8 node processes as a standard pipeline: k = 0 (every microbatch visits every stage, in
+                  order), the baseline SkipPipe's skipping is measured against
 
 Reported per arm: seconds per iteration (median after the first two), training samples per second, the mean
 training loss of the last iterations, the held-out loss of the trained model along the full path (for a swarm,
@@ -195,7 +197,8 @@ def node_main(args: argparse.Namespace) -> int:
                 service.run(service.require_p2p()._client.connect(peer, maddrs), 30.0)
         nodes = topology([node["peer_id"] for node in swarm["nodes"]], swarm["stage_seconds"], args.memory)
         runner = SkipPipeNode(
-            service=service, nodes=nodes, num_microbatches=args.microbatches, skip_ratio=SKIP_RATIO, reorder=True,
+            service=service, nodes=nodes, num_microbatches=args.microbatches, skip_ratio=args.skip_ratio,
+            reorder=args.skip_ratio > 0,
             optimizer=torch.optim.AdamW(staged.stage_parameters(stage), lr=LEARNING_RATE), batch=data.batch,
             in_flight=args.memory, hop_timeout_s=60.0, done_timeout_s=300.0, exchange_timeout_s=60.0,
         )  # fmt: skip
@@ -244,8 +247,8 @@ def _read(path: Path) -> Any:
 # ----- a swarm arm -----
 
 
-def swarm_arm(args: argparse.Namespace, run: RunManifest, data: Data, seconds: Sequence[float], kill: bool
-              ) -> dict[str, Any]:  # fmt: skip
+def swarm_arm(args: argparse.Namespace, run: RunManifest, data: Data, seconds: Sequence[float], kill: bool,
+              skip_ratio: float = SKIP_RATIO) -> dict[str, Any]:  # fmt: skip
     groups = ProcessGroups()
     num_nodes = NUM_STAGES * REPLICAS
     victim = KILLED_STAGE * REPLICAS + 1
@@ -257,7 +260,7 @@ def swarm_arm(args: argparse.Namespace, run: RunManifest, data: Data, seconds: S
                 command = [sys.executable, __file__, "--node", "--folder", directory, "--index", str(index),
                            "--model", args.model, "--iterations", str(args.iterations), "--microbatches",
                            str(args.microbatches), "--micro-batch-size", str(args.micro_batch_size),
-                           "--memory", str(args.memory)]  # fmt: skip
+                           "--memory", str(args.memory), "--skip-ratio", str(skip_ratio)]  # fmt: skip
                 log = (folder / f"node{index}.log").open("w")
                 processes.append(groups.start(command, stdout=log, stderr=log))
                 if index == 0:
@@ -340,7 +343,7 @@ def show(args: argparse.Namespace, results: dict[str, Any]) -> None:
                      sum(result.get("backward_lost", [0])), result.get("bytes_served_per_iteration")])  # fmt: skip
     print_table(
         f"SkipPipe, {results['model']} in {NUM_STAGES} stages x {REPLICAS} replicas, {args.iterations} iterations of "
-        f"{args.microbatches} x {args.micro_batch_size} windows, k = {SKIP_RATIO}, reordered",
+        f"{args.microbatches} x {args.micro_batch_size} windows, k = {SKIP_RATIO}, reordered (swarm-full: k = 0)",
         ["arm", "s/iteration", "samples/s", "x best one process", "train loss (last 5)", "held-out loss", "rerouted",
          "skipped", "backward lost", "bytes/iter/stage node"],
         rows,
@@ -360,7 +363,9 @@ def main() -> int:
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--memory", type=int, default=2, help="microbatches a node holds at once, and in flight")
     parser.add_argument("--kill-at", type=int, default=10, help="swarm-kill: iterations before the kill")
-    parser.add_argument("--arms", nargs="+", choices=("swarm", "swarm-kill"), default=["swarm", "swarm-kill"],
+    parser.add_argument("--skip-ratio", type=float, default=SKIP_RATIO, help=argparse.SUPPRESS)  # a node's k
+    parser.add_argument("--arms", nargs="+", choices=("swarm", "swarm-kill", "swarm-full"),
+                        default=["swarm", "swarm-kill", "swarm-full"],
                         help="the swarm arms (the one-process arms always run)")  # fmt: skip
     parser.add_argument("--node", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
@@ -382,7 +387,8 @@ def main() -> int:
             arms[arm] = one_process(args, run, data, seconds, threads)
         for arm in args.arms:
             say(f"arm {arm}")
-            arms[arm] = swarm_arm(args, run, data, seconds, kill=arm == "swarm-kill")
+            skip_ratio = 0.0 if arm == "swarm-full" else SKIP_RATIO
+            arms[arm] = swarm_arm(args, run, data, seconds, kill=arm == "swarm-kill", skip_ratio=skip_ratio)
     parameters = sum(p.numel() for p in staged_model(run).model.parameters())
     results = {
         "environment": {**environment, "load_average_at_end": os.getloadavg()},
