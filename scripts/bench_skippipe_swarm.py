@@ -10,12 +10,17 @@ wire), each stage sums its gradient over its replicas and steps AdamW. Arms, one
     one-process   the same routes in one process: gradient accumulation over the iteration's microbatches, one
                   step; torch on one thread, and again on every core (`one-process-all-cores`): the best
                   alternative on this machine, against which the swarm's ratio is taken
-    swarm         the 8 node processes
+    swarm         the 8 node processes, SkipPipe's scheduler (`schedule_microbatches`)
     swarm-kill    the same, with one replica of stage 2 SIGKILLed (its whole session, p2pd included) after
                   iteration `--kill-at`: its microbatches are rerouted to the other replica, then left out of the
                   schedule
-    swarm-full    the 8 node processes as a standard pipeline: k = 0 (every microbatch visits every stage, in
-                  order), the baseline SkipPipe's skipping is measured against
+    swarm-random  the same k and reordering, stages and replicas drawn at random (`random_skipping`)
+    swarm-full    the 8 node processes as a standard pipeline (`full_pipeline`): k = 0, every microbatch through
+                  every stage in order, each stage's replicas in turn
+
+Node 7 (stage 3's second replica) is `--slowdown` times slower (default 4): after each of its forwards and
+backwards it sleeps (slowdown - 1) times the compute, busy for anything else, and the schedule knows its cost (as
+from its published measurement). A sleeping node takes no core here, as a slow remote node would take none.
 
 Reported per arm: seconds per iteration (median after the first two), training samples per second, the mean
 training loss of the last iterations, the held-out loss of the trained model along the full path (for a swarm,
@@ -38,8 +43,9 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
@@ -55,7 +61,14 @@ from crowdtrain.models import ByteTokenizer, build_model
 from crowdtrain.models.stages import StagedModel
 from crowdtrain.pipeline import HopLimits, StageService
 from crowdtrain.pipeline.iteration import IterationReport, SkipPipeNode
-from crowdtrain.planning.skippipe import NodeInfo, SkipPipeProblem, schedule_microbatches
+from crowdtrain.planning.skippipe import (
+    NodeInfo,
+    Schedule,
+    SkipPipeProblem,
+    full_pipeline,
+    random_skipping,
+    schedule_microbatches,
+)
 from crowdtrain.testing.bench import bench_parser, environment_json, print_table, say, write_json
 from crowdtrain.testing.processes import ProcessGroups, await_condition
 
@@ -67,6 +80,13 @@ EVAL_BATCHES = 8
 EVAL_BATCH_SIZE = 8
 KILLED_STAGE = 2
 """The stage one of whose replicas the swarm-kill arm kills (its second replica, never a source)."""
+SLOW_NODE = 7
+"""The node `--slowdown` times slower than the others: stage 3's second replica."""
+SCHEDULERS: dict[str, Callable[[SkipPipeProblem], Schedule]] = {
+    "skippipe": schedule_microbatches,
+    "random": random_skipping,
+    "full": full_pipeline,
+}
 STARTUP_TIMEOUT_S = 120.0
 
 
@@ -125,12 +145,39 @@ def stage_seconds(run: RunManifest, data: Data) -> list[float]:
     return seconds
 
 
-def topology(peer_ids: Sequence[str], seconds: Sequence[float], memory: int) -> list[NodeInfo]:
+def topology(peer_ids: Sequence[str], seconds: Sequence[float], memory: int, slowdown: float) -> list[NodeInfo]:
+    """The nodes in index order, stage = index // REPLICAS, at their stage's measured cost; SLOW_NODE `slowdown`
+    times slower (as it would publish its own measurement)."""
     return [
-        NodeInfo(peer_id=peer, stage=index // REPLICAS, seconds_per_microbatch=seconds[index // REPLICAS],
-                 memory_microbatches=memory)
+        NodeInfo(peer_id=peer, stage=index // REPLICAS, memory_microbatches=memory,
+                 seconds_per_microbatch=seconds[index // REPLICAS] * (slowdown if index == SLOW_NODE else 1.0))
         for index, peer in enumerate(peer_ids)
     ]  # fmt: skip
+
+
+class SlowStageService(StageService):
+    """A node `slowdown` times slower than this machine: each forward and backward is followed by a sleep of
+    (slowdown - 1) times its compute, during which the node runs nothing else (as a slower device would)."""
+
+    slowdown = 1.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._busy = threading.Lock()
+
+    def _forward(self, key: tuple[str, int, int], inputs: torch.Tensor) -> torch.Tensor:
+        with self._busy:
+            began = time.perf_counter()
+            outputs = super()._forward(key, inputs)
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - began))
+            return outputs
+
+    def _backward(self, held: Any, grad_outputs: torch.Tensor) -> torch.Tensor:
+        with self._busy:
+            began = time.perf_counter()
+            grad_inputs = super()._backward(held, grad_outputs)
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - began))
+            return grad_inputs
 
 
 # ----- one process -----
@@ -141,7 +188,7 @@ def one_process(
 ) -> dict[str, Any]:
     """The same routes (the schedule over 8 stand-in node names) in one process, torch on `threads` threads."""
     torch.set_num_threads(threads)
-    nodes = topology([f"node{index}" for index in range(NUM_STAGES * REPLICAS)], seconds, args.memory)
+    nodes = topology([f"node{index}" for index in range(NUM_STAGES * REPLICAS)], seconds, args.memory, args.slowdown)
     staged = staged_model(run)
     optimizers = [torch.optim.AdamW(staged.stage_parameters(stage), lr=LEARNING_RATE) for stage in range(NUM_STAGES)]
     iteration_s, losses = [], []
@@ -185,7 +232,9 @@ def node_main(args: argparse.Namespace) -> int:
         staged = staged_model(run)
         hidden = run.model.config["hidden_size"]
         limits = HopLimits(max_batch=args.micro_batch_size, max_sequence=run.data.sequence_length, hidden_size=hidden)
-        service = StageService(dht, staged, stage, limits, memory_microbatches=args.memory)
+        kind = SlowStageService if index == SLOW_NODE and args.slowdown > 1.0 else StageService
+        SlowStageService.slowdown = args.slowdown
+        service = kind(dht, staged, stage, limits, memory_microbatches=args.memory)
         service.start()
         me = {"peer_id": service.peer_id, "maddrs": [str(m) for m in dht.get_visible_maddrs()]}
         _write_atomically(folder / f"node{index}.json", me)
@@ -195,10 +244,11 @@ def node_main(args: argparse.Namespace) -> int:
                 peer = PeerID.from_base58(other["peer_id"])
                 maddrs = [Multiaddr(m).decapsulate(Multiaddr(f"/p2p/{other['peer_id']}")) for m in other["maddrs"]]
                 service.run(service.require_p2p()._client.connect(peer, maddrs), 30.0)
-        nodes = topology([node["peer_id"] for node in swarm["nodes"]], swarm["stage_seconds"], args.memory)
+        peer_ids = [node["peer_id"] for node in swarm["nodes"]]
+        nodes = topology(peer_ids, swarm["stage_seconds"], args.memory, args.slowdown)
         runner = SkipPipeNode(
             service=service, nodes=nodes, num_microbatches=args.microbatches, skip_ratio=args.skip_ratio,
-            reorder=args.skip_ratio > 0,
+            reorder=args.skip_ratio > 0, scheduler=SCHEDULERS[args.scheduler],
             optimizer=torch.optim.AdamW(staged.stage_parameters(stage), lr=LEARNING_RATE), batch=data.batch,
             in_flight=args.memory, hop_timeout_s=60.0, done_timeout_s=300.0, exchange_timeout_s=60.0,
         )  # fmt: skip
@@ -247,8 +297,13 @@ def _read(path: Path) -> Any:
 # ----- a swarm arm -----
 
 
-def swarm_arm(args: argparse.Namespace, run: RunManifest, data: Data, seconds: Sequence[float], kill: bool,
-              skip_ratio: float = SKIP_RATIO) -> dict[str, Any]:  # fmt: skip
+def swarm_arm(
+    args: argparse.Namespace, run: RunManifest, data: Data, seconds: Sequence[float], arm: str
+) -> dict[str, Any]:
+    """One swarm arm: `swarm`, `swarm-kill`, `swarm-random` or `swarm-full`."""
+    kill = arm == "swarm-kill"
+    skip_ratio = 0.0 if arm == "swarm-full" else SKIP_RATIO
+    scheduler = {"swarm-full": "full", "swarm-random": "random"}.get(arm, "skippipe")
     groups = ProcessGroups()
     num_nodes = NUM_STAGES * REPLICAS
     victim = KILLED_STAGE * REPLICAS + 1
@@ -260,7 +315,8 @@ def swarm_arm(args: argparse.Namespace, run: RunManifest, data: Data, seconds: S
                 command = [sys.executable, __file__, "--node", "--folder", directory, "--index", str(index),
                            "--model", args.model, "--iterations", str(args.iterations), "--microbatches",
                            str(args.microbatches), "--micro-batch-size", str(args.micro_batch_size),
-                           "--memory", str(args.memory), "--skip-ratio", str(skip_ratio)]  # fmt: skip
+                           "--memory", str(args.memory), "--skip-ratio", str(skip_ratio), "--scheduler", scheduler,
+                           "--slowdown", str(args.slowdown)]  # fmt: skip
                 log = (folder / f"node{index}.log").open("w")
                 processes.append(groups.start(command, stdout=log, stderr=log))
                 if index == 0:
@@ -364,8 +420,10 @@ def main() -> int:
     parser.add_argument("--memory", type=int, default=2, help="microbatches a node holds at once, and in flight")
     parser.add_argument("--kill-at", type=int, default=10, help="swarm-kill: iterations before the kill")
     parser.add_argument("--skip-ratio", type=float, default=SKIP_RATIO, help=argparse.SUPPRESS)  # a node's k
-    parser.add_argument("--arms", nargs="+", choices=("swarm", "swarm-kill", "swarm-full"),
-                        default=["swarm", "swarm-kill", "swarm-full"],
+    parser.add_argument("--slowdown", type=float, default=4.0, help=f"how much slower node {SLOW_NODE} is (4)")
+    parser.add_argument("--scheduler", choices=SCHEDULERS, default="skippipe", help=argparse.SUPPRESS)
+    parser.add_argument("--arms", nargs="+", choices=("swarm", "swarm-kill", "swarm-random", "swarm-full"),
+                        default=["swarm", "swarm-kill", "swarm-random", "swarm-full"],
                         help="the swarm arms (the one-process arms always run)")  # fmt: skip
     parser.add_argument("--node", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
@@ -387,8 +445,7 @@ def main() -> int:
             arms[arm] = one_process(args, run, data, seconds, threads)
         for arm in args.arms:
             say(f"arm {arm}")
-            skip_ratio = 0.0 if arm == "swarm-full" else SKIP_RATIO
-            arms[arm] = swarm_arm(args, run, data, seconds, kill=arm == "swarm-kill", skip_ratio=skip_ratio)
+            arms[arm] = swarm_arm(args, run, data, seconds, arm)
     parameters = sum(p.numel() for p in staged_model(run).model.parameters())
     results = {
         "environment": {**environment, "load_average_at_end": os.getloadavg()},

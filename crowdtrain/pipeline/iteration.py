@@ -39,7 +39,7 @@ import torch
 
 from crowdtrain.pipeline.driver import MicrobatchOutcome, PipelineDriver
 from crowdtrain.pipeline.stage_service import HopFailedError, StageService
-from crowdtrain.planning.skippipe import NodeInfo, SkipPipeProblem, schedule_microbatches
+from crowdtrain.planning.skippipe import NodeInfo, Schedule, SkipPipeProblem, schedule_microbatches
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,8 @@ class SkipPipeNode:
     hop_timeout_s: float = 30.0
     done_timeout_s: float = 120.0
     exchange_timeout_s: float = 30.0
+    scheduler: Callable[[SkipPipeProblem], Schedule] = schedule_microbatches
+    """SkipPipe's scheduler, or a baseline of `planning.skippipe` (`full_pipeline`, `random_skipping`)."""
     parameters: list[torch.nn.Parameter] = field(init=False)
     suspected: set[str] = field(default_factory=set)
     """Peers that failed a hop, a done message or a gradient exchange: left out of later schedules."""
@@ -149,7 +151,7 @@ class SkipPipeNode:
     def run_iteration(self, iteration: int) -> IterationReport:
         started = time.perf_counter()
         phases: dict[str, float] = {}
-        schedule = schedule_microbatches(
+        schedule = self.scheduler(
             SkipPipeProblem(
                 num_stages=self.service.staged.num_stages,
                 nodes=tuple(self.nodes),
