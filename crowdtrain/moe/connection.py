@@ -20,6 +20,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 
 from crowdtrain.dht.admission import AdmissionGated
+from crowdtrain.dht.service import drain
 from crowdtrain.moe.requests import (
     MAX_FRAME_BYTES,
     RefusedRequestError,
@@ -91,15 +92,19 @@ class BoundedConnectionHandler(AdmissionGated, ConnectionHandler):
         self, requests: typing.AsyncIterator[runtime_pb2.ExpertRequest], call: str, context: P2PContext
     ) -> tuple[str, list[Any]]:
         uid, streamed = "", None
-        async for request in requests:
-            if streamed is None:
-                uid = request.uid
-                self._backend(uid, call, context)
-                streamed = StreamedRequest(self.shapes[uid][0 if call == "forward" else 1])
-            elif request.uid != uid:
-                self._refuse(f"the stream names expert {request.uid[:80]!r} after {uid!r}", call, context)
-            with self._refusals(call, context):
-                streamed.add(request.tensors)
+        try:
+            async for request in requests:
+                if streamed is None:
+                    uid = request.uid
+                    self._backend(uid, call, context)
+                    streamed = StreamedRequest(self.shapes[uid][0 if call == "forward" else 1])
+                elif request.uid != uid:
+                    self._refuse(f"the stream names expert {request.uid[:80]!r} after {uid!r}", call, context)
+                with self._refusals(call, context):
+                    streamed.add(request.tensors)
+        except RefusedRequestError:
+            await drain(requests)  # so that the refusal reaches the caller
+            raise
         if streamed is None:
             self._refuse("the stream is empty", call, context)
         with self._refusals(call, context):

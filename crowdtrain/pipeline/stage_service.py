@@ -37,7 +37,7 @@ import torch
 from hivemind.p2p import P2PContext, PeerID
 
 from crowdtrain import proto
-from crowdtrain.dht.service import P2PService
+from crowdtrain.dht.service import P2PService, drain
 from crowdtrain.errors import CrowdtrainError
 from crowdtrain.models.stages import StagedModel
 
@@ -338,7 +338,11 @@ class StageService(P2PService):
             logger.warning(f"refused a stage {call} from peer {context.remote_id.to_base58()[-8:]}: {reason}")
             return HopRefusedError(f"stage {call} refused: {reason}")
 
-        header, tensor = await decode_frames(requests, self.limits.check_shape, refused, expected_stage=self.stage)
+        try:
+            header, tensor = await decode_frames(requests, self.limits.check_shape, refused, expected_stage=self.stage)
+        except HopRefusedError:
+            await drain(requests)  # so that the refusal reaches the caller
+            raise
         self.bytes_received += tensor.numel() * WIRE_DTYPES[header.dtype].itemsize
         return header, tensor
 
