@@ -133,3 +133,37 @@ def test_a_straggler_averaged_over_few_samples_is_noisier_but_kept_and_zero_weig
     assert not dropped and weights == [200.0, 200.0, 2.0]
     attacker = [(0, HONEST[1], 200.0), (1, HONEST[2], 200.0), (2, HONEST[0] * 1e6, 2.0)]
     assert list(checked_parts(attacker, shape)[2]) == [2]
+
+
+def _pseudo_gradient(start: torch.nn.Module, inner_steps: int, seed: int) -> torch.Tensor:
+    """θ₀ − θ of one honest DiLoCo peer: `inner_steps` AdamW steps from `start` on its own batches, flattened."""
+    generator = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    model.load_state_dict(start.state_dict())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(inner_steps):
+        inputs = torch.randn(4, 16, generator=generator)
+        loss = (model(inputs).squeeze(1) - inputs.sum(dim=1)).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        return torch.cat([(a - b).flatten() for a, b in zip(start.parameters(), model.parameters(), strict=True)])
+
+
+def test_honest_pseudo_gradients_of_unequal_inner_steps_are_kept_and_a_scaled_one_is_not() -> None:
+    # The CI failure of a DiLoCo swarm: a peer that took many more inner steps in a round than the median peer
+    # sent a pseudo-gradient over 10x the median norm, and the reducers dropped and quarantined it as a poisoner.
+    torch.manual_seed(0)
+    start = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    steps = [1, 2, 40]
+    honest = [(rank, _pseudo_gradient(start, count, seed=rank), 4.0 * count) for rank, count in enumerate(steps)]
+    shape = honest[0][1].shape
+    norms = [float(part.norm()) for _, part, _ in honest]
+    assert norms[2] > NORM_LIMIT * norms[1], f"the scenario needs a long pseudo-gradient: norms {norms}"
+    assert list(checked_parts(honest, shape)[2]) == [2], "read as means, the many-step peer looks poisoned"
+    usable, weights, dropped = checked_parts(honest, shape, sums=True)
+    assert not dropped and weights == [4.0, 8.0, 160.0]
+    # a poisoner claiming an honest weight, and one claiming many steps (more allowance), are still caught
+    poisoned = [*honest, (3, honest[1][1] * 1e3, 8.0), (4, honest[2][1] * 500, 160.0)]
+    assert sorted(checked_parts(poisoned, shape, sums=True)[2]) == [3, 4]

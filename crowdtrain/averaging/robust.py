@@ -5,8 +5,10 @@ wrong shape is broadcast over the whole chunk, a NaN or a part scaled by 1e6 goe
 step, and a claimed weight of 1e9 makes one peer the average. Here each reducer collects the parts of a
 chunk and, before aggregating:
 - drops a part that is not a floating tensor of the chunk's shape, or holds NaN or infinities;
-- with three or more senders, drops a part whose norm exceeds NORM_LIMIT times the median norm (more for a
-  part averaged over fewer samples than the median sender's, which is noisier);
+- with three or more senders, drops a part whose norm exceeds NORM_LIMIT times the median norm, allowing for
+  the samples behind it: a *mean* over fewer samples than the median sender's is noisier (gradients), a *sum*
+  over more samples is longer (DiLoCo and SPES pseudo-gradients, θ₀ − θ after as many inner steps as the peer
+  took, which differ several-fold between honest peers of one round);
 - leaves out parts of weight 0 (peers tagging along without gradients);
 - caps every claimed weight (samples accumulated) at the run's target batch: no peer's share of the average
   can exceed the global batch, whatever it claims;
@@ -85,13 +87,13 @@ def centered_clip(stacked: torch.Tensor) -> torch.Tensor:
 
 
 def checked_parts(
-    parts: Sequence[tuple[int, Any, float]], shape: torch.Size
+    parts: Sequence[tuple[int, Any, float]], shape: torch.Size, *, sums: bool = False
 ) -> tuple[list[torch.Tensor], list[float], dict[int, str]]:
     """Split (sender, part, weight) into the usable parts with their weights and the dropped senders' reasons.
 
     A part of weight 0 (a peer tagging along without gradients) is left out: it carries nothing. The norm test
-    allows for the samples behind a part: an honest mean over n samples is noisier by sqrt(n_median / n), so a
-    straggler with a few samples is not mistaken for an attacker (a heterogeneous swarm's usual case).
+    allows for the samples behind a part (`norm_allowance`), so neither a straggler with a few samples nor, with
+    `sums`, a fast peer whose pseudo-gradient spans many inner steps is mistaken for an attacker.
     """
     usable: list[tuple[int, torch.Tensor, float]] = []
     dropped: dict[int, str] = {}
@@ -110,12 +112,26 @@ def checked_parts(
     median_weight = statistics.median_low([weight for _, _, weight in usable])
     kept: list[tuple[int, torch.Tensor, float]] = []
     for (sender, part, weight), norm in zip(usable, norms, strict=True):
-        allowed = NORM_LIMIT * median_norm * math.sqrt(max(1.0, median_weight / weight))
+        allowed = NORM_LIMIT * median_norm * norm_allowance(weight, median_weight, sums=sums)
         if median_norm > 0 and norm > allowed:
             dropped[sender] = f"a part {norm / median_norm:.3g}x the median norm"
         else:
             kept.append((sender, part, weight))
     return [part for _, part, _ in kept], [weight for _, _, weight in kept], dropped
+
+
+def norm_allowance(weight: float, median_weight: float, *, sums: bool) -> float:
+    """How many times the median norm an honest part over `weight` samples may reach, per NORM_LIMIT.
+
+    A mean over n samples is noisier than the median sender's by at most sqrt(n_median / n). A sum over n samples
+    (a pseudo-gradient after n / micro-batch inner steps) is at most n / n_median times longer than the median's
+    when every step points the same way, and shorter otherwise; a sum over fewer samples is shorter still. The
+    weight is the sender's claim, capped at the run's maximum before it gets here: a liar claiming the cap gains
+    that much allowance, no more, and the mean then weighs its part as an honest peer of that weight.
+    """
+    if sums:
+        return max(1.0, weight / median_weight)
+    return math.sqrt(max(1.0, median_weight / weight))
 
 
 class _PartCollector:
@@ -128,11 +144,13 @@ class _PartCollector:
 
     def add_(self, tagged_part: tuple[int, Any], alpha: float = 1.0) -> _PartCollector:
         sender, part = tagged_part
-        self.parts.append((sender, part, alpha))
+        self.parts.append((sender, part, alpha))  # the claim, capped in div_ before the norm test uses it
         return self
 
     def div_(self, _denominator: float) -> torch.Tensor:
-        usable, weights, dropped = checked_parts(self.parts, self.shape)
+        claims = bounded_weights([weight for _, _, weight in self.parts], self.reducer.max_weight)
+        capped = [(sender, part, claim) for (sender, part, _), claim in zip(self.parts, claims, strict=True)]
+        usable, weights, dropped = checked_parts(capped, self.shape, sums=self.reducer.sums)
         self.reducer.note_dropped(dropped)
         if not usable:  # nothing usable (only zero-weight parts, or all bad): as hivemind, a zero chunk
             return torch.zeros(self.shape)
@@ -149,12 +167,13 @@ class RobustPartReducer(TensorPartReducer):
         *,
         rule: str,
         max_weight: float,
+        sums: bool = False,
         senders: Sequence[str] = (),
         on_dropped: Callable[[str, str], None] | None = None,
     ):
         if rule not in AGGREGATION_RULES:
             raise ValueError(f"unknown aggregation rule {rule!r}")
-        self.rule, self.max_weight, self.senders = rule, max_weight, list(senders)
+        self.rule, self.max_weight, self.sums, self.senders = rule, max_weight, sums, list(senders)
         self.on_dropped = on_dropped
         self.dropped_senders: dict[int, str] = {}
         super().__init__(part_shapes, num_senders)

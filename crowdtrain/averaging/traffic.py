@@ -125,6 +125,7 @@ class _CountingAllReduceRunner(AllReduceRunner):
             len(self.sender_peer_ids),
             rule=aggregation.rule,
             max_weight=aggregation.max_weight,
+            sums=aggregation.sums,
             senders=[str(peer_id) for peer_id in self.sender_peer_ids],
             on_dropped=on_dropped,
         )
@@ -290,10 +291,13 @@ async def held_until_all(messages: AsyncIterator[T], num_parts: int) -> AsyncIte
 
 @dataclass(frozen=True, slots=True)
 class AggregationSettings:
-    """How a reducer aggregates each chunk: the manifest's rule, and the most any sender's claimed weight counts."""
+    """How a reducer aggregates each chunk: the manifest's rule, the most any sender's claimed weight counts, and
+    whether parts are sums over the sender's samples (pseudo-gradients, whose norms grow with the inner steps
+    taken) rather than means (gradients); see robust.norm_allowance."""
 
     rule: str = "mean"
     max_weight: float = float("inf")
+    sums: bool = False
 
 
 class QuarantineMatchmaking(Matchmaking):

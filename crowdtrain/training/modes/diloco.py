@@ -151,6 +151,7 @@ class DiLoCoMode(TrainingMode):
                 aggregation=AggregationSettings(
                     rule=averaging.aggregation,
                     max_weight=float(manifest.target_batch_size * self.spec.inner_steps_range[1]),
+                    sums=True,  # θ₀ − θ grows with the inner steps a peer took in the round
                 ),
                 outer_state=self._outer_state,
                 template=self._template,
