@@ -176,7 +176,8 @@ def host_and_client(tmp_path: Path) -> Iterator[tuple[ExpertHost, P2P, Path]]:
 def serving_host(tmp_path: Path) -> Iterator[tuple[ExpertHost, P2P, Path]]:
     log_path = tmp_path / "host.log"
     handler = logging.FileHandler(log_path)  # the handler processes are forked: they inherit it
-    watched = [logging.getLogger("crowdtrain.moe.connection"), logging.getLogger("hivemind.p2p.p2p_daemon")]
+    watched = [logging.getLogger(name) for name in ("crowdtrain.moe.connection", "crowdtrain.dht.frames")]
+    watched.append(logging.getLogger("hivemind.p2p.p2p_daemon"))
     for logger in watched:
         logger.addHandler(handler)
     host_dht = hivemind.DHT(start=True, host_maddrs=LOOPBACK)

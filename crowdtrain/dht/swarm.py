@@ -14,6 +14,7 @@ from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import P2PDaemonError
 from hivemind.utils.auth import AuthorizerBase
 
+from crowdtrain.dht.frames import install_frame_cap
 from crowdtrain.errors import CrowdtrainError, SwarmUnreachableError
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,9 @@ def process_stats() -> list[tuple[int, list[bytes]]]:
 
 
 def join_swarm(options: SwarmOptions, validators: Sequence[RecordValidatorBase]) -> SupervisedDHT:
-    """Start a DHT node and wait until it is bootstrapped; raises with a sentence a user can act on."""
+    """Start a DHT node and wait until it is bootstrapped; raises with a sentence a user can act on. From then on
+    no peer's stream frame makes this process, or any it forks, read more than MAX_STREAM_FRAME_BYTES."""
+    install_frame_cap()
     dht = SupervisedDHT(
         initial_peers=list(options.initial_peers) or None,
         start=False,

@@ -5,7 +5,6 @@ A refused request is one log line here and its sentence at the caller; the handl
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import typing
@@ -14,12 +13,13 @@ from typing import Any, NoReturn
 
 from hivemind.moe.server.connection_handler import ConnectionHandler
 from hivemind.moe.server.module_backend import ModuleBackend
-from hivemind.p2p import P2P, P2PContext
+from hivemind.p2p import P2PContext
 from hivemind.p2p.p2p_daemon import DEFAULT_MAX_MSG_SIZE
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 
 from crowdtrain.dht.admission import AdmissionGated
+from crowdtrain.dht.frames import install_frame_cap
 from crowdtrain.dht.service import drain
 from crowdtrain.moe.requests import (
     MAX_FRAME_BYTES,
@@ -131,14 +131,8 @@ class BoundedConnectionHandler(AdmissionGated, ConnectionHandler):
 class _FrameTooLargeError(RefusedRequestError):
     """A frame of an expert stream over MAX_FRAME_BYTES."""
 
-
-async def _receive_bounded_frame(reader: asyncio.StreamReader) -> bytes:
-    header = await reader.readexactly(P2P.HEADER_LEN)
-    num_bytes = int.from_bytes(header, P2P.BYTEORDER)
-    if num_bytes > MAX_FRAME_BYTES:
-        logger.warning(f"refused an expert stream frame of {num_bytes} bytes, over the {MAX_FRAME_BYTES} cap")
-        raise _FrameTooLargeError(f"a frame of {num_bytes} bytes is over the {MAX_FRAME_BYTES} cap")
-    return await reader.readexactly(num_bytes)
+    def __init__(self, num_bytes: int):
+        super().__init__(f"a frame of {num_bytes} bytes is over the {MAX_FRAME_BYTES} cap")
 
 
 class _QuietRefusals(logging.Filter):
@@ -152,5 +146,5 @@ def _bound_frames_and_quiet_refusals() -> None:
     """Symptom worked around: hivemind's stream handlers read each frame whole, however long its header says it
     is (an 8-byte length), and log a traceback for any exception a handler raises. In the handler process, a
     frame is read only up to MAX_FRAME_BYTES, and a refusal is the one line `_refuse` logged."""
-    P2P.receive_raw_data = staticmethod(_receive_bounded_frame)  # type: ignore[method-assign]
+    install_frame_cap(MAX_FRAME_BYTES, _FrameTooLargeError, what="an expert stream frame")
     logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_QuietRefusals())
