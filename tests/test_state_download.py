@@ -290,7 +290,10 @@ class ScriptedDonors(VerifiedStateDownloadMixin):
 
     async def _ask_digest(self, peer: Any, seed: int, sizes: list[int]) -> Any:
         self.asked.append(peer)
-        return self.answers[peer]
+        answer = self.answers[peer]
+        if isinstance(answer, list):  # one answer per ask, the last one repeated
+            return answer.pop(0) if len(answer) > 1 else answer[0]
+        return answer
 
 
 def corroborate(answers: dict[str, Any], first: list[str], further: list[str]) -> tuple[Any, list[str]]:
@@ -298,8 +301,9 @@ def corroborate(answers: dict[str, Any], first: list[str], further: list[str]) -
     mine = sketch_state(model_state(0), seed=9)
 
     async def run() -> Any:
-        tasks = [asyncio.create_task(donors._ask_digest(peer, 9, SIZES)) for peer in first]
-        return await donors._corroborate(4, mine, tasks, further, 9, SIZES)
+        tasks = [(peer, asyncio.create_task(donors._ask_digest(peer, 9, SIZES))) for peer in first]
+        judgement, _ = await donors._corroborate(4, mine, tasks, further, 9, SIZES)
+        return judgement
 
     return asyncio.run(run()), donors.asked[len(first) :]
 
@@ -320,6 +324,21 @@ def test_only_answers_at_the_states_epoch_count_and_a_disagreement_asks_one_more
     assert judgement.verdict is Corroboration.CORROBORATED  # 2 of 3, nobody further to ask
     judgement, _ = corroborate({**answers, "agrees": halved}, ["agrees", "disagrees"], ["silent"])
     assert judgement.verdict is Corroboration.REFUTED
+
+
+def test_donors_a_step_behind_are_asked_again_as_they_catch_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Gradient mode: the joiner downloads epoch 4 while the others were still finishing their step to it.
+    monkeypatch.setattr("crowdtrain.averaging.state_download.CATCH_UP_S", 0.0)
+    honest, earlier = (4, sketch_state(model_state(0), seed=9)), (3, sketch_state(model_state(1), seed=9))
+    halved = (4, sketch_state([tensor * 0.5 for tensor in model_state(0)], seed=9))
+    later = (5, sketch_state(model_state(1), seed=9))
+    judgement, asked = corroborate({"behind": [earlier, earlier, honest], "ahead": later}, ["behind", "ahead"], [])
+    assert (judgement.verdict, judgement.num_sketches) == (Corroboration.CORROBORATED, 2)
+    assert asked == ["behind", "behind"], "only the peer behind is asked again, until it answers at the epoch"
+    judgement, _ = corroborate({"behind": [earlier, halved]}, ["behind"], [])
+    assert judgement.verdict is Corroboration.DISPUTED, "a caught-up answer counts as any other"
+    judgement, asked = corroborate({"behind": [earlier], "ahead": later}, ["behind", "ahead"], [])
+    assert (judgement.verdict, asked) == (Corroboration.UNCORROBORATED, ["behind", "behind"]), "two tries at most"
 
 
 @pytest.mark.parametrize("cls", [PlannedStateAverager, PseudoGradientAverager])

@@ -17,7 +17,9 @@ nor a DiLoCo peer resyncing after a round it stepped alone, as others may have t
 and, as the download starts (training moves on while a large state streams), asks up to NUM_CORROBORATORS other
 donors for a sketch of their state (`rpc_state_digest`, served beside hivemind's `rpc_download_state` by every
 averager that serves its state; averaging/state_digest.py), and compares each answer with the same sketch of the
-downloaded state. An answer at another epoch can't corroborate (training moved on) and is skipped. Every answer at
+downloaded state. An answer at another epoch can't corroborate (training moved on) and is skipped; when none came
+at the state's epoch, the donors that answered from an earlier one (their step to it still to come) are asked again
+as they catch up, CATCH_UP_TRIES times CATCH_UP_S apart. Every answer at
 the state's epoch agrees: the state is loaded. One disagrees: one further donor is asked, and the state is loaded
 only if a majority of the sketches at its epoch, its own included, agree with it; otherwise it is refused with a
 warning and the next donor is tried, and if a majority agree with each other against it, its donor is marked bad as
@@ -90,6 +92,10 @@ DIGEST_TIMEOUT_S = 5.0
 DIGEST_GRACE_S = 1.0
 """Digests were asked for as the download started; once it is done, the state waits this much longer for them
 (not DIGEST_TIMEOUT_S: every state download, a gradient-mode peer's catch-up included, would pay it)."""
+CATCH_UP_TRIES = 2
+CATCH_UP_S = 1.0
+"""No other donor answered at the downloaded state's epoch, and some answered from an earlier one (mid-step, or
+their step still to come): those are asked again, up to CATCH_UP_TRIES times this far apart."""
 DEADLINE_MARGIN_S = 5.0
 """A state download in the averager process ends this long before its caller's timeout."""
 """A donor's digest answer later than this is no answer. For an 85M-parameter model the donor fetches its state from
@@ -290,7 +296,8 @@ class VerifiedStateDownloadMixin:
         # Others are asked as the download starts, so that they describe the epoch the donor's state has: a large
         # state streams for minutes while training moves on. The seed is never sent to the donor.
         first = [
-            asyncio.create_task(self._ask_digest(peer, seed, sizes)) for peer in (others or [])[:NUM_CORROBORATORS]
+            (peer, asyncio.create_task(self._ask_digest(peer, seed, sizes)))
+            for peer in (others or [])[:NUM_CORROBORATORS]
         ]
         try:
             started = time.monotonic()
@@ -301,16 +308,18 @@ class VerifiedStateDownloadMixin:
             seconds = time.monotonic() - started
             further = (others or [])[NUM_CORROBORATORS:MAX_DIGEST_REQUESTS]
             mine = await asyncio.get_running_loop().run_in_executor(None, sketch_state, tensors, seed) if first else ()
-            judgement = await self._corroborate(epoch, mine, first, further, seed, sizes)
+            judgement, elsewhere = await self._corroborate(epoch, mine, first, further, seed, sizes)
         finally:
-            for task in first:
+            for _, task in first:
                 task.cancel()
         if not self._accept(donor, epoch, judgement, bad_donors):
             return None
         if judgement.verdict is Corroboration.CORROBORATED:
             corroboration = f"corroborated: {judgement.num_agreeing} of {judgement.num_sketches} sketches agree"
         elif others:
+            answered = f" (answers at epochs {', '.join(map(str, sorted(elsewhere)))})" if elsewhere else ""
             corroboration = f"not corroborated: none of the {len(first)} other donors asked answered at its epoch"
+            corroboration += answered
         elif others is not None:
             corroboration = "not corroborated: no other donor to ask"
         else:
@@ -357,25 +366,37 @@ class VerifiedStateDownloadMixin:
         self,
         epoch: int,
         mine: Sketch,
-        first: Sequence[asyncio.Task[DigestAnswer]],
+        first: Sequence[tuple[PeerID, asyncio.Task[DigestAnswer]]],
         further: list[PeerID],
         seed: int,
         sizes: list[int],
-    ) -> Judgement:
-        """What others say of a downloaded state of `epoch` whose sketch is `mine`: the answers of `first`, then
-        after a disagreement one more answer at `epoch` from `further`. Answers at another epoch don't count."""
+    ) -> tuple[Judgement, list[int]]:
+        """What others say of a downloaded state of `epoch` whose sketch is `mine`: the answers of `first`; those
+        that answered from an earlier epoch asked again as they catch up; after a disagreement one more answer at
+        `epoch` from `further`. Answers at another epoch don't count; their epochs come back for the log."""
         if first:  # asked as the download started: what has not come DIGEST_GRACE_S after it does not count
-            await asyncio.wait(first, timeout=DIGEST_GRACE_S)
-        finished = [task.result() for task in first if task.done() and not task.cancelled()]
-        answers = [answer for answer in finished if answer is not None and answer[0] == epoch]
-        sketches = [sketch for _, sketch in answers]
+            await asyncio.wait([task for _, task in first], timeout=DIGEST_GRACE_S)
+        finished = [(peer, task.result()) for peer, task in first if task.done() and not task.cancelled()]
+        answered = [(peer, answer) for peer, answer in finished if answer is not None]
+        sketches = [sketch for _, (answer_epoch, sketch) in answered if answer_epoch == epoch]
+        elsewhere = [answer_epoch for _, (answer_epoch, _) in answered if answer_epoch != epoch]
+        behind = [peer for peer, (answer_epoch, _) in answered if answer_epoch < epoch]
+        for _ in range(CATCH_UP_TRIES if not sketches else 0):
+            if not behind:
+                break
+            await asyncio.sleep(CATCH_UP_S)
+            again = await asyncio.gather(*(self._ask_digest(peer, seed, sizes) for peer in behind))
+            sketches = [answer[1] for answer in again if answer is not None and answer[0] == epoch]
+            if sketches:
+                break
+            behind = [peer for peer, answer in zip(behind, again, strict=True) if answer and answer[0] < epoch]
         disputed = any(not sketches_agree(mine, sketch) for sketch in sketches)
         for peer in further if disputed else []:
             answer = await self._ask_digest(peer, seed, sizes)
             if answer is not None and answer[0] == epoch:
                 sketches.append(answer[1])
                 break
-        return judge(mine, sketches)
+        return judge(mine, sketches), elsewhere
 
     async def _ask_digest(self, peer: PeerID, seed: int, sizes: list[int]) -> DigestAnswer:
         """`peer`'s (epoch, sketch of its state for `seed`) if it answers in time and well-formed; else None."""
