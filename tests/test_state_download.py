@@ -369,6 +369,29 @@ def test_every_averager_that_serves_its_state_serves_digests_to_admitted_callers
     assert gate.refused == ["rpc_state_digest"]
 
 
+def test_a_node_serves_no_digest_of_the_state_it_downloaded_until_it_steps() -> None:
+    # Two joiners of one donor would otherwise corroborate each other's copy of the donor's state.
+    donor: Any = object.__new__(PlannedStateAverager)
+    donor._parent_pid = -1  # hivemind's __del__ shuts down only what this process started
+    donor._allow_state_sharing = SimpleNamespace(value=True)
+    state = {"epoch": 4}
+
+    async def current_state() -> Any:
+        return donor.serializer.dumps(dict(state)), model_state(0), None
+
+    donor._get_current_state_from_host_process = current_state
+    context = SimpleNamespace(remote_id=PeerID(b"joiner"))
+
+    def digest() -> Any:
+        return asyncio.run(donor.rpc_state_digest(proto.StateDigestRequest(seed=7), context))
+
+    assert digest().served and read_digest(digest(), SIZES) is not None
+    donor.__dict__["_downloaded_epoch"] = 4  # as _load_verified_state records a loaded state's epoch
+    assert donor.echoes(4) and not digest().served
+    state["epoch"] = 5  # its first step of its own
+    assert digest().served and read_digest(digest(), SIZES)[0] == 5
+
+
 class ScaledStateAverager(DonorStateAverager):
     """A liar: its state well-formed and at the honest epoch, but every tensor halved."""
 

@@ -19,7 +19,8 @@ donors for a sketch of their state (`rpc_state_digest`, served beside hivemind's
 averager that serves its state; averaging/state_digest.py), and compares each answer with the same sketch of the
 downloaded state. An answer at another epoch can't corroborate (training moved on) and is skipped; when none came
 at the state's epoch, the donors that answered from an earlier one (their step to it still to come) are asked again
-as they catch up, CATCH_UP_TRIES times CATCH_UP_S apart. Every answer at
+as they catch up, CATCH_UP_TRIES times CATCH_UP_S apart. A donor whose state at that epoch is one it downloaded
+itself serves no digest of it (`echoes`): it would only repeat its own donor. Every answer at
 the state's epoch agrees: the state is loaded. One disagrees: one further donor is asked, and the state is loaded
 only if a majority of the sketches at its epoch, its own included, agree with it; otherwise it is refused with a
 warning and the next donor is tried, and if a majority agree with each other against it, its donor is marked bad as
@@ -265,7 +266,10 @@ class VerifiedStateDownloadMixin:
         # Runs in the averager process. hivemind's own _load_state_from_peers, with the checks of this module.
         try:
             searching = self._first_verified_state(template, above_priority, corroborate)
-            future.set_result(await asyncio.wait_for(searching, deadline_s))
+            loaded = await asyncio.wait_for(searching, deadline_s)
+            if loaded is not None:
+                self.__dict__["_downloaded_epoch"] = loaded[0]["epoch"]  # checked by check_state: an int
+            future.set_result(loaded)
         except TimeoutError:
             logger.warning(f"found no verified state within {deadline_s:g} s; this node goes on with its own")
         finally:
@@ -420,10 +424,16 @@ class VerifiedStateDownloadMixin:
         metadata, tensors, _ = await averager._get_current_state_from_host_process()
         metadata = self.serializer.loads(metadata)
         epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
-        if type(epoch) is not int or not 0 <= epoch < 2**64:
+        if type(epoch) is not int or not 0 <= epoch < 2**64 or self.echoes(epoch):
             return proto.StateDigest(served=False)
         sketch = await asyncio.get_running_loop().run_in_executor(None, sketch_state, tensors, request.seed)
         return to_digest(epoch, sketch)
+
+    def echoes(self, epoch: int) -> bool:
+        """Whether this node's state at `epoch` is one it downloaded at that epoch: a copy of its donor's, so no
+        independent opinion of a joiner's state of `epoch` (two joiners of one donor would corroborate each other).
+        From its next step on, its state is its own again."""
+        return self.__dict__.get("_downloaded_epoch") == epoch
 
     async def _ranked_donors(self, bad_donors: set[PeerID]) -> list[tuple[PeerID, float]]:
         """Peers that declared they serve their state, with their priority, highest first (ties broken at random);
