@@ -178,6 +178,40 @@ def test_a_joiner_takes_the_dense_state_and_every_expert_from_the_swarm() -> Non
             dht.shutdown()
 
 
+def test_a_rounds_experts_are_fetched_from_owners_that_publish_after_the_fetches_began() -> None:
+    # Owners publish a round when their own outer step is done; the fetcher's concurrent fetches wait for each.
+    dhts = loopback_dhts(3)
+    owners, fetcher = [ExpertExchange(dht) for dht in dhts[:2]], ExpertExchange(dhts[2])
+    for owner in owners:
+        owner.start()
+    fetcher.start(serve=False)
+    try:
+        held = torch.zeros(1000)
+        copies = {unit: encode_change(held, torch.full((1000,), float(unit)))[1] for unit in range(8)}
+        owned = {unit: owners[unit % 2] for unit in range(8)}
+        peers = {unit: owner.dht.peer_id.to_base58() for unit, owner in owned.items()}
+        taken: dict[int, torch.Tensor] = {}
+        with ThreadPoolExecutor(1) as pool:
+            fetching = pool.submit(fetcher.fetch_all, peers, 7, 20.0, lambda unit: held, taken.__setitem__)
+            await_condition(fetching.running, 10, "the fetches to start")
+            for owner in owners:
+                copy_of = {unit: copies[unit] for unit in range(8) if owned[unit] is owner}
+                change = {unit: encode_change(held, values)[0] for unit, values in copy_of.items()}
+                owner.publish(7, {
+                    unit: Published(values=values, base_digest=copy_digest(held), change=change[unit])
+                    for unit, values in copy_of.items()
+                })  # fmt: skip
+            failures = fetching.result(timeout=30)
+        assert failures == {} and sorted(taken) == list(range(8))
+        assert all(torch.equal(taken[unit], copies[unit]) for unit in range(8))
+    finally:
+        fetcher.close()
+        for owner in owners:
+            owner.close()
+        for dht in dhts:
+            dht.shutdown()
+
+
 def statuses_of(modes: Sequence[SPESMode]) -> list[proto.PeerStatus]:
     return [proto.PeerStatus(peer_id=mode.context.peer_id) for mode in modes]
 
@@ -215,6 +249,13 @@ def test_a_fetcher_refuses_non_finite_mis_sized_forged_and_unowned_copies() -> N
         ]:
             with pytest.raises(ExpertFetchError, match=reason):
                 fetcher.fetch(peer, unit, round_, held, 1.0)
+        # all at once, as a round's end fetches them: each copy is taken as it comes, each failure has its sentence
+        taken: dict[int, torch.Tensor] = {}
+        wanted = {unit: peer for unit in (0, 1, 4, 5)}
+        failures = fetcher.fetch_all(wanted, 3, 5.0, lambda unit: base, taken.__setitem__)
+        assert list(taken) == [0] and torch.equal(taken[0], copy)
+        assert sorted(failures) == [1, 4, 5] and "non-finite" in failures[1] and "did not own" in failures[5]
+        assert "not the copy its digest names" in failures[4]
     finally:
         fetcher.close()
         owner.close()

@@ -12,6 +12,8 @@ to any other (a joiner, or a node that missed a round). An owner keeps the last 
 A fetcher asks for an exact round and checks everything before use: the header's encoding, base round and size
 against the expert's shape in the model every node builds, the bytes received against it, every value finite.
 An owner that has not reached the round yet answers `found: false`; the fetcher asks again until its deadline.
+A round's experts are fetched MAX_CONCURRENT_FETCHES at a time (`fetch_all`), each copy written into the model as
+it arrives, so the round's exchange waits for the slowest owner, not for the sum of them.
 
 Each value travels once per fetcher, in one byte: a DiLoCo all-reduce sends each value of the model twice
 (reduce-scatter, then all-gather), in two bytes under its default fp16.
@@ -27,6 +29,7 @@ import threading
 import time
 import typing
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import hivemind
@@ -50,6 +53,11 @@ MAX_CONCURRENT_READS = 4
 """Expert requests this node answers at once; others wait their turn."""
 RETRY_S = 0.25
 """Between asks to an owner that has not published the round yet."""
+MAX_CONCURRENT_FETCHES = 4
+"""Experts a node fetches at once after a round (`fetch_all`): one after another, a round's exchange took the sum
+of every owner's latency and publishing delay; as many at once as an owner answers (MAX_CONCURRENT_READS)."""
+FETCH_ALL_SLACK_S = 5.0
+"""`fetch_all`'s fetches end at its deadline; the call itself gives up this much later (never reached)."""
 MAX_CUT_SHORT = 2
 """Asks again after a stream that ended before its announced bytes, at most this many times."""
 DIGEST_BYTES = 16
@@ -61,6 +69,17 @@ _SCALE_DTYPE = np.dtype("<f4")
 
 class ExpertFetchError(CrowdtrainError):
     """An expert could not be had from its owner (not there, wrong size, non-finite, no answer in time)."""
+
+
+def _explained(error: Exception, peer_id: str, unit: int, round_: int, timeout_s: float) -> ExpertFetchError:
+    """A failed fetch as an ExpertFetchError with a sentence."""
+    if isinstance(error, ExpertFetchError):
+        return error
+    if isinstance(error, TimeoutError):
+        return ExpertFetchError(
+            f"peer {peer_id[-8:]} did not send expert {unit} of round {round_} within {timeout_s:.0f} s"
+        )
+    return ExpertFetchError(f"peer {peer_id[-8:]} could not send expert {unit}: {error!r}")
 
 
 class _CutShort(ExpertFetchError):
@@ -178,14 +197,41 @@ class ExpertExchange(P2PService):
         try:
             fetching = self._fetch(PeerID.from_base58(peer_id), unit, round_, held, time.monotonic() + timeout_s)
             return self.run(fetching, timeout_s)
-        except ExpertFetchError:
-            raise
-        except TimeoutError as e:
-            raise ExpertFetchError(
-                f"peer {peer_id[-8:]} did not send expert {unit} of round {round_} within {timeout_s:.0f} s"
-            ) from e
         except Exception as e:
-            raise ExpertFetchError(f"peer {peer_id[-8:]} could not send expert {unit}: {e!r}") from e
+            raise _explained(e, peer_id, unit, round_, timeout_s) from e
+
+    def fetch_all(
+        self,
+        owners: Mapping[int, str],
+        round_: int,
+        timeout_s: float,
+        held: Callable[[int], torch.Tensor],
+        take: Callable[[int, torch.Tensor], None],
+    ) -> dict[int, str]:
+        """Every unit of `owners` (unit → its owner's peer ID), round `round_`, fetched MAX_CONCURRENT_FETCHES at a
+        time within `timeout_s` in all: `held(unit)` gives this node's copy as a fetch starts, `take(unit, values)`
+        gets each copy as it arrives (both in the exchange's thread, while the caller waits here, so at most
+        MAX_CONCURRENT_FETCHES copies are in memory at once). Returns why each unit that did not come failed."""
+        deadline = time.monotonic() + timeout_s
+        failures: dict[int, str] = {}
+
+        async def fetch_one(slots: asyncio.Semaphore, unit: int, peer_id: str) -> None:
+            async with slots:
+                try:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError
+                    fetching = self._fetch(PeerID.from_base58(peer_id), unit, round_, held(unit), deadline)
+                    take(unit, await asyncio.wait_for(fetching, left))
+                except Exception as e:
+                    failures[unit] = str(_explained(e, peer_id, unit, round_, timeout_s))
+
+        async def fetch_every_one() -> None:
+            slots = asyncio.Semaphore(MAX_CONCURRENT_FETCHES)
+            await asyncio.gather(*(fetch_one(slots, unit, peer_id) for unit, peer_id in owners.items()))
+
+        self.run(fetch_every_one(), timeout_s + FETCH_ALL_SLACK_S)
+        return failures
 
     async def _fetch(self, peer: PeerID, unit: int, round_: int, held: torch.Tensor, deadline: float) -> torch.Tensor:
         where = f"peer {peer.to_base58()[-8:]}"

@@ -36,7 +36,6 @@ import torch
 
 from crowdtrain.averaging.expert_exchange import (
     ExpertExchange,
-    ExpertFetchError,
     Published,
     copy_digest,
     encode_change,
@@ -201,16 +200,11 @@ class SPESMode(DiLoCoMode):
         me, round_ = self.context.peer_id, self.round
         self.exchange.publish(round_, {unit: self._publish(unit) for unit in self.bases})
         wanted = [unit for unit, owner in enumerate(owners) if owner != me and unit not in self.bases]
-        started, timeout = time.monotonic(), self.context.manifest.averaging.timeout_s
-        missing: list[str] = []
-        for unit in wanted:
-            left = max(timeout - (time.monotonic() - started), 1.0)
-            try:
-                values = self.exchange.fetch(owners[unit], unit, round_, self._flat(unit), left)
-            except ExpertFetchError as e:
-                missing.append(f"{unit} ({e})")
-                continue
-            self._write(unit, values)
+        timeout = self.context.manifest.averaging.timeout_s
+        failures = self.exchange.fetch_all(
+            {unit: owners[unit] for unit in wanted}, round_, timeout, self._flat, self._write
+        )
+        missing = [f"{unit} ({reason})" for unit, reason in sorted(failures.items())]
         self.fetch_failures += len(missing)
         if missing:
             logger.warning(f"round {round_}: kept this node's own copy of {len(missing)} of {len(wanted)} experts "
