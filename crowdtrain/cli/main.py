@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `crowdtrain` command line: `run`, `status` and `check` with their flags."""
     parser = argparse.ArgumentParser(prog="crowdtrain", description="Lend this machine to a shared training run.")
     parser.add_argument("--version", action="version", version=f"crowdtrain {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,status,check,invite}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,status,check,invite,eval}")
 
     run = commands.add_parser("run", help="start a node: found a run, or join one with --initial-peers")
     _add_swarm_flags(run)
@@ -61,6 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
     invite.add_argument("--run-id", default="", metavar="ID", help="the run, when this node founded several")
     invite.add_argument("--expires", default="7d", metavar="DURATION", help="how long the token admits (default: 7d)")
     invite.add_argument("--label", default="", metavar="TEXT", help="a note on whom it is for, kept in the token")
+
+    evaluate = commands.add_parser(
+        "eval", help="held-out loss and perplexity of a checkpoint, optionally without some pipeline stages"
+    )
+    evaluate.add_argument("--run-file", required=True, metavar="RUN.toml|PRESET", help="the run's manifest or preset")
+    evaluate.add_argument("--run-id", metavar="ID", help="the run's id, when the run file's was overridden")
+    evaluate.add_argument("--checkpoint", metavar="PATH", help="a checkpoint (default: the newest in the state dir)")
+    evaluate.add_argument("--state-dir", default="~/.crowdtrain", metavar="DIR", help="the node that trained it")
+    evaluate.add_argument("--stages", type=int, default=1, metavar="S", help="cut the layers into S stages")
+    evaluate.add_argument("--drop", type=int, nargs="+", default=[], metavar="STAGE", help="stages to leave out")
+    evaluate.add_argument("--sweep", action="store_true", help="score every subset of stages 1..S-1")
+    evaluate.add_argument("--batches", type=int, default=8, metavar="N", help="held-out batches (default: 8)")
+    evaluate.add_argument("--batch-size", type=int, default=8, metavar="B", help="windows per batch (default: 8)")
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
@@ -97,6 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _check(args)
         if command == "invite":
             return _invite(args)
+        if command == "eval":
+            return _eval(args)
         return _status(args)
     except CrowdtrainError as e:
         print(f"crowdtrain: {e}", file=sys.stderr)
@@ -214,6 +230,26 @@ def _invite(args: dict[str, Any]) -> int:
     print(f"  {token}")
     print("The volunteer joins with:")
     print(f"  CROWDTRAIN_JOIN_TOKEN={token} crowdtrain run --initial-peers <address>")
+    return 0
+
+
+def _eval(args: dict[str, Any]) -> int:
+    from crowdtrain.cli.evaluate import evaluate, print_evaluation
+    from crowdtrain.node.logs import setup_logging
+
+    setup_logging("text", 0, quiet=True)
+    evaluation = evaluate(
+        args["run_file"],
+        run_id=args["run_id"],
+        checkpoint=args["checkpoint"],
+        state_dir=args["state_dir"],
+        num_stages=args["stages"],
+        drop=args["drop"],
+        sweep=args["sweep"],
+        batches=args["batches"],
+        batch_size=args["batch_size"],
+    )
+    print_evaluation(evaluation, args["json"])
     return 0
 
 

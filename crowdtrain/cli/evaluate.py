@@ -1,0 +1,190 @@
+"""`crowdtrain eval`: held-out loss and perplexity of a checkpoint, through the whole model or a subset of its stages.
+
+A researcher's look at what a run trained, and SkipPipe's question (issue 17): how much worse is the model when some
+of its pipeline stages are missing? The model is built from the run file the run was founded with (a preset or a
+TOML file: a checkpoint holds weights, not the manifest), its weights come from a checkpoint (`--checkpoint`, or the
+newest one the node at `--state-dir` wrote for the run, verified against its checksum and the model's shapes), and
+it is scored on the run's held-out windows: the last 1% of the token stream, which training never samples, the same
+windows on every machine (data/sampler.py).
+
+With `--stages S` the decoder's layers are cut into S stages as SkipPipe cuts them (models/stages.py: stage 0 holds
+the embeddings, the first layers and the head), and `--drop` leaves stages out of the forward; `--sweep` scores
+every subset of the stages 1..S-1, grouped by how many are left out. Without stages the model's own training loss
+is scored (masked LMs with a fixed masking draw). A DMoE run's experts live on their hosts, not in a checkpoint:
+such runs are refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from crowdtrain.data import WindowSampler, load_token_stream
+from crowdtrain.errors import BadInputError
+from crowdtrain.manifest import RunManifest, load_run_file
+from crowdtrain.models import build_model, load_tokenizer, model_kind, training_loss
+from crowdtrain.models.stages import StagedModel, check_path
+from crowdtrain.training.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+
+MAX_WINDOWS = 4096
+"""Held-out windows scored at most (`--batches` × `--batch-size`)."""
+MAX_SWEEP_STAGES = 9
+"""`--sweep` scores 2^(S-1) paths: 256 at most."""
+
+
+@dataclass(frozen=True, slots=True)
+class PathScore:
+    """The held-out loss along one path of stages."""
+
+    path: tuple[int, ...]
+    """Stages run, in order; the whole model when there are no stages."""
+    dropped: tuple[int, ...]
+    loss: float
+    perplexity: float
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """What `crowdtrain eval` found: the checkpoint scored and its score along each path."""
+
+    run_id: str
+    checkpoint: str
+    epoch: int
+    num_stages: int
+    windows: int
+    tokens_per_window: int
+    scores: tuple[PathScore, ...]
+
+
+def evaluate(
+    run_file: str,
+    *,
+    run_id: str | None,
+    checkpoint: str | None,
+    state_dir: str,
+    num_stages: int,
+    drop: Sequence[int],
+    sweep: bool,
+    batches: int,
+    batch_size: int,
+) -> Evaluation:
+    """Score the checkpoint's model on the run's held-out windows; raises BadInputError with a sentence."""
+    if batches < 1 or batch_size < 1 or batches * batch_size > MAX_WINDOWS:
+        raise BadInputError(f"--batches × --batch-size must be between 1 and {MAX_WINDOWS} windows.")
+    if num_stages < 1:
+        raise BadInputError(f"--stages must be at least 1, got {num_stages}.")
+    if (drop or sweep) and num_stages < 2:
+        raise BadInputError("--drop and --sweep need --stages of 2 or more (stage 0 can't be left out).")
+    if sweep and num_stages > MAX_SWEEP_STAGES:
+        raise BadInputError(f"--sweep scores every subset of the stages: at most --stages {MAX_SWEEP_STAGES}.")
+    manifest = load_run_file(run_file, run_id=run_id)
+    if manifest.moe is not None:
+        raise BadInputError(
+            f"Run '{manifest.run_id}' is a DMoE run: its experts live on their hosts, not in a checkpoint; "
+            "eval scores dense models."
+        )
+    tokenizer = load_tokenizer(manifest.model)
+    model = build_model(manifest.model, tokenizer.vocab_size)
+    path = _checkpoint_path(checkpoint, state_dir, manifest)
+    try:
+        loaded = load_checkpoint(path, model)
+    except CheckpointError as e:
+        raise BadInputError(f"Cannot evaluate {path}: {e}.") from None
+    model.load_state_dict(loaded.model_state)
+    model.eval()
+    tokens = load_token_stream(manifest.data, tokenizer, Path(state_dir).expanduser() / "data-cache")
+    sampler = WindowSampler(tokens, manifest.data.sequence_length, peer_seed=0)
+    windows = sampler.eval_batches(batch_size, batches)
+    with torch.no_grad():
+        if num_stages == 1:
+            scores = [_score((0,), _model_losses(model, manifest, windows), num_stages)]
+        else:
+            scores = _staged_scores(model, num_stages, drop, sweep, windows)
+    return Evaluation(
+        run_id=manifest.run_id,
+        checkpoint=str(path),
+        epoch=loaded.epoch,
+        num_stages=num_stages,
+        windows=sum(len(window) for window in windows),
+        tokens_per_window=manifest.data.sequence_length,
+        scores=tuple(scores),
+    )
+
+
+def _checkpoint_path(checkpoint: str | None, state_dir: str, manifest: RunManifest) -> Path:
+    if checkpoint is not None:
+        path = Path(checkpoint).expanduser()
+        if not path.is_file():
+            raise BadInputError(f"--checkpoint {checkpoint} is not a file.")
+        return path
+    directory = Path(state_dir).expanduser() / "checkpoints" / manifest.run_id
+    found = list_checkpoints(directory) if directory.is_dir() else []
+    if not found:
+        raise BadInputError(
+            f"No checkpoint of run '{manifest.run_id}' in {directory}; pass --checkpoint, or the --state-dir "
+            "and --run-id of the node that trained it."
+        )
+    return found[-1]
+
+
+def _model_losses(model: torch.nn.Module, manifest: RunManifest, windows: list[torch.Tensor]) -> list[float]:
+    kind = model_kind(manifest.model)
+    generator = torch.Generator().manual_seed(0)  # masked LMs: the same masking on every run of eval
+    return [float(training_loss(model, window, kind, generator=generator)) for window in windows]
+
+
+def _staged_scores(
+    model: torch.nn.Module, num_stages: int, drop: Sequence[int], sweep: bool, windows: list[torch.Tensor]
+) -> list[PathScore]:
+    try:
+        staged = StagedModel(model, num_stages)
+    except ValueError as e:
+        raise BadInputError(f"Cannot cut the model into {num_stages} stages: {e}.") from None
+    middle = range(1, num_stages)
+    check_drop(drop, num_stages)
+    if sweep:  # the whole path first, then every subset, by how many stages are left out
+        kept_sets = [kept for count in range(num_stages - 1, -1, -1) for kept in itertools.combinations(middle, count)]
+    else:  # the whole path, for comparison, then the one without `drop`
+        kept_sets = [tuple(middle)] + ([tuple(stage for stage in middle if stage not in drop)] if drop else [])
+    scores = []
+    for kept in kept_sets:
+        path = check_path((0, *kept), num_stages)  # valid by construction; checked all the same
+        scores.append(_score(path, [float(staged.loss(window, path)) for window in windows], num_stages))
+    return scores
+
+
+def _score(path: tuple[int, ...], losses: list[float], num_stages: int) -> PathScore:
+    loss = statistics.fmean(losses)
+    dropped = tuple(stage for stage in range(num_stages) if stage not in path)
+    return PathScore(path=path, dropped=dropped, loss=loss, perplexity=math.exp(min(loss, 700.0)))
+
+
+def check_drop(drop: Sequence[int], num_stages: int) -> None:
+    """`--drop` names stages 1..S-1 only."""
+    bad = [stage for stage in drop if not 1 <= stage < num_stages]
+    if bad:
+        raise BadInputError(f"--drop {bad[0]}: only stages 1 to {num_stages - 1} can be left out (stage 0 holds the "
+                            "embeddings and the head).")  # fmt: skip
+
+
+def print_evaluation(evaluation: Evaluation, as_json: bool) -> None:
+    """One JSON object, or a line per path with its change in perplexity from the whole model's."""
+    if as_json:
+        print(json.dumps(asdict(evaluation)))
+        return
+    print(f"run '{evaluation.run_id}', epoch {evaluation.epoch} ({evaluation.checkpoint})")
+    print(f"held-out: {evaluation.windows} windows of {evaluation.tokens_per_window} tokens")
+    whole = evaluation.scores[0]
+    for score in evaluation.scores:
+        what = "whole model" if evaluation.num_stages == 1 else f"stages {' '.join(map(str, score.path))}"
+        if score.dropped:
+            what += f" (without {' '.join(map(str, score.dropped))})"
+        change = "" if score is whole else f"  {math.exp(score.loss - whole.loss) - 1:+.1%} perplexity"
+        print(f"  {what:<36} loss {score.loss:.4f}  perplexity {score.perplexity:.3f}{change}")
