@@ -72,6 +72,15 @@ logger = logging.getLogger(__name__)
 SYNC_RETRY_S = 10.0
 """After a state download, the next one waits this long: a swarm whose progress records claim a later round
 than any donor serves (a peer lying about its progress) must not make every micro-batch a download."""
+CATCH_UP_RETRY_S = 1.0
+"""After a download that came back one or two rounds behind the swarm (its donor's last round still in flight, with
+overlap), the next download waits only this long; until a donor serves the swarm's round (at most the averaging
+timeout) the node starts no outer round of its own. Before, it ended a round at once (the swarm's progress was
+ahead) and averaged round r while the others averaged r + 1: every group mixed rounds and was not applied, and the
+swarm trained alone for a minute (CI logs of test_diloco)."""
+MAX_CATCH_UP_TRIES = 4
+"""Quick downloads per wait at most: each is a whole state, and a dead peer's last progress record can claim a round
+nobody serves."""
 
 
 @dataclass(slots=True)
@@ -108,6 +117,9 @@ class DiLoCoMode(TrainingMode):
         """What each member of the last averaged round gathered (`_gather`), by peer (base58); unchecked."""
         self._in_flight: _RoundInFlight | None = None
         self._sync_not_before = 0.0
+        self._catching_up_until = 0.0  # while later: the last state taken was one round behind the swarm's
+        self._catch_up_round: int | None = None  # the round of the first such state
+        self._catch_up_tries = 0
         self._lock = threading.Lock()  # the outer state, between the training thread and a joiner's request
         with torch.no_grad():
             self.global_parameters = [parameter.detach().clone().float() for parameter in self.parameters]
@@ -217,7 +229,7 @@ class DiLoCoMode(TrainingMode):
         self.samples += self.context.micro_batch_size
         self.inner_steps += 1
         self.tracker.report_local_progress(self.training_round, self.samples)
-        if self.tracker.ready_to_update_epoch:
+        if self.tracker.ready_to_update_epoch and not self._catching_up():
             self._outer_round()
         return loss
 
@@ -500,6 +512,10 @@ class DiLoCoMode(TrainingMode):
 
     # joining
 
+    def _catching_up(self) -> bool:
+        """Whether this node waits to take the swarm's round (see CATCH_UP_RETRY_S) instead of ending one alone."""
+        return time.monotonic() < self._catching_up_until and self.tracker.global_epoch > self.training_round
+
     def _behind_the_swarm(self) -> bool:
         if time.monotonic() < self._sync_not_before:
             return False
@@ -517,7 +533,7 @@ class DiLoCoMode(TrainingMode):
         """Take the swarm's global parameters, outer momentum and round; inner optimizer state stays this peer's.
         Only a state at least as new as this peer's round, from a donor ranked above it, is taken. False when
         no donor had one."""
-        self._sync_not_before = time.monotonic() + SYNC_RETRY_S
+        self._sync_not_before = time.monotonic() + (CATCH_UP_RETRY_S if self._catching_up() else SYNC_RETRY_S)
         if self._in_flight is not None:  # applied first, so that a failed download leaves a consistent state
             self._finish_round_in_flight(wait=True)
         with self.context.phases.measure(Phase.STATE_DOWNLOAD):
@@ -549,7 +565,29 @@ class DiLoCoMode(TrainingMode):
         self.averager.state_sharing_priority = self._priority()
         self.diverged = False
         logger.info(f"took the swarm's state of outer round {self.round}")
+        self._note_catch_up()
         return True
+
+    def _note_catch_up(self) -> None:
+        """After a download: wait for the donors' next round when the swarm's all-reduce of this one already runs
+        without this node (see CATCH_UP_RETRY_S); once a download shows they moved on, end the round at once, so
+        that this node joins the matchmaking of their newest round, which has just begun."""
+        now = time.monotonic()
+        # one round behind (the donor's round in flight), or two (the donor served before it applied one)
+        behind = self.round < self.tracker.global_epoch <= self.round + 2
+        waiting = now < self._catching_up_until and self._catch_up_round is not None
+        if behind and not waiting:  # the first such download: wait, at most the averaging timeout
+            self._catch_up_round, self._catch_up_tries = self.round, 0
+            self._catching_up_until = now + self.context.manifest.averaging.timeout_s
+            self._sync_not_before = now + CATCH_UP_RETRY_S
+        elif behind and self._catch_up_round is not None and self.round <= self._catch_up_round:
+            self._catch_up_tries += 1  # the donors have not moved on yet (or a dead peer's record claims more)
+            if self._catch_up_tries < MAX_CATCH_UP_TRIES:
+                self._sync_not_before = now + CATCH_UP_RETRY_S
+            else:  # a whole state per try: give up waiting, as before
+                self._catch_up_round, self._catching_up_until = None, 0.0
+        else:  # caught up, or the donors just moved on: their newest round's matchmaking is open
+            self._catch_up_round, self._catching_up_until = None, 0.0
 
     def _outer_state(self) -> OuterState:
         with self._lock:
