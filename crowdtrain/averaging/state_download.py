@@ -28,9 +28,10 @@ well. No other donor, or none answering at the state's epoch by DIGEST_GRACE_S a
 loaded with an INFO line saying it was not corroborated, since a swarm of two has nobody to compare with and refusing
 would leave its joiners with no state. The whole search ends DEADLINE_MARGIN_S before its caller's timeout.
 
-Measured so far: in a fresh-clone run of the daemon swarm tests (gradient mode, 3-4 peers) 6 of 17 downloads with
-other donors were corroborated; the rest found no digest at the state's epoch in time (donors mid-step, or catching
-up themselves) and loaded uncorroborated, so a liar's well-formed state can still be loaded then.
+Measured so far: in fresh-clone runs of the daemon swarm tests (gradient mode, 3-4 peers) 6 of 17 downloads with
+other donors were corroborated, then 1 of 4; with the catch-up asks and no echoed digests, 2 of 5 and 3 of 7. The
+rest found no digest at the state's epoch in time (donors ahead, or catching up themselves) and loaded
+uncorroborated, so a liar's well-formed state can still be loaded then.
 
 What this does not stop: a state changed in a few values only (the sketch samples 16 per tensor); sybils that serve
 the liar's state outvote the honest donors. And honest donors can disagree at one epoch: briefly in gradient mode (a

@@ -23,8 +23,10 @@ this peer's own Δ, as without overlap. It costs one model-sized copy (Δ, kept 
 
 A joiner, or a peer whose round failed while the swarm has others, downloads θ₀, the outer momentum and the
 round from a peer (verified, averaging/state_download.py) before its next micro-batch (a round still in
-flight is applied first). `crowdtrain status` shows the inner step of H, the bytes of the last round and the
-compute utilisation.
+flight is applied first). With overlap the donor's newest round is usually still being averaged; a state one or
+two rounds behind the swarm's is followed by another download a second later, and the node joins the rounds
+once the donors have moved on (CATCH_UP_RETRY_S). `crowdtrain status` shows the inner step of H, the bytes of the
+last round and the compute utilisation.
 
 With `min_inner_steps` and `max_inner_steps` set, H adapts (averaging/adaptive_h.py): each peer proposes the H
 that keeps its last all-reduce within 5% of a round's compute, the proposals travel in the round's gathered
