@@ -116,9 +116,8 @@ def write_run_file(manifest: RunManifest, path: Path) -> None:
     """Every field of `manifest` as a run file (a run file overrides the demo preset: nothing is left implied)."""
     tables = dataclasses.asdict(manifest)
     tables.pop("created_at")  # stamped by the founder
-    for optional_section in ("moe", "diloco"):  # None in this dense gradients-mode run: no table written
-        if tables.get(optional_section) is None:
-            tables.pop(optional_section, None)
+    for optional_section in [name for name, value in tables.items() if value is None]:
+        tables.pop(optional_section)  # moe, diloco, spes, ...: None in this dense gradients-mode run, no table
     lines = [f"{key} = {_toml_value(value)}" for key, value in tables.items() if not isinstance(value, dict)]
     for name, table in tables.items():
         if isinstance(table, dict):

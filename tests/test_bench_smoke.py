@@ -48,3 +48,25 @@ def test_averaging_smoke_reports_finite_positive_numbers(tmp_path: Path) -> None
     assert_finite_positive(uniform, ("bound_s", "averaging_time_over_bound", "averaging_speedup_vs_gloo"))
     for variant in ("crowdtrain", "gloo"):
         assert uniform["variants"][variant]["num_good_rounds"] == 1, uniform["variants"][variant]
+
+
+@pytest.mark.parametrize("preset", ["llama-20m", "llama-85m", "demo"])
+def test_the_real_model_benchmark_writes_a_run_file_that_reads_back(
+    preset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every optional manifest section added since (spes, ...) once made bench_realmodel stop before its first arm.
+    import importlib.util
+
+    from crowdtrain.manifest import PRESETS
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "scripts"))  # its sibling scripts, as when run
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_realmodel", Path(__file__).parent.parent / "scripts" / "bench_realmodel.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_realmodel", bench)  # its dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    bench.write_run_file(PRESETS[preset](), tmp_path / "run.toml")  # raises unless it reads back as the manifest
+    assert "[model]" in (tmp_path / "run.toml").read_text()
