@@ -31,7 +31,7 @@ from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import RunManifest, load_run_file
 from crowdtrain.models import build_model, load_tokenizer, model_kind, training_loss
 from crowdtrain.models.stages import StagedModel, check_path
-from crowdtrain.training.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from crowdtrain.training.checkpoint import Checkpoint, CheckpointError, load_checkpoint, load_latest_checkpoint
 
 MAX_WINDOWS = 4096
 """Held-out windows scored at most (`--batches` × `--batch-size`)."""
@@ -92,11 +92,7 @@ def evaluate(
         )
     tokenizer = load_tokenizer(manifest.model)
     model = build_model(manifest.model, tokenizer.vocab_size)
-    path = _checkpoint_path(checkpoint, state_dir, manifest)
-    try:
-        loaded = load_checkpoint(path, model)
-    except CheckpointError as e:
-        raise BadInputError(f"Cannot evaluate {path}: {e}.") from None
+    loaded = _checkpoint(checkpoint, state_dir, manifest, model)
     model.load_state_dict(loaded.model_state)
     model.eval()
     tokens = load_token_stream(manifest.data, tokenizer, Path(state_dir).expanduser() / "data-cache")
@@ -109,7 +105,7 @@ def evaluate(
             scores = _staged_scores(model, num_stages, drop, sweep, windows)
     return Evaluation(
         run_id=manifest.run_id,
-        checkpoint=str(path),
+        checkpoint=str(loaded.path),
         epoch=loaded.epoch,
         num_stages=num_stages,
         windows=sum(len(window) for window in windows),
@@ -118,20 +114,24 @@ def evaluate(
     )
 
 
-def _checkpoint_path(checkpoint: str | None, state_dir: str, manifest: RunManifest) -> Path:
+def _checkpoint(checkpoint: str | None, state_dir: str, manifest: RunManifest, model: torch.nn.Module) -> Checkpoint:
+    """`--checkpoint`, or the newest usable one the node at `state_dir` wrote for the run (as the daemon resumes)."""
     if checkpoint is not None:
         path = Path(checkpoint).expanduser()
         if not path.is_file():
             raise BadInputError(f"--checkpoint {checkpoint} is not a file.")
-        return path
+        try:
+            return load_checkpoint(path, model)
+        except CheckpointError as e:
+            raise BadInputError(f"Cannot evaluate {path}: {e}.") from None
     directory = Path(state_dir).expanduser() / "checkpoints" / manifest.run_id
-    found = list_checkpoints(directory) if directory.is_dir() else []
-    if not found:
+    loaded = load_latest_checkpoint(directory, model) if directory.is_dir() else None
+    if loaded is None:
         raise BadInputError(
             f"No checkpoint of run '{manifest.run_id}' in {directory}; pass --checkpoint, or the --state-dir "
             "and --run-id of the node that trained it."
         )
-    return found[-1]
+    return loaded
 
 
 def _model_losses(model: torch.nn.Module, manifest: RunManifest, windows: list[torch.Tensor]) -> list[float]:
