@@ -1,4 +1,4 @@
-"""Forked processes never garbage-collect what their parent owns.
+"""Forked processes never free what their parent owns in shared memory.
 
 hivemind starts its DHT, averagers and expert handlers as forked processes, and shares tensors (averaged tensors,
 MPFuture states) through torch's `file_system` strategy, which hivemind sets at import: each shared storage keeps a
@@ -15,16 +15,29 @@ freezes its objects first, and the child keeps them frozen, out of its collector
 after the fork, and its own collector frees that garbage later, as it would have without the fork. (An earlier
 version collected before freezing: a full collection of a large test process before each of its many forks cost
 minutes of a test run, and freezing alone already keeps the child off the garbage.) This is the pattern the
-`gc.freeze` documentation gives for forking servers. The child can still free inherited objects by reference
-count if it drops them, as any forked process can.
+`gc.freeze` documentation gives for forking servers.
+
+The child can still free an inherited storage by reference count when it drops the last reference, and one such
+drop happens in every hivemind child: hivemind.utils.mpfuture.SharedBytes hands out the bytes of MPFuture states
+from a shared buffer per process, and a child's first MPFuture replaces the inherited buffer. The child then
+unlinks the buffer's file while the parent keeps handing out its bytes; once the parent has shared one more of
+them (pickling increments the count, and the receiver cannot open the file to balance it), its own last drop
+counts down to zero again, fails to unlink the file and aborts the parent: `could not unlink the shared memory
+file`, a daemon (or the test process) gone with "Fatal Python error: Aborted" and no Python frame to blame
+(tests/test_forking.py reproduces it). So the child also keeps the inherited buffer referenced for its lifetime:
+it costs nothing (the pages are mapped anyway) and leaves the file to the parent.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import sys
+from typing import Any
 
 _installed = False
+_kept_from_parent: list[Any] = []
+"""In a forked child: shared storages of the parent that the child must never free."""
 
 
 def _before_fork() -> None:
@@ -35,9 +48,17 @@ def _after_fork_in_parent() -> None:
     gc.unfreeze()
 
 
+def _after_fork_in_child() -> None:
+    mpfuture = sys.modules.get("hivemind.utils.mpfuture")  # never imported here: only if the parent had it
+    if mpfuture is not None and mpfuture.SharedBytes._buffer is not None:
+        _kept_from_parent.append(mpfuture.SharedBytes._buffer)
+
+
 def install() -> None:
     """Register the fork hooks once per interpreter (a forked child inherits them)."""
     global _installed
     if not _installed:
-        os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent)
+        os.register_at_fork(
+            before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+        )
         _installed = True

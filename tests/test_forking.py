@@ -1,10 +1,13 @@
-"""A forked child does not garbage-collect the objects it inherited (crowdtrain/forking.py)."""
+"""Forked children leave what they inherit to their parent: garbage and MPFuture buffers (crowdtrain/forking.py)."""
 
 from __future__ import annotations
 
 import gc
 import multiprocessing as mp
 import os
+import signal
+import subprocess
+import sys
 
 import crowdtrain  # noqa: F401  (installs the fork hooks)
 
@@ -43,3 +46,42 @@ def test_garbage_at_a_fork_is_left_to_the_parent_and_never_collected_by_the_chil
     finally:
         gc.enable()
     assert gc.get_freeze_count() == 0, "the parent's objects are unfrozen after the fork"
+
+
+SHARED_BYTES_SCENARIO = """
+import gc, multiprocessing as mp, sys
+if sys.argv[1] == "hooks":
+    import crowdtrain  # noqa: F401
+from multiprocessing.reduction import ForkingPickler
+from hivemind.utils.mpfuture import MPFuture, SharedBytes
+
+done = MPFuture()  # the parent's shared buffer of MPFuture states, referenced by SharedBytes alone
+done.set_result(None)
+del done
+child = mp.get_context("fork").Process(target=MPFuture)  # a child's first MPFuture replaces the inherited buffer
+child.start()
+child.join(30)
+later = MPFuture()  # the next byte of the parent's buffer, shared with a process that never reads it
+ForkingPickler.dumps(later._shared_state_code)
+later.set_result(None)
+del later
+SharedBytes._buffer = None  # the parent's last reference to the buffer
+gc.collect()
+print("the parent outlived its shared buffer")
+"""
+
+
+def _shared_bytes_scenario(mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", SHARED_BYTES_SCENARIO, mode], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_a_child_never_frees_the_parents_mpfuture_buffer_so_the_parent_does_not_abort() -> None:
+    without = _shared_bytes_scenario("plain")
+    # the crash this guards against: the child unlinked the buffer's file, the parent's last drop aborts
+    assert without.returncode == -signal.SIGABRT, without.stdout + without.stderr[-2000:]
+    assert "could not unlink the shared memory file" in without.stderr
+    hooked = _shared_bytes_scenario("hooks")
+    assert hooked.returncode == 0, hooked.stderr[-2000:]
+    assert "the parent outlived its shared buffer" in hooked.stdout
