@@ -311,13 +311,19 @@ class Heartbeat:
         self.next_swarm_log_at = time.monotonic() + SWARM_LOG_INTERVAL_S
         self.failed_beats = 0
         self.dht_died = False
+        self.withdrawing = False
         self.authorizer: InviteAuthorizer | None = None
         """An invite-only run's admission: the beat publishes this node's access token and watches its expiry."""
         self.access_published_at = -math.inf
         self.access_expires_at = 0.0
 
     def run(self, stop: threading.Event) -> None:
-        """Beat every status interval until `stop` is set; a DHT that died ends the daemon."""
+        """Beat every status interval until `stop` is set, then withdraw at once; a DHT that died ends the daemon.
+
+        The withdrawal comes first thing as the node leaves, before the trainer shuts its averagers down: an
+        averager process that exits leaves its last DHT requests unreadable (their reply pipe went with it), and
+        hivemind's DHT process then pauses its request loop for each one, which made a later withdrawal time out.
+        """
         while not stop.wait(self.config.status_interval_s):
             if not self.dht.is_alive():
                 logger.error("the DHT process died unexpectedly; stopping")
@@ -329,9 +335,10 @@ class Heartbeat:
             except JoinTokenExpired as e:
                 logger.error(f"{e}; stopping")
                 stop.set()
-                return
+                break
             except Exception:
                 logger.exception("heartbeat failed; retrying at the next interval")
+        self.withdraw()
 
     def set_experts(self, uids: tuple[str, ...]) -> None:
         """The DMoE experts this node now serves; the next beat publishes them (called from another thread)."""
@@ -400,9 +407,10 @@ class Heartbeat:
             self.access_published_at, self.access_expires_at = now, expires_at
 
     def withdraw(self) -> None:
-        """Replace our status with an OFFLINE one, so readers drop this node at once."""
-        if self.dht_died:
-            return  # nothing to write with; the record expires by itself
+        """Replace our status with an OFFLINE one, so readers drop this node at once; tried once."""
+        if self.dht_died or self.withdrawing:
+            return  # nothing to write with (the record expires by itself), or tried already
+        self.withdrawing = True
         self.status.state = proto.PeerStatus.OFFLINE
         self.status.last_seen = time.time()
         if not publish_peer_status(self.dht, self.status, self.owner, self.config.status_ttl_s, DHT_CALL_TIMEOUT_S):
