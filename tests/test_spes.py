@@ -101,9 +101,12 @@ def test_each_node_trains_its_own_experts_and_a_round_hands_out_the_owners_copie
                 assert torch.equal(mine, first)
         assert_every_node_holds_the_owners_copies(modes)
         per_expert = change_bytes(flat(modes[0], 0).numel())
+        # an answer cut short in transport is asked again (about 1 fetch in 10,000 on loopback) and may cost a copy
+        repeated = sum(mode.exchange.asks_repeated for mode in modes)
         for mode, sent, owned_count in zip(modes, sent_before, owned_in_round, strict=True):
             # each expert it owned went to each other node once, as an int8 change from the initial weights
-            assert mode.exchange.bytes_served - sent == per_expert * owned_count * (len(modes) - 1)
+            once_each = per_expert * owned_count * (len(modes) - 1)
+            assert once_each <= mode.exchange.bytes_served - sent <= once_each + per_expert * repeated
         progress = Progress()
         modes[0].report(progress)
         assert (progress.experts_owned, progress.experts_total) == (len(modes[0].owned), modes[0].num_units)
@@ -233,11 +236,12 @@ def test_a_fetcher_refuses_non_finite_mis_sized_forged_and_unowned_copies() -> N
             4: Published(values=copy, base_digest=copy_digest(base), change=forged),  # not the copy it names
         })  # fmt: skip
         peer = first.peer_id.to_base58()
-        sent = owner.bytes_served
-        assert torch.equal(fetcher.fetch(peer, 0, 3, base, 5.0), copy), "the change from the copy held"
-        assert owner.bytes_served - sent == change_bytes(1000)
-        assert torch.equal(fetcher.fetch(peer, 0, 3, other, 5.0), copy), "whole, to a node holding another copy"
-        assert owner.bytes_served - sent == change_bytes(1000) + 4000
+        for held, what, size in [(base, "the change from the copy held", change_bytes(1000)),
+                                  (other, "whole, to a node holding another copy", 4000)]:  # fmt: skip
+            sent, repeated = owner.bytes_served, fetcher.asks_repeated
+            assert torch.equal(fetcher.fetch(peer, 0, 3, held, 5.0), copy), what
+            # once, or once more for each answer cut short in transport and asked again (rare; see above)
+            assert size <= owner.bytes_served - sent <= size * (1 + fetcher.asks_repeated - repeated), what
         for unit, round_, held, reason in [
             (1, 3, base, "non-finite"),
             (2, 3, base, "999 values"),
