@@ -34,8 +34,11 @@ lint: $(VENV)/.installed-test
 		git log --format=%s $(SUBJECTS_SINCE)..HEAD | awk 'length > 72 { print "commit subject over 72 characters: " $$0; bad = 1 } END { exit bad }'; \
 	fi
 
+# When pytest dies mid-run (a signal prints no test name), the last line names the test that was running.
 test: lint
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q --durations=15 || { code=$$?; \
+		echo "pytest exited with status $$code; the last test it started: $$(cat .pytest-last-test 2>/dev/null)"; \
+		exit $$code; }
 
 unit: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m "not swarm"

@@ -4,6 +4,7 @@ signing with keys of their own, as daemons' do."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import hivemind
 import pytest
@@ -41,3 +42,11 @@ def keyed_dhts() -> Iterator[list[tuple[hivemind.DHT, RSAPrivateKey]]]:
     finally:
         for dht, _ in reversed(nodes):
             dht.shutdown()
+
+
+LAST_TEST_FILE = Path(".pytest-last-test")
+"""The test started last, for `make test` to name when pytest dies mid-run (an abort prints no test name)."""
+
+
+def pytest_runtest_logstart(nodeid: str, location: object) -> None:
+    LAST_TEST_FILE.write_text(nodeid + "\n")
