@@ -82,6 +82,7 @@ REPORT_MARGIN_S = 120.0
 """How long after its window's end a worker may take to print its result."""
 SHARE_SUM_TOLERANCE = 0.02
 """Published aggregation shares agree when they sum to 1 within this."""
+ARMS = ("plain", "hivemind", "crowdtrain")
 DEFAULTS = {
     # The issue's CPU scenario: the 85M model, a large vector averaged about as often as it is computed.
     "cpu": {"model": "llama-85m", "sequence_length": 32, "micro_batch": 2, "target_batch": 32, "threads": 1,
@@ -495,6 +496,8 @@ def run_arms(bench: Bench, results: dict[str, Any], save: Callable[[], None]) ->
         arms.append(("hivemind", num_peers, lambda n=num_peers: measure_hivemind(bench, n)))
         arms.append(("crowdtrain", num_peers, lambda n=num_peers: measure_crowdtrain(bench, n)))
     for name, num_peers, measure in arms:
+        if name not in bench.args.arms:
+            continue
         began = time.monotonic()
         try:
             result = measure()
@@ -625,6 +628,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="torch threads per process, 0: torch's default (cpu 1, cuda 0)")
     parser.add_argument("--window-s", type=float, help="measured seconds per arm (default cpu 120, cuda 90)")
     parser.add_argument("--warmup-s", type=float, help="seconds of training before each window (default 30)")
+    parser.add_argument(
+        "--arms", nargs="+", choices=ARMS, default=list(ARMS), help="the arms to run (default: all; ratios need all)"
+    )
     parser.add_argument("--matchmaking-s", type=float, help="matchmaking time of both swarms (default: the preset's)")
     parser.add_argument(
         "--precision", choices=("auto", "fp32", "bf16", "fp16"), help="the loops' precision (default: crowdtrain's)"
