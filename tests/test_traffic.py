@@ -11,7 +11,9 @@ import hivemind
 import pytest
 import torch
 
+from crowdtrain.averaging import traffic as traffic_module
 from crowdtrain.averaging.compression import compression_for
+from crowdtrain.averaging.exact import ExactRoundsMixin, new_partial_counter
 from crowdtrain.averaging.partition import PlannedAverager
 from crowdtrain.averaging.traffic import AveragingTraffic, TrafficCountingAverager, held_until_all
 from tests.harness import shut_down
@@ -19,6 +21,14 @@ from tests.harness import shut_down
 
 class _CountingAverager(PlannedAverager, TrafficCountingAverager):
     """A plan-partitioned averager counting its bytes, as the optimizer's averagers do."""
+
+
+class _ExactCountingAverager(ExactRoundsMixin, _CountingAverager):
+    """The same, failing a round with any un-averaged part, as the gradient averager does."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.partial_counter = new_partial_counter()
+        super().__init__(*args, **kwargs)
 
 
 PAIR: dict[str, Any] = {
@@ -121,3 +131,42 @@ def test_a_zero_share_senders_averages_are_held_until_all_are_ready() -> None:
         *(("ready", index) for index in range(2)),
         *(("sent short", index) for index in range(2)),
     ]
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(120)
+def test_a_sender_whose_parts_never_come_makes_the_round_partial_for_every_member(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Seen between two live peers of an 85M model: one peer's stream to the other came 50 s late; the other, as
+    # reducer, banned it after the sender timeout and averaged its half over itself alone ("Reducer: received 50.0%
+    # of input tensors"), then applied that as the average. Both must count the round as partial instead.
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+    late_peer = second.peer_id
+    exchange = traffic_module._CountingAllReduceRunner._exchange_with_reducer
+
+    async def late_for_its_reducers(self: Any, peer_id: Any, peer_index: int) -> int:
+        if self.peer_id == late_peer:
+            await asyncio.sleep(6.0)  # past the other's sender timeout below
+        return int(await exchange(self, peer_id, peer_index))
+
+    # inherited by the averager processes, which fork after this
+    monkeypatch.setattr(traffic_module._CountingAllReduceRunner, "_exchange_with_reducer", late_for_its_reducers)
+    values = [torch.full((20_000,), float(rank + 1)) for rank in range(2)]  # 5 parts of 16 KiB: each reduces some
+    averagers = [
+        _ExactCountingAverager(
+            [values[rank].clone()], dht=dht, prefix="late-sender", sender_timeout=2.0, part_size_bytes=2**14, **PAIR
+        )
+        for rank, dht in enumerate((first, second))
+    ]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            rounds = [pool.submit(averager.step, timeout=40, allow_retries=False) for averager in averagers]
+            outcomes = [round_.exception(timeout=60) for round_ in rounds]
+        for averager, outcome in zip(averagers, outcomes, strict=True):
+            # hivemind hands the round's PartialAverageError to the caller inside a MatchmakingException
+            assert outcome is not None and "were not averaged" in str(outcome), outcome
+            assert averager.partial_counter.value == 1
+    finally:
+        shut_down(averagers, (first, second))

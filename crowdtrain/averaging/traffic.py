@@ -137,12 +137,17 @@ class _CountingAllReduceRunner(AllReduceRunner):
         container = self.tensor_part_container
         if peer_id == self.peer_id:
             sender_index = self.sender_peer_ids.index(peer_id)
-            for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
-                averaged_part = await self.tensor_part_reducer.accumulate_part(
-                    sender_index, part_index, tensor_part, weight=self.weight
-                )
-                encoded = serialize_torch_tensor(averaged_part, self._wire_type)
-                container.register_processed_part(peer_index, part_index, deserialize_torch_tensor(encoded))
+            try:
+                for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=self.weight
+                    )
+                    require_every_sender(self.tensor_part_reducer, part_index)
+                    encoded = serialize_torch_tensor(averaged_part, self._wire_type)
+                    container.register_processed_part(peer_index, part_index, deserialize_torch_tensor(encoded))
+            except Exception:
+                container.register_failed_reducer(peer_index)  # this peer's own parts come back un-averaged
+                raise
             return
         try:
             received = await self._exchange_with_reducer(peer_id, peer_index)
@@ -217,10 +222,11 @@ class _CountingAllReduceRunner(AllReduceRunner):
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight
                     )
-                    part_index += 1
                 except BannedException:
                     logger.debug(f"sender {sender_index} is already banned")
                     break
+                require_every_sender(self.tensor_part_reducer, part_index)  # else the sender is told it failed
+                part_index += 1
                 encoded = await loop.run_in_executor(
                     None, functools.partial(serialize_torch_tensor, averaged_part, wire_type)
                 )
@@ -270,6 +276,22 @@ class _CountingAllReduceRunner(AllReduceRunner):
                 raise  # cancelled
             logger.debug(f"Caught {e!r} when communicating with {context.remote_id}", exc_info=True)
             yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+
+
+def require_every_sender(reducer: TensorPartReducer, part_index: int) -> None:
+    """Raise AllreduceException when the average of part `part_index` lacks a sender's part.
+
+    hivemind's reducer averages a part over the senders still in the round: a sender whose stream never came (it is
+    banned after the sender timeout) or broke off is left out of that part and every later one, with one warning
+    ("Reducer: received 50.0% of input tensors"), and the averages go back as if whole. Seen between two live
+    peers of an 85M model: the joiner applied an average without the founder's gradient. Raised here instead, the
+    reducer registers its own parts as failed and each other sender gets an error for the part, so every member
+    counts the round as partial (averaging/exact.py). Parts a sender was dropped from for what it sent (robust.py)
+    are not this: that sender is left out on purpose.
+    """
+    missing = [sender for sender, failed_after in enumerate(reducer.sender_failed_after) if failed_after <= part_index]
+    if missing:
+        raise AllreduceException(f"the average of part {part_index} lacks the parts of senders {missing}")
 
 
 async def held_until_all(messages: AsyncIterator[T], num_parts: int) -> AsyncIterator[T]:
