@@ -414,6 +414,7 @@ def measure_crowdtrain(bench: Bench, num_peers: int) -> dict[str, Any]:
         CROWDTRAIN_MICRO_BATCH_SIZE=str(args.micro_batch),
         CROWDTRAIN_NUM_THREADS=str(args.threads),
         CROWDTRAIN_STATUS_INTERVAL_S=f"{STATUS_INTERVAL_S:g}",
+        CROWDTRAIN_VERBOSE=str(args.daemon_verbose),
     )
     root = bench.root / f"crowdtrain-{num_peers}peers"
     nodes = start_swarm(bench.groups, root, num_peers, ["--run-file", str(bench.run_file)], env)
@@ -630,6 +631,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-s", type=float, help="seconds of training before each window (default 30)")
     parser.add_argument(
         "--arms", nargs="+", choices=ARMS, default=list(ARMS), help="the arms to run (default: all; ratios need all)"
+    )
+    parser.add_argument(
+        "--daemon-verbose", type=int, default=0, choices=(0, 1, 2), help="the daemons' -v count (2: debug logs)"
     )
     parser.add_argument("--matchmaking-s", type=float, help="matchmaking time of both swarms (default: the preset's)")
     parser.add_argument(
