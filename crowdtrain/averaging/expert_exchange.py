@@ -252,8 +252,8 @@ class ExpertExchange(P2PService):
             try:
                 received = await self._receive(peer, request, held, where)
             except _CutShort as e:
-                # the stream ended early, after its header or before it (seen in about 1 of 100-600 fetches, between
-                # daemons and in one process alike; the owner logs nothing; cause not found): ask again, a few times
+                # the stream ended before its announced bytes (about 1 fetch in 10,000 while owners closed first; not
+                # seen since the fetcher closes, see LINGER_S): ask again, a few times
                 cut_short += 1
                 self.asks_repeated += 1
                 if cut_short > MAX_CUT_SHORT or time.monotonic() + RETRY_S > deadline:
