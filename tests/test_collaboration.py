@@ -96,6 +96,42 @@ def test_a_live_or_used_round_is_left_to_hivemind(hivemind_underneath: list, con
     assert hivemind_underneath == [("begin", control)]
 
 
+@pytest.mark.parametrize("fresh_num_peers", [2, 1])
+def test_a_live_round_is_not_cancelled_alone_on_an_old_view_of_the_swarm(
+    monkeypatch: pytest.MonkeyPatch, fresh_num_peers: int
+) -> None:
+    # hivemind cancels a pre-scheduled round when the tracker counts one peer; its view may predate a joiner's
+    # first report while the joiner's round is already in a group with this one: the view is read again first.
+    seen: list[tuple[Any, int]] = []
+    monkeypatch.setattr(
+        hivemind.Optimizer,
+        "_begin_averaging_gradients",
+        lambda self, grad_scaler: seen.append((self.scheduled_grads, self.tracker.global_progress.num_peers)),
+    )
+    control = FakeStepControl(done=False, triggered=False)
+    optimizer = bare_optimizer(1, control)
+    reads: list[float] = []
+
+    def refresh_global_progress(timeout: float) -> None:
+        reads.append(timeout)
+        optimizer.tracker.global_progress = SimpleNamespace(num_peers=fresh_num_peers)
+
+    optimizer.tracker.refresh_global_progress = refresh_global_progress
+    optimizer._begin_averaging_gradients(None)
+    assert len(reads) == 1 and 0 < reads[0] <= 5.0, "one bounded read"
+    assert seen == [(control, fresh_num_peers)], "hivemind decides on the fresh view, with the round kept"
+
+
+@pytest.mark.parametrize(("num_peers", "control"), [(2, FakeStepControl(done=False, triggered=False)), (1, None)])
+def test_the_swarms_progress_is_read_again_only_before_a_round_would_be_cancelled(
+    hivemind_underneath: list, num_peers: int, control: FakeStepControl | None
+) -> None:
+    optimizer = bare_optimizer(num_peers, control)
+    optimizer.tracker.refresh_global_progress = lambda timeout: pytest.fail("no round to cancel: no DHT read")
+    optimizer._begin_averaging_gradients(None)
+    assert hivemind_underneath == [("begin", control)]
+
+
 def test_a_step_alone_beside_peers_makes_the_replica_download_the_swarm_state(hivemind_underneath: list) -> None:
     optimizer = bare_optimizer(3)
     optimizer._load_local_gradients_into_optimizer()

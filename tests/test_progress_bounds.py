@@ -227,6 +227,31 @@ def test_stepping_dates_the_beginning_of_the_epoch(dht: hivemind.DHT) -> None:
     assert before <= tracker.bounds.starts.started_at[7] <= get_dht_time()
 
 
+def test_a_fresh_reading_of_the_swarms_progress_replaces_the_view_at_once() -> None:
+    # The tracker's own fetches come a refresh period apart; a step about to average alone reads again (issue 12).
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
+    peers = [str(address) for address in first.get_visible_maddrs()]
+    signer = RSASignatureValidator(RSAPrivateKey())
+    second = hivemind.DHT(
+        start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers, use_ipfs=False,
+        record_validators=[signer],
+    )  # fmt: skip
+    try:
+        tracker = BoundedProgressTracker(
+            dht=first, prefix="bounds-refresh", target_batch_size=TARGET, start=False, bounds=bounds()
+        )
+        assert tracker.global_progress.num_peers == 0
+        # Another peer reports its progress, signed as its tracker would.
+        record = LocalTrainingProgress(**{**claim("other", 0), "time": get_dht_time()})
+        key, expiration = tracker.training_progress_key, get_dht_time() + 60.0
+        assert second.store(key, record.dict(), expiration, subkey=signer.local_public_key)
+        with tracker.pause_updates():  # as hivemind.Optimizer's step holds it
+            tracker.refresh_global_progress(timeout=10.0)
+        assert tracker.global_progress.num_peers == 1
+    finally:
+        shut_down([], [second, first])
+
+
 @pytest.mark.parametrize("liar_fields", [{"samples_accumulated": 256}, {"samples_accumulated": 0, "age_s": 1e6}])
 @pytest.mark.parametrize(
     ("seconds", "ready", "ready_without_liar"),

@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 LOAD_STATE_TIMEOUT_S = 120.0
 STATE_AVERAGING_EVERY_EPOCHS = 5
+PROGRESS_REFRESH_TIMEOUT_S = 2.0
+"""How long a step waits for a fresh reading of the swarm's progress before it would average alone."""
 
 
 class PlannedStateAverager(
@@ -229,9 +231,20 @@ class _Optimizer(hivemind.Optimizer):
         # skew the rates), the round has expired before the step, and hivemind then steps alone without looking
         # for a group at all: both peers of a two-peer swarm did so in turn, every epoch. An expired round is
         # dropped here, so the step looks for a group now, as it does when nothing was scheduled.
+        #
+        # Symptom worked around: hivemind cancels a pre-scheduled round when its view of the swarm counts no other
+        # peer, and that view is up to a refresh period old (10 s and more). At a join, the first shared round
+        # then went one way on each side: the peer whose view predated the joiner's first report cancelled its
+        # round (hivemind tells no one) and stepped alone, while the other, already in a group with it, waited
+        # out a sender timeout (30 s on llama-85m) and its round came back partial. The view is read again first.
         scheduled: Any = self.scheduled_grads  # type: ignore[has-type]  # a hivemind StepControl
         if scheduled is not None and scheduled.done() and not scheduled.triggered:
             self.scheduled_grads = None
+        elif scheduled is not None and not scheduled.done() and self.tracker.global_progress.num_peers <= 1:
+            self.tracker.refresh_global_progress(timeout=PROGRESS_REFRESH_TIMEOUT_S)
+            if self.tracker.global_progress.num_peers > 1:
+                logger.info(f"{self.tracker.global_progress.num_peers} peers report progress now (this node's view "
+                            "of the swarm was older): averaging this batch with them, not alone")  # fmt: skip
         return bool(super()._begin_averaging_gradients(grad_scaler))
 
     def _should_load_state_from_peers(self) -> bool:

@@ -223,6 +223,19 @@ class BoundedProgressTracker(ProgressTracker):
         self.bounds.starts.observe(epoch, get_dht_time(), stepped=True)
         return epoch
 
+    def refresh_global_progress(self, timeout: float) -> None:
+        """Read the swarm's progress records now, not at the next scheduled fetch (up to a refresh period away);
+        on a DHT that does not answer within `timeout` seconds the last reading stays. Called with updates paused
+        (`pause_updates`, as hivemind.Optimizer's global step runs), so the tracker's own fetch can't interleave."""
+        assert self.lock_global_progress.locked(), "pause the tracker's updates first"
+        try:
+            found = self.dht.get(self.training_progress_key, latest=True, return_future=True).result(timeout)
+        except Exception as e:  # a timeout or a DHT shutting down: the periodic fetch goes on
+            logger.debug(f"could not read the swarm's progress now: {e!r}")
+            return
+        metadata = found.value if isinstance(found, ValueWithExpiration) else None
+        self.global_progress = self._parse_swarm_progress_data(metadata)
+
     def distrust_unbacked_epochs(self, local_epoch: int, loaded_epoch: int | None) -> None:
         """After a state download that loaded `loaded_epoch` (None: no donor answered) and left this node at
         `local_epoch`: if the swarm's epoch is still further ahead, no donor backs it, and epochs more than one
