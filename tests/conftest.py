@@ -3,6 +3,11 @@ signing with keys of their own, as daemons' do."""
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import signal
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,12 +19,56 @@ from crowdtrain.dht.validator import make_validators
 from tests.harness import kill_all_started
 
 NUM_KEYED_DHTS = 3
+STACKS_BEFORE_TIMEOUT_S = 5.0
+"""How long before a test's timeout the processes it forked print their stacks."""
+
+# Inherited by every process forked from here (hivemind's DHT and averager processes): SIGUSR1 prints its threads'
+# stacks to fd 2, which pytest captures with the test's output.
+faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
 
 @pytest.fixture(autouse=True)
 def _kill_started_daemons() -> Iterator[None]:
     yield
     kill_all_started()
+
+
+@pytest.fixture(autouse=True)
+def _forked_stacks_before_timeout(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test about to reach its timeout has every process it forked print its stacks: pytest-timeout prints only
+    pytest's own, and a hang inside a DHT or averager process (a state download that never answers) showed nothing."""
+    marker = request.node.get_closest_marker("timeout")
+    timeout_s = float(marker.args[0] if marker and marker.args else request.config.getini("timeout") or 0)
+    if timeout_s <= STACKS_BEFORE_TIMEOUT_S:
+        yield
+        return
+    timer = threading.Timer(timeout_s - STACKS_BEFORE_TIMEOUT_S, signal_forked_children, [signal.SIGUSR1])
+    timer.daemon = True
+    timer.start()
+    yield
+    timer.cancel()
+
+
+def signal_forked_children(signum: int) -> None:
+    """Send `signum` to every descendant of this process that is a fork of it (same command line), not to the
+    programs it started (p2pd, daemons), for which SIGUSR1 would be fatal."""
+    own = Path(f"/proc/{os.getpid()}/cmdline").read_bytes()
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+        except (ValueError, OSError, IndexError):
+            continue
+    pending = list(children.get(os.getpid(), []))
+    while pending:
+        pid = pending.pop()
+        pending.extend(children.get(pid, []))
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes() == own:
+                os.kill(pid, signum)
+        except OSError:
+            continue
 
 
 @pytest.fixture
