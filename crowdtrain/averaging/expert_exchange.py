@@ -181,8 +181,15 @@ class ExpertExchange(P2PService):
         copy = None if round_published is None else round_published.get(request.unit)
         if copy is None:
             yield proto.SpesExpertChunk(found=False, not_owner=round_published is not None)
-            await asyncio.sleep(LINGER_S)  # the fetcher closes the stream once it has the answer: that ends this
-            return
+        else:
+            async for chunk in self._answer(request, copy):
+                yield chunk
+        await asyncio.sleep(LINGER_S)  # the fetcher closes the stream once it has the answer: that ends this
+
+    async def _answer(
+        self, request: proto.SpesExpertRequest, copy: Published
+    ) -> typing.AsyncIterator[proto.SpesExpertChunk]:
+        """The found copy's header, payload and end marker; MAX_CONCURRENT_READS answers at a time."""
         if self._reads is None:
             self._reads = asyncio.Semaphore(MAX_CONCURRENT_READS)
         as_change = bool(copy.base_digest) and request.base_digest == copy.base_digest
@@ -199,7 +206,6 @@ class ExpertExchange(P2PService):
                 self.bytes_served += len(chunk)
                 yield proto.SpesExpertChunk(payload=chunk)
             yield proto.SpesExpertChunk()  # the end of the answer: read by a fetcher only when it came short
-        await asyncio.sleep(LINGER_S)
 
     def fetch(self, peer_id: str, unit: int, round_: int, held: torch.Tensor, timeout_s: float) -> torch.Tensor:
         """Unit `unit`'s copy of round `round_` from `peer_id`, float32, flattened. `held`: this node's copy, which
