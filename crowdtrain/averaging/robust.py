@@ -42,8 +42,10 @@ values; see issue 12's notes): among four honest senders of 8 samples each, a pa
 13.6x the median (57 of 156,000 parts above 10x, about one honest peer dropped every few rounds of a four-peer
 swarm); a sender of 2 samples among them reached 40x (20x after its allowance). At 10x, a four-peer swarm on
 llama-20m quarantined an honest peer for 10 minutes at its 11th round. 100x leaves five times the largest honest
-ratio seen; a poisoner's parts scaled beyond it are dropped, those below are bounded by the aggregation rule
-(`trimmed_mean`, `centered_clip`) rather than by this test."""
+ratio seen. The price: under the default `mean` rule a poisoner staying just below it moves a chunk's average
+by up to about NORM_LIMIT / senders typical parts (10 / senders before), bounded after averaging only by the
+run's `max_grad_norm` clipping; a run that expects poisoners should choose `trimmed_mean` or `centered_clip`,
+which bound every sender's pull whatever its norm."""
 TRIM_FRACTION = 0.2
 """trimmed_mean drops this fraction of the senders from each end, at least one each with 3+ senders."""
 CENTERED_CLIP_ITERATIONS = 3
