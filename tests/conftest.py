@@ -3,6 +3,7 @@ signing with keys of their own, as daemons' do."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -16,6 +17,7 @@ import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain.dht.validator import make_validators
+from crowdtrain.testing import procfs
 from tests.harness import kill_all_started
 
 NUM_KEYED_DHTS = 3
@@ -52,23 +54,11 @@ def _forked_stacks_before_timeout(request: pytest.FixtureRequest) -> Iterator[No
 def signal_forked_children(signum: int) -> None:
     """Send `signum` to every descendant of this process that is a fork of it (same command line), not to the
     programs it started (p2pd, daemons), for which SIGUSR1 would be fatal."""
-    own = Path(f"/proc/{os.getpid()}/cmdline").read_bytes()
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(entry.name))
-        except (ValueError, OSError, IndexError):
-            continue
-    pending = list(children.get(os.getpid(), []))
-    while pending:
-        pid = pending.pop()
-        pending.extend(children.get(pid, []))
-        try:
-            if Path(f"/proc/{pid}/cmdline").read_bytes() == own:
+    own = procfs.command_line(os.getpid())
+    for pid in procfs.descendants(os.getpid()):
+        if procfs.command_line(pid) == own:
+            with contextlib.suppress(OSError):  # gone since
                 os.kill(pid, signum)
-        except OSError:
-            continue
 
 
 @pytest.fixture

@@ -71,6 +71,20 @@ def children(pid: int) -> list[int]:
     return [stat.pid for stat in processes() if stat.ppid == pid and stat.live]
 
 
+def descendants(pid: int) -> list[int]:
+    """The live processes below `pid`: its children, theirs, and so on (one read of /proc)."""
+    by_parent: dict[int, list[int]] = {}
+    for stat in processes():
+        if stat.live:
+            by_parent.setdefault(stat.ppid, []).append(stat.pid)
+    found, pending = [], list(by_parent.get(pid, []))
+    while pending:
+        child = pending.pop()
+        found.append(child)
+        pending.extend(by_parent.get(child, []))
+    return found
+
+
 def command_name(pid: int) -> str | None:
     """The process's command name (comm), or None when it is gone."""
     try:
