@@ -18,8 +18,11 @@ import hivemind
 import pytest
 import torch
 from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from crowdtrain.averaging import collaboration
+from crowdtrain.averaging.catch_up import HOLD_MAX_S, HoldBudget, catch_up_key
 from crowdtrain.averaging.collaboration import (
     _Optimizer,
     chunk_timeout_s,
@@ -45,11 +48,44 @@ class FakeStepControl:
         return self._done
 
 
+class FakeDHT:
+    """The DHT calls of the catch-up hold: `announcements` (subkey -> value) is what a read finds, `None` a read
+    that fails; every store is recorded."""
+
+    def __init__(self) -> None:
+        self.announcements: dict[bytes, dict[str, Any]] | None = {}
+        self.reads = 0
+        self.stored: list[tuple[str, bytes, dict[str, Any], float]] = []
+
+    def get(self, key: str, latest: bool, return_future: bool) -> Any:
+        self.reads += 1
+        entries = self.announcements
+        found = None if not entries else ValueWithExpiration(
+            {subkey: ValueWithExpiration(value, math.inf) for subkey, value in entries.items()}, math.inf
+        )  # fmt: skip
+        return SimpleNamespace(result=lambda timeout: found)
+
+    def store(self, key: str, subkey: bytes, value: dict[str, Any], expiration_time: float, return_future: bool) -> Any:
+        self.stored.append((key, subkey, value, expiration_time))
+        return SimpleNamespace(result=lambda timeout: True)
+
+
+OWN_KEY, JOINER_KEY = b"[owner:this]", b"[owner:joiner]"
+
+
 def bare_optimizer(num_peers: int, scheduled: FakeStepControl | None = None) -> Any:
     optimizer: Any = object.__new__(_Optimizer)
     optimizer.tracker = SimpleNamespace(
-        global_progress=SimpleNamespace(num_peers=num_peers), distrust_unbacked_epochs=lambda local, loaded: None
+        global_progress=SimpleNamespace(num_peers=num_peers),
+        distrust_unbacked_epochs=lambda local, loaded: None,
+        last_records={},
+        own_key=OWN_KEY,
     )
+    optimizer.dht = FakeDHT()
+    optimizer.run_id = "crowdtrain-test"
+    optimizer.hold_budget = HoldBudget()
+    optimizer._last_download_s = None
+    optimizer._announced_expiration = 0.0
     optimizer.state_averager = SimpleNamespace(local_epoch=0, last_loaded_epoch=None)
     optimizer.scheduled_grads = scheduled
     optimizer.replica_diverged = False
@@ -161,6 +197,111 @@ def test_after_a_download_the_tracker_weighs_the_claims_against_the_loaded_epoch
     optimizer.state_averager = SimpleNamespace(local_epoch=7, last_loaded_epoch=6)
     optimizer.load_state_from_peers()
     assert weighed == [(7, 6)], "a claim the swarm's newest state can't back must not cost a download per step"
+
+
+def progress_record(epoch: int) -> Any:
+    return ValueWithExpiration({"epoch": epoch, "samples_accumulated": 0}, math.inf)
+
+
+def test_a_step_holds_while_a_peer_downloads_the_state_and_averages_once_it_reports_the_epoch(
+    hivemind_underneath: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(collaboration, "HOLD_POLL_S", 0.001)
+    optimizer = bare_optimizer(2)
+    optimizer.state_averager.local_epoch = 40
+    optimizer.dht.announcements = {JOINER_KEY: {"until": get_dht_time() + 60, "done": False}}
+    refreshes: list[float] = []
+
+    def refresh_global_progress(timeout: float) -> None:
+        # The joiner's record appears (at an epoch before this node's) at the 2nd reading, at its epoch at the 4th.
+        refreshes.append(timeout)
+        if len(refreshes) >= 2:
+            optimizer.tracker.last_records = {JOINER_KEY: progress_record(39 if len(refreshes) < 4 else 40)}
+        # hivemind's own averaging must not begin while this node holds
+        assert hivemind_underneath == []
+
+    optimizer.tracker.refresh_global_progress = refresh_global_progress
+    optimizer._begin_averaging_gradients(None)
+    assert len(refreshes) == 4, "held until the joiner's record shows this node's epoch"
+    assert hivemind_underneath == [("begin", None)], "then averaged"
+    assert optimizer.phases.complete_step().wait_s > 0, "the hold is time waiting for the swarm"
+
+
+@pytest.mark.parametrize(
+    "announcement",
+    [
+        {"until": 1e12, "done": True},  # the download ended (the joiner is still behind: it announces again)
+        {"until": 0.0, "done": False},  # past its deadline
+        {"until": "soon"},  # garbage
+    ],
+)
+def test_no_hold_for_a_download_that_ended_or_a_malformed_announcement(
+    hivemind_underneath: list, announcement: dict[str, Any]
+) -> None:
+    optimizer = bare_optimizer(2)
+    optimizer.dht.announcements = {JOINER_KEY: announcement, OWN_KEY: {"until": 1e12, "done": False}}
+    optimizer.tracker.refresh_global_progress = lambda timeout: pytest.fail("nobody to hold for")
+    optimizer._begin_averaging_gradients(None)
+    assert optimizer.dht.reads == 1 and hivemind_underneath == [("begin", None)]
+
+
+def test_a_hold_lasts_at_most_what_the_budget_allows_whatever_the_announced_deadline(
+    hivemind_underneath: list, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(collaboration, "HOLD_POLL_S", 0.001)
+    optimizer = bare_optimizer(2)
+    optimizer.dht.announcements = {JOINER_KEY: {"until": get_dht_time() + 1e9, "done": False}}
+    optimizer.hold_budget.level_s = 0.05
+    optimizer.tracker.refresh_global_progress = lambda timeout: None
+    with caplog.at_level(logging.INFO, logger=collaboration.__name__):
+        optimizer._begin_averaging_gradients(None)
+    assert "stepping without them" in caplog.text and hivemind_underneath == [("begin", None)]
+    assert optimizer.hold_budget.level_s < 0.01, "the time held is spent from the budget"
+    optimizer._begin_averaging_gradients(None)
+    assert caplog.text.count("holding the step") == 1, "an empty budget holds no more"
+
+
+def test_a_read_that_fails_during_a_hold_keeps_holding(
+    hivemind_underneath: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The announcer's link is busy with its download: the DHT read times out, which must not end the hold.
+    monkeypatch.setattr(collaboration, "HOLD_POLL_S", 0.001)
+    optimizer = bare_optimizer(2)
+    announced = {JOINER_KEY: {"until": get_dht_time() + 60, "done": False}}
+    optimizer.dht.announcements = announced
+    refreshes: list[float] = []
+
+    def refresh_global_progress(timeout: float) -> None:
+        refreshes.append(timeout)
+        ended = {JOINER_KEY: {"until": get_dht_time() + 60, "done": True}}
+        optimizer.dht.announcements = None if len(refreshes) < 3 else ended
+
+    optimizer.tracker.refresh_global_progress = refresh_global_progress
+    optimizer._begin_averaging_gradients(None)
+    assert len(refreshes) == 3, "held through two failed reads, until the announcement said done"
+
+
+def test_a_download_is_announced_before_it_begins_and_said_done_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    optimizer = bare_optimizer(2)
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(collaboration.time, "monotonic", lambda: clock.now)
+
+    def download(self: Any, **kwargs: Any) -> None:
+        assert optimizer.dht.stored[-1][2]["done"] is False, "announced first"
+        clock.now += 4.0
+
+    monkeypatch.setattr(hivemind.Optimizer, "load_state_from_peers", download)
+    began = get_dht_time()
+    optimizer.load_state_from_peers()
+    optimizer.load_state_from_peers()
+    stored = optimizer.dht.stored
+    assert [(key, subkey, value["done"]) for key, subkey, value, _ in stored] == [
+        (catch_up_key("crowdtrain-test"), OWN_KEY, done) for done in (False, True, False, True)
+    ]
+    assert stored[0][2]["until"] >= began + HOLD_MAX_S - 1, "the first download: as long as any hold"
+    assert began + 11 <= stored[2][2]["until"] <= get_dht_time() + 13, "then three times the last one (4 s)"
+    expirations = [expiration for *_, expiration in stored]
+    assert expirations == sorted(set(expirations)), "each record outlives the one before, or the DHT keeps that"
 
 
 def test_a_lone_peer_stepping_alone_keeps_its_replica(hivemind_underneath: list) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from crowdtrain.testing.fixtures import tiny_run_file
 from crowdtrain.testing.processes import await_condition
 from crowdtrain.testing.wanlab import HostSpec, Lab, Scenario
 from tests.harness import FAST_HEARTBEAT_ENV
@@ -65,3 +67,45 @@ def test_daemons_in_two_namespaces_join_over_the_lab_network(tmp_path: Path) -> 
             }
 
         await_condition(both_seen_from_second_host, 60, "both peers in status on the second host", poll_s=1)
+
+
+@pytest.mark.timeout(300)
+def test_a_joiner_on_a_slow_link_catches_up_with_a_swarm_that_steps_faster_than_its_download(
+    tmp_path: Path,
+) -> None:
+    """A founder stepping every fraction of a second (the tiny model, a 16-sample global batch) and a joiner whose
+    state download over a 2 Mbit/s link takes seconds: the swarm holds its step while the joiner downloads, and the
+    joiner then trains with it. Without the hold the joiner downloaded again at every step and never trained (seen
+    on a GPU with llama-85m: 45 downloads in 80 s, issue 12)."""
+    run_file = tmp_path / "fast.toml"
+    run_file.write_text(tiny_run_file("fast-steps", 16))
+    scenario = Scenario(
+        name="slowjoin",
+        hosts=(
+            HostSpec(name="fast", upload_mbps=1000, download_mbps=1000),
+            HostSpec(name="home", upload_mbps=20, download_mbps=0.5),
+        ),
+    )
+    env = {**ENV, "CROWDTRAIN_MICRO_BATCH_SIZE": "8"}
+    with Lab(scenario) as lab:
+        fast, home = lab.hosts
+        founder_log, joiner_log = tmp_path / "founder.log", tmp_path / "joiner.log"
+        daemon = [sys.executable, "-m", "crowdtrain", "run", "--role", "trainer"]
+        lab.spawn(fast, [*daemon, "--state-dir", str(tmp_path / "a"), "--run-file", str(run_file)],
+                  stdout=open(founder_log, "w"), stderr=subprocess.STDOUT, env=env)  # fmt: skip
+        founder = await_condition(lambda: read_node_file(tmp_path / "a"), 90, "the founder's node.json")
+        await_condition(lambda: "epoch 20: loss" in founder_log.read_text(), 90, "the founder at epoch 20")
+        address = next(address for address in founder["multiaddrs"] if f"/ip4/{fast.address}/" in address)
+        lab.spawn(home, [*daemon, "--state-dir", str(tmp_path / "b"), "--initial-peers", address],
+                  stdout=open(joiner_log, "w"), stderr=subprocess.STDOUT, env=env)  # fmt: skip
+        await_condition(lambda: steps_since_download(joiner_log.read_text()) >= 5, 150, "5 steps with the swarm")
+        assert "download the swarm's state: holding the step of epoch" in founder_log.read_text()
+        assert re.search(r"held the step of epoch \d+ for [\d.]+ s: they have it", founder_log.read_text())
+
+
+def steps_since_download(log: str) -> int:
+    """Global steps with a loss of the node's own (micro-batches computed at the swarm's epoch), one epoch after
+    another, since its last state download."""
+    after = log.rsplit("downloaded and verified the state", 1)[-1] if "downloaded and verified" in log else ""
+    epochs = [int(epoch) for epoch in re.findall(r"epoch (\d+): loss \d", after)]
+    return sum(1 for before, epoch in zip(epochs, epochs[1:], strict=False) if epoch == before + 1)

@@ -20,8 +20,20 @@ import hivemind
 import torch
 from hivemind.compression import CompressionBase, NoCompression
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
+from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from crowdtrain.averaging.catch_up import (
+    HOLD_POLL_S,
+    READ_TIMEOUT_S,
+    Announcement,
+    HoldBudget,
+    announce_until,
+    catch_up_key,
+    parse_announcements,
+    progress_epochs,
+    still_downloading,
+)
 from crowdtrain.averaging.compression import compression_for
 from crowdtrain.averaging.exact import ExactGradientAverager
 from crowdtrain.averaging.grid import GroupSizeMixin, expected_group_size, initial_group_bits
@@ -141,6 +153,9 @@ class _Optimizer(hivemind.Optimizer):
         self.traffic = AveragingTraffic.new() if traffic is None else traffic
         self.aggregation = AggregationSettings() if aggregation is None else aggregation
         self.run_created_at = run_created_at
+        self.hold_budget = HoldBudget()
+        self._last_download_s: float | None = None
+        self._announced_expiration = 0.0
         super().__init__(client_mode=client_mode, use_local_updates=use_local_updates, **kwargs)
         # The torch optimizer steps in hivemind's own thread, inside state_averager.step: hooks time just the step.
         torch_optimizer = self.state_averager.optimizer
@@ -237,6 +252,9 @@ class _Optimizer(hivemind.Optimizer):
         # then went one way on each side: the peer whose view predated the joiner's first report cancelled its
         # round (hivemind tells no one) and stepped alone, while the other, already in a group with it, waited
         # out a sender timeout (30 s on llama-85m) and its round came back partial. The view is read again first.
+        #
+        # A peer downloading the swarm's state is waited for first (averaging/catch_up.py).
+        self._hold_for_catching_up_peers()
         scheduled: Any = self.scheduled_grads  # type: ignore[has-type]  # a hivemind StepControl
         if scheduled is not None and scheduled.done() and not scheduled.triggered:
             self.scheduled_grads = None
@@ -261,10 +279,71 @@ class _Optimizer(hivemind.Optimizer):
         # Also wraps hivemind.Optimizer.load_state_from_peers to time the download, a phase of its own.
         # Then, when the swarm's newest state was older than the epoch some peer claims, that claim is ignored for
         # a while: otherwise this node would download again at every step (averaging/progress_bounds.py).
-        with self.phases.measure(Phase.STATE_DOWNLOAD):
-            super().load_state_from_peers(**kwargs)
+        # Announced first, so the swarm holds its next step until this node has the state (averaging/catch_up.py).
+        began = time.monotonic()
+        self._announce_catch_up(Announcement(until=announce_until(get_dht_time(), self._last_download_s)))
+        try:
+            with self.phases.measure(Phase.STATE_DOWNLOAD):
+                super().load_state_from_peers(**kwargs)
+        finally:
+            self._announce_catch_up(Announcement(until=get_dht_time(), done=True))
+        self._last_download_s = time.monotonic() - began
         self.replica_diverged = False
         self.tracker.distrust_unbacked_epochs(self.local_epoch, self.state_averager.last_loaded_epoch)
+
+    def _announce_catch_up(self, announcement: Announcement) -> None:
+        # The DHT keeps, per subkey, the value that expires last: each announcement expires after the one before.
+        expiration = max(announcement.until, get_dht_time() + 1.0, self._announced_expiration + 1e-3)
+        self._announced_expiration = expiration
+        stored = self.dht.store(
+            catch_up_key(self.run_id),
+            subkey=self.tracker.own_key,
+            value=announcement.to_record(),
+            expiration_time=expiration,
+            return_future=True,
+        )
+        try:
+            stored.result(timeout=PROGRESS_REFRESH_TIMEOUT_S)
+        except Exception as e:  # a DHT that does not answer: the download goes on, unannounced
+            logger.debug(f"could not announce a state download: {e!r}")
+
+    def _hold_for_catching_up_peers(self) -> None:
+        # Called in hivemind's global step, with the tracker's updates paused (refresh_global_progress needs it).
+        epoch = self.local_epoch
+        began = time.monotonic()
+        allowance = self.hold_budget.available(began)
+        announcements = self._read_announcements(unanswered={})
+        waiting = self._still_downloading(announcements, epoch)
+        if not waiting or allowance < HOLD_POLL_S:
+            return
+        logger.info(f"{len(waiting)} peer(s) download the swarm's state: holding the step of epoch {epoch} for "
+                    f"them, {allowance:.0f} s at most, so that they average this batch with the swarm")  # fmt: skip
+        with self.phases.measure(Phase.WAIT):
+            while waiting and time.monotonic() - began < allowance:
+                time.sleep(HOLD_POLL_S)
+                self.tracker.refresh_global_progress(timeout=PROGRESS_REFRESH_TIMEOUT_S)
+                # A read that fails (the announcer's link is busy with its download) keeps the last one.
+                announcements = self._read_announcements(unanswered=announcements)
+                waiting = self._still_downloading(announcements, epoch)
+        held = time.monotonic() - began
+        self.hold_budget.spend(held, time.monotonic())
+        outcome = "stepping without them" if waiting else "they have it"
+        logger.info(f"held the step of epoch {epoch} for {held:.1f} s: {outcome}")
+
+    def _read_announcements(self, unanswered: dict[Any, Announcement]) -> dict[Any, Announcement]:
+        # The swarm's catch-up announcements; `unanswered` when the DHT does not answer in time or holds none.
+        try:
+            found = self.dht.get(catch_up_key(self.run_id), latest=True, return_future=True).result(READ_TIMEOUT_S)
+        except Exception as e:
+            logger.debug(f"could not read the swarm's catch-up announcements: {e!r}")
+            return unanswered
+        if not isinstance(found, ValueWithExpiration):
+            return unanswered
+        return parse_announcements(found.value, get_dht_time())
+
+    def _still_downloading(self, announcements: dict[Any, Announcement], epoch: int) -> list[Any]:
+        epochs = progress_epochs(self.tracker.last_records)
+        return still_downloading(announcements, epochs, epoch, get_dht_time(), self.tracker.own_key)
 
 
 def make_optimizer(

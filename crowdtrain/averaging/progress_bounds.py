@@ -217,6 +217,16 @@ class BoundedProgressTracker(ProgressTracker):
             metadata = self._bounded_metadata(metadata)
         return super()._parse_swarm_progress_data(metadata)
 
+    @property
+    def last_records(self) -> Any:
+        """The swarm's progress records as last read, before bounding (subkey -> value with expiration), or None."""
+        return self._last_metadata
+
+    @property
+    def own_key(self) -> Any:
+        """The subkey of this node's own progress record (its signed owner marker)."""
+        return self._local_public_key
+
     def update_epoch(self, new_epoch: int | None = None) -> int:
         """hivemind's update_epoch; the moment this node steps is when it sees the new epoch begin."""
         epoch = int(super().update_epoch(new_epoch))

@@ -1,0 +1,125 @@
+"""Hold the swarm's global step for a peer that is downloading the swarm's state, so it can catch up.
+
+Symptom: on a GPU (llama-85m on one H100, 512-sample global batches) the founder stepped every 1.7 s and a state
+download (1 GB: weights and Adam's moments) took 4-5 s. The joiner downloaded epoch 4 as the swarm reached 7,
+epoch 8 as it reached 11, and so on: 45 downloads in 80 s, never a micro-batch trained, and the "swarm" was the
+founder alone. hivemind lets a peer one epoch behind step with the swarm; further behind, it downloads again. A
+swarm whose step is shorter than a state download can thus never be joined (hivemind issue #455 reports it; stock
+hivemind hides it a little because its matchmaking wait makes every step longer).
+
+Here a peer about to download announces it under the run's catch-up key (a signed record: its subkey is the
+peer's progress-record key) with a deadline, and says "done" after the download. Every peer, at its next global
+step and before averaging, holds while an announcer is still downloading and its progress record shows an epoch
+below this peer's: the donor is holding too, so the state it served is of this epoch, and when the joiner reports
+it, all average together and step into the next epoch in one group.
+
+An announcement is a claim of an untrusted peer, so what it can cost is bounded by this node:
+- one hold lasts at most HOLD_MAX_S by this node's clock, whatever the deadline says;
+- the time held comes from a bucket that holds HOLD_MAX_S and refills at HOLD_SHARE of wall time: any number of
+  announcers (liars, many identities) cost a node at most one HOLD_MAX_S hold at once and HOLD_SHARE of its time
+  in the long run. An honest joiner whose download takes longer than HOLD_MAX_S still cannot catch up with a
+  swarm that steps faster than its download (a larger target batch is the remedy);
+- the announcements are read at every global step, one DHT read bounded by READ_TIMEOUT_S (a few milliseconds on
+  loopback, a round trip on the internet); a DHT that does not answer in time holds nothing. They cannot wait for
+  a sign that someone is behind: a joiner has no progress record before its first download.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+HOLD_MAX_S = 120.0
+"""The longest one hold lasts, and the most held at once."""
+HOLD_SHARE = 0.05
+"""The share of wall time a node spends holding, in the long run."""
+HOLD_POLL_S = 0.25
+"""How often a holding node reads the announcers' progress again."""
+READ_TIMEOUT_S = 1.0
+"""The longest a step waits for the announcements."""
+ANNOUNCE_MIN_S = 10.0
+"""The least a download is announced for: a state download's fixed costs (finding donors, verifying)."""
+ANNOUNCE_MARGIN = 3.0
+"""A download is announced for this many times the last one's duration (HOLD_MAX_S before the first)."""
+
+
+def catch_up_key(run_id: str) -> str:
+    """The DHT key of a run's catch-up announcements: subkey = a peer's progress key, value = an announcement."""
+    return f"{run_id}_catching_up"
+
+
+@dataclass(frozen=True, slots=True)
+class Announcement:
+    """A peer downloads the swarm's state until `until` (a DHT time), or it is `done`."""
+
+    until: float
+    done: bool = False
+
+    def to_record(self) -> dict[str, Any]:
+        """The DHT value."""
+        return {"until": self.until, "done": self.done}
+
+
+def announce_until(now: float, last_download_s: float | None) -> float:
+    """The deadline a peer announces for a download it begins at `now`, after one that took `last_download_s`."""
+    if last_download_s is None:
+        return now + HOLD_MAX_S
+    return now + min(HOLD_MAX_S, max(ANNOUNCE_MIN_S, ANNOUNCE_MARGIN * last_download_s))
+
+
+def parse_announcements(entries: Any, now: float) -> dict[Any, Announcement]:
+    """The well-formed announcements among a DHT dictionary's `entries` (subkey -> a value with `.value`);
+    a deadline counts at most HOLD_MAX_S from `now`."""
+    parsed = {}
+    for subkey, entry in entries.items() if isinstance(entries, Mapping) else ():
+        value = getattr(entry, "value", None)
+        if not isinstance(value, Mapping):
+            continue
+        until, done = value.get("until"), value.get("done")
+        if isinstance(until, int | float) and not isinstance(until, bool) and math.isfinite(until):
+            parsed[subkey] = Announcement(until=min(float(until), now + HOLD_MAX_S), done=done is True)
+    return parsed
+
+
+def progress_epochs(entries: Any) -> dict[Any, int]:
+    """Each peer's epoch (subkey -> epoch) in the raw progress records hivemind's tracker read; garbage left out."""
+    epochs = {}
+    for subkey, entry in entries.items() if isinstance(entries, Mapping) else ():
+        value = getattr(entry, "value", None)
+        epoch = value.get("epoch") if isinstance(value, Mapping) else None
+        if isinstance(epoch, int) and not isinstance(epoch, bool):
+            epochs[subkey] = epoch
+    return epochs
+
+
+def still_downloading(
+    announcements: Mapping[Any, Announcement], epochs: Mapping[Any, int], epoch: int, now: float, own_key: Any
+) -> list[Any]:
+    """The announcers a node at `epoch` holds for: not itself, not done, before their deadline, and with a
+    progress record before `epoch` (or none yet)."""
+    return [
+        key
+        for key, announcement in announcements.items()
+        if key != own_key and not announcement.done and announcement.until > now and epochs.get(key, -1) < epoch
+    ]
+
+
+@dataclass(slots=True)
+class HoldBudget:
+    """Seconds this node may still hold: up to HOLD_MAX_S, refilled at HOLD_SHARE of the time that passes."""
+
+    level_s: float = HOLD_MAX_S
+    updated_at: float | None = None
+
+    def available(self, now: float) -> float:
+        """Seconds available at `now` (a monotonic clock)."""
+        if self.updated_at is not None:
+            self.level_s = min(HOLD_MAX_S, self.level_s + HOLD_SHARE * max(now - self.updated_at, 0.0))
+        self.updated_at = now
+        return self.level_s
+
+    def spend(self, seconds: float, now: float) -> None:
+        """`seconds` were held, ending at `now`."""
+        self.level_s = max(self.available(now) - max(seconds, 0.0), 0.0)
