@@ -9,12 +9,10 @@ from typing import Any
 import pytest
 
 from crowdtrain.averaging.catch_up import (
-    ANNOUNCE_MIN_S,
     HOLD_MAX_S,
     HOLD_SHARE,
     Announcement,
     HoldBudget,
-    announce_until,
     parse_announcements,
     progress_epochs,
     still_downloading,
@@ -70,13 +68,6 @@ def test_progress_epochs_keep_integer_epochs_only() -> None:
 def test_who_a_node_at_epoch_10_holds_for(announcement: Announcement, epochs: dict, waited_for: bool) -> None:
     announcements = {b"peer": announcement, b"own": Announcement(until=NOW + 30)}
     assert still_downloading(announcements, epochs, 10, NOW, own_key=b"own") == ([b"peer"] if waited_for else [])
-
-
-def test_a_download_is_announced_for_three_times_the_last_one_within_bounds() -> None:
-    assert announce_until(NOW, None) == NOW + HOLD_MAX_S
-    assert announce_until(NOW, 5.0) == NOW + 15.0
-    assert announce_until(NOW, 0.1) == NOW + ANNOUNCE_MIN_S
-    assert announce_until(NOW, 1e4) == NOW + HOLD_MAX_S
 
 
 def test_the_budget_holds_at_most_hold_max_and_refills_at_the_share_of_time() -> None:

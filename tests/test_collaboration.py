@@ -22,7 +22,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain.averaging import collaboration
-from crowdtrain.averaging.catch_up import HOLD_MAX_S, HoldBudget, catch_up_key
+from crowdtrain.averaging.catch_up import ANNOUNCE_FOR_S, HoldBudget, catch_up_key
 from crowdtrain.averaging.collaboration import (
     _Optimizer,
     chunk_timeout_s,
@@ -36,6 +36,7 @@ from crowdtrain.averaging.partition import PartialAverageError, PlanSharesMixin
 from crowdtrain.averaging.phases import PhaseAccumulator, PhaseTimes
 from crowdtrain.manifest import AveragingSpec, demo
 from crowdtrain.node.logs import setup_logging
+from crowdtrain.testing.processes import await_condition
 
 
 class FakeStepControl:
@@ -84,7 +85,6 @@ def bare_optimizer(num_peers: int, scheduled: FakeStepControl | None = None) -> 
     optimizer.dht = FakeDHT()
     optimizer.run_id = "crowdtrain-test"
     optimizer.hold_budget = HoldBudget()
-    optimizer._last_download_s = None
     optimizer._announced_expiration = 0.0
     optimizer.state_averager = SimpleNamespace(local_epoch=0, last_loaded_epoch=None)
     optimizer.scheduled_grads = scheduled
@@ -281,25 +281,23 @@ def test_a_read_that_fails_during_a_hold_keeps_holding(
     assert len(refreshes) == 3, "held through two failed reads, until the announcement said done"
 
 
-def test_a_download_is_announced_before_it_begins_and_said_done_after(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_download_is_announced_before_it_begins_renewed_while_it_lasts_and_said_done_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(collaboration, "ANNOUNCE_EVERY_S", 0.01)
     optimizer = bare_optimizer(2)
-    clock = SimpleNamespace(now=100.0)
-    monkeypatch.setattr(collaboration.time, "monotonic", lambda: clock.now)
+    stored = optimizer.dht.stored
 
     def download(self: Any, **kwargs: Any) -> None:
-        assert optimizer.dht.stored[-1][2]["done"] is False, "announced first"
-        clock.now += 4.0
+        assert [value["done"] for *_, value, _ in stored] == [False], "announced before the download begins"
+        await_condition(lambda: len(stored) >= 3, 10, "two renewals while the download lasts", poll_s=0.001)
 
     monkeypatch.setattr(hivemind.Optimizer, "load_state_from_peers", download)
     began = get_dht_time()
     optimizer.load_state_from_peers()
-    optimizer.load_state_from_peers()
-    stored = optimizer.dht.stored
-    assert [(key, subkey, value["done"]) for key, subkey, value, _ in stored] == [
-        (catch_up_key("crowdtrain-test"), OWN_KEY, done) for done in (False, True, False, True)
-    ]
-    assert stored[0][2]["until"] >= began + HOLD_MAX_S - 1, "the first download: as long as any hold"
-    assert began + 11 <= stored[2][2]["until"] <= get_dht_time() + 13, "then three times the last one (4 s)"
+    assert {(key, subkey) for key, subkey, *_ in stored} == {(catch_up_key("crowdtrain-test"), OWN_KEY)}
+    assert [value["done"] for *_, value, _ in stored][-1] is True and len(stored) >= 4, "done after the download"
+    assert all(began + ANNOUNCE_FOR_S - 1 <= value["until"] for *_, value, _ in stored[:-1]), "deadlines ahead"
     expirations = [expiration for *_, expiration in stored]
     assert expirations == sorted(set(expirations)), "each record outlives the one before, or the DHT keeps that"
 

@@ -8,7 +8,8 @@ swarm whose step is shorter than a state download can thus never be joined (hive
 hivemind hides it a little because its matchmaking wait makes every step longer).
 
 Here a peer about to download announces it under the run's catch-up key (a signed record: its subkey is the
-peer's progress-record key) with a deadline, and says "done" after the download. Every peer, at its next global
+peer's progress-record key) with a deadline ANNOUNCE_FOR_S ahead, renews it every ANNOUNCE_EVERY_S while the
+download lasts, and says "done" after it. Every peer, at its next global
 step and before averaging, holds while an announcer is still downloading and its progress record shows an epoch
 below this peer's: the donor is holding too, so the state it served is of this epoch, and when the joiner reports
 it, all average together and step into the next epoch in one group.
@@ -39,10 +40,11 @@ HOLD_POLL_S = 0.25
 """How often a holding node reads the announcers' progress again."""
 READ_TIMEOUT_S = 1.0
 """The longest a step waits for the announcements."""
-ANNOUNCE_MIN_S = 10.0
-"""The least a download is announced for: a state download's fixed costs (finding donors, verifying)."""
-ANNOUNCE_MARGIN = 3.0
-"""A download is announced for this many times the last one's duration (HOLD_MAX_S before the first)."""
+ANNOUNCE_EVERY_S = 5.0
+"""How often a peer renews its announcement while its download lasts."""
+ANNOUNCE_FOR_S = 20.0
+"""How far ahead each renewal sets the deadline: a peer that dies mid-download is waited for this long at most
+after its last renewal."""
 
 
 def catch_up_key(run_id: str) -> str:
@@ -60,13 +62,6 @@ class Announcement:
     def to_record(self) -> dict[str, Any]:
         """The DHT value."""
         return {"until": self.until, "done": self.done}
-
-
-def announce_until(now: float, last_download_s: float | None) -> float:
-    """The deadline a peer announces for a download it begins at `now`, after one that took `last_download_s`."""
-    if last_download_s is None:
-        return now + HOLD_MAX_S
-    return now + min(HOLD_MAX_S, max(ANNOUNCE_MIN_S, ANNOUNCE_MARGIN * last_download_s))
 
 
 def parse_announcements(entries: Any, now: float) -> dict[Any, Announcement]:

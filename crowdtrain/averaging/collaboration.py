@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import signal
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from multiprocessing.sharedctypes import Synchronized
@@ -24,11 +25,12 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain.averaging.catch_up import (
+    ANNOUNCE_EVERY_S,
+    ANNOUNCE_FOR_S,
     HOLD_POLL_S,
     READ_TIMEOUT_S,
     Announcement,
     HoldBudget,
-    announce_until,
     catch_up_key,
     parse_announcements,
     progress_epochs,
@@ -154,7 +156,6 @@ class _Optimizer(hivemind.Optimizer):
         self.aggregation = AggregationSettings() if aggregation is None else aggregation
         self.run_created_at = run_created_at
         self.hold_budget = HoldBudget()
-        self._last_download_s: float | None = None
         self._announced_expiration = 0.0
         super().__init__(client_mode=client_mode, use_local_updates=use_local_updates, **kwargs)
         # The torch optimizer steps in hivemind's own thread, inside state_averager.step: hooks time just the step.
@@ -279,17 +280,25 @@ class _Optimizer(hivemind.Optimizer):
         # Also wraps hivemind.Optimizer.load_state_from_peers to time the download, a phase of its own.
         # Then, when the swarm's newest state was older than the epoch some peer claims, that claim is ignored for
         # a while: otherwise this node would download again at every step (averaging/progress_bounds.py).
-        # Announced first, so the swarm holds its next step until this node has the state (averaging/catch_up.py).
-        began = time.monotonic()
-        self._announce_catch_up(Announcement(until=announce_until(get_dht_time(), self._last_download_s)))
+        # Announced first and renewed while it lasts, so the swarm holds its next step until this node has the
+        # state (averaging/catch_up.py); a node that dies mid-download stops renewing and is soon not waited for.
+        self._announce_catch_up(Announcement(until=get_dht_time() + ANNOUNCE_FOR_S))
+        downloaded = threading.Event()
+        renewals = threading.Thread(target=self._renew_announcement, args=(downloaded,), daemon=True)
+        renewals.start()
         try:
             with self.phases.measure(Phase.STATE_DOWNLOAD):
                 super().load_state_from_peers(**kwargs)
         finally:
+            downloaded.set()
+            renewals.join()
             self._announce_catch_up(Announcement(until=get_dht_time(), done=True))
-        self._last_download_s = time.monotonic() - began
         self.replica_diverged = False
         self.tracker.distrust_unbacked_epochs(self.local_epoch, self.state_averager.last_loaded_epoch)
+
+    def _renew_announcement(self, downloaded: threading.Event) -> None:
+        while not downloaded.wait(ANNOUNCE_EVERY_S):
+            self._announce_catch_up(Announcement(until=get_dht_time() + ANNOUNCE_FOR_S))
 
     def _announce_catch_up(self, announcement: Announcement) -> None:
         # The DHT keeps, per subkey, the value that expires last: each announcement expires after the one before.
