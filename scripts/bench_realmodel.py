@@ -52,6 +52,8 @@ from crowdtrain.models import (
     precision_for_device,
     training_loss,
 )
+from crowdtrain.node.config import ROLES
+from crowdtrain.roles import AUTO
 from crowdtrain.testing import processes
 from crowdtrain.testing.bench import (
     MIB,
@@ -415,6 +417,7 @@ def measure_crowdtrain(bench: Bench, num_peers: int) -> dict[str, Any]:
         CROWDTRAIN_NUM_THREADS=str(args.threads),
         CROWDTRAIN_STATUS_INTERVAL_S=f"{STATUS_INTERVAL_S:g}",
         CROWDTRAIN_VERBOSE=str(args.daemon_verbose),
+        CROWDTRAIN_ROLE=args.daemon_role,
     )
     root = bench.root / f"crowdtrain-{num_peers}peers"
     nodes = start_swarm(bench.groups, root, num_peers, ["--run-file", str(bench.run_file)], env)
@@ -636,6 +639,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--daemon-verbose", type=int, default=0, choices=(0, 1, 2), help="the daemons' -v count (2: debug logs)"
     )
     parser.add_argument("--matchmaking-s", type=float, help="matchmaking time of both swarms (default: the preset's)")
+    parser.add_argument(
+        "--daemon-role", choices=ROLES, default=AUTO, help="every daemon's --role (default auto: measurement decides)"
+    )
     parser.add_argument(
         "--precision", choices=("auto", "fp32", "bf16", "fp16"), help="the loops' precision (default: crowdtrain's)"
     )
