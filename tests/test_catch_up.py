@@ -32,6 +32,8 @@ def test_announcements_are_parsed_with_deadlines_bounded_and_garbage_left_out() 
                 b"a": {"until": NOW + 30, "done": False},
                 b"far": {"until": NOW + 1e9},  # a deadline past any hold: counted as HOLD_MAX_S from now
                 b"done": {"until": NOW + 30, "done": True},
+                b"loaded": {"until": NOW + 30, "loaded": 7},
+                b"badloaded": {"until": NOW + 30, "loaded": True},
                 b"nan": {"until": math.nan},
                 b"inf": {"until": math.inf},
                 b"bool": {"until": True},
@@ -45,7 +47,9 @@ def test_announcements_are_parsed_with_deadlines_bounded_and_garbage_left_out() 
     assert parsed == {
         b"a": Announcement(until=NOW + 30),
         b"far": Announcement(until=NOW + HOLD_MAX_S),
-        b"done": Announcement(until=NOW + 30, done=True),
+        b"done": Announcement(until=NOW + 30),  # fields of other versions are ignored
+        b"loaded": Announcement(until=NOW + 30, loaded=7),
+        b"badloaded": Announcement(until=NOW + 30),
     }
     assert parse_announcements("garbage", NOW) == {} and parse_announcements(None, NOW) == {}
 
@@ -61,7 +65,10 @@ def test_progress_epochs_keep_integer_epochs_only() -> None:
         (Announcement(until=NOW + 30), {}, True),  # a joiner has no progress record before its first download
         (Announcement(until=NOW + 30), {b"peer": 9}, True),  # behind this node's epoch 10
         (Announcement(until=NOW + 30), {b"peer": 10}, False),  # it has the state of this node's epoch
-        (Announcement(until=NOW + 30, done=True), {b"peer": 3}, False),  # done: it announces again if still behind
+        (Announcement(until=NOW + 30, loaded=10), {}, True),  # loaded: its progress record is not here yet
+        (Announcement(until=NOW + 30, loaded=12), {b"peer": 9}, True),  # loaded one ahead, record not here yet
+        (Announcement(until=NOW + 30, loaded=9), {b"peer": 9}, False),  # in step since: behind in a round, no hold
+        (Announcement(until=NOW + 30, loaded=9), {b"peer": 8}, True),  # the epoch it loaded is not reported yet
         (Announcement(until=NOW - 1), {}, False),  # past its deadline
     ],
 )

@@ -7,9 +7,11 @@ underneath replaced by a recorder: pure logic, no DHT. The accumulation test run
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -48,6 +50,9 @@ class FakeStepControl:
     def done(self) -> bool:
         return self._done
 
+    def cancel(self) -> None:
+        self._done = True
+
 
 class FakeDHT:
     """The DHT calls of the catch-up hold: `announcements` (subkey -> value) is what a read finds, `None` a read
@@ -79,10 +84,16 @@ def bare_optimizer(num_peers: int, scheduled: FakeStepControl | None = None) -> 
     optimizer.tracker = SimpleNamespace(
         global_progress=SimpleNamespace(num_peers=num_peers),
         distrust_unbacked_epochs=lambda local, loaded: None,
+        pause_updates=contextlib.nullcontext,
+        refresh_global_progress=lambda timeout: None,
         last_records={},
         own_key=OWN_KEY,
     )
     optimizer.dht = FakeDHT()
+    optimizer.averaging_timeout = 30.0
+    optimizer.grad_averager = SimpleNamespace(
+        schedule_step=lambda scheduled_time, timeout: FakeStepControl(done=False, triggered=False)
+    )
     optimizer.run_id = "crowdtrain-test"
     optimizer.hold_budget = HoldBudget()
     optimizer._announced_expiration = 0.0
@@ -209,7 +220,7 @@ def test_a_step_holds_while_a_peer_downloads_the_state_and_averages_once_it_repo
     monkeypatch.setattr(collaboration, "HOLD_POLL_S", 0.001)
     optimizer = bare_optimizer(2)
     optimizer.state_averager.local_epoch = 40
-    optimizer.dht.announcements = {JOINER_KEY: {"until": get_dht_time() + 60, "done": False}}
+    optimizer.dht.announcements = {JOINER_KEY: {"until": get_dht_time() + 60}}
     refreshes: list[float] = []
 
     def refresh_global_progress(timeout: float) -> None:
@@ -223,23 +234,26 @@ def test_a_step_holds_while_a_peer_downloads_the_state_and_averages_once_it_repo
     optimizer.tracker.refresh_global_progress = refresh_global_progress
     optimizer._begin_averaging_gradients(None)
     assert len(refreshes) == 4, "held until the joiner's record shows this node's epoch"
-    assert hivemind_underneath == [("begin", None)], "then averaged"
+    ((call, control),) = hivemind_underneath
+    assert call == "begin" and not control.done(), "then averaged, in a round scheduled now for the joiner to find"
     assert optimizer.phases.complete_step().wait_s > 0, "the hold is time waiting for the swarm"
 
 
 @pytest.mark.parametrize(
-    "announcement",
+    ("announcement", "joiner_epoch"),
     [
-        {"until": 1e12, "done": True},  # the download ended (the joiner is still behind: it announces again)
-        {"until": 0.0, "done": False},  # past its deadline
-        {"until": "soon"},  # garbage
+        ({"until": 1e12}, 0),  # it reports this node's epoch: it has the state
+        ({"until": 0.0}, None),  # past its deadline: the joiner died, or its download failed
+        ({"until": "soon"}, None),  # garbage
     ],
 )
-def test_no_hold_for_a_download_that_ended_or_a_malformed_announcement(
-    hivemind_underneath: list, announcement: dict[str, Any]
+def test_no_hold_for_a_peer_that_has_the_state_or_a_stale_or_malformed_announcement(
+    hivemind_underneath: list, announcement: dict[str, Any], joiner_epoch: int | None
 ) -> None:
     optimizer = bare_optimizer(2)
-    optimizer.dht.announcements = {JOINER_KEY: announcement, OWN_KEY: {"until": 1e12, "done": False}}
+    optimizer.dht.announcements = {JOINER_KEY: announcement, OWN_KEY: {"until": 1e12}}
+    if joiner_epoch is not None:
+        optimizer.tracker.last_records = {JOINER_KEY: progress_record(joiner_epoch)}
     optimizer.tracker.refresh_global_progress = lambda timeout: pytest.fail("nobody to hold for")
     optimizer._begin_averaging_gradients(None)
     assert optimizer.dht.reads == 1 and hivemind_underneath == [("begin", None)]
@@ -250,12 +264,12 @@ def test_a_hold_lasts_at_most_what_the_budget_allows_whatever_the_announced_dead
 ) -> None:
     monkeypatch.setattr(collaboration, "HOLD_POLL_S", 0.001)
     optimizer = bare_optimizer(2)
-    optimizer.dht.announcements = {JOINER_KEY: {"until": get_dht_time() + 1e9, "done": False}}
+    optimizer.dht.announcements = {JOINER_KEY: {"until": get_dht_time() + 1e9}}
     optimizer.hold_budget.level_s = 0.05
     optimizer.tracker.refresh_global_progress = lambda timeout: None
     with caplog.at_level(logging.INFO, logger=collaboration.__name__):
         optimizer._begin_averaging_gradients(None)
-    assert "stepping without them" in caplog.text and hivemind_underneath == [("begin", None)]
+    assert "stepping without 1 still downloading" in caplog.text and hivemind_underneath == [("begin", None)]
     assert optimizer.hold_budget.level_s < 0.01, "the time held is spent from the budget"
     optimizer._begin_averaging_gradients(None)
     assert caplog.text.count("holding the step") == 1, "an empty budget holds no more"
@@ -267,37 +281,38 @@ def test_a_read_that_fails_during_a_hold_keeps_holding(
     # The announcer's link is busy with its download: the DHT read times out, which must not end the hold.
     monkeypatch.setattr(collaboration, "HOLD_POLL_S", 0.001)
     optimizer = bare_optimizer(2)
-    announced = {JOINER_KEY: {"until": get_dht_time() + 60, "done": False}}
-    optimizer.dht.announcements = announced
+    optimizer.dht.announcements = {JOINER_KEY: {"until": get_dht_time() + 60}}
     refreshes: list[float] = []
 
     def refresh_global_progress(timeout: float) -> None:
         refreshes.append(timeout)
-        ended = {JOINER_KEY: {"until": get_dht_time() + 60, "done": True}}
-        optimizer.dht.announcements = None if len(refreshes) < 3 else ended
+        optimizer.dht.announcements = None  # every read from now on fails
+        if len(refreshes) == 3:
+            optimizer.tracker.last_records = {JOINER_KEY: progress_record(0)}
 
     optimizer.tracker.refresh_global_progress = refresh_global_progress
     optimizer._begin_averaging_gradients(None)
-    assert len(refreshes) == 3, "held through two failed reads, until the announcement said done"
+    assert len(refreshes) == 3, "held through two failed reads, until the joiner's record showed the epoch"
 
 
-def test_a_download_is_announced_before_it_begins_renewed_while_it_lasts_and_said_done_after(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_download_is_announced_before_it_begins_and_renewed_while_it_lasts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(collaboration, "ANNOUNCE_EVERY_S", 0.01)
     optimizer = bare_optimizer(2)
     stored = optimizer.dht.stored
 
     def download(self: Any, **kwargs: Any) -> None:
-        assert [value["done"] for *_, value, _ in stored] == [False], "announced before the download begins"
+        assert len(stored) == 1, "announced before the download begins"
         await_condition(lambda: len(stored) >= 3, 10, "two renewals while the download lasts", poll_s=0.001)
 
     monkeypatch.setattr(hivemind.Optimizer, "load_state_from_peers", download)
     began = get_dht_time()
     optimizer.load_state_from_peers()
+    after = len(stored)
+    assert stored[-1][2] == {"until": stored[-1][2]["until"], "loaded": 0}, "the last says which epoch it loaded"
+    time.sleep(0.05)
+    assert len(stored) == after, "no renewal once the download is over"
     assert {(key, subkey) for key, subkey, *_ in stored} == {(catch_up_key("crowdtrain-test"), OWN_KEY)}
-    assert [value["done"] for *_, value, _ in stored][-1] is True and len(stored) >= 4, "done after the download"
-    assert all(began + ANNOUNCE_FOR_S - 1 <= value["until"] for *_, value, _ in stored[:-1]), "deadlines ahead"
+    assert all(began + ANNOUNCE_FOR_S - 1 <= value["until"] for *_, value, _ in stored), "deadlines ahead"
     expirations = [expiration for *_, expiration in stored]
     assert expirations == sorted(set(expirations)), "each record outlives the one before, or the DHT keeps that"
 

@@ -8,11 +8,17 @@ swarm whose step is shorter than a state download can thus never be joined (hive
 hivemind hides it a little because its matchmaking wait makes every step longer).
 
 Here a peer about to download announces it under the run's catch-up key (a signed record: its subkey is the
-peer's progress-record key) with a deadline ANNOUNCE_FOR_S ahead, renews it every ANNOUNCE_EVERY_S while the
-download lasts, and says "done" after it. Every peer, at its next global
-step and before averaging, holds while an announcer is still downloading and its progress record shows an epoch
-below this peer's: the donor is holding too, so the state it served is of this epoch, and when the joiner reports
-it, all average together and step into the next epoch in one group.
+peer's progress-record key) with a deadline ANNOUNCE_FOR_S ahead, and renews it every ANNOUNCE_EVERY_S while the
+download lasts. Every peer, at its next global step and before averaging, holds while an announcement is before
+its deadline and the announcer's progress record shows an epoch below this peer's (or no record yet): the donor
+is holding too, so the state it served is of this epoch, and when the joiner reports it, all average together and
+step into the next epoch in one group. After the download the peer says which epoch it loaded, and is waited
+for until its progress record shows that epoch: a first version released the swarm on a bare "done", before the
+joiner's progress record reached the holders; hivemind then counted one peer, stepped alone, and the two were
+apart again. Without the "loaded" a live announcement held the swarm again at the next step, while the joiner,
+in step with it, was still finishing its share of the round. A joiner whose download left it behind downloads
+again under a new announcement. The round after a hold looks for its group CATCH_UP_MATCHMAKING_S, so the
+peers just caught up find it.
 
 An announcement is a claim of an untrusted peer, so what it can cost is bounded by this node:
 - one hold lasts at most HOLD_MAX_S by this node's clock, whatever the deadline says;
@@ -36,15 +42,19 @@ HOLD_MAX_S = 120.0
 """The longest one hold lasts, and the most held at once."""
 HOLD_SHARE = 0.05
 """The share of wall time a node spends holding, in the long run."""
+CATCH_UP_MATCHMAKING_S = 10.0
+"""How long the round after a hold looks for its group, so that the peers just caught up find it."""
 HOLD_POLL_S = 0.25
 """How often a holding node reads the announcers' progress again."""
 READ_TIMEOUT_S = 1.0
 """The longest a step waits for the announcements."""
-ANNOUNCE_EVERY_S = 5.0
+ANNOUNCE_EVERY_S = 10.0
 """How often a peer renews its announcement while its download lasts."""
-ANNOUNCE_FOR_S = 20.0
+ANNOUNCE_FOR_S = 60.0
 """How far ahead each renewal sets the deadline: a peer that dies mid-download is waited for this long at most
-after its last renewal."""
+after its last renewal. Not shorter: the holders' reads of a renewal can fail for the whole download, as they
+query the downloader's DHT node over the link its download fills (a 20-s deadline lapsed mid-download on a
+0.5 Mbit/s joiner, and the swarm stepped without it)."""
 
 
 def catch_up_key(run_id: str) -> str:
@@ -54,14 +64,15 @@ def catch_up_key(run_id: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Announcement:
-    """A peer downloads the swarm's state until `until` (a DHT time), or it is `done`."""
+    """A peer downloads the swarm's state (`loaded` None), or has loaded the state of epoch `loaded`; either way
+    wait for its progress record until `until` (a DHT time) at most."""
 
     until: float
-    done: bool = False
+    loaded: int | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The DHT value."""
-        return {"until": self.until, "done": self.done}
+        return {"until": self.until} if self.loaded is None else {"until": self.until, "loaded": self.loaded}
 
 
 def parse_announcements(entries: Any, now: float) -> dict[Any, Announcement]:
@@ -72,9 +83,11 @@ def parse_announcements(entries: Any, now: float) -> dict[Any, Announcement]:
         value = getattr(entry, "value", None)
         if not isinstance(value, Mapping):
             continue
-        until, done = value.get("until"), value.get("done")
+        until, loaded = value.get("until"), value.get("loaded")
+        if not isinstance(loaded, int) or isinstance(loaded, bool):
+            loaded = None
         if isinstance(until, int | float) and not isinstance(until, bool) and math.isfinite(until):
-            parsed[subkey] = Announcement(until=min(float(until), now + HOLD_MAX_S), done=done is True)
+            parsed[subkey] = Announcement(until=min(float(until), now + HOLD_MAX_S), loaded=loaded)
     return parsed
 
 
@@ -92,12 +105,14 @@ def progress_epochs(entries: Any) -> dict[Any, int]:
 def still_downloading(
     announcements: Mapping[Any, Announcement], epochs: Mapping[Any, int], epoch: int, now: float, own_key: Any
 ) -> list[Any]:
-    """The announcers a node at `epoch` holds for: not itself, not done, before their deadline, and with a
-    progress record before `epoch` (or none yet)."""
+    """The announcers a node at `epoch` holds for: not itself, before their deadline, and with a progress record
+    (or none yet) before `epoch` while downloading, before the epoch it loaded (at most `epoch`) after."""
     return [
         key
         for key, announcement in announcements.items()
-        if key != own_key and not announcement.done and announcement.until > now and epochs.get(key, -1) < epoch
+        if key != own_key
+        and announcement.until > now
+        and epochs.get(key, -1) < (epoch if announcement.loaded is None else min(announcement.loaded, epoch))
     ]
 
 

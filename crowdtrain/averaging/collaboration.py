@@ -27,6 +27,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from crowdtrain.averaging.catch_up import (
     ANNOUNCE_EVERY_S,
     ANNOUNCE_FOR_S,
+    CATCH_UP_MATCHMAKING_S,
     HOLD_POLL_S,
     READ_TIMEOUT_S,
     Announcement,
@@ -280,8 +281,9 @@ class _Optimizer(hivemind.Optimizer):
         # Also wraps hivemind.Optimizer.load_state_from_peers to time the download, a phase of its own.
         # Then, when the swarm's newest state was older than the epoch some peer claims, that claim is ignored for
         # a while: otherwise this node would download again at every step (averaging/progress_bounds.py).
-        # Announced first and renewed while it lasts, so the swarm holds its next step until this node has the
-        # state (averaging/catch_up.py); a node that dies mid-download stops renewing and is soon not waited for.
+        # Announced first and renewed while it lasts, so the swarm holds its next step until this node reports the
+        # epoch of the state (averaging/catch_up.py); a node that dies mid-download stops renewing and is soon not
+        # waited for. The last says which epoch this node loaded: the swarm waits for its progress record to show it.
         self._announce_catch_up(Announcement(until=get_dht_time() + ANNOUNCE_FOR_S))
         downloaded = threading.Event()
         renewals = threading.Thread(target=self._renew_announcement, args=(downloaded,), daemon=True)
@@ -292,9 +294,13 @@ class _Optimizer(hivemind.Optimizer):
         finally:
             downloaded.set()
             renewals.join()
-            self._announce_catch_up(Announcement(until=get_dht_time(), done=True))
+            self._announce_catch_up(Announcement(until=get_dht_time() + ANNOUNCE_FOR_S, loaded=self.local_epoch))
         self.replica_diverged = False
         self.tracker.distrust_unbacked_epochs(self.local_epoch, self.state_averager.last_loaded_epoch)
+        # The swarm may be holding its step for this node: read its progress now, not at the next scheduled fetch
+        # (up to a refresh period away), so that the next micro-batch already sees the batch full and averages it.
+        with self.tracker.pause_updates():
+            self.tracker.refresh_global_progress(timeout=PROGRESS_REFRESH_TIMEOUT_S)
 
     def _renew_announcement(self, downloaded: threading.Event) -> None:
         while not downloaded.wait(ANNOUNCE_EVERY_S):
@@ -327,6 +333,7 @@ class _Optimizer(hivemind.Optimizer):
             return
         logger.info(f"{len(waiting)} peer(s) download the swarm's state: holding the step of epoch {epoch} for "
                     f"them, {allowance:.0f} s at most, so that they average this batch with the swarm")  # fmt: skip
+        announcers = waiting
         with self.phases.measure(Phase.WAIT):
             while waiting and time.monotonic() - began < allowance:
                 time.sleep(HOLD_POLL_S)
@@ -336,8 +343,28 @@ class _Optimizer(hivemind.Optimizer):
                 waiting = self._still_downloading(announcements, epoch)
         held = time.monotonic() - began
         self.hold_budget.spend(held, time.monotonic())
-        outcome = "stepping without them" if waiting else "they have it"
+        now = get_dht_time()
+        lapsed = [key for key in announcers if key not in announcements or announcements[key].until <= now]
+        caught_up = len(announcers) - len(lapsed) - len(waiting)
+        if caught_up:
+            self._schedule_round_for_catching_up_peers()
+        outcome = f"{caught_up} of {len(announcers)} caught up"
+        outcome += f", {len(lapsed)} announcement(s) lapsed" if lapsed else ""
+        outcome += f", stepping without {len(waiting)} still downloading (the hold's limit)" if waiting else ""
         logger.info(f"held the step of epoch {epoch} for {held:.1f} s: {outcome}")
+
+    def _schedule_round_for_catching_up_peers(self) -> None:
+        # A round that looks for its group CATCH_UP_MATCHMAKING_S, not the manifest's matchmaking time: a peer that
+        # has just loaded the state must still learn the batch is full, compute a micro-batch and look for the group,
+        # over its own link. With the manifest's 2 s a joiner on a 0.5 Mbit/s link missed the round, this node
+        # stepped alone, and each then downloaded the other's state. A round scheduled before the hold is stale.
+        scheduled: Any = self.scheduled_grads  # type: ignore[has-type]  # a hivemind StepControl
+        if scheduled is not None and not scheduled.done() and not scheduled.triggered:
+            scheduled.cancel()
+        if scheduled is None or not scheduled.triggered:
+            self.scheduled_grads = self.grad_averager.schedule_step(
+                get_dht_time() + CATCH_UP_MATCHMAKING_S, timeout=self.averaging_timeout
+            )
 
     def _read_announcements(self, unanswered: dict[Any, Announcement]) -> dict[Any, Announcement]:
         # The swarm's catch-up announcements; `unanswered` when the DHT does not answer in time or holds none.
