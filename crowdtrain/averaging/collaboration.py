@@ -357,11 +357,11 @@ class _Optimizer(hivemind.Optimizer):
         # A round that looks for its group CATCH_UP_MATCHMAKING_S, not the manifest's matchmaking time: a peer that
         # has just loaded the state must still learn the batch is full, compute a micro-batch and look for the group,
         # over its own link. With the manifest's 2 s a joiner on a 0.5 Mbit/s link missed the round, this node
-        # stepped alone, and each then downloaded the other's state. A round scheduled before the hold is stale.
+        # stepped alone, and each then downloaded the other's state. A round scheduled before the hold and still
+        # live is kept: it is still looking for its group, and cancelling it left its search running in the averager
+        # ("Another look_for_group is already in progress"), which held the new round back until it failed.
         scheduled: Any = self.scheduled_grads  # type: ignore[has-type]  # a hivemind StepControl
-        if scheduled is not None and not scheduled.done() and not scheduled.triggered:
-            scheduled.cancel()
-        if scheduled is None or not scheduled.triggered:
+        if scheduled is None or scheduled.done():
             self.scheduled_grads = self.grad_averager.schedule_step(
                 get_dht_time() + CATCH_UP_MATCHMAKING_S, timeout=self.averaging_timeout
             )
