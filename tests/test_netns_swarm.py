@@ -76,7 +76,7 @@ def test_a_joiner_on_a_slow_link_catches_up_with_a_swarm_that_steps_faster_than_
     """A founder stepping every fraction of a second (the tiny model, a 16-sample global batch) and a joiner whose
     state download over a 1 Mbit/s link takes seconds: the swarm holds its step while the joiner downloads, and the
     joiner then trains with it. Without the hold the joiner downloaded again at every step and never trained (seen
-    on a GPU with llama-85m: 45 downloads in 80 s, issue 12)."""
+    on a GPU with llama-85m: 13 downloads in 75 s, issue 12)."""
     run_file = tmp_path / "fast.toml"
     run_file.write_text(tiny_run_file("fast-steps", 16))
     scenario = Scenario(

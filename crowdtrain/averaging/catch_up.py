@@ -2,7 +2,7 @@
 
 Symptom: on a GPU (llama-85m on one H100, 512-sample global batches) the founder stepped every 1.7 s and a state
 download (1 GB: weights and Adam's moments) took 4-5 s. The joiner downloaded epoch 4 as the swarm reached 7,
-epoch 8 as it reached 11, and so on: 45 downloads in 80 s, never a micro-batch trained, and the "swarm" was the
+epoch 8 as it reached 11, and so on: 13 downloads in 75 s, never a micro-batch trained, and the "swarm" was the
 founder alone. hivemind lets a peer one epoch behind step with the swarm; further behind, it downloads again. A
 swarm whose step is shorter than a state download can thus never be joined (hivemind issue #455 reports it; stock
 hivemind hides it a little because its matchmaking wait makes every step longer).
