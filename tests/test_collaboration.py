@@ -50,9 +50,6 @@ class FakeStepControl:
     def done(self) -> bool:
         return self._done
 
-    def cancel(self) -> None:
-        self._done = True
-
 
 class FakeDHT:
     """The DHT calls of the catch-up hold: `announcements` (subkey -> value) is what a read finds, `None` a read
