@@ -38,7 +38,7 @@ import torch
 from hivemind.p2p import P2PContext, PeerID
 
 from crowdtrain import proto
-from crowdtrain.dht.service import P2PService
+from crowdtrain.dht.service import P2PService, linger
 from crowdtrain.errors import CrowdtrainError
 
 logger = logging.getLogger(__name__)
@@ -60,12 +60,6 @@ FETCH_ALL_SLACK_S = 5.0
 """`fetch_all`'s fetches end at its deadline; the call itself gives up this much later (never reached)."""
 MAX_CUT_SHORT = 2
 """Asks again after a stream that ended before its announced bytes, at most this many times."""
-LINGER_S = 10.0
-"""After its last message an answer waits up to this long for the fetcher, who knows the answer's size, to close the
-stream. Symptom worked around: when the answering side closed first, about 1 answer in 10,000 on loopback reached
-the fetcher without its last message (cut after the header; the owner sending without error), most likely the
-daemons' stream close racing with the last write: 5 in 38,000 fetches of one script. With the fetcher closing first
-(protocol v2), none in 29,576 of the same script."""
 DIGEST_BYTES = 16
 BLOCK = 256
 """Values per int8 block of a change (each block has its own scale)."""
@@ -184,7 +178,7 @@ class ExpertExchange(P2PService):
         else:
             async for chunk in self._answer(request, copy):
                 yield chunk
-        await asyncio.sleep(LINGER_S)  # the fetcher closes the stream once it has the answer: that ends this
+        await linger()  # the fetcher closes the stream once it has the answer (protocol v2)
 
     async def _answer(
         self, request: proto.SpesExpertRequest, copy: Published
@@ -259,7 +253,7 @@ class ExpertExchange(P2PService):
                 received = await self._receive(peer, request, held, where)
             except _CutShort as e:
                 # the stream ended before its announced bytes (about 1 fetch in 10,000 while owners closed first; not
-                # seen since the fetcher closes, see LINGER_S): ask again, a few times
+                # seen since the fetcher closes, see `linger`): ask again, a few times
                 cut_short += 1
                 self.asks_repeated += 1
                 if cut_short > MAX_CUT_SHORT or time.monotonic() + RETRY_S > deadline:

@@ -27,6 +27,9 @@ T = TypeVar("T")
 START_TIMEOUT_S = 30.0
 DRAIN_FRAMES = 64
 DRAIN_S = 2.0
+LINGER_S = 10.0
+"""After its last message a streamed answer waits up to this long for its caller, who knows the answer's size, to
+close the stream (`linger`)."""
 
 
 class P2PService(AdmissionGated, ServicerBase):
@@ -96,6 +99,17 @@ class P2PService(AdmissionGated, ServicerBase):
         if self._p2p is None:
             raise RuntimeError(f"the {self.namespace} service is not started")
         return self._p2p
+
+
+async def linger() -> None:
+    """End a streamed answer: wait (at most `LINGER_S`) for the caller to close the stream; hivemind cancels this
+    wait when it does. The caller must stop reading at the answer's announced size and close the stream itself.
+
+    Symptom worked around: when the answering side closed the stream right after its last message, about 1 answer
+    in 10,000 on loopback reached the caller cut short (after its header, or before it), the sender having sent it
+    without error: most likely the daemons' stream close racing the last writes. Once the caller closes first, none
+    were cut (SPES expert copies: 5 in 38,000 before, 0 in 29,576 after; SkipPipe hops: see `stage_service`)."""
+    await asyncio.sleep(LINGER_S)
 
 
 async def _daemon_listen_maddr(_dht: hivemind.DHT, node: Any) -> Multiaddr:

@@ -13,7 +13,9 @@ microbatch, stage, shape, wire dtype), the stage must be this node's, the shape 
 backward must name a forward this node holds for the same caller, with the output's shape. A node holds at most
 `memory_microbatches` forwards at once (a forward waits up to `slot_wait_s` for a slot, then the caller gets
 "busy" and goes to another replica) and forgets one whose backward did not come within `hold_s` (its source died
-or gave up on it). A refusal is one log line here and its sentence at the caller.
+or gave up on it). A refusal is one log line here and its sentence at the caller. An answer ends by waiting for the
+caller to close the stream (`dht.service.linger`): a stream the answering node closed first lost its answer about
+once per full test-suite run under load (the caller saw "the stream ended before its header").
 
 Values travel in the wire dtype the caller chose, `float16` by default (half of float32's bytes; SkipPipe's paper
 sends activations in half precision); the answer uses the request's dtype. Compute is float32 on the node.
@@ -37,14 +39,15 @@ import torch
 from hivemind.p2p import P2PContext, PeerID
 
 from crowdtrain import proto
-from crowdtrain.dht.service import P2PService, drain
+from crowdtrain.dht.service import P2PService, drain, linger
 from crowdtrain.errors import CrowdtrainError
 from crowdtrain.models.stages import StagedModel
 
 logger = logging.getLogger(__name__)
 
-NAMESPACE = "crowdtrain.skippipe.v1"
-"""Prefix of the hop protocol names; a new, incompatible protocol gets a new one."""
+NAMESPACE = "crowdtrain.skippipe.v2"
+"""Prefix of the hop protocol names; a new, incompatible protocol gets a new one (v2: answers linger until the caller,
+who stops reading at the announced size, closes the stream; see `linger`)."""
 CHUNK_BYTES = 1 << 20
 """Payload bytes per streamed frame."""
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -114,12 +117,40 @@ async def decode_frames(
     check_shape: Callable[[typing.Sequence[int]], tuple[int, ...]],
     error: Callable[[str], Exception],
     expected_stage: int | None = None,
+    *,
+    to_end: bool = True,
 ) -> tuple[proto.StageHop, torch.Tensor]:
     """The header and the float32 tensor a stream carries, checked as the module says, the header's stage against
-    `expected_stage` before any value is read; raises `error(sentence)`."""
+    `expected_stage` before any value is read; raises `error(sentence)`. With `to_end` (a request: the caller ends
+    its stream) a frame past the shape's bytes is refused; without it (an answer: the answering node lingers until
+    the caller closes) reading stops at the shape's bytes."""
     header = await anext(frames, None)
     if header is None:
         raise error("the stream ended before its header")
+    shape = _checked_shape(header, check_shape, error, expected_stage)
+    size = math.prod(shape) * WIRE_DTYPES[header.dtype].itemsize
+    received = bytearray()
+    async for frame in frames:
+        received += frame.payload
+        if len(received) > size:
+            raise error(f"the stream carries more than the {size} bytes of its shape {list(shape)}")
+        if len(received) == size and not to_end:
+            break
+    if len(received) != size:
+        raise error(f"the stream ended after {len(received)} of its {size} bytes")
+    tensor = torch.frombuffer(received, dtype=WIRE_DTYPES[header.dtype]).view(shape).float()
+    if not bool(torch.isfinite(tensor).all()):
+        raise error("the hidden states hold NaN or infinite values")
+    return header, tensor
+
+
+def _checked_shape(
+    header: proto.StageHop,
+    check_shape: Callable[[typing.Sequence[int]], tuple[int, ...]],
+    error: Callable[[str], Exception],
+    expected_stage: int | None,
+) -> tuple[int, ...]:
+    """The shape a header announces, once its stage, wire dtype and shape passed `decode_frames`' checks."""
     if expected_stage is not None and header.stage != expected_stage:
         raise error(f"this node serves stage {expected_stage}, not {header.stage}")
     if header.dtype not in WIRE_DTYPES:
@@ -127,21 +158,9 @@ async def decode_frames(
     if header.payload:
         raise error("the header frame carries values")
     try:
-        shape = check_shape(header.shape)
+        return check_shape(header.shape)
     except HopRefusedError as e:
         raise error(str(e)) from None
-    size = math.prod(shape) * WIRE_DTYPES[header.dtype].itemsize
-    received = bytearray()
-    async for frame in frames:
-        received += frame.payload
-        if len(received) > size:
-            raise error(f"the stream carries more than the {size} bytes of its shape {list(shape)}")
-    if len(received) != size:
-        raise error(f"the stream ended after {len(received)} of its {size} bytes")
-    tensor = torch.frombuffer(received, dtype=WIRE_DTYPES[header.dtype]).view(shape).float()
-    if not bool(torch.isfinite(tensor).all()):
-        raise error("the hidden states hold NaN or infinite values")
-    return header, tensor
 
 
 @dataclass(slots=True)
@@ -210,6 +229,7 @@ class StageService(P2PService):
         for frame in encode_frames(outputs, _reply_header(header), header.dtype):
             self.bytes_sent += len(frame.payload)
             yield frame
+        await linger()
 
     async def rpc_stage_backward(
         self, requests: typing.AsyncIterator[proto.StageHop], context: P2PContext
@@ -236,6 +256,7 @@ class StageService(P2PService):
         for frame in encode_frames(grad_inputs, _reply_header(header), header.dtype):
             self.bytes_sent += len(frame.payload)
             yield frame
+        await linger()
 
     async def rpc_stage_done(self, request: proto.StageHop, context: P2PContext) -> proto.StageHop:
         """A source says it ran every microbatch of `request.iteration` it will: no more backwards from it."""
@@ -254,10 +275,11 @@ class StageService(P2PService):
             gradient = self._gradients.get(request.iteration)
         if request.stage != self.stage or gradient is None:
             yield proto.StageHop(iteration=request.iteration, stage=self.stage)
-            return
-        for frame in encode_frames(gradient, _reply_header(request), "float32"):
-            self.bytes_sent += len(frame.payload)
-            yield frame
+        else:
+            for frame in encode_frames(gradient, _reply_header(request), "float32"):
+                self.bytes_sent += len(frame.payload)
+                yield frame
+        await linger()
 
     async def rpc_stage_state(
         self, request: proto.StageHop, context: P2PContext
@@ -267,13 +289,14 @@ class StageService(P2PService):
         source = self._state_source
         if request.stage != self.stage or source is None:
             yield proto.StageHop(stage=self.stage)
-            return
-        async with self._state_reads:
-            iteration, steps, values = await asyncio.to_thread(self._snapshot, source)
-            header = proto.StageHop(iteration=iteration, stage=self.stage, optimizer_steps=steps)
-            for frame in encode_frames(values, header, "float32"):
-                self.bytes_sent += len(frame.payload)
-                yield frame
+        else:
+            async with self._state_reads:
+                iteration, steps, values = await asyncio.to_thread(self._snapshot, source)
+                header = proto.StageHop(iteration=iteration, stage=self.stage, optimizer_steps=steps)
+                for frame in encode_frames(values, header, "float32"):
+                    self.bytes_sent += len(frame.payload)
+                    yield frame
+        await linger()
 
     def _snapshot(self, source: Callable[[], tuple[int, int, torch.Tensor]]) -> tuple[int, int, torch.Tensor]:
         with self.model_lock:  # between steps: parameters and optimizer state of one iteration
@@ -426,7 +449,7 @@ class StageService(P2PService):
         answers = await getattr(stub, f"rpc_stage_{call}")(frames())
         try:
             reply, answer = await decode_frames(
-                answers, self.limits.check_shape, lambda reason: HopFailedError(f"{where}: {reason}")
+                answers, self.limits.check_shape, lambda reason: HopFailedError(f"{where}: {reason}"), to_end=False
             )
         finally:
             await answers.aclose()
@@ -493,7 +516,10 @@ class StageService(P2PService):
                 header = await anext(answers, None)
                 if header is not None and header.shape:
                     return await decode_frames(
-                        _prepend(header, answers), flat, lambda reason: HopFailedError(f"{where}: {reason}")
+                        _prepend(header, answers),
+                        flat,
+                        lambda reason: HopFailedError(f"{where}: {reason}"),
+                        to_end=False,
                     )
             finally:
                 await answers.aclose()
