@@ -127,7 +127,7 @@ class OptimizerSpec:
             raise ValueError(f"max_grad_norm must be 0 (no clipping) or positive, got {self.max_grad_norm}")
 
 
-TRAINING_MODES = ("gradients", "parameters", "diloco", "spes")
+TRAINING_MODES = ("gradients", "parameters", "diloco", "spes", "skippipe")
 AGGREGATION_RULES = ("mean", "trimmed_mean", "centered_clip")
 """The values of `averaging.aggregation` (crowdtrain.averaging.robust)."""
 """The values of `averaging.mode`: one per training mode (crowdtrain.training.modes.MODES)."""
@@ -258,6 +258,39 @@ class SPESSpec:
             raise ValueError(f"merge_warmup_steps must be between 1 and 10000000, got {self.merge_warmup_steps}")
 
 
+SKIPPIPE_WIRE_DTYPES = ("float16", "bfloat16", "float32")
+MAX_SKIPPIPE_STAGES = 64
+SKIPPIPE_ARCHITECTURES = ("LlamaForCausalLM",)
+"""Decoder LMs whose layers `models.stages.StagedModel` cuts into stages."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SkipPipeSpec:
+    """SkipPipe runs (`averaging.mode = "skippipe"`): the model's layers cut into stages held by different nodes;
+    each microbatch visits stage 0 and a share of the others, in an order a scheduler picks (crowdtrain/pipeline)."""
+
+    stages: int = 4
+    """S: stage 0 holds the embeddings, the first layers and the head; the layers are cut as evenly as they go."""
+    skip_ratio: float = 0.25
+    """k: the share of stages 1..S-1 each microbatch skips (SkipPipe trains the model to tolerate it), in [0, 1)."""
+    reorder: bool = True
+    """Whether a microbatch may visit its stages in another order than ascending (the node free first goes first)."""
+    microbatches: int = 8
+    """M: the whole swarm's microbatches per iteration; each stage steps its optimizer once per iteration."""
+    wire_dtype: str = "float16"
+    """How hidden states and their gradients travel between stages: `float16`, `bfloat16` or `float32`."""
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.stages <= MAX_SKIPPIPE_STAGES:
+            raise ValueError(f"stages must be between 2 and {MAX_SKIPPIPE_STAGES}, got {self.stages}")
+        if not (math.isfinite(self.skip_ratio) and 0 <= self.skip_ratio < 1):
+            raise ValueError(f"skip_ratio must be in [0, 1), got {self.skip_ratio}")
+        if not 1 <= self.microbatches <= 4096:
+            raise ValueError(f"microbatches must be between 1 and 4096, got {self.microbatches}")
+        if self.wire_dtype not in SKIPPIPE_WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {', '.join(SKIPPIPE_WIRE_DTYPES)}, got {self.wire_dtype!r}")
+
+
 EXPERT_ARCHITECTURES = ("ffn",)
 UID_PREFIX_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
 MAX_EXPERTS_PER_LAYER = 65536
@@ -337,6 +370,8 @@ class RunManifest:
     """DiLoCo runs, and SPES runs for their dense part; None there means DiLoCoSpec's defaults."""
     spes: SPESSpec | None = None
     """SPES runs only (`averaging.mode = "spes"`); None there means SPESSpec's defaults."""
+    skippipe: SkipPipeSpec | None = None
+    """SkipPipe runs only (`averaging.mode = "skippipe"`); None there means SkipPipeSpec's defaults."""
     admission: str = "open"
     """`open`: anyone who reaches the swarm may join; `invite`: only nodes holding a join token the founder issued
     (`crowdtrain invite`), checked on every DHT request and every RPC (crowdtrain/dht/admission.py)."""
@@ -365,6 +400,10 @@ class RunManifest:
             raise ValueError(f"a [diloco] section needs averaging.mode 'diloco' or 'spes', not {self.averaging.mode!r}")
         if self.spes is not None and self.averaging.mode != "spes":
             raise ValueError(f"a [spes] section needs averaging.mode = 'spes', not {self.averaging.mode!r}")
+        if self.skippipe is not None and self.averaging.mode != "skippipe":
+            raise ValueError(f"a [skippipe] section needs averaging.mode = 'skippipe', not {self.averaging.mode!r}")
+        if self.averaging.mode == "skippipe":
+            _check_skippipe_model(self)
         if self.averaging.mode == "spes" and self.moe is not None:
             raise ValueError("a SPES run trains the model's own experts: it can't have a [moe] section (DMoE)")
         if self.diloco is not None and self.diloco.compression == "topk" and self.averaging.aggregation != "mean":
@@ -385,6 +424,24 @@ class RunManifest:
         except DecodeError as e:
             raise FieldError(f"not a RunManifest message: {e}") from None
         return from_message(cls, message)
+
+
+def skippipe_spec(manifest: RunManifest) -> SkipPipeSpec:
+    """A SkipPipe run's settings: its [skippipe] section, or the defaults."""
+    return manifest.skippipe if manifest.skippipe is not None else SkipPipeSpec()
+
+
+def _check_skippipe_model(manifest: RunManifest) -> None:
+    if manifest.moe is not None:
+        raise ValueError("a SkipPipe run cuts a dense decoder into stages: it can't have a [moe] section (DMoE)")
+    if manifest.model.architecture not in SKIPPIPE_ARCHITECTURES:
+        raise ValueError(
+            f"a SkipPipe run needs model.architecture {' or '.join(SKIPPIPE_ARCHITECTURES)}, "
+            f"not {manifest.model.architecture!r}"
+        )
+    stages, layers = skippipe_spec(manifest).stages, manifest.model.config.get("num_hidden_layers")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < stages:
+        raise ValueError(f"a SkipPipe run of {stages} stages needs model.config.num_hidden_layers >= {stages}")
 
 
 def _check_moe_layers(moe: MoESpec, model: ModelSpec) -> None:
@@ -496,6 +553,16 @@ def llama_350m() -> RunManifest:
     )
 
 
+def skippipe_demo() -> RunManifest:
+    """SkipPipe on the demo LM: its 4 layers in 4 stages, each microbatch skipping a quarter of stages 1-3."""
+    return dataclasses.replace(
+        demo(),
+        run_id="skippipe-demo",
+        averaging=AveragingSpec(mode="skippipe", group_size=16, grid_dims=2, compression="fp16"),
+        skippipe=SkipPipeSpec(stages=4, skip_ratio=0.25, reorder=True, microbatches=8, wire_dtype="float16"),
+    )
+
+
 def spes_demo() -> RunManifest:
     """SPES on a 5M-parameter OLMoE (8 routed experts per layer, top-2), CPU-friendly, with the merging warm-up."""
     return RunManifest(
@@ -577,6 +644,7 @@ PRESETS: dict[str, Callable[[], RunManifest]] = {
     "llama-20m": llama_20m,
     "llama-85m": llama_85m,
     "llama-350m": llama_350m,
+    "skippipe-demo": skippipe_demo,
     "spes-demo": spes_demo,
     "spes-28m": spes_28m,
     "spes-250m": spes_250m,

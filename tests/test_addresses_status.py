@@ -341,6 +341,8 @@ def test_training_mode_and_round_of_a_diloco_peer() -> None:
         "compute_utilisation": 0.96,
         "experts_owned": 0,
         "experts_total": 0,
+        "skippipe_stage": None,
+        "skippipe_iteration": 0,
     }
     assert report.peers[1].to_json()["training"] is None
     console = Console(width=400, record=True)

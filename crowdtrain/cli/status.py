@@ -179,7 +179,10 @@ class PeerView:
 def _training_json(training: proto.TrainingStatus) -> dict[str, Any]:
     """A peer's `training` object in `status --json`: the message's fields, by name, in their order (the record
     validation has bounded them: names of at most 16 characters, inner step <= H, utilisation in [0, 1])."""
-    return {field.name: getattr(training, field.name) for field in training.DESCRIPTOR.fields}
+    return {
+        field.name: getattr(training, field.name) if not field.has_presence or training.HasField(field.name) else None
+        for field in training.DESCRIPTOR.fields
+    }
 
 
 def _copy(training: proto.TrainingStatus) -> proto.TrainingStatus:
@@ -189,9 +192,12 @@ def _copy(training: proto.TrainingStatus) -> proto.TrainingStatus:
 
 
 def _describe_training(training: proto.TrainingStatus) -> str:
-    """The table's mode cell, e.g. "diloco 3/8 int8", "spes 3/8 fp16, owns 4/32 experts" or "gradients fp16"."""
+    """The table's mode cell, e.g. "diloco 3/8 int8", "spes 3/8 fp16, owns 4/32 experts", "skippipe float16, stage 2,
+    iteration 41" or "gradients fp16"."""
     step = f" {training.inner_step}/{training.inner_steps}" if training.inner_steps else ""
     owned = f", owns {training.experts_owned}/{training.experts_total} experts" if training.experts_total else ""
+    if training.HasField("skippipe_stage"):
+        owned += f", stage {training.skippipe_stage}, iteration {training.skippipe_iteration}"
     return f"{training.mode}{step} {training.compression}".strip() + owned
 
 

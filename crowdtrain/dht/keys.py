@@ -14,3 +14,13 @@ def peers_key(run_id: str) -> str:
 def admitted_key(run_id: str) -> str:
     """Dictionary key of an invite-only run's admissions: subkey = owner marker, value = the node's AccessToken."""
     return f"{SCHEMA_PREFIX}/run/{run_id}/admitted"
+
+
+def skippipe_stages_key(run_id: str) -> str:
+    """Dictionary key of a SkipPipe run's stage declarations: subkey = owner marker, value = SkipPipeMember."""
+    return f"{SCHEMA_PREFIX}/run/{run_id}/skippipe_stages"
+
+
+def skippipe_roster_key(run_id: str) -> str:
+    """Dictionary key of a SkipPipe run's rosters: subkey = a stage-0 node's owner marker, value = SkipPipeRoster."""
+    return f"{SCHEMA_PREFIX}/run/{run_id}/skippipe_roster"

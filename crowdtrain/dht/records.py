@@ -48,6 +48,8 @@ MAX_INNER_STEPS = 1_000_000
 """Cap on a PeerStatus's inner steps per outer round: the manifest's own bound on `diloco.inner_steps`."""
 MAX_SPES_EXPERTS = 65536
 """Cap on the experts a SPES node's status may count (all layers)."""
+MAX_SKIPPIPE_STAGES = 64
+"""Cap on a SkipPipe run's stages: the manifest's own bound on `skippipe.stages`."""
 
 M = TypeVar("M", proto.PeerStatus, proto.SignedManifest)
 
@@ -217,6 +219,35 @@ def _check_training_status(training: proto.TrainingStatus) -> None:
         raise RecordError(f"peer status has an invalid training.compute_utilisation: {training.compute_utilisation}")
     if training.experts_total > MAX_SPES_EXPERTS or training.experts_owned > training.experts_total:
         raise RecordError(f"peer status owns an invalid {training.experts_owned} of {training.experts_total} experts")
+    if training.HasField("skippipe_stage") and training.skippipe_stage >= MAX_SKIPPIPE_STAGES:
+        raise RecordError(f"peer status serves an invalid SkipPipe stage {training.skippipe_stage}")
+
+
+MAX_STAGE_DECLARATION_BYTES = 256
+MAX_ROSTER_BYTES = 4 * 256 * 96
+"""Caps on a SkipPipe declaration and roster (4 memberships of 256 nodes: a 52-character peer ID, three numbers)."""
+
+
+def check_stage_declaration(subkey: bytes, value: bytes) -> proto.SkipPipeMember:
+    """A SkipPipe stage declaration: a SkipPipeMember of its signer within the size cap (pipeline/membership.py
+    checks the rest against the run); RecordError otherwise."""
+    if len(value) > MAX_STAGE_DECLARATION_BYTES:
+        raise RecordError(f"a stage declaration of {len(value)} bytes is over the {MAX_STAGE_DECLARATION_BYTES} cap")
+    member = _parse(proto.SkipPipeMember, value)
+    if peer_id_of_owner(subkey).to_base58() != member.peer_id:
+        raise RecordError("a stage declaration names another peer than its signer")
+    if member.stage >= MAX_SKIPPIPE_STAGES:
+        raise RecordError(f"a stage declaration of stage {member.stage}")
+    return member
+
+
+def check_roster(subkey: bytes, value: bytes) -> proto.SkipPipeRoster:
+    """A SkipPipe roster: a SkipPipeRoster signed by a node, within the size cap (pipeline/membership.py checks its
+    memberships); RecordError otherwise."""
+    peer_id_of_owner(subkey)
+    if len(value) > MAX_ROSTER_BYTES:
+        raise RecordError(f"a roster of {len(value)} bytes is over the {MAX_ROSTER_BYTES} cap")
+    return _parse(proto.SkipPipeRoster, value)
 
 
 def _parse(message_type: type[M], data: bytes) -> M:

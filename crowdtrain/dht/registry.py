@@ -38,7 +38,7 @@ def list_runs(dht: hivemind.DHT, timeout_s: float, founder: str | None = None) -
     `founder` (a run key: the founder's peer ID) keeps only manifests that founder signed: anyone can publish a
     manifest for any run_id (with an older `created_at`, it would win), so a pinned node looks at no other.
     """
-    entries = _get_dictionary(dht, keys.RUNS_KEY, timeout_s)
+    entries = read_dictionary(dht, keys.RUNS_KEY, timeout_s)
     by_run: dict[str, list[tuple[PublishedManifest, bytes, bytes]]] = defaultdict(list)
     for publisher, value in entries.items():
         try:
@@ -69,21 +69,21 @@ def _pick_canonical(candidates: list[tuple[PublishedManifest, bytes, bytes]]) ->
 
 def publish_manifest(dht: hivemind.DHT, signed_bytes: bytes, owner: bytes, ttl_s: float, timeout_s: float) -> bool:
     """Store (or refresh) a signed manifest under this node's own subkey."""
-    return _store(dht, keys.RUNS_KEY, signed_bytes, owner, ttl_s, timeout_s)
+    return store_signed(dht, keys.RUNS_KEY, signed_bytes, owner, ttl_s, timeout_s)
 
 
 def publish_peer_status(
     dht: hivemind.DHT, status: proto.PeerStatus, owner: bytes, ttl_s: float, timeout_s: float
 ) -> bool:
     """Store this node's heartbeat under its run; it expires `ttl_s` after the last refresh."""
-    return _store(dht, keys.peers_key(status.run_id), encode_peer_status(status), owner, ttl_s, timeout_s)
+    return store_signed(dht, keys.peers_key(status.run_id), encode_peer_status(status), owner, ttl_s, timeout_s)
 
 
 def publish_access_token(
     dht: hivemind.DHT, run_id: str, token: bytes, owner: bytes, expires_at: float, timeout_s: float
 ) -> bool:
     """Store this node's AccessToken in an invite-only run, so its peers' RPC handlers admit its calls."""
-    return _store(dht, keys.admitted_key(run_id), token, owner, max(expires_at - get_dht_time(), 1.0), timeout_s)
+    return store_signed(dht, keys.admitted_key(run_id), token, owner, max(expires_at - get_dht_time(), 1.0), timeout_s)
 
 
 async def fetch_access_tokens(dht: hivemind.DHT, run_id: str) -> dict[str, bytes]:
@@ -102,7 +102,8 @@ async def fetch_access_tokens(dht: hivemind.DHT, run_id: str) -> dict[str, bytes
     return tokens
 
 
-def _store(dht: hivemind.DHT, key: str, value: bytes, owner: bytes, ttl_s: float, timeout_s: float) -> bool:
+def store_signed(dht: hivemind.DHT, key: str, value: bytes, owner: bytes, ttl_s: float, timeout_s: float) -> bool:
+    """Store `value` under `key`, subkey `owner` (this node's owner marker: signed), for `ttl_s`; whether it was."""
     future = dht.store(key, value, get_dht_time() + ttl_s, subkey=owner, return_future=True)
     try:
         return bool(future.result(timeout=timeout_s))
@@ -115,7 +116,7 @@ def _store(dht: hivemind.DHT, key: str, value: bytes, owner: bytes, ttl_s: float
 def list_peer_statuses(dht: hivemind.DHT, run_id: str, timeout_s: float) -> list[proto.PeerStatus]:
     """The run's online peers, one verified status each, ordered by peer ID."""
     statuses = []
-    for owner, value in _get_dictionary(dht, keys.peers_key(run_id), timeout_s).items():
+    for owner, value in read_dictionary(dht, keys.peers_key(run_id), timeout_s).items():
         try:
             status = decode_peer_status(value, owner)
         except RecordError as e:
@@ -126,7 +127,8 @@ def list_peer_statuses(dht: hivemind.DHT, run_id: str, timeout_s: float) -> list
     return sorted(statuses, key=lambda status: status.peer_id)
 
 
-def _get_dictionary(dht: hivemind.DHT, key: str, timeout_s: float) -> dict[bytes, bytes]:
+def read_dictionary(dht: hivemind.DHT, key: str, timeout_s: float) -> dict[bytes, bytes]:
+    """The unexpired byte values of the dictionary under `key`, by subkey; {} if none or on timeout."""
     future = dht.get(key, latest=True, return_future=True)
     try:
         found = future.result(timeout=timeout_s)

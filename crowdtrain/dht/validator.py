@@ -18,11 +18,18 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 
 from crowdtrain.dht import keys
-from crowdtrain.dht.records import RecordError, decode_peer_status, open_manifest, peer_id_of_owner
+from crowdtrain.dht.records import (
+    RecordError,
+    check_roster,
+    check_stage_declaration,
+    decode_peer_status,
+    open_manifest,
+    peer_id_of_owner,
+)
 
 logger = logging.getLogger(__name__)
 
-RecordCheck = Callable[[bytes, bytes], None]
+RecordCheck = Callable[[bytes, bytes], object]
 """Raises RecordError unless (owner subkey, value) is a valid record for its key."""
 
 
@@ -49,6 +56,8 @@ class CrowdtrainRecordValidator(RecordValidatorBase):
         for run_id in run_ids:
             self._checks[_key_id(keys.peers_key(run_id))] = _check_peer_status_record
             self._checks[_key_id(keys.admitted_key(run_id))] = _check_access_record
+            self._checks[_key_id(keys.skippipe_stages_key(run_id))] = check_stage_declaration
+            self._checks[_key_id(keys.skippipe_roster_key(run_id))] = check_roster
 
     def validate(self, record: DHTRecord) -> bool:
         check = self._checks.get(record.key)

@@ -22,10 +22,9 @@ process with gradient accumulation. Replicas that summed the same gradients hold
 moments; a joining replica takes them from one (`join`, `rpc_stage_state`), checked: the stage's exact number of
 float32 values, finite, second moments not negative.
 
-What this does not do yet (issue 17): take the swarm from signed DHT declarations (the caller passes the nodes, the
-same list on every node, and a joiner must be added to every node's list at one iteration), elect a leader that
-announces and checks the schedule (each node computes it instead), or average weights between replicas that drifted
-apart (a replica that missed another's gradient steps differently from then on).
+The caller passes the nodes, the same list on every node (`set_nodes` between iterations; in a run, the roster of
+`pipeline.membership`). Not done yet (issue 17): average weights between replicas that drifted apart (a replica that
+missed another's gradient steps differently from then on).
 """
 
 from __future__ import annotations
@@ -63,6 +62,11 @@ class IterationReport:
     seconds: float
     phase_seconds: dict[str, float]
     """Where the time went: microbatches, waiting for sources, the gradient exchange, the step."""
+    loss: float | None = None
+    """The mean loss of the iteration's microbatches, as the sources that said they were done (and this node, if a
+    source) reported them; None if none did."""
+    samples: int = 0
+    """Sequences this node computed in the iteration: those it drove (a source) or ran forward (other stages)."""
 
 
 @dataclass(kw_only=True)
@@ -98,10 +102,7 @@ class SkipPipeNode:
         """The last iteration this node stepped (or took the state of); -1 before any."""
         self.service.set_state_source(self._state)
         self.peer_id = self.service.peer_id
-        replicas: dict[int, list[str]] = {}
-        for node in self.nodes:
-            replicas.setdefault(node.stage, []).append(node.peer_id)
-        self.replicas = {stage: sorted(peers) for stage, peers in replicas.items()}
+        self.replicas = _replicas(self.nodes)
         self.driver = (
             PipelineDriver(
                 service=self.service,
@@ -112,6 +113,12 @@ class SkipPipeNode:
             if self.service.stage == 0
             else None
         )
+
+    def set_nodes(self, nodes: Sequence[NodeInfo]) -> None:
+        """Run the next iterations with `nodes` (the same list on every node); suspicions start afresh."""
+        self.nodes = tuple(nodes)
+        self.replicas = _replicas(self.nodes)
+        self.suspected = set()
 
     def join(self, peer_id: str, timeout_s: float = 60.0) -> int:
         """Take the stage's state from `peer_id`, a replica of it: parameters and AdamW moments, so that this node
@@ -165,6 +172,7 @@ class SkipPipeNode:
         sources = sorted({route.source for route in schedule.routes})
         self.service.open_iteration(iteration)
         outcomes: list[MicrobatchOutcome] = []
+        batches: list[torch.Tensor] = []
         if self.driver is not None:
             self.driver.new_iteration(self.replicas)
             mine = [route for route in schedule.routes if route.source == self.peer_id]
@@ -173,10 +181,11 @@ class SkipPipeNode:
             outcomes = self.driver.run_iteration(
                 iteration, mine, batches, in_flight=self.in_flight, loss_scale=1.0 / scale_to
             )
+            own_loss = sum(outcome.loss for outcome in outcomes) / len(outcomes) if outcomes else 0.0
             for node in self.nodes:
                 if node.peer_id != self.peer_id:
                     try:
-                        self.service.say_done(node.peer_id, iteration, self.hop_timeout_s)
+                        self.service.say_done(node.peer_id, iteration, self.hop_timeout_s, own_loss, len(outcomes))
                     except HopFailedError as e:
                         logger.info(str(e))
                         self.suspected.add(node.peer_id)
@@ -188,6 +197,9 @@ class SkipPipeNode:
         )
         sources_done = len(done) + (self.peer_id in sources)
         phases["waiting for sources"] = time.perf_counter() - mark
+        losses = [(outcome.loss, 1) for outcome in outcomes] + self.service.sources_losses(iteration)
+        counted = sum(count for _, count in losses)
+        samples = sum(int(batch.shape[0]) for batch in batches) if self.driver else self.service.rows_served(iteration)
         mark = time.perf_counter()
         replicas_summed = self._sum_gradients(iteration)
         phases["gradient exchange"] = time.perf_counter() - mark
@@ -208,6 +220,8 @@ class SkipPipeNode:
             replicas=len(self.replicas[self.service.stage]),
             seconds=time.perf_counter() - started,
             phase_seconds=phases,
+            loss=sum(loss * count for loss, count in losses) / counted if counted else None,
+            samples=samples,
         )
 
     def _sum_gradients(self, iteration: int) -> int:
@@ -241,6 +255,14 @@ class SkipPipeNode:
                 _grad(parameter).copy_(total[offset : offset + count].view_as(parameter))
                 offset += count
         return summed
+
+
+def _replicas(nodes: Sequence[NodeInfo]) -> dict[int, list[str]]:
+    """The peer IDs serving each stage, sorted."""
+    replicas: dict[int, list[str]] = {}
+    for node in nodes:
+        replicas.setdefault(node.stage, []).append(node.peer_id)
+    return {stage: sorted(peers) for stage, peers in replicas.items()}
 
 
 def _grad(parameter: torch.nn.Parameter) -> torch.Tensor:

@@ -60,6 +60,8 @@ OPEN_WAIT_S = 10.0
 """How long a forward of the next iteration waits for this node to finish stepping the last."""
 GRADIENT_RETRY_S = 0.02
 """Between asks for a replica's gradient that is not published yet."""
+MAX_DONE_MICROBATCHES = 1 << 20
+"""A done message's count of microbatches above this is not believed (its loss is left out)."""
 DEFAULT_HOLD_S = 120.0
 """A forward whose backward has not come after this long is dropped (its source died or gave up)."""
 
@@ -202,6 +204,8 @@ class StageService(P2PService):
         """Payload bytes of hops this node served."""
         self._open: int | None = None
         self._done: dict[int, set[str]] = {}
+        self._losses: dict[int, dict[str, tuple[float, int]]] = {}
+        self._rows: Counter[int] = Counter()
         self._gradients: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._state_source: Callable[[], tuple[int, int, torch.Tensor]] | None = None
         self._state_reads = asyncio.Semaphore(1)  # one state snapshot at a time: each copies the whole stage
@@ -262,7 +266,10 @@ class StageService(P2PService):
         """A source says it ran every microbatch of `request.iteration` it will: no more backwards from it."""
         with self._backwards_changed:
             if self._open is None or request.iteration >= self._open:
-                self._done.setdefault(request.iteration, set()).add(context.remote_id.to_base58())
+                peer = context.remote_id.to_base58()
+                self._done.setdefault(request.iteration, set()).add(peer)
+                if math.isfinite(request.loss) and 0 < request.microbatches <= MAX_DONE_MICROBATCHES:
+                    self._losses.setdefault(request.iteration, {})[peer] = (request.loss, request.microbatches)
                 self._backwards_changed.notify_all()
         return proto.StageHop(iteration=request.iteration, stage=self.stage)
 
@@ -318,6 +325,8 @@ class StageService(P2PService):
             self._refuse(f"{BUSY} iteration {iteration} {reason} here (at {self._open})", "forward", context)
 
     def _forward(self, key: tuple[str, int, int], inputs: torch.Tensor) -> torch.Tensor:
+        with self._held_lock:
+            self._rows[key[1]] += inputs.shape[0]
         with self.model_lock:
             inputs.requires_grad_(True)
             outputs = self.staged.run_stage(self.stage, self.staged.activations(inputs)).hidden_states
@@ -414,7 +423,21 @@ class StageService(P2PService):
                 del self._backwards[old]
             for old in [old for old in self._done if old <= iteration]:
                 del self._done[old]
+            for old in [old for old in self._losses if old <= iteration]:
+                del self._losses[old]
+            for old in [old for old in self._rows if old <= iteration]:
+                del self._rows[old]
         return len(stale)
+
+    def sources_losses(self, iteration: int) -> list[tuple[float, int]]:
+        """(mean loss, microbatches) of each source that said it is done with `iteration` (until it finishes)."""
+        with self._held_lock:
+            return list(self._losses.get(iteration, {}).values())
+
+    def rows_served(self, iteration: int) -> int:
+        """Sequences whose hidden states this node ran forward in `iteration` (until it finishes)."""
+        with self._held_lock:
+            return self._rows[iteration]
 
     @property
     def held_microbatches(self) -> int:
@@ -459,11 +482,15 @@ class StageService(P2PService):
             raise HopFailedError(f"{where} answered shape {list(answer.shape)} for {list(tensor.shape)}")
         return answer
 
-    def say_done(self, peer_id: str, iteration: int, timeout_s: float) -> None:
-        """Tell `peer_id` this source will send no more of `iteration`; HopFailedError if it could not be told."""
+    def say_done(
+        self, peer_id: str, iteration: int, timeout_s: float, loss: float = 0.0, microbatches: int = 0
+    ) -> None:
+        """Tell `peer_id` this source will send no more of `iteration` (and the mean `loss` of its `microbatches`);
+        HopFailedError if it could not be told."""
+        request = proto.StageHop(iteration=iteration, loss=loss, microbatches=microbatches)
         try:
             stub: typing.Any = self.get_stub(self.require_p2p(), PeerID.from_base58(peer_id), namespace=NAMESPACE)
-            self.run(stub.rpc_stage_done(proto.StageHop(iteration=iteration), timeout=timeout_s), timeout_s + 1.0)
+            self.run(stub.rpc_stage_done(request, timeout=timeout_s), timeout_s + 1.0)
         except Exception as e:
             raise HopFailedError(f"peer {peer_id[-8:]} was not told iteration {iteration} is done: {e!r}") from None
 

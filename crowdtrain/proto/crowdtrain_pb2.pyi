@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunManifest(_message.Message):
-    __slots__ = ("run_id", "protocol_version", "created_at", "model", "data", "optimizer", "target_batch_size", "averaging", "moe", "diloco", "admission", "spes")
+    __slots__ = ("run_id", "protocol_version", "created_at", "model", "data", "optimizer", "target_batch_size", "averaging", "moe", "diloco", "admission", "spes", "skippipe")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class RunManifest(_message.Message):
     DILOCO_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
     SPES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPIPE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     protocol_version: int
     created_at: float
@@ -33,7 +34,22 @@ class RunManifest(_message.Message):
     diloco: DiLoCoSpec
     admission: str
     spes: SpesSpec
-    def __init__(self, run_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., created_at: _Optional[float] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., target_batch_size: _Optional[int] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., moe: _Optional[_Union[MoESpec, _Mapping]] = ..., diloco: _Optional[_Union[DiLoCoSpec, _Mapping]] = ..., admission: _Optional[str] = ..., spes: _Optional[_Union[SpesSpec, _Mapping]] = ...) -> None: ...
+    skippipe: SkipPipeSpec
+    def __init__(self, run_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., created_at: _Optional[float] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., target_batch_size: _Optional[int] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., moe: _Optional[_Union[MoESpec, _Mapping]] = ..., diloco: _Optional[_Union[DiLoCoSpec, _Mapping]] = ..., admission: _Optional[str] = ..., spes: _Optional[_Union[SpesSpec, _Mapping]] = ..., skippipe: _Optional[_Union[SkipPipeSpec, _Mapping]] = ...) -> None: ...
+
+class SkipPipeSpec(_message.Message):
+    __slots__ = ("stages", "skip_ratio", "reorder", "microbatches", "wire_dtype")
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    SKIP_RATIO_FIELD_NUMBER: _ClassVar[int]
+    REORDER_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    stages: int
+    skip_ratio: float
+    reorder: bool
+    microbatches: int
+    wire_dtype: str
+    def __init__(self, stages: _Optional[int] = ..., skip_ratio: _Optional[float] = ..., reorder: _Optional[bool] = ..., microbatches: _Optional[int] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
 
 class SpesSpec(_message.Message):
     __slots__ = ("merge_every", "merge_neighbours", "merge_alpha", "merge_warmup_steps")
@@ -242,7 +258,7 @@ class ObservedUpload(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., upload_mbps: _Optional[float] = ...) -> None: ...
 
 class TrainingStatus(_message.Message):
-    __slots__ = ("mode", "compression", "inner_step", "inner_steps", "round_bytes_sent", "compute_utilisation", "experts_owned", "experts_total")
+    __slots__ = ("mode", "compression", "inner_step", "inner_steps", "round_bytes_sent", "compute_utilisation", "experts_owned", "experts_total", "skippipe_stage", "skippipe_iteration")
     MODE_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +267,8 @@ class TrainingStatus(_message.Message):
     COMPUTE_UTILISATION_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_OWNED_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SKIPPIPE_STAGE_FIELD_NUMBER: _ClassVar[int]
+    SKIPPIPE_ITERATION_FIELD_NUMBER: _ClassVar[int]
     mode: str
     compression: str
     inner_step: int
@@ -259,7 +277,9 @@ class TrainingStatus(_message.Message):
     compute_utilisation: float
     experts_owned: int
     experts_total: int
-    def __init__(self, mode: _Optional[str] = ..., compression: _Optional[str] = ..., inner_step: _Optional[int] = ..., inner_steps: _Optional[int] = ..., round_bytes_sent: _Optional[int] = ..., compute_utilisation: _Optional[float] = ..., experts_owned: _Optional[int] = ..., experts_total: _Optional[int] = ...) -> None: ...
+    skippipe_stage: int
+    skippipe_iteration: int
+    def __init__(self, mode: _Optional[str] = ..., compression: _Optional[str] = ..., inner_step: _Optional[int] = ..., inner_steps: _Optional[int] = ..., round_bytes_sent: _Optional[int] = ..., compute_utilisation: _Optional[float] = ..., experts_owned: _Optional[int] = ..., experts_total: _Optional[int] = ..., skippipe_stage: _Optional[int] = ..., skippipe_iteration: _Optional[int] = ...) -> None: ...
 
 class PhaseTimes(_message.Message):
     __slots__ = ("compute_s", "wait_s", "matchmaking_s", "allreduce_s", "state_averaging_s", "optimizer_step_s", "state_download_s")
@@ -470,7 +490,7 @@ class StateDigest(_message.Message):
     def __init__(self, served: _Optional[bool] = ..., epoch: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSketch, _Mapping]]] = ...) -> None: ...
 
 class StageHop(_message.Message):
-    __slots__ = ("iteration", "microbatch", "stage", "shape", "dtype", "payload", "optimizer_steps")
+    __slots__ = ("iteration", "microbatch", "stage", "shape", "dtype", "payload", "optimizer_steps", "loss", "microbatches")
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -478,6 +498,8 @@ class StageHop(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     microbatch: int
     stage: int
@@ -485,4 +507,32 @@ class StageHop(_message.Message):
     dtype: str
     payload: bytes
     optimizer_steps: int
-    def __init__(self, iteration: _Optional[int] = ..., microbatch: _Optional[int] = ..., stage: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., payload: _Optional[bytes] = ..., optimizer_steps: _Optional[int] = ...) -> None: ...
+    loss: float
+    microbatches: int
+    def __init__(self, iteration: _Optional[int] = ..., microbatch: _Optional[int] = ..., stage: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., payload: _Optional[bytes] = ..., optimizer_steps: _Optional[int] = ..., loss: _Optional[float] = ..., microbatches: _Optional[int] = ...) -> None: ...
+
+class SkipPipeMember(_message.Message):
+    __slots__ = ("peer_id", "stage", "seconds_per_microbatch", "memory_microbatches")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PER_MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    stage: int
+    seconds_per_microbatch: float
+    memory_microbatches: int
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., seconds_per_microbatch: _Optional[float] = ..., memory_microbatches: _Optional[int] = ...) -> None: ...
+
+class SkipPipeMembership(_message.Message):
+    __slots__ = ("from_iteration", "members")
+    FROM_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    from_iteration: int
+    members: _containers.RepeatedCompositeFieldContainer[SkipPipeMember]
+    def __init__(self, from_iteration: _Optional[int] = ..., members: _Optional[_Iterable[_Union[SkipPipeMember, _Mapping]]] = ...) -> None: ...
+
+class SkipPipeRoster(_message.Message):
+    __slots__ = ("history",)
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    history: _containers.RepeatedCompositeFieldContainer[SkipPipeMembership]
+    def __init__(self, history: _Optional[_Iterable[_Union[SkipPipeMembership, _Mapping]]] = ...) -> None: ...

@@ -133,7 +133,7 @@ class Trainer:
         if not options.auxiliary:  # before the mode joins the swarm: the first tokenisation can take a while
             tokens = load_token_stream(manifest.data, tokenizer, options.data_cache_dir)
             sampler = WindowSampler(tokens, manifest.data.sequence_length, peer_seed_from_peer_id(self.peer_id))
-        mode = self._make_mode(model)
+        mode = self._make_mode(model, sampler)
         if not options.auxiliary:  # an auxiliary peer's weights never train: nothing worth resuming
             self._checkpoint_writer = CheckpointWriter(directory=options.checkpoint_dir, keep=options.checkpoint_keep)
             self._checkpoint_schedule = CheckpointSchedule(interval_s=options.checkpoint_interval_s)
@@ -152,7 +152,7 @@ class Trainer:
             mode.close()
             self._replanner.shutdown(wait=False, cancel_futures=True)
 
-    def _make_mode(self, model: torch.nn.Module) -> TrainingMode:
+    def _make_mode(self, model: torch.nn.Module, sampler: WindowSampler | None) -> TrainingMode:
         """The run's training mode over this replica, with the plan and the peers as the DHT has them now."""
         options, device = self.options, self.options.device
         compute = None
@@ -180,6 +180,7 @@ class Trainer:
             auxiliary=options.auxiliary,
             swarm=self._read_swarm(),
             partial_counter=new_partial_counter(),
+            sampler=sampler,
             phases=self.phases,
             traffic=AveragingTraffic.new(),
         )
@@ -204,7 +205,7 @@ class Trainer:
                     continue
                 if loss is None:
                     continue  # skipped: not counted, nothing of it reached the swarm
-                progress.observe(loss, micro_batch_size, time.monotonic() - started)
+                progress.observe(loss, mode.samples_of_last_call(micro_batch_size), time.monotonic() - started)
                 if mode.epoch > last_epoch + 1:
                     # This step caught up by loading the swarm's state: the losses so far were those of weights
                     # this node no longer has, so its published loss starts afresh with the next micro-batch.

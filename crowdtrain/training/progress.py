@@ -50,6 +50,10 @@ class Progress:
     """spes: the experts (of all layers) this node trains now; 0 in other modes."""
     experts_total: int = 0
     """spes: the experts of all layers in the model; 0 in other modes."""
+    skippipe_stage: int | None = None
+    """skippipe: the stage this node serves; None in other modes and before it took one."""
+    skippipe_iteration: int = 0
+    """skippipe: the last iteration this node stepped; 0 in other modes."""
     samples_trained: int = 0
     """Samples this node computed forward and backward since it started (all epochs; skipped micro-batches not)."""
     excluded_peers: dict[str, Verdict] = field(default_factory=dict)

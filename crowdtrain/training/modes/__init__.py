@@ -4,6 +4,7 @@ base           TrainingMode (the seam), ModeContext (what a mode is built from),
 collaborative  `gradients` (DeDLOC) and `parameters` (Moshpit SGD), both on hivemind.Optimizer
 diloco         `diloco`: inner steps alone, then pseudo-gradients averaged and one outer Nesterov step
 spes           `spes`: DiLoCo rounds over the dense parameters; each node trains and serves only the experts it owns
+skippipe       `skippipe`: stages on different nodes, microbatches along scheduled paths that skip and reorder them
 
 A new mode (DiLoCo, SPES, SkipPipe) is one more TrainingMode subclass registered in MODES and a value of the
 manifest's `averaging.mode`; the daemon and the training loop do not change.
@@ -15,10 +16,11 @@ from crowdtrain.manifest import RunManifest
 from crowdtrain.training.modes.base import ModeContext, SwarmView, TrainingMode
 from crowdtrain.training.modes.collaborative import GradientsMode, ParametersMode
 from crowdtrain.training.modes.diloco import DiLoCoMode
+from crowdtrain.training.modes.skippipe import SkipPipeMode
 from crowdtrain.training.modes.spes import SPESMode
 
 MODES: dict[str, type[TrainingMode]] = {
-    mode.name: mode for mode in (GradientsMode, ParametersMode, DiLoCoMode, SPESMode)
+    mode.name: mode for mode in (GradientsMode, ParametersMode, DiLoCoMode, SPESMode, SkipPipeMode)
 }
 
 
@@ -34,6 +36,7 @@ __all__ = [
     "ModeContext",
     "ParametersMode",
     "SPESMode",
+    "SkipPipeMode",
     "SwarmView",
     "TrainingMode",
     "mode_class",

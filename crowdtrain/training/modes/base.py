@@ -21,6 +21,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from crowdtrain import proto
 from crowdtrain.averaging.phases import PhaseAccumulator
 from crowdtrain.averaging.traffic import AveragingTraffic
+from crowdtrain.data import WindowSampler
 from crowdtrain.manifest import RunManifest
 from crowdtrain.training.compute import LocalCompute
 from crowdtrain.training.progress import Progress
@@ -58,6 +59,9 @@ class ModeContext:
     """The swarm as the node found it at start."""
     partial_counter: Synchronized
     """Counts averaging rounds rejected as partial; shared with the averager processes."""
+    sampler: WindowSampler | None = None
+    """The node's training data, for a mode that draws more than the loop's micro-batch per call (skippipe);
+    None for an auxiliary peer."""
     phases: PhaseAccumulator = field(default_factory=PhaseAccumulator)
     traffic: AveragingTraffic = field(default_factory=AveragingTraffic.new)
 
@@ -89,6 +93,11 @@ class TrainingMode(abc.ABC):
         """Train one micro-batch and synchronise with the swarm when due; its loss, or None when it was skipped
         (a non-finite loss or fp16 overflow: nothing of it may reach the swarm). A node behind the swarm
         downloads the swarm's state here first."""
+
+    def samples_of_last_call(self, micro_batch_size: int) -> int:
+        """Samples the last `train_micro_batch` computed on this node (its throughput counts them): the
+        micro-batch's, unless the mode trains more or fewer per call."""
+        return micro_batch_size
 
     @abc.abstractmethod
     def assist(self) -> None:

@@ -1,0 +1,232 @@
+"""Who serves which stage of a SkipPipe run, and which nodes each iteration counts: signed records in the DHT.
+
+Declarations. A node serves one stage; it says so in a signed `SkipPipeMember` record (its stage, its measured
+seconds per microbatch on that stage, how many microbatches it holds at once) under the run's stages key, subkey
+its owner marker, renewed while it runs and expiring `DECLARATION_TTL_S` after its last renewal. A joiner takes a
+stage by the rule the DMoE hosts use, fewest replicas first, here weighted by compute: the stage with the fewest
+declared replicas, ties to the one with the least compute (the sum of its replicas' microbatches per second),
+then the lowest stage (`choose_stage`).
+
+Rosters. Every node of an iteration computes its schedule from the same list of nodes (`planning.skippipe`: a
+pure function), so the list must be the same on every node, and a node that joins or leaves must be added or
+removed at the same iteration everywhere. The *leader*, the stage-0 member of the current membership with the
+lowest peer ID that its peers have not given up on, announces each change `LOOKAHEAD` iterations ahead: a
+`SkipPipeRoster` record of its last `HISTORY` memberships, each "these nodes from iteration i on". Every node reads
+the rosters at each iteration and takes the one whose newest membership starts latest (ties: the lowest
+publisher), from a publisher that is a stage-0 member of that membership; so when a leader dies, the next stage-0
+node's roster, which starts later, takes over.
+
+What a roster cannot guarantee: a node that missed the newest roster when its iteration began runs it with the
+membership before (the change is announced two iterations ahead to make that rare); its schedule then differs
+from the others' and only the balance of that iteration suffers (sources tell every node they are done, and each
+stage sums its replicas' gradients by peer ID). A stage-0 node is trusted to publish honest rosters: a member of
+a roster must have a valid declaration to be scheduled, but a leader may leave honest nodes out (SECURITY.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import hivemind
+
+from crowdtrain import proto
+from crowdtrain.dht import keys
+from crowdtrain.dht.records import RecordError, check_roster, check_stage_declaration, peer_id_of_owner
+from crowdtrain.dht.registry import read_dictionary, store_signed
+from crowdtrain.planning.skippipe import NodeInfo
+
+logger = logging.getLogger(__name__)
+
+DECLARATION_TTL_S = 60.0
+"""A declaration not renewed for this long expires: its node is gone."""
+DECLARATION_RENEW_S = 15.0
+"""How often a running node renews its declaration."""
+ROSTER_TTL_S = 600.0
+"""A roster expires this long after the leader last wrote it (it rewrites it at each change, and when renewing)."""
+LOOKAHEAD = 2
+"""A membership announced at iteration i applies from iteration i + LOOKAHEAD."""
+HISTORY = 4
+"""Memberships a roster keeps, the newest last."""
+MAX_MEMBERS = 256
+"""The most nodes one membership lists (MAX_ROSTER_BYTES allows HISTORY of them)."""
+DHT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Membership:
+    """The nodes of a SkipPipe run from iteration `from_iteration` on, in peer-ID order."""
+
+    from_iteration: int
+    members: tuple[NodeInfo, ...]
+
+    def to_proto(self) -> proto.SkipPipeMembership:
+        return proto.SkipPipeMembership(
+            from_iteration=self.from_iteration, members=[member_proto(node) for node in self.members]
+        )
+
+    def peers(self) -> set[str]:
+        return {node.peer_id for node in self.members}
+
+    def stage_of(self, peer_id: str) -> int | None:
+        return next((node.stage for node in self.members if node.peer_id == peer_id), None)
+
+
+def member_proto(node: NodeInfo) -> proto.SkipPipeMember:
+    """`node` as a declaration or a roster's member."""
+    return proto.SkipPipeMember(
+        peer_id=node.peer_id,
+        stage=node.stage,
+        seconds_per_microbatch=node.seconds_per_microbatch,
+        memory_microbatches=node.memory_microbatches,
+    )
+
+
+def node_info(member: proto.SkipPipeMember, num_stages: int) -> NodeInfo:
+    """The member as the scheduler takes it; RecordError when it is not a valid node of a run of `num_stages`."""
+    if not 40 <= len(member.peer_id) <= 60:
+        raise RecordError("a SkipPipe member's peer ID is not a base58 peer ID")
+    if member.stage >= num_stages:
+        raise RecordError(f"a SkipPipe member serves stage {member.stage} of a run of {num_stages}")
+    if not member.memory_microbatches <= 4096:
+        raise RecordError(f"a SkipPipe member holds {member.memory_microbatches} microbatches, over 4096")
+    try:
+        return NodeInfo(
+            peer_id=member.peer_id,
+            stage=member.stage,
+            seconds_per_microbatch=member.seconds_per_microbatch,
+            memory_microbatches=member.memory_microbatches,
+        )
+    except ValueError as e:
+        raise RecordError(str(e)) from None
+
+
+def parse_declaration(subkey: bytes, value: bytes, num_stages: int) -> NodeInfo:
+    """A declaration's node; RecordError unless it is well formed and its peer ID is its signer's."""
+    return node_info(check_stage_declaration(subkey, value), num_stages)
+
+
+def parse_roster(subkey: bytes, value: bytes, num_stages: int) -> list[Membership]:
+    """A roster's memberships, oldest first; RecordError unless it is signed and each membership is well formed, in
+    rising iterations, with distinct members and at most MAX_MEMBERS of them."""
+    roster = check_roster(subkey, value)
+    if not 1 <= len(roster.history) <= HISTORY:
+        raise RecordError(f"a roster of {len(roster.history)} memberships; 1 to {HISTORY} expected")
+    history: list[Membership] = []
+    for entry in roster.history:
+        if history and entry.from_iteration <= history[-1].from_iteration:
+            raise RecordError("a roster's memberships are not in rising iterations")
+        if len(entry.members) > MAX_MEMBERS:
+            raise RecordError(f"a membership of {len(entry.members)} nodes, over {MAX_MEMBERS}")
+        members = tuple(sorted((node_info(member, num_stages) for member in entry.members), key=_peer))
+        if len({node.peer_id for node in members}) != len(members):
+            raise RecordError("a membership lists a node twice")
+        history.append(Membership(entry.from_iteration, members))
+    return history
+
+
+def encode_roster(history: Sequence[Membership]) -> bytes:
+    """The roster record of `history`'s last HISTORY memberships."""
+    return proto.SkipPipeRoster(history=[membership.to_proto() for membership in history[-HISTORY:]]).SerializeToString(
+        deterministic=True
+    )
+
+
+def choose_stage(declared: Iterable[NodeInfo], num_stages: int, me: str) -> int:
+    """The stage a node takes: the fewest replicas among the other nodes' declarations, then the least compute
+    (microbatches per second summed over its replicas), then the lowest stage."""
+    replicas, compute = [0] * num_stages, [0.0] * num_stages
+    for node in declared:
+        if node.peer_id != me and node.stage < num_stages:
+            replicas[node.stage] += 1
+            compute[node.stage] += 1.0 / node.seconds_per_microbatch
+    return min(range(num_stages), key=lambda stage: (replicas[stage], compute[stage], stage))
+
+
+def pick_roster(rosters: Mapping[str, Sequence[Membership]]) -> list[Membership]:
+    """The roster every node follows among those found (publisher → history): from a stage-0 member of its own
+    newest membership, the newest membership starting latest, ties to the lowest publisher; [] if none."""
+    valid = [
+        (history[-1].from_iteration, publisher)
+        for publisher, history in rosters.items()
+        if history and history[-1].stage_of(publisher) == 0
+    ]
+    if not valid:
+        return []
+    _, publisher = min(valid, key=lambda item: (-item[0], item[1]))
+    return list(rosters[publisher])
+
+
+def membership_at(history: Sequence[Membership], iteration: int) -> Membership | None:
+    """The membership in force at `iteration`: the newest one starting at or before it; None before the first."""
+    current = None
+    for membership in history:
+        if membership.from_iteration <= iteration:
+            current = membership
+    return current
+
+
+def leader_of(membership: Membership, given_up: Collection[str]) -> str | None:
+    """The node that announces changes: the stage-0 member with the lowest peer ID not in `given_up`."""
+    candidates = sorted(node.peer_id for node in membership.members if node.stage == 0 and node.peer_id not in given_up)
+    return candidates[0] if candidates else None
+
+
+def next_members(
+    current: Membership | None, declared: Mapping[str, NodeInfo], given_up: Collection[str]
+) -> tuple[NodeInfo, ...]:
+    """The nodes of the next membership: the current members whose declaration is still live and who were not
+    given up on (as they declared themselves when they joined: a schedule's costs stay put), then every other
+    declared node; at most MAX_MEMBERS, members first."""
+    kept = [node for node in (current.members if current else ()) if node.peer_id in declared]
+    kept = [node for node in kept if node.peer_id not in given_up and declared[node.peer_id].stage == node.stage]
+    present = {node.peer_id for node in kept}
+    joining = [node for peer, node in sorted(declared.items()) if peer not in present and peer not in given_up]
+    return tuple(sorted([*kept, *joining][:MAX_MEMBERS], key=_peer))
+
+
+def _peer(node: NodeInfo) -> str:
+    return node.peer_id
+
+
+@dataclass
+class StageDirectory:
+    """A SkipPipe run's declarations and rosters in the DHT, read and written by one node."""
+
+    dht: hivemind.DHT
+    run_id: str
+    owner: bytes
+    """This node's owner marker: its records are signed."""
+    num_stages: int
+
+    def declare(self, node: NodeInfo) -> bool:
+        value = member_proto(node).SerializeToString(deterministic=True)
+        key = keys.skippipe_stages_key(self.run_id)
+        return store_signed(self.dht, key, value, self.owner, DECLARATION_TTL_S, DHT_TIMEOUT_S)
+
+    def declarations(self) -> dict[str, NodeInfo]:
+        """The live, valid declarations, by peer ID."""
+        found = {}
+        for subkey, value in read_dictionary(self.dht, keys.skippipe_stages_key(self.run_id), DHT_TIMEOUT_S).items():
+            try:
+                node = parse_declaration(subkey, value, self.num_stages)
+            except RecordError as e:
+                logger.debug(f"skipped a stage declaration: {e}")
+                continue
+            found[node.peer_id] = node
+        return found
+
+    def publish_roster(self, history: Sequence[Membership]) -> bool:
+        key = keys.skippipe_roster_key(self.run_id)
+        return store_signed(self.dht, key, encode_roster(history), self.owner, ROSTER_TTL_S, DHT_TIMEOUT_S)
+
+    def roster(self) -> list[Membership]:
+        """The roster every node follows (`pick_roster`) among the valid ones found; [] if none."""
+        rosters = {}
+        for subkey, value in read_dictionary(self.dht, keys.skippipe_roster_key(self.run_id), DHT_TIMEOUT_S).items():
+            try:
+                rosters[peer_id_of_owner(subkey).to_base58()] = parse_roster(subkey, value, self.num_stages)
+            except RecordError as e:
+                logger.debug(f"skipped a roster: {e}")
+        return pick_roster(rosters)

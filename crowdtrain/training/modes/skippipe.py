@@ -1,0 +1,264 @@
+"""`skippipe`: the model's layers cut into stages on different nodes; microbatches skip and reorder stages.
+
+A node takes one stage (`pipeline.membership.choose_stage`: fewest replicas first, weighted by compute), declares
+it in the DHT, and serves that stage's layers to the stage-0 nodes (`pipeline.StageService`). The run goes in
+iterations, the same numbers on every node: each call of `train_micro_batch` runs one iteration on this node
+(`pipeline.SkipPipeNode`): a stage-0 node drives its microbatches along the schedule's paths (the loop's
+micro-batch is its first, the node's own data the rest), every node waits for the sources to be done, the stage's
+replicas sum their gradients, and each stage steps its AdamW. Which nodes an iteration counts comes from the
+roster the stage-0 leader announces two iterations ahead (`pipeline.membership`); a node not in it yet (a joiner)
+keeps serving and declaring, and takes its stage's state from a replica just before its first iteration.
+
+The micro-batch size is the node's (`--micro-batch-size`), the iteration's number of microbatches the run's
+(`skippipe.microbatches`); `target_batch_size` and the averaging settings are not used. A loss the loop
+publishes is the iteration's mean over the sources that reported theirs.
+
+Not built yet (issue 17): weights averaged between replicas that drifted apart, a joiner's download checked by a
+second replica, stages re-balanced after a stage loses its last replica (its layers are skipped by every path
+until a node takes it), client-mode nodes (they can't serve hops) restricted to stage 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from crowdtrain.dht.records import owner_marker
+from crowdtrain.manifest import skippipe_spec
+from crowdtrain.models.stages import StagedModel
+from crowdtrain.pipeline import HopFailedError, HopLimits, StageService
+from crowdtrain.pipeline.iteration import IterationReport, SkipPipeNode
+from crowdtrain.pipeline.membership import (
+    DECLARATION_RENEW_S,
+    LOOKAHEAD,
+    Membership,
+    StageDirectory,
+    choose_stage,
+    leader_of,
+    membership_at,
+    next_members,
+)
+from crowdtrain.planning.skippipe import NodeInfo
+from crowdtrain.training.modes.base import ModeContext, SwarmView, TrainingMode
+from crowdtrain.training.progress import Progress
+
+logger = logging.getLogger(__name__)
+
+MAX_MICROBATCH_ROWS = 64
+"""The most sequences one hop may carry (a node's micro-batch size must not exceed it)."""
+MEMORY_MICROBATCHES = 4
+"""How many microbatches' activations a node holds at once."""
+WAIT_FOR_ROSTER_S = 1.0
+"""A node not in the roster yet reads it again after this long (it serves its stage meanwhile)."""
+JOIN_TIMEOUT_S = 120.0
+"""How long a joiner tries to take its stage's state of the iteration before its first."""
+
+
+class SkipPipeMode(TrainingMode):
+    """SkipPipe behind the training-mode seam (see the module's doc)."""
+
+    name = "skippipe"
+
+    def __init__(self, context: ModeContext):
+        super().__init__(context)
+        if context.compute is None or context.sampler is None:
+            raise ValueError("a SkipPipe node computes its stage: it can't be an auxiliary aggregator")
+        if context.micro_batch_size > MAX_MICROBATCH_ROWS:
+            raise ValueError(f"a SkipPipe microbatch holds at most {MAX_MICROBATCH_ROWS} sequences")
+        manifest, self.sampler = context.manifest, context.sampler
+        self.spec = skippipe_spec(manifest)
+        self.staged = StagedModel(context.compute.model, self.spec.stages)
+        self.directory = StageDirectory(
+            dht=context.dht,
+            run_id=manifest.run_id,
+            owner=owner_marker(context.private_key),
+            num_stages=self.spec.stages,
+        )
+        self.stage = choose_stage(self.directory.declarations().values(), self.spec.stages, context.peer_id)
+        limits = HopLimits(
+            max_batch=MAX_MICROBATCH_ROWS,
+            max_sequence=manifest.data.sequence_length,
+            hidden_size=int(manifest.model.config["hidden_size"]),
+        )
+        self.service = StageService(
+            context.dht, self.staged, self.stage, limits, memory_microbatches=MEMORY_MICROBATCHES
+        )
+        self.service.start()
+        optimizer_spec = manifest.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.staged.stage_parameters(self.stage),
+            lr=optimizer_spec.learning_rate,
+            weight_decay=optimizer_spec.weight_decay,
+        )
+        self.me = NodeInfo(
+            peer_id=context.peer_id,
+            stage=self.stage,
+            seconds_per_microbatch=self._measure_stage(),
+            memory_microbatches=MEMORY_MICROBATCHES,
+        )
+        self._first_batch: torch.Tensor | None = None
+        self.runner = SkipPipeNode(
+            service=self.service,
+            nodes=[self.me],
+            num_microbatches=self.spec.microbatches,
+            skip_ratio=self.spec.skip_ratio,
+            reorder=self.spec.reorder,
+            optimizer=self.optimizer,
+            batch=self._batch,
+            wire_dtype=self.spec.wire_dtype,
+        )
+        self.history: list[Membership] = []
+        self.iteration: int | None = None
+        """The next iteration this node runs; None while it is not in the roster."""
+        self.last_report: IterationReport | None = None
+        self._declared_at = -float("inf")
+        self._renew_declaration()
+        logger.info(
+            f"serving SkipPipe stage {self.stage} of {self.spec.stages} "
+            f"({self.me.seconds_per_microbatch * 1000:.0f} ms per microbatch measured)"
+        )
+
+    @property
+    def compression(self) -> str:
+        return self.spec.wire_dtype
+
+    @property
+    def epoch(self) -> int:
+        return self.runner.last_iteration + 1
+
+    def train_micro_batch(self, batch: torch.Tensor) -> float | None:
+        self._renew_declaration()
+        self.history = self.directory.roster() or self.history
+        if self.iteration is None and not self._take_place():
+            time.sleep(WAIT_FOR_ROSTER_S)
+            return None
+        iteration = self.iteration
+        assert iteration is not None
+        membership = membership_at(self.history, iteration)
+        if membership is None or self.me.peer_id not in membership.peers():
+            logger.warning(f"left out of the SkipPipe roster at iteration {iteration}; waiting to be taken back")
+            self.iteration = None
+            return None
+        if set(self.runner.nodes) != set(membership.members):
+            self.runner.set_nodes(membership.members)
+            logger.info(f"iteration {iteration}: {len(membership.members)} nodes, {self._describe(membership)}")
+        self._lead(iteration, membership)
+        self._first_batch = batch
+        report = self.runner.run_iteration(iteration)
+        self.last_report, self.iteration = report, iteration + 1
+        return report.loss
+
+    def samples_of_last_call(self, micro_batch_size: int) -> int:
+        return self.last_report.samples if self.last_report is not None else 0
+
+    def _take_place(self) -> bool:
+        """Find this node's first iteration in the roster (found the roster if none exists and this node serves
+        stage 0); take its stage's state from a replica if the stage has one. Whether it has a place now."""
+        if not self.history and self.stage == 0:
+            founding = Membership(0, next_members(None, self.directory.declarations() | {self.me.peer_id: self.me}, ()))
+            if self.directory.publish_roster([founding]):
+                self.history = [founding]
+                logger.info(f"founded the SkipPipe roster with {len(founding.members)} node(s)")
+        mine = [membership for membership in self.history if self.me.peer_id in membership.peers()]
+        if not mine:
+            return False
+        first = mine[-1].from_iteration
+        before = membership_at(self.history, first - 1)
+        replicas = sorted(
+            node.peer_id
+            for node in (before.members if before else ())
+            if node.stage == self.stage and node.peer_id != self.me.peer_id
+        )
+        self.iteration = self._join(replicas, first) if replicas else first
+        return True
+
+    def _join(self, replicas: list[str], first: int) -> int:
+        """Take the stage's state of iteration `first - 1` from one of `replicas`; the iteration to run next."""
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for peer in replicas:
+                try:
+                    self.runner.join(peer, timeout_s=30.0)
+                except HopFailedError as e:
+                    logger.warning(f"could not take stage {self.stage}'s state: {e}")
+                    continue
+                if self.runner.last_iteration >= first - 1:
+                    return self.runner.last_iteration + 1
+            time.sleep(0.2)  # the replica is still stepping an earlier iteration
+        logger.warning(f"no replica of stage {self.stage} served its state of iteration {first - 1}; starting as is")
+        return first
+
+    def _lead(self, iteration: int, membership: Membership) -> None:
+        """As the leader, announce the membership of iteration + LOOKAHEAD when the declared nodes differ."""
+        if leader_of(membership, self.runner.suspected) != self.me.peer_id:
+            return
+        newest = self.history[-1] if self.history else membership
+        if newest.from_iteration > iteration:
+            return  # a change is announced already
+        members = next_members(newest, self.directory.declarations(), self.runner.suspected)
+        if set(members) == set(newest.members) or not any(node.stage == 0 for node in members):
+            return
+        announced = Membership(iteration + LOOKAHEAD, members)
+        if self.directory.publish_roster([*self.history, announced]):
+            self.history = [*self.history, announced]
+            logger.info(f"announced {len(members)} SkipPipe nodes from iteration {announced.from_iteration}")
+
+    def _batch(self, iteration: int, microbatch: int) -> torch.Tensor:
+        """The token ids of this source's microbatch: the loop's micro-batch first, then the node's own data."""
+        if self._first_batch is not None:
+            batch, self._first_batch = self._first_batch, None
+            return batch.cpu()
+        return self.sampler.batch(iteration, self.context.micro_batch_size, microbatch)
+
+    def _measure_stage(self) -> float:
+        """Seconds of one forward and backward of this node's stage on a microbatch of its size (one warm-up)."""
+        config = self.context.manifest.model.config
+        shape = (self.context.micro_batch_size, self.context.manifest.data.sequence_length, int(config["hidden_size"]))
+        seconds = 0.0
+        for _ in range(2):
+            hidden = torch.randn(shape, requires_grad=True)
+            started = time.perf_counter()
+            out = self.staged.run_stage(self.stage, self.staged.activations(hidden)).hidden_states
+            out.sum().backward()
+            seconds = time.perf_counter() - started
+        for parameter in self.staged.stage_parameters(self.stage):
+            parameter.grad = None
+        return max(seconds, 1e-3)
+
+    def _renew_declaration(self) -> None:
+        if time.monotonic() - self._declared_at >= DECLARATION_RENEW_S and self.directory.declare(self.me):
+            self._declared_at = time.monotonic()
+
+    def _describe(self, membership: Membership) -> str:
+        counts = [sum(node.stage == stage for node in membership.members) for stage in range(self.spec.stages)]
+        return ", ".join(f"stage {stage}: {count}" for stage, count in enumerate(counts))
+
+    def assist(self) -> None:
+        raise NotImplementedError("SkipPipe has no auxiliary aggregators")
+
+    def apply_swarm_view(self, view: SwarmView) -> None:
+        """The roster, not the peer statuses, says who takes part in an iteration."""
+
+    def report(self, progress: Progress) -> None:
+        progress.epoch = self.epoch
+        progress.skippipe_stage = self.stage
+        progress.skippipe_iteration = max(self.runner.last_iteration, 0)
+        membership = membership_at(self.history, self.iteration) if self.iteration is not None else None
+        progress.num_peers = len(membership.members) if membership else 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "iteration": self.runner.last_iteration, "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("stage") != self.stage:
+            logger.info(
+                f"the checkpoint's optimizer state is of stage {state.get('stage')}, not {self.stage}: not used"
+            )
+            return
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def close(self) -> None:
+        self.service.close()

@@ -1,0 +1,115 @@
+"""SkipPipe's stage choice, rosters and manifest section (pure logic; the daemons' use is in test_skippipe_swarm)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hivemind.utils.crypto import RSAPrivateKey
+
+from crowdtrain import proto
+from crowdtrain.dht.records import RecordError, owner_marker, peer_id_of_owner
+from crowdtrain.manifest import SkipPipeSpec, demo, skippipe_demo
+from crowdtrain.pipeline.membership import (
+    Membership,
+    choose_stage,
+    encode_roster,
+    leader_of,
+    membership_at,
+    next_members,
+    parse_declaration,
+    parse_roster,
+    pick_roster,
+)
+from crowdtrain.planning.skippipe import NodeInfo
+
+
+def node(peer: str, stage: int, seconds: float = 1.0) -> NodeInfo:
+    return NodeInfo(peer_id=peer.ljust(46, "x"), stage=stage, seconds_per_microbatch=seconds, memory_microbatches=2)
+
+
+def test_a_node_takes_the_stage_with_fewest_replicas_then_least_compute_then_the_lowest() -> None:
+    assert choose_stage([], 4, "me") == 0
+    assert choose_stage([node("a", 0)], 4, "me") == 1
+    assert choose_stage([node("a", 0), node("b", 1), node("c", 2), node("d", 3)], 4, "me") == 0
+    # one replica each: the stage whose replica is slowest has the least compute
+    assert choose_stage([node("a", 0), node("b", 1, 0.5), node("c", 2, 4.0), node("d", 3)], 4, "me") == 2
+    # its own declaration does not count
+    assert choose_stage([node("me", 0)], 2, "me".ljust(46, "x")) == 0
+
+
+def test_the_roster_followed_starts_latest_is_from_a_stage_zero_member_and_ties_go_to_the_lowest() -> None:
+    a, b, c = node("a", 0), node("b", 0), node("c", 1)
+    old = [Membership(0, (a, c))]
+    newer = [Membership(0, (a, c)), Membership(5, (a, b, c))]
+    assert pick_roster({a.peer_id: old, b.peer_id: newer}) == newer
+    assert pick_roster({b.peer_id: newer, a.peer_id: newer[:1] + [Membership(5, (a, c))]})[-1].members == (a, c)
+    # a stage-1 node's roster is not followed, however new
+    assert pick_roster({a.peer_id: old, c.peer_id: [Membership(9, (c,))]}) == old
+    assert membership_at(newer, 4) == newer[0] and membership_at(newer, 5) == newer[1]
+    assert membership_at(newer[1:], 4) is None
+    assert leader_of(newer[1], given_up=()) == a.peer_id
+    assert leader_of(newer[1], given_up={a.peer_id}) == b.peer_id
+
+
+def test_the_next_membership_keeps_live_members_adds_declared_ones_and_drops_the_given_up() -> None:
+    a, b, c, d = node("a", 0), node("b", 1), node("c", 1), node("d", 0)
+    current = Membership(0, (a, b, c))
+    declared = {n.peer_id: n for n in (a, c, d)}  # b's declaration expired
+    assert next_members(current, declared, given_up=()) == (a, c, d)
+    assert next_members(current, declared, given_up={c.peer_id}) == (a, d)
+    # a member keeps the costs it joined with (every node schedules with the same numbers)
+    slower = {**declared, a.peer_id: dataclasses.replace(a, seconds_per_microbatch=9.0)}
+    assert next_members(current, slower, given_up=())[0].seconds_per_microbatch == 1.0
+
+
+def test_records_are_checked_before_use() -> None:
+    key = RSAPrivateKey()
+    marker = owner_marker(key)
+    me = peer_id_of_owner(marker).to_base58()
+    member = proto.SkipPipeMember(peer_id=me, stage=1, seconds_per_microbatch=0.5, memory_microbatches=2)
+    assert parse_declaration(marker, member.SerializeToString(), num_stages=2).stage == 1
+    with pytest.raises(RecordError, match="stage 1 of a run of 1"):
+        parse_declaration(marker, member.SerializeToString(), num_stages=1)
+    other = proto.SkipPipeMember(peer_id="Qm" + "z" * 44, stage=0, seconds_per_microbatch=0.5, memory_microbatches=2)
+    with pytest.raises(RecordError, match="another peer than its signer"):
+        parse_declaration(marker, other.SerializeToString(), num_stages=2)
+    bad_seconds = proto.SkipPipeMember(peer_id=me, stage=0, seconds_per_microbatch=float("nan"), memory_microbatches=2)
+    with pytest.raises(RecordError, match="seconds_per_microbatch"):
+        parse_declaration(marker, bad_seconds.SerializeToString(), num_stages=2)
+
+    a, b = node("a", 0), node("b", 1)
+    good = [Membership(0, (a,)), Membership(3, (a, b))]
+    assert parse_roster(marker, encode_roster(good), num_stages=2) == good
+    for history, reason in (
+        ([Membership(3, (a,)), Membership(3, (a, b))], "rising iterations"),
+        ([Membership(0, (a, a))], "twice"),
+        ([Membership(0, (a, b))], None),
+    ):
+        value = encode_roster(history)
+        if reason is None:
+            with pytest.raises(RecordError, match="stage 1 of a run of 1"):
+                parse_roster(marker, value, num_stages=1)
+        else:
+            with pytest.raises(RecordError, match=reason):
+                parse_roster(marker, value, num_stages=2)
+    with pytest.raises(RecordError, match="not a valid SkipPipeRoster"):
+        parse_roster(marker, b"\xff\xff", num_stages=2)
+
+
+def test_the_manifest_section_is_checked_and_the_preset_is_a_skippipe_run() -> None:
+    preset = skippipe_demo()
+    assert (preset.averaging.mode, preset.skippipe) == ("skippipe", SkipPipeSpec(stages=4, skip_ratio=0.25))
+    assert type(preset).from_bytes(preset.to_bytes()) == preset
+    for bad, reason in (
+        (dict(stages=1), "stages must be between 2"),
+        (dict(skip_ratio=1.0), "skip_ratio"),
+        (dict(microbatches=0), "microbatches"),
+        (dict(wire_dtype="int8"), "wire_dtype"),
+    ):
+        with pytest.raises(ValueError, match=reason):
+            SkipPipeSpec(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs averaging.mode = 'skippipe'"):
+        dataclasses.replace(demo(), skippipe=SkipPipeSpec())
+    with pytest.raises(ValueError, match="num_hidden_layers >= 5"):
+        dataclasses.replace(preset, skippipe=SkipPipeSpec(stages=5))

@@ -1,0 +1,79 @@
+"""SkipPipe mode with real daemons on loopback: nodes take stages from their declarations, a roster adds a joiner at
+the same iteration on every node, the swarm trains, and `status` shows each node's stage."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from crowdtrain.testing.fixtures import tiny_run_file
+from crowdtrain.testing.processes import await_condition
+from crowdtrain.testing.swarm import Daemon, status_json
+from tests.harness import start_daemon
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+
+RUN_FILE = tiny_run_file(
+    "tiny-skippipe",
+    64,
+    averaging='mode = "skippipe"',
+    sections="""
+[skippipe]
+stages = 2
+skip_ratio = 0.0
+microbatches = 4
+wire_dtype = "float32"
+""",
+)
+ENV = {"CROWDTRAIN_MICRO_BATCH_SIZE": "4", "CROWDTRAIN_NUM_THREADS": "1"}
+
+
+def iterations_with(daemon: Daemon, nodes: int) -> list[int]:
+    """The iterations at which `daemon` began running with `nodes` nodes."""
+    return [int(i) for i, n in re.findall(r"iteration (\d+): (\d+) nodes", daemon.log()) if int(n) == nodes]
+
+
+def stage_of(daemon: Daemon) -> int:
+    return int(re.findall(r"serving SkipPipe stage (\d+) of", daemon.log())[0])
+
+
+def test_nodes_take_stages_a_joiner_enters_at_one_iteration_everywhere_and_the_swarm_learns(tmp_path: Path) -> None:
+    run_file = tmp_path / "skippipe.toml"
+    run_file.write_text(RUN_FILE)
+    founder = start_daemon(tmp_path / "node0", "--run-file", str(run_file), env=ENV).await_ready()
+    await_condition(lambda: "founded the SkipPipe roster" in founder.log(), 60, "the founder's roster")
+    second = start_daemon(tmp_path / "node1", initial_peers=[founder.address], env=ENV).await_ready()
+    # the founder serves stage 0 and the second the stage with no replica; the leader adds it two iterations
+    # ahead, and both begin running with two nodes at the same iteration
+    await_condition(lambda: iterations_with(founder, 2) and iterations_with(second, 2), 120, "an iteration of two")
+    assert (stage_of(founder), stage_of(second)) == (0, 1)
+    assert iterations_with(founder, 2)[0] == iterations_with(second, 2)[0]
+
+    third = start_daemon(tmp_path / "node2", initial_peers=[founder.address], env=ENV).await_ready()
+    daemons = [founder, second, third]
+    await_condition(lambda: all(iterations_with(d, 3) for d in daemons), 120, "an iteration of three")
+    assert len({iterations_with(d, 3)[0] for d in daemons}) == 1, "the roster applies at one iteration everywhere"
+    if stage_of(third) == 1:  # a second replica of stage 1 took its state from the first before its first iteration
+        assert "took stage 1's state of iteration" in third.log()
+
+    def trained() -> dict[str, Any] | None:
+        snapshot = status_json("--initial-peers", founder.address)
+        peers = snapshot["peers"]
+        training = [peer.get("training") or {} for peer in peers]
+        done = len(peers) == 3 and all(
+            t.get("skippipe_iteration", 0) >= iterations_with(founder, 3)[0] + 3 for t in training
+        )
+        return snapshot if done else None
+
+    snapshot = await_condition(trained, 150, "three nodes three iterations further")
+    stages = sorted(peer["training"]["skippipe_stage"] for peer in snapshot["peers"])
+    assert stages in ([0, 0, 1], [0, 1, 1])
+    for peer in snapshot["peers"]:
+        assert peer["training"]["mode"] == "skippipe"
+        assert peer["loss"] is not None and peer["loss"] < math.log(260), "the swarm learned"
+    for daemon in daemons:
+        assert "Traceback" not in daemon.log()
