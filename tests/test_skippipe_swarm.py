@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -77,3 +78,21 @@ def test_nodes_take_stages_a_joiner_enters_at_one_iteration_everywhere_and_the_s
         assert peer["loss"] is not None and peer["loss"] < math.log(260), "the swarm learned"
     for daemon in daemons:
         assert "Traceback" not in daemon.log()
+
+    # a node SIGKILLed mid-run: the others stop waiting for it (a ping, a failed hop, done message or exchange), the
+    # leader announces the two survivors, and both run with two nodes from one iteration on
+    third.signal(signal.SIGKILL)
+    killed_at = max(int(i) for i in re.findall(r"epoch (\d+):", founder.log()))
+    survivors = [founder, second]
+
+    def two_again() -> list[int] | None:
+        after = [[i for i in iterations_with(d, 2) if i > killed_at - 2] for d in survivors]
+        return after[0] if all(after) else None
+
+    again = await_condition(two_again, 120, "the survivors to run with two nodes")
+    assert all(again[0] in iterations_with(d, 2) for d in survivors), "the roster applies at one iteration everywhere"
+    await_condition(
+        lambda: all(max(map(int, re.findall(r"epoch (\d+):", d.log()))) > again[0] + 3 for d in survivors),
+        60,
+        "three more iterations after the roster dropped the dead node",
+    )

@@ -6,7 +6,8 @@ the swarm's nodes, seeded by the iteration), so no message carries it. An iterat
 1. open the iteration: forwards of it are served from now on (`StageService.open_iteration`);
 2. a stage-0 node runs the routes whose source it is (`PipelineDriver`, up to `in_flight` at once), then tells
    every other node it is done with the iteration (`rpc_stage_done`);
-3. every node waits until each source of the schedule said it is done (or `done_timeout_s`: a source that died);
+3. every node waits until each source of the schedule said it is done (or `done_timeout_s`; a source that does
+   not answer a ping while it is waited for is gone, and not waited for);
    a peer that failed a hop, a done message or the exchange is *suspected* and left out of this node's later
    schedules (nodes may then differ on a schedule; only the balance suffers: step 3 waits for done messages,
    not for counts, and every source tells every node);
@@ -42,6 +43,9 @@ from crowdtrain.planning.skippipe import NodeInfo, Schedule, SkipPipeProblem, sc
 
 logger = logging.getLogger(__name__)
 
+PING_EVERY_S = 2.0
+"""While waiting for the sources, how often the ones not done yet are asked whether they are still there."""
+PING_TIMEOUT_S = 2.0
 STATE_PARTS = 3
 """A stage's state for a joiner: its parameters, AdamW's first moments, its second moments."""
 
@@ -192,9 +196,7 @@ class SkipPipeNode:
             self.suspected |= self.driver.failed
         phases["microbatches"] = time.perf_counter() - started
         mark = time.perf_counter()
-        done = self.service.wait_sources(
-            iteration, [peer for peer in sources if peer != self.peer_id], self.done_timeout_s
-        )
+        done = self._wait_sources(iteration, [peer for peer in sources if peer != self.peer_id])
         sources_done = len(done) + (self.peer_id in sources)
         phases["waiting for sources"] = time.perf_counter() - mark
         losses = [(outcome.loss, 1) for outcome in outcomes] + self.service.sources_losses(iteration)
@@ -223,6 +225,28 @@ class SkipPipeNode:
             loss=sum(loss * count for loss, count in losses) / counted if counted else None,
             samples=samples,
         )
+
+    def _wait_sources(self, iteration: int, sources: list[str]) -> set[str]:
+        """Wait until every one of `sources` said it is done with `iteration`, at most `done_timeout_s`; every
+        PING_EVERY_S, the sources not done yet are pinged: one that does not answer is gone (not waited for any
+        more, and suspected), one that serves a later iteration is done (its message was lost, or this node is
+        catching up). The sources done."""
+        deadline = time.monotonic() + self.done_timeout_s
+        waiting = set(sources)
+        done: set[str] = set()
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            done |= self.service.wait_sources(iteration, waiting, min(left, PING_EVERY_S))
+            waiting -= done
+            for peer in sorted(waiting):
+                serving = self.service.ping(peer, PING_TIMEOUT_S)
+                if serving is None:
+                    logger.warning(f"source {peer[-8:]} is gone: iteration {iteration} goes on without it")
+                    self.suspected.add(peer)
+                    waiting.discard(peer)
+                elif serving > iteration:
+                    done.add(peer)
+                    waiting.discard(peer)
+        return done
 
     def _sum_gradients(self, iteration: int) -> int:
         """Replace each parameter's `.grad` with the sum over the stage's replicas; how many were summed."""

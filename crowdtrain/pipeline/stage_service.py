@@ -60,6 +60,8 @@ OPEN_WAIT_S = 10.0
 """How long a forward of the next iteration waits for this node to finish stepping the last."""
 GRADIENT_RETRY_S = 0.02
 """Between asks for a replica's gradient that is not published yet."""
+MAX_ITERATIONS_AHEAD = 64
+"""Done messages are kept for at most this many iterations at once, from the open one on (the rest are dropped)."""
 MAX_DONE_MICROBATCHES = 1 << 20
 """A done message's count of microbatches above this is not believed (its loss is left out)."""
 DEFAULT_HOLD_S = 120.0
@@ -265,13 +267,31 @@ class StageService(P2PService):
     async def rpc_stage_done(self, request: proto.StageHop, context: P2PContext) -> proto.StageHop:
         """A source says it ran every microbatch of `request.iteration` it will: no more backwards from it."""
         with self._backwards_changed:
-            if self._open is None or request.iteration >= self._open:
+            if self._keeps_done(request.iteration):
                 peer = context.remote_id.to_base58()
                 self._done.setdefault(request.iteration, set()).add(peer)
                 if math.isfinite(request.loss) and 0 < request.microbatches <= MAX_DONE_MICROBATCHES:
                     self._losses.setdefault(request.iteration, {})[peer] = (request.loss, request.microbatches)
                 self._backwards_changed.notify_all()
         return proto.StageHop(iteration=request.iteration, stage=self.stage)
+
+    def _keeps_done(self, iteration: int) -> bool:
+        """Whether a done message of `iteration` is kept: from the open iteration on, within MAX_ITERATIONS_AHEAD;
+        before any is open, the newest MAX_ITERATIONS_AHEAD iterations' (older ones are dropped). Under the lock."""
+        if self._open is not None:
+            return self._open <= iteration <= self._open + MAX_ITERATIONS_AHEAD
+        if iteration in self._done or len(self._done) < MAX_ITERATIONS_AHEAD:
+            return True
+        oldest = min(self._done)
+        if oldest > iteration:
+            return False
+        self._done.pop(oldest)
+        self._losses.pop(oldest, None)
+        return True
+
+    async def rpc_stage_ping(self, request: proto.StageHop, context: P2PContext) -> proto.StageHop:
+        """Whether this node is still there, and the iteration it serves (`iteration`; 0 before any)."""
+        return proto.StageHop(iteration=self._open or 0, stage=self.stage)
 
     async def rpc_stage_gradient(
         self, request: proto.StageHop, context: P2PContext
@@ -493,6 +513,16 @@ class StageService(P2PService):
             self.run(stub.rpc_stage_done(request, timeout=timeout_s), timeout_s + 1.0)
         except Exception as e:
             raise HopFailedError(f"peer {peer_id[-8:]} was not told iteration {iteration} is done: {e!r}") from None
+
+    def ping(self, peer_id: str, timeout_s: float) -> int | None:
+        """The iteration `peer_id` serves (0 before any), or None if it does not answer within `timeout_s`."""
+        try:
+            stub: typing.Any = self.get_stub(self.require_p2p(), PeerID.from_base58(peer_id), namespace=NAMESPACE)
+            answer = self.run(stub.rpc_stage_ping(proto.StageHop(), timeout=timeout_s), timeout_s + 1.0)
+        except Exception as e:
+            logger.debug(f"peer {peer_id[-8:]} did not answer a ping: {e!r}")
+            return None
+        return int(answer.iteration)
 
     def fetch_gradient(self, peer_id: str, iteration: int, num_values: int, timeout_s: float) -> torch.Tensor:
         """`peer_id`'s gradient of `iteration` for this node's stage, `num_values` float32 values; waits up to

@@ -33,6 +33,7 @@ from crowdtrain.pipeline import HopFailedError, HopLimits, StageService
 from crowdtrain.pipeline.iteration import IterationReport, SkipPipeNode
 from crowdtrain.pipeline.membership import (
     DECLARATION_RENEW_S,
+    DECLARATION_TTL_S,
     LOOKAHEAD,
     Membership,
     StageDirectory,
@@ -41,6 +42,7 @@ from crowdtrain.pipeline.membership import (
     membership_at,
     next_members,
 )
+from crowdtrain.pipeline.stage_service import MAX_ITERATIONS_AHEAD
 from crowdtrain.planning.skippipe import NodeInfo
 from crowdtrain.training.modes.base import ModeContext, SwarmView, TrainingMode
 from crowdtrain.training.progress import Progress
@@ -54,6 +56,8 @@ MEMORY_MICROBATCHES = 4
 WAIT_FOR_ROSTER_S = 1.0
 """A node not in the roster yet reads it again after this long (it serves its stage meanwhile)."""
 JOIN_TIMEOUT_S = 120.0
+PING_AT_MOST = 8
+"""Nodes a joiner asks for the iteration they serve."""
 """How long a joiner tries to take its stage's state of the iteration before its first."""
 
 
@@ -115,6 +119,9 @@ class SkipPipeMode(TrainingMode):
         """The next iteration this node runs; None while it is not in the roster."""
         self.last_report: IterationReport | None = None
         self._declared_at = -float("inf")
+        self._given_up: dict[str, float] = {}
+        """Peers this node found gone (a failed hop, done message, exchange or ping), until when (monotonic): as the
+        leader it leaves them out of the rosters it announces, though their declarations may last a while."""
         self._renew_declaration()
         logger.info(
             f"serving SkipPipe stage {self.stage} of {self.spec.stages} "
@@ -162,10 +169,15 @@ class SkipPipeMode(TrainingMode):
             if self.directory.publish_roster([founding]):
                 self.history = [founding]
                 logger.info(f"founded the SkipPipe roster with {len(founding.members)} node(s)")
-        mine = [membership for membership in self.history if self.me.peer_id in membership.peers()]
-        if not mine:
+        if not self.history or self.me.peer_id not in self.history[-1].peers():
             return False
-        first = mine[-1].from_iteration
+        index = len(self.history) - 1
+        while index > 0 and self.me.peer_id in self.history[index - 1].peers():
+            index -= 1  # the first membership of the newest run of memberships that list this node
+        first = self.history[index].from_iteration
+        swarm = self._swarm_iteration()
+        if swarm > first + MAX_ITERATIONS_AHEAD:  # restarted while its place lasted: too far behind to catch up
+            first = swarm
         before = membership_at(self.history, first - 1)
         replicas = sorted(
             node.peer_id
@@ -173,7 +185,14 @@ class SkipPipeMode(TrainingMode):
             if node.stage == self.stage and node.peer_id != self.me.peer_id
         )
         self.iteration = self._join(replicas, first) if replicas else first
+        logger.info(f"taking part in SkipPipe iterations from iteration {self.iteration} on")
         return True
+
+    def _swarm_iteration(self) -> int:
+        """The iteration the newest membership's other nodes serve (the highest that answered; 0 if none did)."""
+        others = [node.peer_id for node in self.history[-1].members if node.peer_id != self.me.peer_id]
+        answers = [self.service.ping(peer, timeout_s=2.0) for peer in others[:PING_AT_MOST]]
+        return max((answer for answer in answers if answer is not None), default=0)
 
     def _join(self, replicas: list[str], first: int) -> int:
         """Take the stage's state of iteration `first - 1` from one of `replicas`; the iteration to run next."""
@@ -186,6 +205,8 @@ class SkipPipeMode(TrainingMode):
                     logger.warning(f"could not take stage {self.stage}'s state: {e}")
                     continue
                 if self.runner.last_iteration >= first - 1:
+                    if self.runner.last_iteration >= first:  # gradients served meanwhile are in the state taken
+                        self.optimizer.zero_grad(set_to_none=False)
                     return self.runner.last_iteration + 1
             time.sleep(0.2)  # the replica is still stepping an earlier iteration
         logger.warning(f"no replica of stage {self.stage} served its state of iteration {first - 1}; starting as is")
@@ -193,12 +214,15 @@ class SkipPipeMode(TrainingMode):
 
     def _lead(self, iteration: int, membership: Membership) -> None:
         """As the leader, announce the membership of iteration + LOOKAHEAD when the declared nodes differ."""
-        if leader_of(membership, self.runner.suspected) != self.me.peer_id:
+        now = time.monotonic()
+        self._given_up.update({peer: now + DECLARATION_TTL_S for peer in self.runner.suspected})
+        self._given_up = {peer: until for peer, until in self._given_up.items() if until > now}
+        if leader_of(membership, self._given_up) != self.me.peer_id:
             return
         newest = self.history[-1] if self.history else membership
         if newest.from_iteration > iteration:
             return  # a change is announced already
-        members = next_members(newest, self.directory.declarations(), self.runner.suspected)
+        members = next_members(newest, self.directory.declarations(), self._given_up)
         if set(members) == set(newest.members) or not any(node.stage == 0 for node in members):
             return
         announced = Membership(iteration + LOOKAHEAD, members)
