@@ -221,6 +221,7 @@ def test_summary_json_is_the_documented_object_key_for_key() -> None:
         "created_at": 1000.0,
         "expert_grid": None,
         "excluded_peers": {},
+        "skippipe": None,
     }
     assert list(snapshot["run"]) == [
         "run_id",
@@ -238,6 +239,7 @@ def test_summary_json_is_the_documented_object_key_for_key() -> None:
         "created_at",
         "expert_grid",
         "excluded_peers",
+        "skippipe",
     ]
     assert list(snapshot["peers"][0]) == [
         "peer_id",

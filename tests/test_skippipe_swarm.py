@@ -3,6 +3,7 @@ the same iteration on every node, the swarm trains, and `status` shows each node
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import signal
@@ -13,7 +14,7 @@ import pytest
 
 from crowdtrain.testing.fixtures import tiny_run_file
 from crowdtrain.testing.processes import await_condition
-from crowdtrain.testing.swarm import Daemon, status_json
+from crowdtrain.testing.swarm import Daemon, crowdtrain, status_json
 from tests.harness import start_daemon
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
@@ -73,11 +74,26 @@ def test_nodes_take_stages_a_joiner_enters_at_one_iteration_everywhere_and_the_s
     snapshot = await_condition(trained, 150, "three nodes three iterations further")
     stages = sorted(peer["training"]["skippipe_stage"] for peer in snapshot["peers"])
     assert stages in ([0, 0, 1], [0, 1, 1])
+    replicas = [stages.count(0), stages.count(1)]
+    assert snapshot["run"]["skippipe"] == {"stages": 2, "skip_ratio": 0.0, "reorder": True, "replicas": replicas}
     for peer in snapshot["peers"]:
         assert peer["training"]["mode"] == "skippipe"
         assert peer["loss"] is not None and peer["loss"] < math.log(260), "the swarm learned"
     for daemon in daemons:
         assert "Traceback" not in daemon.log()
+
+    # eval takes each stage's weights from the swarm (no node's checkpoint holds the trained model) and scores the
+    # held-out windows through the whole model and without stage 1
+    evaluated = crowdtrain(
+        "eval", "--run-file", str(run_file), "--initial-peers", founder.address, "--drop", "1",
+        "--batches", "2", "--batch-size", "4", "--state-dir", str(tmp_path / "eval"), "--json",
+    )  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr
+    scores = json.loads(evaluated.stdout)
+    assert scores["untrained_stages"] == [] and scores["num_stages"] == 2 and scores["epoch"] > 0
+    whole, without = scores["scores"]
+    assert (whole["path"], without["path"], without["dropped"]) == ([0, 1], [0], [1])
+    assert whole["loss"] < math.log(260) - 1.0, "the swarm's stages together learned"
 
     # a node SIGKILLed mid-run: the others stop waiting for it (a ping, a failed hop, done message or exchange), the
     # leader announces the two survivors, and both run with two nodes from one iteration on

@@ -12,6 +12,11 @@ the embeddings, the first layers and the head), and `--drop` leaves stages out o
 every subset of the stages 1..S-1, grouped by how many are left out. Without stages the model's own training loss
 is scored (masked LMs with a fixed masking draw). A DMoE run's experts live on their hosts, not in a checkpoint:
 such runs are refused.
+
+A SkipPipe run's nodes each train one stage, so no node's checkpoint holds the trained model. With
+`--initial-peers`, eval reads the run's roster from the swarm and takes each stage's weights from a node serving
+it (`rpc_stage_state`, checked: the stage's exact size, finite), cut into the run's stages; a stage no node serves
+keeps its initial weights and is named in the output.
 """
 
 from __future__ import annotations
@@ -20,21 +25,32 @@ import itertools
 import json
 import math
 import statistics
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import hivemind
 import torch
+from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain.data import WindowSampler, load_token_stream
+from crowdtrain.dht.records import owner_marker
+from crowdtrain.dht.swarm import SwarmOptions, join_swarm
+from crowdtrain.dht.validator import make_validators
 from crowdtrain.errors import BadInputError
-from crowdtrain.manifest import RunManifest, load_run_file
+from crowdtrain.manifest import RunManifest, load_run_file, skippipe_spec
 from crowdtrain.models import build_model, load_tokenizer, model_kind, training_loss
 from crowdtrain.models.stages import StagedModel, check_path
+from crowdtrain.pipeline import HopFailedError, HopLimits, StageService
+from crowdtrain.pipeline.iteration import STATE_PARTS
+from crowdtrain.pipeline.membership import StageDirectory
 from crowdtrain.training.checkpoint import Checkpoint, CheckpointError, load_checkpoint, load_latest_checkpoint
 
 MAX_WINDOWS = 4096
 """Held-out windows scored at most (`--batches` × `--batch-size`)."""
+STATE_TIMEOUT_S = 60.0
+"""How long one node may take to send its stage's state."""
 MAX_SWEEP_STAGES = 9
 """`--sweep` scores 2^(S-1) paths: 256 at most."""
 
@@ -61,6 +77,8 @@ class Evaluation:
     windows: int
     tokens_per_window: int
     scores: tuple[PathScore, ...]
+    untrained_stages: tuple[int, ...] = ()
+    """SkipPipe from the swarm: stages no node served, left at their initial weights."""
 
 
 def evaluate(
@@ -74,17 +92,21 @@ def evaluate(
     sweep: bool,
     batches: int,
     batch_size: int,
+    initial_peers: Sequence[str] = (),
 ) -> Evaluation:
-    """Score the checkpoint's model on the run's held-out windows; raises BadInputError with a sentence."""
+    """Score the checkpoint's model (or, with `initial_peers`, a SkipPipe swarm's stages) on the run's held-out
+    windows; raises BadInputError with a sentence."""
     if batches < 1 or batch_size < 1 or batches * batch_size > MAX_WINDOWS:
         raise BadInputError(f"--batches × --batch-size must be between 1 and {MAX_WINDOWS} windows.")
+    manifest = load_run_file(run_file, run_id=run_id)
+    if initial_peers:
+        num_stages = _swarm_stages_count(manifest, num_stages)
     if num_stages < 1:
         raise BadInputError(f"--stages must be at least 1, got {num_stages}.")
     if (drop or sweep) and num_stages < 2:
         raise BadInputError("--drop and --sweep need --stages of 2 or more (stage 0 can't be left out).")
     if sweep and num_stages > MAX_SWEEP_STAGES:
         raise BadInputError(f"--sweep scores every subset of the stages: at most --stages {MAX_SWEEP_STAGES}.")
-    manifest = load_run_file(run_file, run_id=run_id)
     if manifest.moe is not None:
         raise BadInputError(
             f"Run '{manifest.run_id}' is a DMoE run: its experts live on their hosts, not in a checkpoint; "
@@ -92,8 +114,13 @@ def evaluate(
         )
     tokenizer = load_tokenizer(manifest.model)
     model = build_model(manifest.model, tokenizer.vocab_size)
-    loaded = _checkpoint(checkpoint, state_dir, manifest, model)
-    model.load_state_dict(loaded.model_state)
+    untrained: tuple[int, ...] = ()
+    if initial_peers:
+        source, epoch, untrained = swarm_stages(initial_peers, manifest, StagedModel(model, num_stages))
+    else:
+        loaded = _checkpoint(checkpoint, state_dir, manifest, model)
+        model.load_state_dict(loaded.model_state)
+        source, epoch = str(loaded.path), loaded.epoch
     model.eval()
     tokens = load_token_stream(manifest.data, tokenizer, Path(state_dir).expanduser() / "data-cache")
     sampler = WindowSampler(tokens, manifest.data.sequence_length, peer_seed=0)
@@ -105,13 +132,81 @@ def evaluate(
             scores = _staged_scores(model, num_stages, drop, sweep, windows)
     return Evaluation(
         run_id=manifest.run_id,
-        checkpoint=str(loaded.path),
-        epoch=loaded.epoch,
+        checkpoint=source,
+        epoch=epoch,
         num_stages=num_stages,
         windows=sum(len(window) for window in windows),
         tokens_per_window=manifest.data.sequence_length,
         scores=tuple(scores),
+        untrained_stages=untrained,
     )
+
+
+def _swarm_stages_count(manifest: RunManifest, num_stages: int) -> int:
+    """The stages to score a SkipPipe swarm in: the run's (`--stages` may only repeat them)."""
+    if manifest.averaging.mode != "skippipe":
+        raise BadInputError(
+            f"--initial-peers reads a SkipPipe run's stages from the swarm; run '{manifest.run_id}' is a "
+            f"{manifest.averaging.mode} run: pass a checkpoint instead."
+        )
+    stages = skippipe_spec(manifest).stages
+    if num_stages not in (1, stages):
+        raise BadInputError(f"--stages must be the run's {stages} (or left out).")
+    return stages
+
+
+def swarm_stages(
+    initial_peers: Sequence[str], manifest: RunManifest, staged: StagedModel
+) -> tuple[str, int, tuple[int, ...]]:
+    """Load each stage of `staged` from a node of the SkipPipe swarm serving it; (where from, the oldest iteration
+    taken, the stages no node served)."""
+    reader_key = RSAPrivateKey()
+    options = SwarmOptions(initial_peers=tuple(initial_peers), client_mode=True)
+    dht = join_swarm(options, make_validators(reader_key, [manifest.run_id]))
+    try:
+        directory = StageDirectory(
+            dht=dht, run_id=manifest.run_id, owner=owner_marker(reader_key), num_stages=staged.num_stages
+        )
+        roster = directory.roster()
+        if not roster:
+            raise BadInputError(f"The swarm holds no SkipPipe roster of run '{manifest.run_id}'.")
+        iterations, untrained = [], []
+        for stage in range(staged.num_stages):
+            peers = sorted(node.peer_id for node in roster[-1].members if node.stage == stage)
+            iteration = _load_stage(dht, staged, stage, peers)
+            if iteration is None:
+                untrained.append(stage)
+            else:
+                iterations.append(iteration)
+    finally:
+        dht.shutdown()
+    return f"the swarm at {initial_peers[0]}", min(iterations, default=0), tuple(untrained)
+
+
+def _load_stage(dht: hivemind.DHT, staged: StagedModel, stage: int, peers: Sequence[str]) -> int | None:
+    """Copy `stage`'s parameters from the first of `peers` that sends its state; the iteration it is from, or
+    None if none did."""
+    parameters = staged.stage_parameters(stage)
+    numel = sum(parameter.numel() for parameter in parameters)
+    limits = HopLimits(max_batch=1, max_sequence=1, hidden_size=1)  # this reader serves no hop
+    service = StageService(dht, staged, stage, limits)
+    service.start(serve=False)
+    try:
+        for peer in peers:
+            try:
+                header, values = service.fetch_state(peer, STATE_PARTS * numel, STATE_TIMEOUT_S)
+            except HopFailedError as e:
+                print(f"stage {stage}: {e}; asking another node", file=sys.stderr)
+                continue
+            with torch.no_grad():
+                offset = 0
+                for parameter in parameters:
+                    parameter.copy_(values[offset : offset + parameter.numel()].view_as(parameter))
+                    offset += parameter.numel()
+            return int(header.iteration)
+    finally:
+        service.close()
+    return None
 
 
 def _checkpoint(checkpoint: str | None, state_dir: str, manifest: RunManifest, model: torch.nn.Module) -> Checkpoint:
@@ -188,3 +283,5 @@ def print_evaluation(evaluation: Evaluation, as_json: bool) -> None:
             what += f" (without {' '.join(map(str, score.dropped))})"
         change = "" if score is whole else f"  {math.exp(score.loss - whole.loss) - 1:+.1%} perplexity"
         print(f"  {what:<36} loss {score.loss:.4f}  perplexity {score.perplexity:.3f}{change}")
+    if evaluation.untrained_stages:
+        print(f"  no node serves stage(s) {' '.join(map(str, evaluation.untrained_stages))}: initial weights there")

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--batches", type=int, default=8, metavar="N", help="held-out batches (default: 8)")
     evaluate.add_argument("--batch-size", type=int, default=8, metavar="B", help="windows per batch (default: 8)")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
+    evaluate.add_argument(
+        "--initial-peers", nargs="+", metavar="MADDR", help="a SkipPipe run: take each stage from the swarm's nodes"
+    )
     return parser
 
 
@@ -248,6 +251,7 @@ def _eval(args: dict[str, Any]) -> int:
         sweep=args["sweep"],
         batches=args["batches"],
         batch_size=args["batch_size"],
+        initial_peers=args["initial_peers"] or (),
     )
     print_evaluation(evaluation, args["json"])
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -25,7 +26,7 @@ from crowdtrain.cli.runs import choose_run
 from crowdtrain.dht.registry import RunListing, list_peer_statuses, list_runs
 from crowdtrain.dht.swarm import SwarmOptions, join_swarm
 from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
-from crowdtrain.manifest import RunManifest, expert_uids
+from crowdtrain.manifest import RunManifest, expert_uids, skippipe_spec
 from crowdtrain.moe.placement import GridCoverage, grid_coverage
 from crowdtrain.node.addresses import shareable_address
 from crowdtrain.node.config import StatusConfig
@@ -225,6 +226,8 @@ class RunSummary:
     """A DMoE run's coverage; None for a dense run or without a manifest."""
     excluded_peers: dict[str, int]
     """Peers kept out of averaging groups for sending bad parts: by how many peers, most excluded first."""
+    skippipe: SkipPipeSummary | None = None
+    """A SkipPipe run's stages and their replicas; None for other runs or without a manifest."""
 
     def to_json(self) -> dict[str, Any]:
         """The "run" object of `status --json`."""
@@ -244,7 +247,19 @@ class RunSummary:
             "created_at": self.created_at,
             "expert_grid": None if self.expert_grid is None else self.expert_grid.to_json(),
             "excluded_peers": self.excluded_peers,
+            "skippipe": None if self.skippipe is None else dataclasses.asdict(self.skippipe),
         }
+
+
+@dataclass(frozen=True, slots=True)
+class SkipPipeSummary:
+    """A SkipPipe run as its manifest and its nodes' statuses say: the stages, the skip ratio and order in force,
+    and how many nodes serve each stage (a stage with none is skipped by every microbatch)."""
+
+    stages: int
+    skip_ratio: float
+    reorder: bool
+    replicas: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,8 +305,21 @@ def summarize(run_id: str, listing: RunListing | None, statuses: list[proto.Peer
         created_at=manifest.created_at if manifest else None,
         expert_grid=_expert_grid(manifest, peers),
         excluded_peers=_excluded_peers(peers),
+        skippipe=_skippipe(manifest, peers),
     )
     return StatusReport(run=run, peers=peers)
+
+
+def _skippipe(manifest: RunManifest | None, peers: Sequence[PeerView]) -> SkipPipeSummary | None:
+    if manifest is None or manifest.averaging.mode != "skippipe":
+        return None
+    spec = skippipe_spec(manifest)
+    replicas = [0] * spec.stages
+    for peer in peers:
+        if peer.training is not None and peer.training.HasField("skippipe_stage"):
+            if peer.training.skippipe_stage < spec.stages:
+                replicas[peer.training.skippipe_stage] += 1
+    return SkipPipeSummary(stages=spec.stages, skip_ratio=spec.skip_ratio, reorder=spec.reorder, replicas=replicas)
 
 
 def _excluded_peers(peers: Sequence[PeerView]) -> dict[str, int]:
@@ -332,6 +360,7 @@ def render(report: StatusReport, now: float) -> Group:
         f"  {run.samples_per_second:.1f} samples/s  ETA {eta}  {run.num_peers} peers",
         (f"  {run.partial_averages} partial averages rejected", "yellow") if run.partial_averages else "",
         _describe_expert_grid(run.expert_grid),
+        _describe_stages(run.skippipe),
     )
     table = Table(box=None, header_style="bold")  # columns never wrap: a narrow terminal crops instead
     numeric = ("samples/s", "epoch", "loss", "solo steps", "computing", "sent/round", "up/dn Mbit/s", "share")
@@ -383,6 +412,15 @@ def _reachability(peer: PeerView) -> str:
     if not peer.reachable:
         return "no"
     return "yes" if peer.reachability_measured else "assumed"
+
+
+def _describe_stages(summary: SkipPipeSummary | None) -> tuple[str, str] | str:
+    if summary is None:
+        return ""
+    replicas = "/".join(map(str, summary.replicas))
+    order = ", reordered" if summary.reorder else ""
+    text = f"  {summary.stages} stages (replicas {replicas}), skipping {summary.skip_ratio:.0%}{order}"
+    return text, "" if min(summary.replicas) > 0 else "yellow"
 
 
 def _describe_expert_grid(grid: GridCoverage | None) -> tuple[str, str] | str:

@@ -319,10 +319,13 @@ class StageService(P2PService):
         else:
             async with self._state_reads:
                 iteration, steps, values = await asyncio.to_thread(self._snapshot, source)
-                header = proto.StageHop(iteration=iteration, stage=self.stage, optimizer_steps=steps)
-                for frame in encode_frames(values, header, "float32"):
-                    self.bytes_sent += len(frame.payload)
-                    yield frame
+                if iteration < 0:  # not one step taken: nothing a joiner could not build itself
+                    yield proto.StageHop(stage=self.stage)
+                else:
+                    header = proto.StageHop(iteration=iteration, stage=self.stage, optimizer_steps=steps)
+                    for frame in encode_frames(values, header, "float32"):
+                        self.bytes_sent += len(frame.payload)
+                        yield frame
         await linger()
 
     def _snapshot(self, source: Callable[[], tuple[int, int, torch.Tensor]]) -> tuple[int, int, torch.Tensor]:

@@ -159,7 +159,9 @@ class SkipPipeMode(TrainingMode):
         return report.loss
 
     def samples_of_last_call(self, micro_batch_size: int) -> int:
-        return self.last_report.samples if self.last_report is not None else 0
+        """The samples this node drove through the pipeline in its last iteration: a source's; 0 on the other
+        stages, which serve the sources' samples (the swarm's samples/s, a sum over nodes, counts each once)."""
+        return self.last_report.samples if self.last_report is not None and self.stage == 0 else 0
 
     def _take_place(self) -> bool:
         """Find this node's first iteration in the roster (found the roster if none exists and this node serves
