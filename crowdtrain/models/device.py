@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from crowdtrain.errors import BadInputError
+
+MEMINFO = Path("/proc/meminfo")
 
 
 def resolve_device(requested: str) -> str:
@@ -23,6 +26,25 @@ def resolve_device(requested: str) -> str:
             "pass --device cpu or auto."
         )
     return f"cuda:{index}"
+
+
+def available_memory_bytes(device: str = "cpu") -> int | None:
+    """Free memory where `device` keeps tensors: MemAvailable from /proc/meminfo for the CPU, the GPU's free
+    memory for cuda:N; None where it can't be read."""
+    if device.startswith("cuda"):
+        import torch
+
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except (RuntimeError, AssertionError):
+            return None
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def describe_device(device: str) -> str:

@@ -95,6 +95,12 @@ class StagedModel:
         """Every stage in ascending order: the path that computes the model's own forward."""
         return tuple(range(self.num_stages))
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are: tensors given to the methods below are moved there (hops carry them on
+        the CPU)."""
+        return cast(torch.device, next(self.model.parameters()).device)
+
     def stage_parameters(self, stage: int) -> list[torch.nn.Parameter]:
         """The parameters a stage trains; stage 0's include the embeddings, final norm and head (tied ones once)."""
         self._check_stage(stage)
@@ -107,12 +113,13 @@ class StagedModel:
 
     def embed(self, input_ids: torch.Tensor) -> Activations:
         """The token embeddings of `input_ids` [batch, sequence], with the positions and mask every layer uses."""
-        return self.activations(self.model.model.embed_tokens(input_ids))
+        return self.activations(self.model.model.embed_tokens(input_ids.to(self.device)))
 
     def activations(self, hidden_states: torch.Tensor) -> Activations:
         """`hidden_states` [batch, sequence, hidden] with the positions and mask every layer uses: what a stage
         that received only the hidden states of a microbatch (a pipeline hop) runs its layers on."""
         inner = self.model.model
+        hidden_states = hidden_states.to(self.device)
         position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
         # As LlamaModel.forward builds them: no padding mask, no cache.
         attention_mask = create_causal_mask(
@@ -147,10 +154,11 @@ class StagedModel:
     def head_loss(self, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """The causal LM loss of the hidden states [batch, sequence, hidden] after a path's last stage, against
         `input_ids` (the microbatch's tokens): the final norm, the head and the model's loss function."""
-        logits = self.model.lm_head(self.model.model.norm(hidden_states))
+        logits = self.model.lm_head(self.model.model.norm(hidden_states.to(self.device)))
+        labels = input_ids.to(self.device)
         return cast(
             torch.Tensor,
-            self.model.loss_function(logits=logits, labels=input_ids, vocab_size=self.model.config.vocab_size),
+            self.model.loss_function(logits=logits, labels=labels, vocab_size=self.model.config.vocab_size),
         )
 
     def logits(self, input_ids: torch.Tensor, path: Sequence[int]) -> torch.Tensor:

@@ -21,7 +21,6 @@ from crowdtrain.models import load_tokenizer, spec_parameter_count
 
 TRAINING_BYTES_PER_PARAMETER = 16
 """fp32 weights, gradients and two Adam moments: what training needs per parameter, at least."""
-MEMINFO = Path("/proc/meminfo")
 
 
 def check_remote_manifest(
@@ -43,17 +42,6 @@ def check_remote_manifest(
             f"Run {manifest.run_id!r} needs about {needed / 2**30:.1f} GiB to train its {num_parameters:,} "
             f"parameters, and this machine has {available_bytes / 2**30:.1f} GiB available."
         )
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo; None where it can't be read."""
-    try:
-        for line in MEMINFO.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def _check_data_path(manifest: RunManifest, data_paths: Sequence[str]) -> None:

@@ -20,9 +20,10 @@ from crowdtrain.dht.registry import RunListing, list_runs
 from crowdtrain.errors import BadInputError, CrowdtrainError
 from crowdtrain.manifest import RunManifest, load_run_file
 from crowdtrain.models import check_model_spec, load_tokenizer, model_kind
+from crowdtrain.models.device import available_memory_bytes
 from crowdtrain.node.config import NodeConfig, SwarmSettings
 from crowdtrain.node.identity import Identity
-from crowdtrain.node.limits import available_memory_bytes, check_remote_manifest
+from crowdtrain.node.limits import check_remote_manifest
 
 logger = logging.getLogger(__name__)
 

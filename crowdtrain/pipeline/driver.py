@@ -159,8 +159,9 @@ class PipelineDriver:
             hop.peer = peer_used
         else:
             if hops:
+                assert grad is not None
                 with lock:
-                    first.backward(grad)
+                    first.backward(grad.to(first.device))
         return MicrobatchOutcome(
             microbatch=route.microbatch,
             loss=float(loss.detach()),

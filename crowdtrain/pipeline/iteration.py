@@ -139,8 +139,10 @@ class SkipPipeNode:
                 parameter.copy_(params[offset : offset + count].view_as(parameter))
                 self.optimizer.state[parameter] = {
                     "step": torch.tensor(float(header.optimizer_steps)),
-                    "exp_avg": exp_avg[offset : offset + count].view_as(parameter).clone(),
-                    "exp_avg_sq": exp_avg_sq[offset : offset + count].view_as(parameter).clone(),
+                    "exp_avg": exp_avg[offset : offset + count].view_as(parameter).to(parameter.device, copy=True),
+                    "exp_avg_sq": exp_avg_sq[offset : offset + count]
+                    .view_as(parameter)
+                    .to(parameter.device, copy=True),
                 }
                 offset += count
         self.last_iteration = header.iteration
@@ -154,9 +156,9 @@ class SkipPipeNode:
         for parameter in self.parameters:
             state = self.optimizer.state.get(parameter, {})
             steps = int(state.get("step", 0))
-            parts[0].append(parameter.detach().reshape(-1))
+            parts[0].append(parameter.detach().reshape(-1).cpu())
             for index, key in ((1, "exp_avg"), (2, "exp_avg_sq")):
-                parts[index].append(state[key].reshape(-1) if key in state else torch.zeros(parameter.numel()))
+                parts[index].append(state[key].reshape(-1).cpu() if key in state else torch.zeros(parameter.numel()))
         return self.last_iteration, steps, torch.cat([torch.cat(part) for part in parts]).float()
 
     def run_iteration(self, iteration: int) -> IterationReport:
@@ -270,7 +272,7 @@ class SkipPipeNode:
                     logger.warning(f"{e}; the stage's step goes on without it")
                     self.suspected.add(peer)
                     continue
-            total += gradient
+            total += gradient.to(total.device)
             summed += 1
         with self.service.model_lock:
             offset = 0

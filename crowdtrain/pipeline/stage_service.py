@@ -361,7 +361,7 @@ class StageService(P2PService):
 
     def _backward(self, held: _Held, grad_outputs: torch.Tensor) -> torch.Tensor:
         with self.model_lock:
-            torch.autograd.backward(held.outputs, grad_outputs)
+            torch.autograd.backward(held.outputs, grad_outputs.to(held.outputs.device))
         assert held.inputs.grad is not None
         return held.inputs.grad
 

@@ -13,9 +13,12 @@ The micro-batch size is the node's (`--micro-batch-size`), the iteration's numbe
 (`skippipe.microbatches`); `target_batch_size` and the averaging settings are not used. A loss the loop
 publishes is the iteration's mean over the sources that reported theirs.
 
+A node peers can't dial (client mode) is refused with a sentence: every node of an iteration is called by others
+(hops, done messages, pings, its replicas' gradient fetches).
+
 Not built yet (issue 17): weights averaged between replicas that drifted apart, a joiner's download checked by a
 second replica, stages re-balanced after a stage loses its last replica (its layers are skipped by every path
-until a node takes it), client-mode nodes (they can't serve hops) restricted to stage 0.
+until a node takes it).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from typing import Any
 import torch
 
 from crowdtrain.dht.records import owner_marker
+from crowdtrain.errors import CrowdtrainError
 from crowdtrain.manifest import skippipe_spec
+from crowdtrain.models.device import available_memory_bytes
 from crowdtrain.models.stages import StagedModel
 from crowdtrain.pipeline import HopFailedError, HopLimits, StageService
 from crowdtrain.pipeline.iteration import IterationReport, SkipPipeNode
@@ -51,8 +56,12 @@ logger = logging.getLogger(__name__)
 
 MAX_MICROBATCH_ROWS = 64
 """The most sequences one hop may carry (a node's micro-batch size must not exceed it)."""
-MEMORY_MICROBATCHES = 4
-"""How many microbatches' activations a node holds at once."""
+MAX_MEMORY_MICROBATCHES = 16
+"""The most microbatches' activations a node holds at once (its scheduler's `memory_microbatches`)."""
+MEMORY_SHARE = 0.25
+"""The share of the device's free memory a node gives to held activations."""
+ACTIVATION_FLOATS = 24
+"""Floats a decoder layer keeps per token and hidden unit for its backward (attention, MLP, norms): an estimate."""
 WAIT_FOR_ROSTER_S = 1.0
 """A node not in the roster yet reads it again after this long (it serves its stage meanwhile)."""
 JOIN_TIMEOUT_S = 120.0
@@ -70,6 +79,12 @@ class SkipPipeMode(TrainingMode):
         super().__init__(context)
         if context.compute is None or context.sampler is None:
             raise ValueError("a SkipPipe node computes its stage: it can't be an auxiliary aggregator")
+        if context.client_mode:
+            raise CrowdtrainError(
+                "Peers can't dial this node, and every node of a SkipPipe run is called by the others (pipeline "
+                "hops, done messages, its replicas' gradients); forward a port and pass --announce, or join "
+                "another run."
+            )
         if context.micro_batch_size > MAX_MICROBATCH_ROWS:
             raise ValueError(f"a SkipPipe microbatch holds at most {MAX_MICROBATCH_ROWS} sequences")
         manifest, self.sampler = context.manifest, context.sampler
@@ -87,9 +102,8 @@ class SkipPipeMode(TrainingMode):
             max_sequence=manifest.data.sequence_length,
             hidden_size=int(manifest.model.config["hidden_size"]),
         )
-        self.service = StageService(
-            context.dht, self.staged, self.stage, limits, memory_microbatches=MEMORY_MICROBATCHES
-        )
+        memory = self._memory_microbatches()
+        self.service = StageService(context.dht, self.staged, self.stage, limits, memory_microbatches=memory)
         self.service.start()
         optimizer_spec = manifest.optimizer
         self.optimizer = torch.optim.AdamW(
@@ -101,7 +115,7 @@ class SkipPipeMode(TrainingMode):
             peer_id=context.peer_id,
             stage=self.stage,
             seconds_per_microbatch=self._measure_stage(),
-            memory_microbatches=MEMORY_MICROBATCHES,
+            memory_microbatches=memory,
         )
         self._first_batch: torch.Tensor | None = None
         self.runner = SkipPipeNode(
@@ -239,13 +253,26 @@ class SkipPipeMode(TrainingMode):
             return batch.cpu()
         return self.sampler.batch(iteration, self.context.micro_batch_size, microbatch)
 
+    def _memory_microbatches(self) -> int:
+        """How many microbatches' activations this node can hold: MEMORY_SHARE of the device's free memory over
+        one microbatch's (an estimate from the stage's layers and the microbatch's shape), 1 to 16."""
+        config = self.context.manifest.model.config
+        tokens = self.context.micro_batch_size * self.context.manifest.data.sequence_length
+        per_microbatch = (
+            len(self.staged.stages[self.stage]) * tokens * int(config["hidden_size"]) * ACTIVATION_FLOATS * 4
+        )
+        free = available_memory_bytes(str(self.staged.device))
+        if free is None:
+            return 4
+        return max(1, min(MAX_MEMORY_MICROBATCHES, int(free * MEMORY_SHARE // max(per_microbatch, 1))))
+
     def _measure_stage(self) -> float:
         """Seconds of one forward and backward of this node's stage on a microbatch of its size (one warm-up)."""
         config = self.context.manifest.model.config
         shape = (self.context.micro_batch_size, self.context.manifest.data.sequence_length, int(config["hidden_size"]))
         seconds = 0.0
         for _ in range(2):
-            hidden = torch.randn(shape, requires_grad=True)
+            hidden = torch.randn(shape, device=self.staged.device, requires_grad=True)
             started = time.perf_counter()
             out = self.staged.run_stage(self.stage, self.staged.activations(hidden)).hidden_states
             out.sum().backward()
