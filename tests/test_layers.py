@@ -32,8 +32,9 @@ LAYERS: dict[str, int] = {
     "__main__": 8,
 }
 """Each top-level module or package of crowdtrain and its height: it may import only what is lower, or itself.
-`moe` imports `averaging` (the learning-rate schedule), a sibling: allowed below."""
-SIBLING_IMPORTS = {("moe", "averaging")}
+`moe` imports `averaging` (the learning-rate schedule), and `training` imports `pipeline` (the skippipe mode runs
+it), siblings: allowed below."""
+SIBLING_IMPORTS = {("moe", "averaging"), ("training", "pipeline")}
 
 
 def _unit(path: Path) -> str:

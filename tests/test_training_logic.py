@@ -9,7 +9,7 @@ import pytest
 from crowdtrain import proto
 from crowdtrain.manifest import demo
 from crowdtrain.training.loop import SOLO_EPOCHS_BEFORE_WARNING, Trainer, has_started
-from crowdtrain.training.progress import Progress
+from crowdtrain.training.progress import LOSS_FIRST_BATCHES, Progress
 
 
 def make_trainer(progress: Progress) -> Trainer:
@@ -27,9 +27,21 @@ def make_trainer(progress: Progress) -> Trainer:
 def test_progress_moving_averages() -> None:
     progress = Progress()
     progress.observe(loss=4.0, num_samples=8, elapsed_s=1.0)
-    assert progress.loss == 4.0 and progress.samples_per_second == 8.0
+    assert progress.loss is None and progress.samples_per_second == 8.0  # one micro-batch's loss is noise
     progress.observe(loss=2.0, num_samples=16, elapsed_s=1.0)
-    assert progress.loss == pytest.approx(3.8) and progress.samples_per_second == pytest.approx(8.8)
+    assert progress.samples_per_second == pytest.approx(8.8)
+    for loss in (3.0, 3.0):
+        progress.observe(loss=loss, num_samples=8, elapsed_s=1.0)
+    assert progress.loss == pytest.approx(3.0)  # the mean of the first LOSS_FIRST_BATCHES
+    for _ in range(LOSS_FIRST_BATCHES - 4):
+        progress.observe(loss=3.0, num_samples=8, elapsed_s=1.0)
+    progress.observe(loss=4.0, num_samples=8, elapsed_s=1.0)
+    assert progress.loss == pytest.approx(3.1)  # then the moving average
+    progress.restart_loss()
+    assert progress.loss is None and progress.loss_batches == 0
+    for loss in (1.0, 2.0, 3.0, 6.0):
+        progress.observe(loss=loss, num_samples=8, elapsed_s=1.0)
+    assert progress.loss == pytest.approx(3.0)
 
 
 def test_warns_once_after_consecutive_solo_steps_with_peers_online(caplog: pytest.LogCaptureFixture) -> None:

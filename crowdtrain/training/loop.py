@@ -208,8 +208,8 @@ class Trainer:
                 progress.observe(loss, mode.samples_of_last_call(micro_batch_size), time.monotonic() - started)
                 if mode.epoch > last_epoch + 1:
                     # This step caught up by loading the swarm's state: the losses so far were those of weights
-                    # this node no longer has, so its published loss starts afresh with the next micro-batch.
-                    progress.loss = None
+                    # this node no longer has, so its published loss starts afresh with the next micro-batches.
+                    progress.restart_loss()
                 mode.report(progress)
                 bar.update(progress, progress.swarm_samples_accumulated, progress.num_peers)
                 if mode.epoch != last_epoch:

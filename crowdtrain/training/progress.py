@@ -10,6 +10,11 @@ from crowdtrain.averaging.phases import PhaseTimes
 from crowdtrain.averaging.quarantine import Verdict
 
 THROUGHPUT_EMA_ALPHA = 0.1
+LOSS_FIRST_BATCHES = 8
+"""After a start or `restart_loss`, the published loss is the plain mean of this many micro-batches, then the EMA."""
+LOSS_MIN_BATCHES = 4
+"""...and none is published before this many: one micro-batch's loss is noise (a peer that had just downloaded the
+swarm's state showed 3.05 where its EMA had been 2.86 and went on at 2.78, failing test_training's "loss holds")."""
 
 
 @dataclass(slots=True)
@@ -58,6 +63,9 @@ class Progress:
     """Samples this node computed forward and backward since it started (all epochs; skipped micro-batches not)."""
     excluded_peers: dict[str, Verdict] = field(default_factory=dict)
     """Peers this node keeps out of its averaging groups for sending bad parts (averaging/quarantine.py)."""
+    loss_batches: int = 0
+    """Micro-batches folded into `loss` since it was last restarted."""
+    _loss_mean: float = field(default=0.0, repr=False)
 
     def observe(self, loss: float, num_samples: int, elapsed_s: float) -> None:
         """Fold one micro-step into the exponential moving averages."""
@@ -67,7 +75,17 @@ class Progress:
         self.samples_per_second = (
             rate if self.samples_per_second == 0 else (1 - alpha) * self.samples_per_second + alpha * rate
         )
-        self.loss = loss if self.loss is None else (1 - alpha) * self.loss + alpha * loss
+        self.loss_batches += 1
+        if self.loss_batches <= LOSS_FIRST_BATCHES:
+            self._loss_mean += (loss - self._loss_mean) / self.loss_batches
+            self.loss = self._loss_mean if self.loss_batches >= LOSS_MIN_BATCHES else None
+        else:
+            assert self.loss is not None
+            self.loss = (1 - alpha) * self.loss + alpha * loss
+
+    def restart_loss(self) -> None:
+        """Forget the losses so far (they were those of weights this node no longer has)."""
+        self.loss, self.loss_batches, self._loss_mean = None, 0, 0.0
 
     def complete_round(self, *, compute_s: float, wall_s: float, bytes_sent: int) -> None:
         """A round (global step or outer round) completed after `wall_s` seconds, `compute_s` of them computing,
