@@ -203,7 +203,8 @@ class SkipPipeNode:
         phases["waiting for sources"] = time.perf_counter() - mark
         losses = [(outcome.loss, 1) for outcome in outcomes] + self.service.sources_losses(iteration)
         counted = sum(count for _, count in losses)
-        samples = sum(int(batch.shape[0]) for batch in batches) if self.driver else self.service.rows_served(iteration)
+        driven = sum(int(batch.shape[0]) for batch in batches)
+        samples = driven if self.driver is not None else self.service.rows_served(iteration)
         mark = time.perf_counter()
         replicas_summed = self._sum_gradients(iteration)
         phases["gradient exchange"] = time.perf_counter() - mark

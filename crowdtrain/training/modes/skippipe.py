@@ -65,9 +65,9 @@ ACTIVATION_FLOATS = 24
 WAIT_FOR_ROSTER_S = 1.0
 """A node not in the roster yet reads it again after this long (it serves its stage meanwhile)."""
 JOIN_TIMEOUT_S = 120.0
+"""How long a joiner tries to take its stage's state of the iteration before its first."""
 PING_AT_MOST = 8
 """Nodes a joiner asks for the iteration they serve."""
-"""How long a joiner tries to take its stage's state of the iteration before its first."""
 
 
 class SkipPipeMode(TrainingMode):
@@ -215,6 +215,9 @@ class SkipPipeMode(TrainingMode):
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while time.monotonic() < deadline:
             for peer in replicas:
+                serving = self.service.ping(peer, timeout_s=2.0)
+                if serving is None or serving < first:
+                    continue  # gone, or still stepping an earlier iteration: a state is a whole stage, ask once
                 try:
                     self.runner.join(peer, timeout_s=30.0)
                 except HopFailedError as e:
@@ -224,7 +227,7 @@ class SkipPipeMode(TrainingMode):
                     if self.runner.last_iteration >= first:  # gradients served meanwhile are in the state taken
                         self.optimizer.zero_grad(set_to_none=False)
                     return self.runner.last_iteration + 1
-            time.sleep(0.2)  # the replica is still stepping an earlier iteration
+            time.sleep(0.2)
         logger.warning(f"no replica of stage {self.stage} served its state of iteration {first - 1}; starting as is")
         return first
 
