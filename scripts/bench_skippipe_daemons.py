@@ -36,6 +36,7 @@ from crowdtrain.testing.bench import (
     environment_json,
     print_table,
     progress_rate,
+    record_failure,
     say,
     with_children,
     write_json,
@@ -100,7 +101,11 @@ def measure(args: Any, groups: ProcessGroups, root: Path, mode: str) -> dict[str
         for node in nodes:
             node.check_alive()
         time.sleep(min(2.0, left_s))
-    snapshots = [(t, s) for t, s in watcher.between(started, time.monotonic()) if len(s["peers"]) == args.nodes]
+    snapshots = [
+        (t, s)
+        for t, s in watcher.between(started, time.monotonic())
+        if len(s["peers"]) == args.nodes and all(peer.get("training") for peer in s["peers"])
+    ]
     for process in [watcher.process, *(node.process for node in nodes)]:
         groups.kill(process)
     if len(snapshots) < 3:
@@ -155,7 +160,7 @@ def main() -> int:
             try:
                 results[mode] = measure(args, groups, root, mode)
             except Exception as e:  # the other arm's numbers are still worth having
-                results[mode] = {"error": f"{type(e).__name__}: {e}"}
+                record_failure(results, mode, e)
             write_json(args.out / "skippipe_daemons.json", results)
 
     with_children("crowdtrain-bench-skippipe-daemons-", args.out / "logs" / "skippipe_daemons", body)

@@ -20,6 +20,7 @@ from crowdtrain.pipeline.membership import (
     parse_declaration,
     parse_roster,
     pick_roster,
+    restage,
 )
 from crowdtrain.planning.skippipe import NodeInfo
 
@@ -36,6 +37,15 @@ def test_a_node_takes_the_stage_with_fewest_replicas_then_least_compute_then_the
     assert choose_stage([node("a", 0), node("b", 1, 0.5), node("c", 2, 4.0), node("d", 3)], 4, "me") == 2
     # its own declaration does not count
     assert choose_stage([node("me", 0)], 2, "me".ljust(46, "x")) == 0
+
+
+def test_two_joiners_that_chose_one_stage_at_once_split_the_lower_peer_id_keeps_it() -> None:
+    founder, low, high = node("a", 0), node("b", 1), node("c", 1)
+    declared = [founder, low, high]
+    assert restage(declared, 1, 3, high.peer_id) == 2  # stage 2 has no node: the higher peer ID moves there
+    assert restage(declared, 1, 3, low.peer_id) is None  # the lower keeps its stage
+    assert restage(declared, 1, 2, high.peer_id) is None  # every stage has a node: two replicas of stage 1 is fine
+    assert restage([founder, high], 1, 3, high.peer_id) is None  # no clash
 
 
 def test_the_roster_followed_starts_latest_is_from_a_stage_zero_member_and_ties_go_to_the_lowest() -> None:

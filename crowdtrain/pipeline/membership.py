@@ -73,13 +73,14 @@ class Membership:
         return next((node.stage for node in self.members if node.peer_id == peer_id), None)
 
 
-def member_proto(node: NodeInfo) -> proto.SkipPipeMember:
-    """`node` as a declaration or a roster's member."""
+def member_proto(node: NodeInfo, serving: bool = False) -> proto.SkipPipeMember:
+    """`node` as a declaration (`serving`: it serves its stage already) or a roster's member."""
     return proto.SkipPipeMember(
         peer_id=node.peer_id,
         stage=node.stage,
         seconds_per_microbatch=node.seconds_per_microbatch,
         memory_microbatches=node.memory_microbatches,
+        serving=serving,
     )
 
 
@@ -144,6 +145,16 @@ def choose_stage(declared: Iterable[NodeInfo], num_stages: int, me: str) -> int:
     return min(range(num_stages), key=lambda stage: (replicas[stage], compute[stage], stage))
 
 
+def restage(declared: Iterable[NodeInfo], stage: int, num_stages: int, me: str) -> int | None:
+    """After a joiner declared `stage`: the stage to take instead when a node with a lower peer ID declared the same
+    one while another stage has no node (two joiners chose at once; the lower keeps it), else None."""
+    others = [node for node in declared if node.peer_id != me]
+    clash = any(node.stage == stage and node.peer_id < me for node in others)
+    if not clash or {node.stage for node in others} >= set(range(num_stages)):
+        return None
+    return choose_stage(others, num_stages, me)
+
+
 def pick_roster(rosters: Mapping[str, Sequence[Membership]]) -> list[Membership]:
     """The roster every node follows among those found (publisher → history): from a stage-0 member of its own
     newest membership, the newest membership starting latest, ties to the lowest publisher; [] if none."""
@@ -200,21 +211,24 @@ class StageDirectory:
     """This node's owner marker: its records are signed."""
     num_stages: int
 
-    def declare(self, node: NodeInfo) -> bool:
-        value = member_proto(node).SerializeToString(deterministic=True)
+    def declare(self, node: NodeInfo, serving: bool) -> bool:
+        """Sign and store this node's declaration (`serving`: a leader may add it to the roster)."""
+        value = member_proto(node, serving).SerializeToString(deterministic=True)
         key = keys.skippipe_stages_key(self.run_id)
         return store_signed(self.dht, key, value, self.owner, DECLARATION_TTL_S, DHT_TIMEOUT_S)
 
-    def declarations(self) -> dict[str, NodeInfo]:
-        """The live, valid declarations, by peer ID."""
+    def declarations(self, serving_only: bool = False) -> dict[str, NodeInfo]:
+        """The live, valid declarations (with `serving_only`, of nodes that serve their stage already), by peer ID."""
         found = {}
         for subkey, value in read_dictionary(self.dht, keys.skippipe_stages_key(self.run_id), DHT_TIMEOUT_S).items():
             try:
-                node = parse_declaration(subkey, value, self.num_stages)
+                member = check_stage_declaration(subkey, value)
+                node = node_info(member, self.num_stages)
             except RecordError as e:
                 logger.debug(f"skipped a stage declaration: {e}")
                 continue
-            found[node.peer_id] = node
+            if member.serving or not serving_only:
+                found[node.peer_id] = node
         return found
 
     def publish_roster(self, history: Sequence[Membership]) -> bool:

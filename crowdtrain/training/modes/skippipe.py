@@ -46,6 +46,7 @@ from crowdtrain.pipeline.membership import (
     leader_of,
     membership_at,
     next_members,
+    restage,
 )
 from crowdtrain.pipeline.stage_service import MAX_ITERATIONS_AHEAD
 from crowdtrain.planning.skippipe import NodeInfo
@@ -66,6 +67,9 @@ WAIT_FOR_ROSTER_S = 1.0
 """A node not in the roster yet reads it again after this long (it serves its stage meanwhile)."""
 JOIN_TIMEOUT_S = 120.0
 """How long a joiner tries to take its stage's state of the iteration before its first."""
+STAGE_SETTLE_S = 2.0
+"""After declaring a stage, how long a joiner waits before it looks whether another joiner chose the same."""
+STAGE_SETTLE_TRIES = 3
 PING_AT_MOST = 8
 """Nodes a joiner asks for the iteration they serve."""
 
@@ -96,26 +100,22 @@ class SkipPipeMode(TrainingMode):
             owner=owner_marker(context.private_key),
             num_stages=self.spec.stages,
         )
-        self.stage = choose_stage(self.directory.declarations().values(), self.spec.stages, context.peer_id)
+        self.me = self._take_stage()
+        self.stage = self.me.stage
         limits = HopLimits(
             max_batch=MAX_MICROBATCH_ROWS,
             max_sequence=manifest.data.sequence_length,
             hidden_size=int(manifest.model.config["hidden_size"]),
         )
-        memory = self._memory_microbatches()
-        self.service = StageService(context.dht, self.staged, self.stage, limits, memory_microbatches=memory)
+        self.service = StageService(
+            context.dht, self.staged, self.stage, limits, memory_microbatches=self.me.memory_microbatches
+        )
         self.service.start()
         optimizer_spec = manifest.optimizer
         self.optimizer = torch.optim.AdamW(
             self.staged.stage_parameters(self.stage),
             lr=optimizer_spec.learning_rate,
             weight_decay=optimizer_spec.weight_decay,
-        )
-        self.me = NodeInfo(
-            peer_id=context.peer_id,
-            stage=self.stage,
-            seconds_per_microbatch=self._measure_stage(),
-            memory_microbatches=memory,
         )
         self._first_batch: torch.Tensor | None = None
         self.runner = SkipPipeNode(
@@ -181,7 +181,9 @@ class SkipPipeMode(TrainingMode):
         """Find this node's first iteration in the roster (found the roster if none exists and this node serves
         stage 0); take its stage's state from a replica if the stage has one. Whether it has a place now."""
         if not self.history and self.stage == 0:
-            founding = Membership(0, next_members(None, self.directory.declarations() | {self.me.peer_id: self.me}, ()))
+            founding = Membership(
+                0, next_members(None, self.directory.declarations(serving_only=True) | {self.me.peer_id: self.me}, ())
+            )
             if self.directory.publish_roster([founding]):
                 self.history = [founding]
                 logger.info(f"founded the SkipPipe roster with {len(founding.members)} node(s)")
@@ -241,7 +243,7 @@ class SkipPipeMode(TrainingMode):
         newest = self.history[-1] if self.history else membership
         if newest.from_iteration > iteration:
             return  # a change is announced already
-        members = next_members(newest, self.directory.declarations(), self._given_up)
+        members = next_members(newest, self.directory.declarations(serving_only=True), self._given_up)
         if set(members) == set(newest.members) or not any(node.stage == 0 for node in members):
             return
         announced = Membership(iteration + LOOKAHEAD, members)
@@ -256,36 +258,58 @@ class SkipPipeMode(TrainingMode):
             return batch.cpu()
         return self.sampler.batch(iteration, self.context.micro_batch_size, microbatch)
 
-    def _memory_microbatches(self) -> int:
+    def _memory_microbatches(self, stage: int) -> int:
         """How many microbatches' activations this node can hold: MEMORY_SHARE of the device's free memory over
         one microbatch's (an estimate from the stage's layers and the microbatch's shape), 1 to 16."""
         config = self.context.manifest.model.config
         tokens = self.context.micro_batch_size * self.context.manifest.data.sequence_length
-        per_microbatch = (
-            len(self.staged.stages[self.stage]) * tokens * int(config["hidden_size"]) * ACTIVATION_FLOATS * 4
-        )
+        per_microbatch = len(self.staged.stages[stage]) * tokens * int(config["hidden_size"]) * ACTIVATION_FLOATS * 4
         free = available_memory_bytes(str(self.staged.device))
         if free is None:
             return 4
         return max(1, min(MAX_MEMORY_MICROBATCHES, int(free * MEMORY_SHARE // max(per_microbatch, 1))))
 
-    def _measure_stage(self) -> float:
-        """Seconds of one forward and backward of this node's stage on a microbatch of its size (one warm-up)."""
+    def _take_stage(self) -> NodeInfo:
+        """Choose a stage (`choose_stage`) and declare it, not serving yet; after STAGE_SETTLE_S, if a node with a
+        lower peer ID declared the same stage while another stage has none (two joiners chose at once), choose
+        again among the others' declarations. This node as the scheduler will know it."""
+        peer_id, declared = self.context.peer_id, self.directory.declarations()
+        node = self._node(choose_stage(declared.values(), self.spec.stages, peer_id))
+        for _ in range(STAGE_SETTLE_TRIES):
+            self.directory.declare(node, serving=False)
+            time.sleep(STAGE_SETTLE_S)  # for the other joiners' declarations to reach the DHT
+            stage = restage(self.directory.declarations().values(), node.stage, self.spec.stages, peer_id)
+            if stage is None:
+                break
+            node = self._node(stage)
+        return node
+
+    def _node(self, stage: int) -> NodeInfo:
+        return NodeInfo(
+            peer_id=self.context.peer_id,
+            stage=stage,
+            seconds_per_microbatch=self._measure_stage(stage),
+            memory_microbatches=self._memory_microbatches(stage),
+        )
+
+    def _measure_stage(self, stage: int) -> float:
+        """Seconds of one forward and backward of `stage` on a microbatch of this node's size (one warm-up)."""
         config = self.context.manifest.model.config
         shape = (self.context.micro_batch_size, self.context.manifest.data.sequence_length, int(config["hidden_size"]))
         seconds = 0.0
         for _ in range(2):
             hidden = torch.randn(shape, device=self.staged.device, requires_grad=True)
             started = time.perf_counter()
-            out = self.staged.run_stage(self.stage, self.staged.activations(hidden)).hidden_states
+            out = self.staged.run_stage(stage, self.staged.activations(hidden)).hidden_states
             out.sum().backward()
             seconds = time.perf_counter() - started
-        for parameter in self.staged.stage_parameters(self.stage):
+        for parameter in self.staged.stage_parameters(stage):
             parameter.grad = None
         return max(seconds, 1e-3)
 
     def _renew_declaration(self) -> None:
-        if time.monotonic() - self._declared_at >= DECLARATION_RENEW_S and self.directory.declare(self.me):
+        due = time.monotonic() - self._declared_at >= DECLARATION_RENEW_S
+        if due and self.directory.declare(self.me, serving=True):
             self._declared_at = time.monotonic()
 
     def _describe(self, membership: Membership) -> str:
