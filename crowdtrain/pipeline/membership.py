@@ -44,7 +44,8 @@ DECLARATION_TTL_S = 60.0
 DECLARATION_RENEW_S = 15.0
 """How often a running node renews its declaration."""
 ROSTER_TTL_S = 600.0
-"""A roster expires this long after the leader last wrote it (it rewrites it at each change, and when renewing)."""
+"""A roster expires this long after the leader last wrote it (at each change, and every ROSTER_RENEW_S)."""
+ROSTER_RENEW_S = 60.0
 LOOKAHEAD = 2
 """A membership announced at iteration i applies from iteration i + LOOKAHEAD."""
 HISTORY = 4

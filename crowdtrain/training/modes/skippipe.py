@@ -40,6 +40,7 @@ from crowdtrain.pipeline.membership import (
     DECLARATION_RENEW_S,
     DECLARATION_TTL_S,
     LOOKAHEAD,
+    ROSTER_RENEW_S,
     Membership,
     StageDirectory,
     choose_stage,
@@ -133,6 +134,8 @@ class SkipPipeMode(TrainingMode):
         """The next iteration this node runs; None while it is not in the roster."""
         self.last_report: IterationReport | None = None
         self._declared_at = -float("inf")
+        self._published_at = -float("inf")
+        """When this node last wrote the roster (monotonic), as its leader."""
         self._given_up: dict[str, float] = {}
         """Peers this node found gone (a failed hop, done message, exchange or ping), until when (monotonic): as the
         leader it leaves them out of the rosters it announces, though their declarations may last a while."""
@@ -180,13 +183,14 @@ class SkipPipeMode(TrainingMode):
     def _take_place(self) -> bool:
         """Find this node's first iteration in the roster (found the roster if none exists and this node serves
         stage 0); take its stage's state from a replica if the stage has one. Whether it has a place now."""
-        if not self.history and self.stage == 0:
-            founding = Membership(
-                0, next_members(None, self.directory.declarations(serving_only=True) | {self.me.peer_id: self.me}, ())
-            )
+        serving = self.directory.declarations(serving_only=True) if not self.history and self.stage == 0 else {}
+        if not self.history and self.stage == 0 and set(serving) <= {self.me.peer_id}:
+            # no roster and no other node serving: the run's first node (else the roster is on its way: wait)
+            founding = Membership(0, (self.me,))
             if self.directory.publish_roster([founding]):
                 self.history = [founding]
-                logger.info(f"founded the SkipPipe roster with {len(founding.members)} node(s)")
+                self._published_at = time.monotonic()
+                logger.info("founded the SkipPipe roster")
         if not self.history or self.me.peer_id not in self.history[-1].peers():
             return False
         index = len(self.history) - 1
@@ -241,6 +245,8 @@ class SkipPipeMode(TrainingMode):
         if leader_of(membership, self._given_up) != self.me.peer_id:
             return
         newest = self.history[-1] if self.history else membership
+        if time.monotonic() - self._published_at >= ROSTER_RENEW_S and self.directory.publish_roster(self.history):
+            self._published_at = time.monotonic()  # renewed: a roster left alone would expire
         if newest.from_iteration > iteration:
             return  # a change is announced already
         members = next_members(newest, self.directory.declarations(serving_only=True), self._given_up)
@@ -248,7 +254,7 @@ class SkipPipeMode(TrainingMode):
             return
         announced = Membership(iteration + LOOKAHEAD, members)
         if self.directory.publish_roster([*self.history, announced]):
-            self.history = [*self.history, announced]
+            self.history, self._published_at = [*self.history, announced], time.monotonic()
             logger.info(f"announced {len(members)} SkipPipe nodes from iteration {announced.from_iteration}")
 
     def _batch(self, iteration: int, microbatch: int) -> torch.Tensor:
