@@ -71,6 +71,8 @@ JOIN_TIMEOUT_S = 120.0
 STAGE_SETTLE_S = 2.0
 """After declaring a stage, how long a joiner waits before it looks whether another joiner chose the same."""
 STAGE_SETTLE_TRIES = 3
+MISSING_READS = 3
+"""A member whose declaration is missing from this many of the leader's reads in a row is gone (or expired)."""
 PING_AT_MOST = 8
 """Nodes a joiner asks for the iteration they serve."""
 
@@ -136,6 +138,8 @@ class SkipPipeMode(TrainingMode):
         self._declared_at = -float("inf")
         self._published_at = -float("inf")
         """When this node last wrote the roster (monotonic), as its leader."""
+        self._missing: dict[str, int] = {}
+        """As the leader: reads in a row that missed each member's declaration."""
         self._given_up: dict[str, float] = {}
         """Peers this node found gone (a failed hop, done message, exchange or ping), until when (monotonic): as the
         leader it leaves them out of the rosters it announces, though their declarations may last a while."""
@@ -249,7 +253,7 @@ class SkipPipeMode(TrainingMode):
             self._published_at = time.monotonic()  # renewed: a roster left alone would expire
         if newest.from_iteration > iteration:
             return  # a change is announced already
-        members = next_members(newest, self.directory.declarations(serving_only=True), self._given_up)
+        members = next_members(newest, self._live_declarations(newest), self._given_up)
         if set(members) == set(newest.members) or not any(node.stage == 0 for node in members):
             return
         announced = Membership(iteration + LOOKAHEAD, members)
@@ -257,11 +261,20 @@ class SkipPipeMode(TrainingMode):
             self.history, self._published_at = [*self.history, announced], time.monotonic()
             logger.info(f"announced {len(members)} SkipPipe nodes from iteration {announced.from_iteration}")
 
+    def _live_declarations(self, newest: Membership) -> dict[str, NodeInfo]:
+        """The serving nodes' declarations, and the members' whose declaration was missing from fewer than
+        MISSING_READS reads in a row: one read that misses records (a DHT node slow to answer) drops no one."""
+        declared = self.directory.declarations(serving_only=True)
+        for node in newest.members:
+            self._missing[node.peer_id] = 0 if node.peer_id in declared else self._missing.get(node.peer_id, 0) + 1
+        kept = {node.peer_id: node for node in newest.members if 0 < self._missing[node.peer_id] < MISSING_READS}
+        return {**kept, **declared}
+
     def _batch(self, iteration: int, microbatch: int) -> torch.Tensor:
         """The token ids of this source's microbatch: the loop's micro-batch first, then the node's own data."""
         if self._first_batch is not None:
             batch, self._first_batch = self._first_batch, None
-            return batch.cpu()
+            return batch
         return self.sampler.batch(iteration, self.context.micro_batch_size, microbatch)
 
     def _memory_microbatches(self, stage: int) -> int:
