@@ -56,6 +56,15 @@ def test_the_roster_followed_starts_latest_is_from_a_stage_zero_member_and_ties_
     assert pick_roster({b.peer_id: newer, a.peer_id: newer[:1] + [Membership(5, (a, c))]})[-1].members == (a, c)
     # a stage-1 node's roster is not followed, however new
     assert pick_roster({a.peer_id: old, c.peer_id: [Membership(9, (c,))]}) == old
+    # once a node follows a roster, only its stage-0 members may publish the next, and not far ahead
+    stranger = node("s", 0)
+    hijack = [Membership(0, (a, c)), Membership(6, (stranger, c))]
+    assert pick_roster({a.peer_id: newer, stranger.peer_id: hijack}) == hijack  # a joiner knows no better
+    assert pick_roster({a.peer_id: newer, stranger.peer_id: hijack}, current=newer, iteration=5) == newer
+    far = [*newer, Membership(5 + 2 + 64 + 1, (a, b))]
+    assert pick_roster({b.peer_id: far, a.peer_id: newer}, current=newer, iteration=5) == newer
+    near = [*newer, Membership(7, (a, b))]
+    assert pick_roster({b.peer_id: near, a.peer_id: newer}, current=newer, iteration=5) == near  # a successor
     assert membership_at(newer, 4) == newer[0] and membership_at(newer, 5) == newer[1]
     assert membership_at(newer[1:], 4) is None
     assert leader_of(newer[1], given_up=()) == a.peer_id

@@ -50,6 +50,9 @@ LOOKAHEAD = 2
 """A membership announced at iteration i applies from iteration i + LOOKAHEAD."""
 HISTORY = 4
 """Memberships a roster keeps, the newest last."""
+MAX_JUMP = 64
+"""A roster a running node follows announces no membership more than this many iterations (+ LOOKAHEAD) past its
+own iteration."""
 MAX_MEMBERS = 256
 """The most nodes one membership lists (MAX_ROSTER_BYTES allows HISTORY of them)."""
 DHT_TIMEOUT_S = 5.0
@@ -156,13 +159,23 @@ def restage(declared: Iterable[NodeInfo], stage: int, num_stages: int, me: str) 
     return choose_stage(others, num_stages, me)
 
 
-def pick_roster(rosters: Mapping[str, Sequence[Membership]]) -> list[Membership]:
-    """The roster every node follows among those found (publisher → history): from a stage-0 member of its own
-    newest membership, the newest membership starting latest, ties to the lowest publisher; [] if none."""
+def pick_roster(
+    rosters: Mapping[str, Sequence[Membership]], current: Sequence[Membership] = (), iteration: int | None = None
+) -> list[Membership]:
+    """The roster every node follows among those found (publisher → history): the newest membership starting
+    latest, ties to the lowest publisher; [] if none. Only from a stage-0 member of its own newest membership and,
+    once this node follows a roster (`current`), of that roster's newest membership (a node that is not a stage-0
+    member can't take the swarm over), and for a node that runs `iteration`, announcing no further than MAX_JUMP
+    iterations past it (nor can a stage-0 member move the swarm to an iteration far ahead)."""
+    trusted = None if not current else {node.peer_id for node in current[-1].members if node.stage == 0}
+    limit = None if iteration is None else iteration + LOOKAHEAD + MAX_JUMP
     valid = [
         (history[-1].from_iteration, publisher)
         for publisher, history in rosters.items()
-        if history and history[-1].stage_of(publisher) == 0
+        if history
+        and history[-1].stage_of(publisher) == 0
+        and (trusted is None or publisher in trusted)
+        and (limit is None or history[-1].from_iteration <= limit)
     ]
     if not valid:
         return []
@@ -236,12 +249,13 @@ class StageDirectory:
         key = keys.skippipe_roster_key(self.run_id)
         return store_signed(self.dht, key, encode_roster(history), self.owner, ROSTER_TTL_S, DHT_TIMEOUT_S)
 
-    def roster(self) -> list[Membership]:
-        """The roster every node follows (`pick_roster`) among the valid ones found; [] if none."""
+    def roster(self, current: Sequence[Membership] = (), iteration: int | None = None) -> list[Membership]:
+        """The roster to follow (`pick_roster`, after `current`, by a node running `iteration`) among the valid ones
+        found; [] if none."""
         rosters = {}
         for subkey, value in read_dictionary(self.dht, keys.skippipe_roster_key(self.run_id), DHT_TIMEOUT_S).items():
             try:
                 rosters[peer_id_of_owner(subkey).to_base58()] = parse_roster(subkey, value, self.num_stages)
             except RecordError as e:
                 logger.debug(f"skipped a roster: {e}")
-        return pick_roster(rosters)
+        return pick_roster(rosters, current, iteration)

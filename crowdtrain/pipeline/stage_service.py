@@ -291,7 +291,7 @@ class StageService(P2PService):
 
     async def rpc_stage_ping(self, request: proto.StageHop, context: P2PContext) -> proto.StageHop:
         """Whether this node is still there, and the iteration it serves (`iteration`; 0 before any)."""
-        return proto.StageHop(iteration=self._open or 0, stage=self.stage)
+        return proto.StageHop(iteration=max(self._open or 0, 0), stage=self.stage)
 
     async def rpc_stage_gradient(
         self, request: proto.StageHop, context: P2PContext

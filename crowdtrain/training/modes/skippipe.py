@@ -113,6 +113,9 @@ class SkipPipeMode(TrainingMode):
         self.service = StageService(
             context.dht, self.staged, self.stage, limits, memory_microbatches=self.me.memory_microbatches
         )
+        # No forward is served before this node runs its first iteration: one served then (a source ahead of it)
+        # would be stepped over before its backward ("modified by an inplace operation", seen in a test run).
+        self.service.open_iteration(-1)
         self.service.start()
         optimizer_spec = manifest.optimizer
         self.optimizer = torch.optim.AdamW(
@@ -159,7 +162,7 @@ class SkipPipeMode(TrainingMode):
 
     def train_micro_batch(self, batch: torch.Tensor) -> float | None:
         self._renew_declaration()
-        self.history = self.directory.roster() or self.history
+        self.history = self.directory.roster(self.history, self.iteration) or self.history
         if self.iteration is None and not self._take_place():
             time.sleep(WAIT_FOR_ROSTER_S)
             return None
