@@ -102,6 +102,12 @@ def test_the_eval_command_prints_json_and_refuses_bad_input_with_one_sentence(
     ]:
         with pytest.raises(BadInputError, match=sentence):
             scores(root, **options)
+    with pytest.raises(BadInputError, match="The join token is not one `crowdtrain invite` made"):
+        # a SkipPipe swarm is read with the reader's join token (an invite-only run's DHT admits no other), checked
+        # before any swarm is dialled
+        evaluate("skippipe-demo", run_id=None, checkpoint=None, state_dir=str(tmp_path), num_stages=1, drop=(),
+                 sweep=False, batches=1, batch_size=1, initial_peers=("/ip4/127.0.0.1/tcp/9",),
+                 join_token="x")  # fmt: skip
     with pytest.raises(BadInputError, match="DMoE run"):
         evaluate("demo-moe", run_id=None, checkpoint=None, state_dir=str(tmp_path), num_stages=1, drop=(),
                  sweep=False, batches=1, batch_size=1)  # fmt: skip

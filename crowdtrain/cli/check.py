@@ -16,17 +16,16 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import hivemind
-from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
 from crowdtrain import __version__, proto
+from crowdtrain.cli.reader import join_as_reader
 from crowdtrain.cli.runs import choose_run
 from crowdtrain.dht.registry import list_peer_statuses, list_runs
-from crowdtrain.dht.swarm import SwarmOptions, join_swarm
-from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
+from crowdtrain.dht.validator import CrowdtrainRecordValidator
 from crowdtrain.links.probes import MAX_PROBED_PEERS, ProbeReport, ProbeService
 from crowdtrain.links.protocol import AddressVerdict
 from crowdtrain.manifest import RunManifest, demo
@@ -34,7 +33,7 @@ from crowdtrain.models import load_tokenizer, precision_for_device, spec_paramet
 from crowdtrain.models.device import describe_device, resolve_device
 from crowdtrain.node.addresses import DEFAULT_PORT, resolve_listen
 from crowdtrain.node.config import CheckConfig
-from crowdtrain.node.membership import reader_authorizer, with_join_token
+from crowdtrain.node.membership import with_join_token
 from crowdtrain.planning.plan import compute_plan
 from crowdtrain.planning.planner import OwnCapabilities, plan_problem, swarm_capabilities
 from crowdtrain.roles import Role
@@ -208,19 +207,8 @@ def run_check(config: CheckConfig) -> CheckReport:
 
 def _swarm_target(config: CheckConfig) -> _Target:
     config = with_join_token(config)
-    reader_key = RSAPrivateKey()
     listen = resolve_listen(config.listen)
-    dht = join_swarm(
-        SwarmOptions(
-            initial_peers=config.initial_peers,
-            listen=listen,
-            announce=config.announce,
-            client_mode=True,  # never stores records nor answers DHT queries: not counted as a peer
-            bootstrap_timeout_s=config.bootstrap_timeout_s,
-            authorizer=reader_authorizer(config, reader_key),
-        ),
-        make_validators(reader_key),
-    )
+    dht, _ = join_as_reader(config, listen=listen, announce=config.announce)
     try:
         founder = config.run_key or None
         runs = list_runs(dht, LOOKUP_TIMEOUT_S, founder)

@@ -21,6 +21,7 @@ keeps its initial weights and is named in the output.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -30,18 +31,17 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import hivemind
 import torch
-from hivemind.utils.crypto import RSAPrivateKey
 
+from crowdtrain.cli.reader import join_as_reader
 from crowdtrain.data import WindowSampler, load_token_stream
 from crowdtrain.dht.records import owner_marker
-from crowdtrain.dht.swarm import SwarmOptions, join_swarm
-from crowdtrain.dht.validator import make_validators
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import RunManifest, load_run_file, skippipe_spec
 from crowdtrain.models import build_model, load_tokenizer, model_kind, training_loss
 from crowdtrain.models.stages import StagedModel, check_path
+from crowdtrain.node.config import SwarmSettings
+from crowdtrain.node.membership import with_join_token
 from crowdtrain.pipeline import HopFailedError, HopLimits, StageService
 from crowdtrain.pipeline.iteration import STATE_PARTS
 from crowdtrain.pipeline.membership import StageDirectory
@@ -93,6 +93,7 @@ def evaluate(
     batches: int,
     batch_size: int,
     initial_peers: Sequence[str] = (),
+    join_token: str = "",
 ) -> Evaluation:
     """Score the checkpoint's model (or, with `initial_peers`, a SkipPipe swarm's stages) on the run's held-out
     windows; raises BadInputError with a sentence."""
@@ -116,7 +117,8 @@ def evaluate(
     model = build_model(manifest.model, tokenizer.vocab_size)
     untrained: tuple[int, ...] = ()
     if initial_peers:
-        source, epoch, untrained = swarm_stages(initial_peers, manifest, StagedModel(model, num_stages))
+        settings = SwarmSettings(initial_peers=tuple(initial_peers), join_token=join_token)
+        source, epoch, untrained = swarm_stages(settings, manifest, StagedModel(model, num_stages))
     else:
         loaded = _checkpoint(checkpoint, state_dir, manifest, model)
         model.load_state_dict(loaded.model_state)
@@ -156,13 +158,14 @@ def _swarm_stages_count(manifest: RunManifest, num_stages: int) -> int:
 
 
 def swarm_stages(
-    initial_peers: Sequence[str], manifest: RunManifest, staged: StagedModel
+    settings: SwarmSettings, manifest: RunManifest, staged: StagedModel
 ) -> tuple[str, int, tuple[int, ...]]:
     """Load each stage of `staged` from a node of the SkipPipe swarm serving it; (where from, the oldest iteration
     taken, the stages no node served)."""
-    reader_key = RSAPrivateKey()
-    options = SwarmOptions(initial_peers=tuple(initial_peers), client_mode=True)
-    dht = join_swarm(options, make_validators(reader_key, [manifest.run_id]))
+    settings = with_join_token(dataclasses.replace(settings, run_id=manifest.run_id))
+    dht, reader_key = join_as_reader(settings, run_ids=[manifest.run_id])
+    limits = HopLimits(max_batch=1, max_sequence=1, hidden_size=1)  # this reader serves no hop
+    service = StageService(dht, staged, 0, limits)
     try:
         directory = StageDirectory(
             dht=dht, run_id=manifest.run_id, owner=owner_marker(reader_key), num_stages=staged.num_stages
@@ -170,42 +173,38 @@ def swarm_stages(
         roster = directory.roster()
         if not roster:
             raise BadInputError(f"The swarm holds no SkipPipe roster of run '{manifest.run_id}'.")
+        service.start(serve=False)
         iterations, untrained = [], []
         for stage in range(staged.num_stages):
             peers = sorted(node.peer_id for node in roster[-1].members if node.stage == stage)
-            iteration = _load_stage(dht, staged, stage, peers)
+            iteration = _load_stage(service, staged, stage, peers)
             if iteration is None:
                 untrained.append(stage)
             else:
                 iterations.append(iteration)
     finally:
+        service.close()
         dht.shutdown()
-    return f"the swarm at {initial_peers[0]}", min(iterations, default=0), tuple(untrained)
+    return f"the swarm at {settings.initial_peers[0]}", min(iterations, default=0), tuple(untrained)
 
 
-def _load_stage(dht: hivemind.DHT, staged: StagedModel, stage: int, peers: Sequence[str]) -> int | None:
+def _load_stage(service: StageService, staged: StagedModel, stage: int, peers: Sequence[str]) -> int | None:
     """Copy `stage`'s parameters from the first of `peers` that sends its state; the iteration it is from, or
     None if none did."""
     parameters = staged.stage_parameters(stage)
     numel = sum(parameter.numel() for parameter in parameters)
-    limits = HopLimits(max_batch=1, max_sequence=1, hidden_size=1)  # this reader serves no hop
-    service = StageService(dht, staged, stage, limits)
-    service.start(serve=False)
-    try:
-        for peer in peers:
-            try:
-                header, values = service.fetch_state(peer, STATE_PARTS * numel, STATE_TIMEOUT_S)
-            except HopFailedError as e:
-                print(f"stage {stage}: {e}; asking another node", file=sys.stderr)
-                continue
-            with torch.no_grad():
-                offset = 0
-                for parameter in parameters:
-                    parameter.copy_(values[offset : offset + parameter.numel()].view_as(parameter))
-                    offset += parameter.numel()
-            return int(header.iteration)
-    finally:
-        service.close()
+    for peer in peers:
+        try:
+            header, values = service.fetch_state(peer, STATE_PARTS * numel, STATE_TIMEOUT_S, stage=stage)
+        except HopFailedError as e:
+            print(f"stage {stage}: {e}; asking another node", file=sys.stderr)
+            continue
+        with torch.no_grad():
+            offset = 0
+            for parameter in parameters:
+                parameter.copy_(values[offset : offset + parameter.numel()].view_as(parameter))
+                offset += parameter.numel()
+        return int(header.iteration)
     return None
 
 

@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--initial-peers", nargs="+", metavar="MADDR", help="a SkipPipe run: take each stage from the swarm's nodes"
     )
+    evaluate.add_argument(
+        "--join-token",
+        metavar="TOKEN",
+        help="with --initial-peers: an invite-only run's token (or CROWDTRAIN_JOIN_TOKEN)",
+    )
     return parser
 
 
@@ -252,6 +257,7 @@ def _eval(args: dict[str, Any]) -> int:
         batches=args["batches"],
         batch_size=args["batch_size"],
         initial_peers=args["initial_peers"] or (),
+        join_token=args["join_token"] or os.environ.get("CROWDTRAIN_JOIN_TOKEN", ""),
     )
     print_evaluation(evaluation, args["json"])
     return 0

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import hivemind
-from hivemind.utils.crypto import RSAPrivateKey
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -22,15 +21,15 @@ from rich.text import Text
 
 from crowdtrain import proto
 from crowdtrain.averaging.phases import PhaseTimes
+from crowdtrain.cli.reader import join_as_reader
 from crowdtrain.cli.runs import choose_run
 from crowdtrain.dht.registry import RunListing, list_peer_statuses, list_runs
-from crowdtrain.dht.swarm import SwarmOptions, join_swarm
-from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
+from crowdtrain.dht.validator import CrowdtrainRecordValidator
 from crowdtrain.manifest import RunManifest, expert_uids, skippipe_spec
 from crowdtrain.moe.placement import GridCoverage, grid_coverage
 from crowdtrain.node.addresses import shareable_address
 from crowdtrain.node.config import StatusConfig
-from crowdtrain.node.membership import reader_authorizer, with_join_token
+from crowdtrain.node.membership import with_join_token
 from crowdtrain.node.statedir import find_local_daemon
 
 LOOKUP_TIMEOUT_S = 10.0
@@ -39,17 +38,8 @@ LOOKUP_TIMEOUT_S = 10.0
 def show_status(config: StatusConfig, stop: threading.Event, console: Console) -> None:
     """Print the swarm once, or refresh it every `watch_s` seconds until `stop` is set."""
     config = with_join_token(config)
-    reader_key = RSAPrivateKey()
     initial_peers, run_id = _target(config)
-    dht = join_swarm(
-        SwarmOptions(
-            initial_peers=initial_peers,
-            client_mode=True,  # a reader: never announced, never stores records, never counted
-            bootstrap_timeout_s=config.bootstrap_timeout_s,
-            authorizer=reader_authorizer(config, reader_key),
-        ),
-        make_validators(reader_key),
-    )
+    dht, _ = join_as_reader(dataclasses.replace(config, initial_peers=initial_peers))
     try:
         founder = config.run_key or None
         run_id = choose_run(list_runs(dht, LOOKUP_TIMEOUT_S, founder), run_id, founder=founder)

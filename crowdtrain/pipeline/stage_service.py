@@ -491,8 +491,7 @@ class StageService(P2PService):
             for frame in encode_frames(tensor, header, header.dtype):
                 yield frame
 
-        stub: typing.Any = self.get_stub(self.require_p2p(), peer, namespace=NAMESPACE)
-        answers = await getattr(stub, f"rpc_stage_{call}")(frames())
+        answers = await getattr(self._stub(peer), f"rpc_stage_{call}")(frames())
         try:
             reply, answer = await decode_frames(
                 answers, self.limits.check_shape, lambda reason: HopFailedError(f"{where}: {reason}"), to_end=False
@@ -505,6 +504,11 @@ class StageService(P2PService):
             raise HopFailedError(f"{where} answered shape {list(answer.shape)} for {list(tensor.shape)}")
         return answer
 
+    def _stub(self, peer: PeerID | str) -> typing.Any:
+        """The stub that calls `peer`'s stage RPCs."""
+        peer_id = PeerID.from_base58(peer) if isinstance(peer, str) else peer
+        return self.get_stub(self.require_p2p(), peer_id, namespace=NAMESPACE)
+
     def say_done(
         self, peer_id: str, iteration: int, timeout_s: float, loss: float = 0.0, microbatches: int = 0
     ) -> None:
@@ -512,16 +516,14 @@ class StageService(P2PService):
         HopFailedError if it could not be told."""
         request = proto.StageHop(iteration=iteration, loss=loss, microbatches=microbatches)
         try:
-            stub: typing.Any = self.get_stub(self.require_p2p(), PeerID.from_base58(peer_id), namespace=NAMESPACE)
-            self.run(stub.rpc_stage_done(request, timeout=timeout_s), timeout_s + 1.0)
+            self.run(self._stub(peer_id).rpc_stage_done(request, timeout=timeout_s), timeout_s + 1.0)
         except Exception as e:
             raise HopFailedError(f"peer {peer_id[-8:]} was not told iteration {iteration} is done: {e!r}") from None
 
     def ping(self, peer_id: str, timeout_s: float) -> int | None:
         """The iteration `peer_id` serves (0 before any), or None if it does not answer within `timeout_s`."""
         try:
-            stub: typing.Any = self.get_stub(self.require_p2p(), PeerID.from_base58(peer_id), namespace=NAMESPACE)
-            answer = self.run(stub.rpc_stage_ping(proto.StageHop(), timeout=timeout_s), timeout_s + 1.0)
+            answer = self.run(self._stub(peer_id).rpc_stage_ping(proto.StageHop(), timeout=timeout_s), timeout_s + 1.0)
         except Exception as e:
             logger.debug(f"peer {peer_id[-8:]} did not answer a ping: {e!r}")
             return None
@@ -534,10 +536,13 @@ class StageService(P2PService):
         what = f"gradient of iteration {iteration}"
         return self._fetch_flat(peer_id, "gradient", request, num_values, timeout_s, what)[1]
 
-    def fetch_state(self, peer_id: str, num_values: int, timeout_s: float) -> tuple[proto.StageHop, torch.Tensor]:
-        """`peer_id`'s state of this node's stage (`set_state_source`'s layout, `num_values` float32 values) and its
-        header (the iteration it is from, the optimizer's steps); HopFailedError if it is not had."""
-        return self._fetch_flat(peer_id, "state", proto.StageHop(stage=self.stage), num_values, timeout_s, "state")
+    def fetch_state(
+        self, peer_id: str, num_values: int, timeout_s: float, stage: int | None = None
+    ) -> tuple[proto.StageHop, torch.Tensor]:
+        """`peer_id`'s state of `stage` (default: this node's; `set_state_source`'s layout, `num_values` float32
+        values) and its header (the iteration it is from, the optimizer's steps); HopFailedError if not had."""
+        request = proto.StageHop(stage=self.stage if stage is None else stage)
+        return self._fetch_flat(peer_id, "state", request, num_values, timeout_s, "state")
 
     def _fetch_flat(
         self, peer_id: str, call: str, request: proto.StageHop, num_values: int, timeout_s: float, what: str
@@ -569,12 +574,14 @@ class StageService(P2PService):
                 raise HopRefusedError(f"a {what} of shape {list(shape)[:4]}, not [{num_values}]")
             return (num_values,)
 
-        stub: typing.Any = self.get_stub(self.require_p2p(), peer, namespace=NAMESPACE)
+        stub = self._stub(peer)
         while True:
             answers = await getattr(stub, f"rpc_stage_{call}")(request)
             try:
                 header = await anext(answers, None)
                 if header is not None and header.shape:
+                    if header.stage != request.stage:
+                        raise HopFailedError(f"{where} sent stage {header.stage}'s {what}, not stage {request.stage}'s")
                     return await decode_frames(
                         _prepend(header, answers),
                         flat,
@@ -584,7 +591,7 @@ class StageService(P2PService):
             finally:
                 await answers.aclose()
             if time.monotonic() + GRADIENT_RETRY_S > deadline:
-                raise HopFailedError(f"{where} had no {what} for stage {self.stage} in time")
+                raise HopFailedError(f"{where} had no {what} for stage {request.stage} in time")
             await asyncio.sleep(GRADIENT_RETRY_S)
 
 
