@@ -104,7 +104,6 @@ class SkipPipeMode(TrainingMode):
             num_stages=self.spec.stages,
         )
         self.me = self._take_stage()
-        self.stage = self.me.stage
         limits = HopLimits(
             max_batch=MAX_MICROBATCH_ROWS,
             max_sequence=manifest.data.sequence_length,
@@ -151,6 +150,11 @@ class SkipPipeMode(TrainingMode):
             f"serving SkipPipe stage {self.stage} of {self.spec.stages} "
             f"({self.me.seconds_per_microbatch * 1000:.0f} ms per microbatch measured)"
         )
+
+    @property
+    def stage(self) -> int:
+        """The stage this node serves (chosen once, at the start)."""
+        return self.me.stage
 
     @property
     def compression(self) -> str:
