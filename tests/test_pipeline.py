@@ -242,6 +242,12 @@ def test_iterations_on_every_node_step_each_stage_as_one_process_would(swarm: Sw
         NodeInfo(peer_id=swarm.peer(node), stage=stage, seconds_per_microbatch=1.0, memory_microbatches=2)
         for node, stage in enumerate(STAGE_OF_NODE)
     ]
+    # A node that runs no iteration yet (held) keeps other sources' done messages of whatever iteration it will
+    # enter at: here 100, past the 64 iterations after the one it is held at.
+    swarm.services[1].hold(-1)
+    swarm.services[0].say_done(swarm.peer(1), 100, 10.0)
+    assert swarm.services[1].wait_sources(100, [swarm.peer(0)], 1.0) == {swarm.peer(0)}
+
     num_microbatches, iterations = 6, 2
     data = [tokens(seed) for seed in range(num_microbatches * iterations)]
     runners = [

@@ -205,6 +205,9 @@ class StageService(P2PService):
         self.bytes_received = self.bytes_sent = 0
         """Payload bytes of hops this node served."""
         self._open: int | None = None
+        """The iteration whose forwards are served (later ones wait for it, then are refused); None: any."""
+        self._done_from: int | None = None
+        """Done messages are kept from this iteration on (`_keeps_done`); None: the newest ones."""
         self._done: dict[int, set[str]] = {}
         self._losses: dict[int, dict[str, tuple[float, int]]] = {}
         self._rows: Counter[int] = Counter()
@@ -276,10 +279,11 @@ class StageService(P2PService):
         return proto.StageHop(iteration=request.iteration, stage=self.stage)
 
     def _keeps_done(self, iteration: int) -> bool:
-        """Whether a done message of `iteration` is kept: from the open iteration on, within MAX_ITERATIONS_AHEAD;
-        before any is open, the newest MAX_ITERATIONS_AHEAD iterations' (older ones are dropped). Under the lock."""
-        if self._open is not None:
-            return self._open <= iteration <= self._open + MAX_ITERATIONS_AHEAD
+        """Whether a done message of `iteration` is kept: while this node runs iterations, from the open one on,
+        within MAX_ITERATIONS_AHEAD; before its first one and while it is held (`hold`), the newest
+        MAX_ITERATIONS_AHEAD iterations' (older ones are dropped). Under the lock."""
+        if self._done_from is not None:
+            return self._done_from <= iteration <= self._done_from + MAX_ITERATIONS_AHEAD
         if iteration in self._done or len(self._done) < MAX_ITERATIONS_AHEAD:
             return True
         oldest = min(self._done)
@@ -410,7 +414,17 @@ class StageService(P2PService):
     def open_iteration(self, iteration: int) -> None:
         """Serve forwards of `iteration` from now on (and refuse those of others)."""
         with self._held_lock:
-            self._open = iteration
+            self._open = self._done_from = iteration
+
+    def hold(self, iteration: int) -> None:
+        """While this node runs no iteration (starting, joining, or left out of the roster) and does not know its
+        next one: serve no forward past `iteration` (those of later ones wait, then are refused), and keep the done
+        messages of the newest MAX_ITERATIONS_AHEAD iterations, whichever its next turns out to be. Before, a node
+        held at iteration -1 kept only iterations -1..63: a joiner entering a swarm at iteration 487 dropped the
+        other sources' done messages, waited for them until its replica gave up on it, and was dropped from the
+        roster (a fresh-clone CI run)."""
+        with self._held_lock:
+            self._open, self._done_from = iteration, None
 
     def wait_sources(self, iteration: int, sources: typing.Collection[str], timeout_s: float) -> set[str]:
         """Wait until every one of `sources` said it is done with `iteration`, or `timeout_s`; those who did."""

@@ -114,7 +114,7 @@ class SkipPipeMode(TrainingMode):
         )
         # No forward is served before this node runs its first iteration: one served then (a source ahead of it)
         # would be stepped over before its backward ("modified by an inplace operation", seen in a test run).
-        self.service.open_iteration(-1)
+        self.service.hold(-1)
         self.service.start()
         optimizer_spec = manifest.optimizer
         self.optimizer = torch.optim.AdamW(
@@ -175,6 +175,7 @@ class SkipPipeMode(TrainingMode):
         membership = membership_at(self.history, iteration)
         if membership is None or self.me.peer_id not in membership.peers():
             logger.warning(f"left out of the SkipPipe roster at iteration {iteration}; waiting to be taken back")
+            self.service.hold(self.runner.last_iteration)
             self.iteration = None
             return None
         if set(self.runner.nodes) != set(membership.members):
