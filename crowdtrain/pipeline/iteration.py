@@ -15,17 +15,26 @@ the swarm's nodes, seeded by the iteration), so no message carries it. An iterat
    iteration's gradient is the *sum* of the replicas' `.grad`. Each replica publishes its own and fetches the
    others' (`rpc_stage_gradient`), and adds them in peer-ID order, so every replica that heard from all of them
    holds the same bits; a replica that does not answer within `exchange_timeout_s` is left out (its share of
-   microbatches is lost for the others this iteration, and the replicas may differ until they average again);
-5. clip to `max_grad_norm`, the optimizer's step, gradients zeroed, the iteration closed.
+   microbatches is lost for the others this iteration, and from then on the replicas differ);
+5. clip to `max_grad_norm`, the optimizer's step, gradients zeroed, the iteration closed;
+6. drift: each gradient carries a fingerprint of its replica's parameters before the step (`fingerprint`: the
+   parameters at MAX_FINGERPRINT fixed positions). A replica whose fingerprint differs from that of the stage's
+   lowest peer ID among those it summed by more than DRIFT_TOLERANCE (relative; the last bits of different
+   hardware differ by far less, a missed gradient by far more) takes that replica's state of the iteration
+   (parameters and AdamW moments, as a joiner does) right after its step: replicas that parted (a lost exchange)
+   are one again within an iteration of seeing each other's gradients. The work the other replica did alone
+   since they parted is dropped (it was done on a copy that no other replica follows).
 
 Each microbatch's loss counts 1/M of the iteration's gradient (M microbatches in the iteration), as in one
 process with gradient accumulation. Replicas that summed the same gradients hold the same parameters and AdamW
 moments; a joining replica takes them from one (`join`, `rpc_stage_state`), checked: the stage's exact number of
 float32 values, finite, second moments not negative.
 
+A peer that failed a hop, a done message, a ping or the exchange is suspected for SUSPICION_S (or until the next
+`set_nodes`), then gets another chance: a replica left out for good would part from the others for good.
+
 The caller passes the nodes, the same list on every node (`set_nodes` between iterations; in a run, the roster of
-`pipeline.membership`). Not done yet (issue 17): average weights between replicas that drifted apart (a replica that
-missed another's gradient steps differently from then on).
+`pipeline.membership`).
 """
 
 from __future__ import annotations
@@ -37,8 +46,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from crowdtrain import proto
 from crowdtrain.pipeline.driver import MicrobatchOutcome, PipelineDriver
-from crowdtrain.pipeline.stage_service import HopFailedError, StageService
+from crowdtrain.pipeline.stage_service import MAX_FINGERPRINT, HopFailedError, StageService
 from crowdtrain.planning.skippipe import NodeInfo, Schedule, SkipPipeProblem, schedule_microbatches
 
 logger = logging.getLogger(__name__)
@@ -48,6 +58,12 @@ PING_EVERY_S = 2.0
 PING_TIMEOUT_S = 2.0
 STATE_PARTS = 3
 """A stage's state for a joiner: its parameters, AdamW's first moments, its second moments."""
+DRIFT_TOLERANCE = 1e-4
+"""Replicas whose fingerprints differ by more than this, relative to the fingerprint's norm, have drifted apart.
+An AdamW step moves each parameter by about the learning rate (1e-4 to 1e-3 of a typical weight's 0.02 or more,
+so a missed gradient shows as ~1e-2); rounding differences between devices stay near 1e-7 per step."""
+SUSPICION_S = 60.0
+"""How long a suspected peer is left out of this node's schedules and gradient sums."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,6 +87,8 @@ class IterationReport:
     source) reported them; None if none did."""
     samples: int = 0
     """Sequences this node computed in the iteration: those it drove (a source) or ran forward (other stages)."""
+    adopted_from: str | None = None
+    """The replica whose state this node took after its step, its parameters having drifted from it; None."""
 
 
 @dataclass(kw_only=True)
@@ -96,12 +114,15 @@ class SkipPipeNode:
     """SkipPipe's scheduler, or a baseline of `planning.skippipe` (`full_pipeline`, `random_skipping`)."""
     parameters: list[torch.nn.Parameter] = field(init=False)
     suspected: set[str] = field(default_factory=set)
-    """Peers that failed a hop, a done message or a gradient exchange: left out of later schedules."""
+    """Peers that failed a hop, a done message, a ping or a gradient exchange: left out of this node's schedules
+    and gradient sums for SUSPICION_S."""
+    _suspected_at: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if type(self.optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
             raise ValueError(f"a SkipPipe node's stage state is AdamW's; got {type(self.optimizer).__name__}")
         self.parameters = self.service.staged.stage_parameters(self.service.stage)
+        self._positions = fingerprint_positions(self.parameters)
         self.last_iteration = -1
         """The last iteration this node stepped (or took the state of); -1 before any."""
         self.service.set_state_source(self._state)
@@ -122,16 +143,40 @@ class SkipPipeNode:
         """Run the next iterations with `nodes` (the same list on every node); suspicions start afresh."""
         self.nodes = tuple(nodes)
         self.replicas = _replicas(self.nodes)
-        self.suspected = set()
+        self.suspected, self._suspected_at = set(), {}
+
+    def suspect(self, peer_id: str) -> None:
+        """Leave `peer_id` out of this node's schedules and gradient sums for SUSPICION_S."""
+        self.suspected.add(peer_id)
+        self._suspected_at[peer_id] = time.monotonic()
+
+    def _forgive(self) -> None:
+        """Give the peers suspected SUSPICION_S ago another chance."""
+        now = time.monotonic()
+        for peer in [peer for peer, since in self._suspected_at.items() if now - since >= SUSPICION_S]:
+            del self._suspected_at[peer]
+            self.suspected.discard(peer)
 
     def join(self, peer_id: str, timeout_s: float = 60.0) -> int:
         """Take the stage's state from `peer_id`, a replica of it: parameters and AdamW moments, so that this node
         steps as the replica does from now on; the iteration to run next. HopFailedError if it is not had."""
+        header, values = self._fetch_state(peer_id, timeout_s)
+        self._load_state(header, values)
+        logger.info(f"took stage {self.service.stage}'s state of iteration {header.iteration} from {peer_id[-8:]}")
+        return header.iteration + 1
+
+    def _fetch_state(self, peer_id: str, timeout_s: float, since: int = 0) -> tuple[proto.StageHop, torch.Tensor]:
         numel = sum(parameter.numel() for parameter in self.parameters)
-        header, values = self.service.fetch_state(peer_id, STATE_PARTS * numel, timeout_s)
-        params, exp_avg, exp_avg_sq = values.split(numel)
-        if bool((exp_avg_sq < 0).any()):
+        header, values = self.service.fetch_state(peer_id, STATE_PARTS * numel, timeout_s, since=since)
+        if bool((values[2 * numel :] < 0).any()):
             raise HopFailedError(f"peer {peer_id[-8:]} sent a stage state with negative second moments")
+        return header, values
+
+    def _load_state(self, header: proto.StageHop, values: torch.Tensor) -> None:
+        """Make `values` (parameters, first moments, second moments) this node's stage state, of `header`'s
+        iteration and optimizer steps."""
+        numel = sum(parameter.numel() for parameter in self.parameters)
+        params, exp_avg, exp_avg_sq = values.split(numel)
         with self.service.model_lock, torch.no_grad():
             offset = 0
             for parameter in self.parameters:
@@ -146,8 +191,6 @@ class SkipPipeNode:
                 }
                 offset += count
         self.last_iteration = header.iteration
-        logger.info(f"took stage {self.service.stage}'s state of iteration {header.iteration} from {peer_id[-8:]}")
-        return header.iteration + 1
 
     def _state(self) -> tuple[int, int, torch.Tensor]:
         """(the last finished iteration, AdamW's steps, parameters then first then second moments), float32."""
@@ -163,6 +206,7 @@ class SkipPipeNode:
 
     def run_iteration(self, iteration: int) -> IterationReport:
         started = time.perf_counter()
+        self._forgive()
         phases: dict[str, float] = {}
         schedule = self.scheduler(
             SkipPipeProblem(
@@ -194,8 +238,9 @@ class SkipPipeNode:
                         self.service.say_done(node.peer_id, iteration, self.hop_timeout_s, own_loss, len(outcomes))
                     except HopFailedError as e:
                         logger.info(str(e))
-                        self.suspected.add(node.peer_id)
-            self.suspected |= self.driver.failed
+                        self.suspect(node.peer_id)
+            for peer in self.driver.failed:
+                self.suspect(peer)
         phases["microbatches"] = time.perf_counter() - started
         mark = time.perf_counter()
         done = self._wait_sources(iteration, [peer for peer in sources if peer != self.peer_id])
@@ -206,7 +251,7 @@ class SkipPipeNode:
         driven = sum(int(batch.shape[0]) for batch in batches)
         samples = driven if self.driver is not None else self.service.rows_served(iteration)
         mark = time.perf_counter()
-        replicas_summed = self._sum_gradients(iteration)
+        replicas_summed, reference = self._sum_gradients(iteration)
         phases["gradient exchange"] = time.perf_counter() - mark
         mark = time.perf_counter()
         with self.service.model_lock:
@@ -214,8 +259,13 @@ class SkipPipeNode:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=False)
             self.last_iteration = iteration
-        self.service.finish_iteration(iteration)
         phases["step"] = time.perf_counter() - mark
+        adopted_from = None
+        if reference is not None:
+            mark = time.perf_counter()
+            adopted_from = self._adopt(reference, iteration)
+            phases["drift repair"] = time.perf_counter() - mark
+        self.service.finish_iteration(iteration)
         return IterationReport(
             iteration=iteration,
             outcomes=tuple(outcomes),
@@ -227,6 +277,7 @@ class SkipPipeNode:
             phase_seconds=phases,
             loss=sum(loss * count for loss, count in losses) / counted if counted else None,
             samples=samples,
+            adopted_from=adopted_from,
         )
 
     def _wait_sources(self, iteration: int, sources: list[str]) -> set[str]:
@@ -244,44 +295,107 @@ class SkipPipeNode:
                 serving = self.service.ping(peer, PING_TIMEOUT_S)
                 if serving is None:
                     logger.warning(f"source {peer[-8:]} is gone: iteration {iteration} goes on without it")
-                    self.suspected.add(peer)
+                    self.suspect(peer)
                     waiting.discard(peer)
                 elif serving > iteration:
                     done.add(peer)
                     waiting.discard(peer)
         return done
 
-    def _sum_gradients(self, iteration: int) -> int:
-        """Replace each parameter's `.grad` with the sum over the stage's replicas; how many were summed."""
+    def _sum_gradients(self, iteration: int) -> tuple[int, str | None]:
+        """Replace each parameter's `.grad` with the sum over the stage's replicas; (how many were summed, the
+        replica whose state to take after the step because this node's parameters drifted from its, or None)."""
         with self.service.model_lock:
             own = torch.cat([_grad(p).reshape(-1) for p in self.parameters])
+            own_fingerprint = fingerprint(self.parameters, self._positions)
         replicas = self.replicas[self.service.stage]
         if len(replicas) == 1:
-            return 1
-        self.service.publish_gradient(iteration, own)
+            return 1, None
+        self.service.publish_gradient(iteration, own, own_fingerprint)
         total = torch.zeros_like(own)
-        summed = 0
+        summed: dict[str, torch.Tensor | None] = {}
         for peer in replicas:  # peer-ID order: the same sum, bit for bit, on every replica
             if peer == self.peer_id:
-                gradient = own
+                gradient, summed[peer] = own, own_fingerprint
             elif peer in self.suspected:
                 continue
             else:
                 try:
-                    gradient = self.service.fetch_gradient(peer, iteration, own.numel(), self.exchange_timeout_s)
+                    gradient, summed[peer] = self.service.fetch_gradient(
+                        peer, iteration, own.numel(), self.exchange_timeout_s
+                    )
                 except HopFailedError as e:
                     logger.warning(f"{e}; the stage's step goes on without it")
-                    self.suspected.add(peer)
+                    self.suspect(peer)
                     continue
             total += gradient.to(total.device)
-            summed += 1
         with self.service.model_lock:
             offset = 0
             for parameter in self.parameters:
                 count = parameter.numel()
                 _grad(parameter).copy_(total[offset : offset + count].view_as(parameter))
                 offset += count
-        return summed
+        reference = min(summed)
+        theirs = summed[reference]
+        if reference == self.peer_id or theirs is None or not drifted(own_fingerprint, theirs):
+            return len(summed), None
+        return len(summed), reference
+
+    def _adopt(self, peer_id: str, iteration: int) -> str | None:
+        """Take `peer_id`'s state of `iteration` (this node's drifted from it); `peer_id`, or None if it was not
+        had (this node goes on with its own, and tries again when it next sees the drift)."""
+        stage = self.service.stage
+        try:
+            header, values = self._fetch_state(peer_id, self.exchange_timeout_s, since=iteration)
+        except HopFailedError as e:
+            logger.warning(f"stage {stage}'s replicas have drifted apart, and {e}: going on with this node's own")
+            return None
+        if header.iteration != iteration:
+            logger.warning(
+                f"stage {stage}'s replicas have drifted apart, but peer {peer_id[-8:]} sent its state of iteration "
+                f"{header.iteration}, not {iteration}: going on with this node's own"
+            )
+            return None
+        self._load_state(header, values)
+        logger.warning(
+            f"stage {stage}'s replicas had drifted apart (a gradient exchange was lost): took peer "
+            f"{peer_id[-8:]}'s state of iteration {iteration}"
+        )
+        return peer_id
+
+
+def fingerprint_positions(parameters: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """For each parameter, the flat positions of it that `fingerprint` reads: MAX_FINGERPRINT spread over the
+    stage at random, the same on every replica (seeded by the stage's size)."""
+    sizes = [parameter.numel() for parameter in parameters]
+    total = sum(sizes)
+    generator = torch.Generator().manual_seed(total)
+    chosen = torch.randint(total, (min(MAX_FINGERPRINT, total),), generator=generator).sort().values
+    positions, offset = [], 0
+    for size in sizes:
+        inside = chosen[(chosen >= offset) & (chosen < offset + size)] - offset
+        positions.append(inside)
+        offset += size
+    return positions
+
+
+def fingerprint(parameters: Sequence[torch.Tensor], positions: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The parameters' values at `positions` (float32, on the CPU): replicas with the same parameters have the
+    same fingerprint; replicas that drifted apart differ in nearly every value."""
+    values = [
+        parameter.detach().reshape(-1)[where.to(parameter.device)]
+        for parameter, where in zip(parameters, positions, strict=True)
+    ]
+    return torch.cat(values).float().cpu()
+
+
+def drifted(mine: torch.Tensor, theirs: torch.Tensor) -> bool:
+    """Whether two replicas' fingerprints show parameters that drifted apart (DRIFT_TOLERANCE); a fingerprint of
+    another size (a replica of another version) shows nothing."""
+    if mine.shape != theirs.shape or mine.numel() == 0:
+        return False
+    scale = float(mine.norm())
+    return float((mine - theirs).norm()) > DRIFT_TOLERANCE * max(scale, 1e-12)
 
 
 def _replicas(nodes: Sequence[NodeInfo]) -> dict[int, list[str]]:

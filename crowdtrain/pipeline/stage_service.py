@@ -64,6 +64,8 @@ MAX_ITERATIONS_AHEAD = 64
 """Done messages are kept for at most this many iterations at once, from the open one on (the rest are dropped)."""
 MAX_DONE_MICROBATCHES = 1 << 20
 """A done message's count of microbatches above this is not believed (its loss is left out)."""
+MAX_FINGERPRINT = 1024
+"""The most values of a replica's parameter fingerprint (`pipeline.iteration.fingerprint`) a gradient carries."""
 DEFAULT_HOLD_S = 120.0
 """A forward whose backward has not come after this long is dropped (its source died or gave up)."""
 
@@ -211,7 +213,7 @@ class StageService(P2PService):
         self._done: dict[int, set[str]] = {}
         self._losses: dict[int, dict[str, tuple[float, int]]] = {}
         self._rows: Counter[int] = Counter()
-        self._gradients: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._gradients: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self._state_source: Callable[[], tuple[int, int, torch.Tensor]] | None = None
         self._state_reads = asyncio.Semaphore(1)  # one state snapshot at a time: each copies the whole stage
 
@@ -303,11 +305,14 @@ class StageService(P2PService):
         """This replica's gradient of `request.iteration` (float32, flattened), for the stage's other replicas; a
         header with no shape while it is not ready (yet, or any more)."""
         with self._held_lock:
-            gradient = self._gradients.get(request.iteration)
-        if request.stage != self.stage or gradient is None:
+            published = self._gradients.get(request.iteration)
+        if request.stage != self.stage or published is None:
             yield proto.StageHop(iteration=request.iteration, stage=self.stage)
         else:
-            for frame in encode_frames(gradient, _reply_header(request), "float32"):
+            gradient, fingerprint = published
+            header = _reply_header(request)
+            header.fingerprint[:] = fingerprint.tolist()
+            for frame in encode_frames(gradient, header, "float32"):
                 self.bytes_sent += len(frame.payload)
                 yield frame
         await linger()
@@ -316,14 +321,15 @@ class StageService(P2PService):
         self, request: proto.StageHop, context: P2PContext
     ) -> typing.AsyncIterator[proto.StageHop]:
         """This node's state of its stage for a joining replica (`set_state_source`): a header naming the last
-        finished iteration and the optimizer's steps, then float32 values; a header with no shape if none."""
+        finished iteration and the optimizer's steps, then float32 values; a header with no shape if none, or if
+        the last finished iteration is before the one asked for (`request.iteration`)."""
         source = self._state_source
         if request.stage != self.stage or source is None:
             yield proto.StageHop(stage=self.stage)
         else:
             async with self._state_reads:
                 iteration, steps, values = await asyncio.to_thread(self._snapshot, source)
-                if iteration < 0:  # not one step taken: nothing a joiner could not build itself
+                if iteration < max(request.iteration, 0):  # none taken (nothing a joiner can't build), or too old
                     yield proto.StageHop(stage=self.stage)
                 else:
                     header = proto.StageHop(iteration=iteration, stage=self.stage, optimizer_steps=steps)
@@ -434,10 +440,13 @@ class StageService(P2PService):
                 self._backwards_changed.wait(left)
             return self._done.get(iteration, set()) & set(sources)
 
-    def publish_gradient(self, iteration: int, gradient: torch.Tensor) -> None:
-        """Serve `gradient` (float32, flattened) as this replica's of `iteration`; the last two are kept."""
+    def publish_gradient(self, iteration: int, gradient: torch.Tensor, fingerprint: torch.Tensor) -> None:
+        """Serve `gradient` (float32, flattened) as this replica's of `iteration`, with the `fingerprint` of its
+        parameters before the iteration's step (float32, at most MAX_FINGERPRINT values); the last two are kept."""
+        if fingerprint.numel() > MAX_FINGERPRINT:
+            raise ValueError(f"a fingerprint holds at most {MAX_FINGERPRINT} values")
         with self._held_lock:
-            self._gradients[iteration] = gradient
+            self._gradients[iteration] = (gradient, fingerprint.detach().float().cpu())
             while len(self._gradients) > 2:
                 self._gradients.popitem(last=False)
 
@@ -543,19 +552,27 @@ class StageService(P2PService):
             return None
         return int(answer.iteration)
 
-    def fetch_gradient(self, peer_id: str, iteration: int, num_values: int, timeout_s: float) -> torch.Tensor:
-        """`peer_id`'s gradient of `iteration` for this node's stage, `num_values` float32 values; waits up to
-        `timeout_s` for it to be published; HopFailedError if it is not had."""
+    def fetch_gradient(
+        self, peer_id: str, iteration: int, num_values: int, timeout_s: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`peer_id`'s gradient of `iteration` for this node's stage, `num_values` float32 values, and the
+        fingerprint of its parameters before the step (None unless it sent one of MAX_FINGERPRINT finite values or
+        fewer); waits up to `timeout_s` for it to be published; HopFailedError if it is not had."""
         request = proto.StageHop(iteration=iteration, stage=self.stage)
         what = f"gradient of iteration {iteration}"
-        return self._fetch_flat(peer_id, "gradient", request, num_values, timeout_s, what)[1]
+        header, gradient = self._fetch_flat(peer_id, "gradient", request, num_values, timeout_s, what)
+        fingerprint = torch.tensor(list(header.fingerprint[:MAX_FINGERPRINT]), dtype=torch.float32)
+        if len(header.fingerprint) > MAX_FINGERPRINT or not bool(fingerprint.isfinite().all()):
+            return gradient, None
+        return gradient, fingerprint
 
     def fetch_state(
-        self, peer_id: str, num_values: int, timeout_s: float, stage: int | None = None
+        self, peer_id: str, num_values: int, timeout_s: float, stage: int | None = None, since: int = 0
     ) -> tuple[proto.StageHop, torch.Tensor]:
         """`peer_id`'s state of `stage` (default: this node's; `set_state_source`'s layout, `num_values` float32
-        values) and its header (the iteration it is from, the optimizer's steps); HopFailedError if not had."""
-        request = proto.StageHop(stage=self.stage if stage is None else stage)
+        values) and its header (the iteration it is from, `since` or later, and the optimizer's steps), waiting
+        up to `timeout_s` for one; HopFailedError if not had."""
+        request = proto.StageHop(stage=self.stage if stage is None else stage, iteration=since)
         return self._fetch_flat(peer_id, "state", request, num_values, timeout_s, "state")
 
     def _fetch_flat(

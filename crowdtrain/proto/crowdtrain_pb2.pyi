@@ -490,7 +490,7 @@ class StateDigest(_message.Message):
     def __init__(self, served: _Optional[bool] = ..., epoch: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSketch, _Mapping]]] = ...) -> None: ...
 
 class StageHop(_message.Message):
-    __slots__ = ("iteration", "microbatch", "stage", "shape", "dtype", "payload", "optimizer_steps", "loss", "microbatches")
+    __slots__ = ("iteration", "microbatch", "stage", "shape", "dtype", "payload", "optimizer_steps", "loss", "microbatches", "fingerprint")
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -500,6 +500,7 @@ class StageHop(_message.Message):
     OPTIMIZER_STEPS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     microbatch: int
     stage: int
@@ -509,7 +510,8 @@ class StageHop(_message.Message):
     optimizer_steps: int
     loss: float
     microbatches: int
-    def __init__(self, iteration: _Optional[int] = ..., microbatch: _Optional[int] = ..., stage: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., payload: _Optional[bytes] = ..., optimizer_steps: _Optional[int] = ..., loss: _Optional[float] = ..., microbatches: _Optional[int] = ...) -> None: ...
+    fingerprint: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, iteration: _Optional[int] = ..., microbatch: _Optional[int] = ..., stage: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., payload: _Optional[bytes] = ..., optimizer_steps: _Optional[int] = ..., loss: _Optional[float] = ..., microbatches: _Optional[int] = ..., fingerprint: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SkipPipeMember(_message.Message):
     __slots__ = ("peer_id", "stage", "seconds_per_microbatch", "memory_microbatches", "serving")

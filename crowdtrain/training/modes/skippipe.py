@@ -16,9 +16,9 @@ publishes is the iteration's mean over the sources that reported theirs.
 A node peers can't dial (client mode) is refused with a sentence: every node of an iteration is called by others
 (hops, done messages, pings, its replicas' gradient fetches).
 
-Not built yet (issue 17): weights averaged between replicas that drifted apart, a joiner's download checked by a
-second replica, stages re-balanced after a stage loses its last replica (its layers are skipped by every path
-until a node takes it).
+Replicas that drifted apart (a lost gradient exchange) are made one again by `SkipPipeNode` (the higher peer ID
+takes the lower's state). Not built yet (issue 17): a joiner's download checked by a second replica, stages
+re-balanced after a stage loses its last replica (its layers are skipped by every path until a node takes it).
 """
 
 from __future__ import annotations
