@@ -21,6 +21,7 @@ from crowdtrain.pipeline.membership import (
     parse_roster,
     pick_roster,
     restage,
+    spare_for_empty_stage,
 )
 from crowdtrain.planning.skippipe import NodeInfo
 
@@ -80,6 +81,19 @@ def test_the_next_membership_keeps_live_members_adds_declared_ones_and_drops_the
     # a member keeps the costs it joined with (every node schedules with the same numbers)
     slower = {**declared, a.peer_id: dataclasses.replace(a, seconds_per_microbatch=9.0)}
     assert next_members(current, slower, given_up=())[0].seconds_per_microbatch == 1.0
+
+
+def test_a_stage_left_without_nodes_takes_the_highest_peer_id_of_the_most_replicated_stage() -> None:
+    a, b, c, d, e = node("a", 0), node("b", 0), node("c", 1), node("d", 1), node("e", 2)
+    assert spare_for_empty_stage(Membership(0, (a, b, c, e)), 4) == (b.peer_id, 3)  # stage 0's non-leader
+    assert spare_for_empty_stage(Membership(0, (a, b, c, d)), 4) == (d.peer_id, 2)  # ties: the higher stage spares
+    assert spare_for_empty_stage(Membership(0, (a, c, e)), 4) is None  # no stage has a node to spare
+    assert spare_for_empty_stage(Membership(0, (a, b, c, e)), 3) is None  # no stage is empty
+    assert spare_for_empty_stage(Membership(0, (c, d)), 2) is None  # stage 0 empty: nobody leads, none moves
+    # a mover declares its new stage; the leader's next membership has it there, and it spares no more
+    moved = dataclasses.replace(b, stage=3)
+    assert next_members(Membership(0, (a, b, c, e)), {n.peer_id: n for n in (a, moved, c, e)}, ()) == (a, moved, c, e)
+    assert spare_for_empty_stage(Membership(2, (a, moved, c, e)), 4) is None
 
 
 def test_records_are_checked_before_use() -> None:

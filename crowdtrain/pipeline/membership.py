@@ -159,6 +159,21 @@ def restage(declared: Iterable[NodeInfo], stage: int, num_stages: int, me: str) 
     return choose_stage(others, num_stages, me)
 
 
+def spare_for_empty_stage(membership: Membership, num_stages: int) -> tuple[str, int] | None:
+    """When a stage 1..S-1 has no member (its last node left): (the member that moves there, the lowest such
+    stage), the member being the highest peer ID of the stage with the most members, at least two (ties to the
+    higher stage; stage 0's highest is never its leader, the lowest); None when no stage is empty or none can spare
+    a node. Every node computes the same from the same membership."""
+    members: list[list[str]] = [[] for _ in range(num_stages)]
+    for node in membership.members:
+        members[node.stage].append(node.peer_id)
+    empty = [stage for stage in range(1, num_stages) if not members[stage]]
+    crowded = max(range(num_stages), key=lambda stage: (len(members[stage]), stage))
+    if not empty or len(members[crowded]) < 2:
+        return None
+    return max(members[crowded]), empty[0]
+
+
 def pick_roster(
     rosters: Mapping[str, Sequence[Membership]], current: Sequence[Membership] = (), iteration: int | None = None
 ) -> list[Membership]:

@@ -417,6 +417,15 @@ class StageService(P2PService):
 
     # ----- the stage's iteration -----
 
+    def set_stage(self, stage: int, memory_microbatches: int) -> None:
+        """Serve `stage` from now on (between iterations: forwards held and gradients published are dropped)."""
+        if memory_microbatches < 1:
+            raise ValueError(f"memory_microbatches must be >= 1, got {memory_microbatches}")
+        with self.model_lock, self._held_lock:
+            self.stage, self.memory_microbatches = stage, memory_microbatches
+            self._held.clear()
+            self._gradients.clear()
+
     def open_iteration(self, iteration: int) -> None:
         """Serve forwards of `iteration` from now on (and refuse those of others)."""
         with self._held_lock:

@@ -17,8 +17,12 @@ A node peers can't dial (client mode) is refused with a sentence: every node of 
 (hops, done messages, pings, its replicas' gradient fetches).
 
 Replicas that drifted apart (a lost gradient exchange) are made one again by `SkipPipeNode` (the higher peer ID
-takes the lower's state). Not built yet (issue 17): a joiner's download checked by a second replica, stages
-re-balanced after a stage loses its last replica (its layers are skipped by every path until a node takes it).
+takes the lower's state). A stage 1..S-1 that has had no node for REBALANCE_AFTER_S (its last node left; every path
+skips its layers meanwhile) takes one from the stage with the most nodes (`spare_for_empty_stage`): the spare
+declares the empty stage, the leader announces the move two iterations ahead like any change, and the spare serves
+the new stage from that iteration on, from its own copy of the stage's layers (no node serves a trained one).
+Not built yet (issue 17): a joiner's download checked by a second replica; a swarm whose stage 0 lost every node
+(no node may announce a roster then: a new node must found the stage again).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from crowdtrain.pipeline.membership import (
     membership_at,
     next_members,
     restage,
+    spare_for_empty_stage,
 )
 from crowdtrain.pipeline.stage_service import MAX_ITERATIONS_AHEAD
 from crowdtrain.planning.skippipe import NodeInfo
@@ -75,6 +80,9 @@ MISSING_READS = 3
 """A member whose declaration is missing from this many of the leader's reads in a row is gone (or expired)."""
 PING_AT_MOST = 8
 """Nodes a joiner asks for the iteration they serve."""
+REBALANCE_AFTER_S = 300.0
+"""A stage without a node for this long takes a node from the stage with the most (`spare_for_empty_stage`); a
+node that restarts within it finds its stage free and keeps its trained layers (the mover's would replace them)."""
 
 
 class SkipPipeMode(TrainingMode):
@@ -110,29 +118,14 @@ class SkipPipeMode(TrainingMode):
             hidden_size=int(manifest.model.config["hidden_size"]),
         )
         self.service = StageService(
-            context.dht, self.staged, self.stage, limits, memory_microbatches=self.me.memory_microbatches
+            context.dht, self.staged, self.me.stage, limits, memory_microbatches=self.me.memory_microbatches
         )
         # No forward is served before this node runs its first iteration: one served then (a source ahead of it)
         # would be stepped over before its backward ("modified by an inplace operation", seen in a test run).
         self.service.hold(-1)
         self.service.start()
-        optimizer_spec = manifest.optimizer
-        self.optimizer = torch.optim.AdamW(
-            self.staged.stage_parameters(self.stage),
-            lr=optimizer_spec.learning_rate,
-            weight_decay=optimizer_spec.weight_decay,
-        )
         self._first_batch: torch.Tensor | None = None
-        self.runner = SkipPipeNode(
-            service=self.service,
-            nodes=[self.me],
-            num_microbatches=self.spec.microbatches,
-            skip_ratio=self.spec.skip_ratio,
-            reorder=self.spec.reorder,
-            optimizer=self.optimizer,
-            batch=self._batch,
-            wire_dtype=self.spec.wire_dtype,
-        )
+        self.optimizer, self.runner = self._stage_runner()
         self.history: list[Membership] = []
         self.iteration: int | None = None
         """The next iteration this node runs; None while it is not in the roster."""
@@ -142,6 +135,8 @@ class SkipPipeMode(TrainingMode):
         """When this node last wrote the roster (monotonic), as its leader."""
         self._missing: dict[str, int] = {}
         """As the leader: reads in a row that missed each member's declaration."""
+        self._empty_since: dict[int, float] = {}
+        """Stages 1..S-1 that the newest membership leaves without a node, since when (monotonic)."""
         self._given_up: dict[str, float] = {}
         """Peers this node found gone (a failed hop, done message, exchange or ping), until when (monotonic): as the
         leader it leaves them out of the rosters it announces, though their declarations may last a while."""
@@ -153,8 +148,28 @@ class SkipPipeMode(TrainingMode):
 
     @property
     def stage(self) -> int:
-        """The stage this node serves (chosen once, at the start)."""
-        return self.me.stage
+        """The stage this node serves now (`me.stage` is the one it declares: another while it moves)."""
+        return self.service.stage
+
+    def _stage_runner(self) -> tuple[torch.optim.AdamW, SkipPipeNode]:
+        """A fresh AdamW over the served stage's parameters, and the iterations' runner stepping it."""
+        optimizer_spec = self.context.manifest.optimizer
+        optimizer = torch.optim.AdamW(
+            self.staged.stage_parameters(self.stage),
+            lr=optimizer_spec.learning_rate,
+            weight_decay=optimizer_spec.weight_decay,
+        )
+        runner = SkipPipeNode(
+            service=self.service,
+            nodes=[self.me],
+            num_microbatches=self.spec.microbatches,
+            skip_ratio=self.spec.skip_ratio,
+            reorder=self.spec.reorder,
+            optimizer=optimizer,
+            batch=self._batch,
+            wire_dtype=self.spec.wire_dtype,
+        )
+        return optimizer, runner
 
     @property
     def compression(self) -> str:
@@ -178,10 +193,16 @@ class SkipPipeMode(TrainingMode):
             self.service.hold(self.runner.last_iteration)
             self.iteration = None
             return None
+        listed = membership.stage_of(self.me.peer_id)
+        if listed != self.stage and listed == self.me.stage:
+            self._move(listed, iteration)  # the move this node declared (`_offer_to_move`) is in force
+        elif listed != self.stage:
+            logger.warning(f"the roster lists this node at stage {listed}, which it neither serves nor declares")
         if set(self.runner.nodes) != set(membership.members):
             self.runner.set_nodes(membership.members)
             logger.info(f"iteration {iteration}: {len(membership.members)} nodes, {self._describe(membership)}")
         self._lead(iteration, membership)
+        self._offer_to_move()
         self._first_batch = batch
         report = self.runner.run_iteration(iteration)
         self.last_report, self.iteration = report, iteration + 1
@@ -268,6 +289,42 @@ class SkipPipeMode(TrainingMode):
         if self.directory.publish_roster([*self.history, announced]):
             self.history, self._published_at = [*self.history, announced], time.monotonic()
             logger.info(f"announced {len(members)} SkipPipe nodes from iteration {announced.from_iteration}")
+
+    def _offer_to_move(self) -> None:
+        """When a stage has had no node for REBALANCE_AFTER_S and this node is the one to spare
+        (`spare_for_empty_stage`) and no joiner declared that stage meanwhile, declare it: the leader announces the
+        move two iterations ahead, and every node makes it at the same iteration (`_move`)."""
+        newest, now = self.history[-1], time.monotonic()
+        empty = set(range(1, self.spec.stages)) - {node.stage for node in newest.members}
+        self._empty_since = {stage: self._empty_since.get(stage, now) for stage in empty}
+        spare = spare_for_empty_stage(newest, self.spec.stages)
+        if self.me.stage != self.stage or spare is None or spare[0] != self.me.peer_id:
+            return  # already moving, or not this node's to do
+        stage = spare[1]
+        if now - self._empty_since[stage] < REBALANCE_AFTER_S:
+            return
+        known = set().union(*(membership.peers() for membership in self.history))
+        if any(node.stage == stage and node.peer_id not in known for node in self.directory.declarations().values()):
+            return  # a joiner took it: it enters with the next membership (a gone member's declaration lingers)
+        self.me = self._node(stage)
+        self._declared_at = -float("inf")
+        self._renew_declaration()
+        logger.warning(
+            f"stage {stage} has had no node for {now - self._empty_since[stage]:.0f} s: this node moves there from "
+            f"stage {self.stage} (declared; the leader announces the move)"
+        )
+
+    def _move(self, stage: int, iteration: int) -> None:
+        """Serve `stage` from `iteration` on, as the roster says: a fresh optimizer over its layers, which start
+        from this node's own copy of them (no node serves a trained one: that is why it moves)."""
+        old, last = self.stage, self.runner.last_iteration
+        self.service.set_stage(stage, self.me.memory_microbatches)
+        self.optimizer, self.runner = self._stage_runner()
+        self.runner.last_iteration = last
+        logger.warning(
+            f"iteration {iteration}: moved from stage {old} to stage {stage}, which had no node; its layers start "
+            "from this node's copy of them"
+        )
 
     def _live_declarations(self, newest: Membership) -> dict[str, NodeInfo]:
         """The serving nodes' declarations, and the members' whose declaration was missing from fewer than

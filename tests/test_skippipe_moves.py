@@ -1,0 +1,184 @@
+"""SkipPipe nodes in one process (real SkipPipeModes, each with its own DHT, p2p daemon and stage service, training
+in its own thread as the training loop would): when a stage loses its last node, the stage with the most nodes
+spares one, which moves there at one iteration on every node, and the swarm trains on with every stage served."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from crowdtrain import proto
+from crowdtrain.averaging.exact import new_partial_counter
+from crowdtrain.averaging.phases import PhaseAccumulator
+from crowdtrain.data import WindowSampler, load_token_stream
+from crowdtrain.dht.swarm import SupervisedDHT, SwarmOptions, join_swarm
+from crowdtrain.dht.validator import make_validators
+from crowdtrain.manifest import RunManifest, load_run_file
+from crowdtrain.models import MicroStep, build_model, load_tokenizer, model_kind, precision_for_device
+from crowdtrain.node.identity import load_or_create_identity
+from crowdtrain.pipeline.membership import membership_at
+from crowdtrain.testing.fixtures import tiny_run_file
+from crowdtrain.testing.processes import await_condition
+from crowdtrain.training.compute import LocalCompute
+from crowdtrain.training.modes import skippipe
+from crowdtrain.training.modes.base import ModeContext, SwarmView
+from crowdtrain.training.modes.skippipe import SkipPipeMode
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
+
+MICRO_BATCH = 4
+
+
+@dataclass
+class Node:
+    """A SkipPipeMode on its own DHT, trained in its own thread until `stop`."""
+
+    mode: SkipPipeMode
+    dht: SupervisedDHT
+    stop: threading.Event = field(default_factory=threading.Event)
+    losses: list[float] = field(default_factory=list)
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+    @property
+    def peer_id(self) -> str:
+        return self.mode.me.peer_id
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._train, daemon=True)
+        self.thread.start()
+
+    def _train(self) -> None:
+        sampler = self.mode.sampler
+        try:
+            step = 0
+            while not self.stop.is_set():
+                step += 1
+                loss = self.mode.train_micro_batch(sampler.batch(self.mode.epoch, MICRO_BATCH, step))
+                if loss is not None:
+                    self.losses.append(loss)
+        except BaseException as e:
+            self.error = e
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=60)
+        self.mode.close()
+        self.dht.shutdown()
+
+
+def start_node(run: RunManifest, tmp_path: Path, name: str, initial_peers: list[str]) -> Node:
+    identity = load_or_create_identity(tmp_path / f"{name}.key")
+    dht = join_swarm(
+        SwarmOptions(initial_peers=tuple(initial_peers), identity_path=str(identity.path)),
+        make_validators(identity.private_key, [run.run_id]),
+    )
+    tokenizer = load_tokenizer(run.model)
+    model = build_model(run.model, tokenizer.vocab_size, seed=0)
+    tokens = load_token_stream(run.data, tokenizer, tmp_path / "data-cache")
+    peer_id = dht.peer_id.to_base58()
+    context = ModeContext(
+        dht=dht,
+        manifest=run,
+        peer_id=peer_id,
+        private_key=identity.private_key,
+        parameters=list(model.parameters()),
+        compute=LocalCompute(
+            model=model,
+            kind=model_kind(run.model),
+            micro_step=MicroStep(precision_for_device(run.model.precision, "cpu"), "cpu"),
+            device="cpu",
+            generator=torch.Generator().manual_seed(0),
+            phases=PhaseAccumulator(),
+        ),
+        micro_batch_size=MICRO_BATCH,
+        client_mode=False,
+        auxiliary=False,
+        swarm=SwarmView(plan_share=None, statuses=[proto.PeerStatus(peer_id=peer_id)]),
+        partial_counter=new_partial_counter(),
+        sampler=WindowSampler(tokens, run.data.sequence_length, peer_seed=len(initial_peers)),
+    )
+    try:
+        node = Node(SkipPipeMode(context), dht)
+    except BaseException:
+        dht.shutdown()
+        raise
+    node.start()
+    return node
+
+
+@contextlib.contextmanager
+def closing_all(nodes: list[Node]) -> Iterator[list[Node]]:
+    try:
+        yield nodes
+    finally:
+        for node in nodes:
+            node.close()
+
+
+def stages_in_force(node: Node) -> dict[str, int]:
+    """The stage of each node in the membership `node` runs its current iteration with."""
+    mode = node.mode
+    membership = membership_at(mode.history, mode.iteration) if mode.iteration is not None else None
+    return {member.peer_id: member.stage for member in membership.members} if membership else {}
+
+
+def test_a_stage_that_loses_its_last_node_takes_a_spare_one_at_one_iteration_everywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(
+        tiny_run_file(
+            "skippipe-moves",
+            64,
+            averaging='mode = "skippipe"',
+            sections='[skippipe]\nstages = 2\nskip_ratio = 0.0\nmicrobatches = 4\nwire_dtype = "float32"\n',
+        )
+    )
+    run = load_run_file(str(run_file))
+    torch.set_num_threads(1)
+    monkeypatch.setattr(skippipe, "REBALANCE_AFTER_S", 3.0)  # a real node waits 300 s for its stage's node to return
+    with closing_all([]) as nodes:
+        nodes.append(start_node(run, tmp_path, "founder", []))
+        address = [str(nodes[0].dht.get_visible_maddrs()[0])]
+        nodes.append(start_node(run, tmp_path, "second", address))
+        assert [node.mode.stage for node in nodes] == [0, 1], "the second node takes the stage with no node"
+        # The third would take the stage whose one node has the least compute; this test needs a second node on
+        # stage 0, so that stage 1 has none once its node is gone.
+        with monkeypatch.context() as choosing:
+            choosing.setattr(skippipe, "choose_stage", lambda declared, num_stages, me: 0)
+            nodes.append(start_node(run, tmp_path, "third", address))
+        founder, second, third = nodes
+        assert third.mode.stage == 0
+        await_condition(lambda: all(len(stages_in_force(node)) == 3 for node in nodes), 90, "three nodes in force")
+
+        # stage 1's only node goes without a word: the leader drops it, then one of stage 0's nodes moves to it
+        nodes.remove(second)
+        second.close()
+        spare = max(founder.peer_id, third.peer_id)  # the leader, the lower, stays on stage 0
+        expected = {min(founder.peer_id, third.peer_id): 0, spare: 1}
+        mover = next(node for node in nodes if node.peer_id == spare)
+        await_condition(
+            lambda: all(stages_in_force(node) == expected for node in nodes) and mover.mode.stage == 1,
+            120,
+            "the spare node in force on stage 1",
+        )
+        assert mover.mode.me.stage == 1
+        moved_at = [node.mode.iteration or 0 for node in nodes]
+        await_condition(
+            lambda: all(node.mode.runner.last_iteration >= max(moved_at) + 3 for node in nodes),
+            60,
+            "three iterations with every stage served again",
+        )
+        for node in nodes:
+            assert node.error is None, repr(node.error)
+            assert node.losses and all(math.isfinite(loss) for loss in node.losses)
+        assert mover.mode.runner.driver is None, "a stage-1 node drives no microbatches"
