@@ -61,6 +61,17 @@ def test_a_leaving_owner_hands_over_only_its_own_experts_and_a_joiner_takes_a_sh
     assert moved <= 20, f"{moved} experts changed hands for one joiner taking 13"
 
 
+def test_a_peer_short_of_memory_owns_no_more_than_fits_and_the_others_take_the_rest() -> None:
+    assert unit_shares([1.0, 1.0, 1.0], 9, [1, None, None]) == [1, 4, 4]
+    assert unit_shares([1.0, 1.0, 4.0], 12, [None, None, 3]) == [5, 4, 3]  # the fast one's excess, by compute
+    assert unit_shares([1.0, 1.0, 1.0], 9, [0, None, 2]) == [0, 7, 2]  # no room at all: no expert
+    # the swarm can't hold every expert: they go by compute alone (no expert is left untrained)
+    assert unit_shares([1.0, 1.0, 2.0], 12, [1, 1, 1]) == [3, 3, 6]
+    owners = assign_units([(peer, 1.0) for peer in PEERS], 16, {"peer-0": 2, "peer-9": 0})
+    assert owners.count("peer-0") == 2 and sorted(owners.count(peer) for peer in PEERS[1:]) == [4, 5, 5]
+    assert assign_units([(peer, 1.0) for peer in PEERS], 16, {}) == assign_units([(peer, 1.0) for peer in PEERS], 16)
+
+
 def test_no_peers_own_nothing_and_one_peer_owns_everything() -> None:
     assert assign_units([], 8) == []
     assert assign_units([("alone", 0.0)], 8) == ["alone"] * 8

@@ -74,9 +74,13 @@ class PseudoGradientAverager(
         return self._template()
 
 
+MAX_GATHERED = 8
+"""The most items of a peer's gathered list ([round, proposed H, ...]) read: later versions may add some."""
+
+
 def gathered_round(value: Any) -> int | None:
     """The round in a peer's gathered data: an int, or the first of [round, proposed H, ...] (adaptive H, SPES)."""
-    if isinstance(value, list | tuple) and 2 <= len(value) <= 3:
+    if isinstance(value, list | tuple) and 2 <= len(value) <= MAX_GATHERED:
         value = value[0]
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 

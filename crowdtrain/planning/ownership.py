@@ -12,6 +12,11 @@ one unit while there are units enough. Self-reported compute is bounded: a claim
 times the median counts as that much, so a liar can't take every expert (and with it the whole swarm's
 progress on them). Peers that have not measured yet count as the median.
 
+Memory: a peer's share is capped by the units whose gradients and AdamW moments fit the memory it has free
+(`caps`, from what each node gathered in the round): a capped peer's excess goes to the others by compute. When
+the swarm as a whole can't hold every unit, the caps are dropped and the units go by compute alone (an expert
+nobody trains would stall for good; an owner short of memory fails loudly and leaves its experts to the others).
+
 Stability: units go to peers in order of a rendezvous hash of (unit, peer), each peer taking units until its
 share is full. A peer that joins or leaves moves few units: the others keep most of theirs, and with them
 their optimizer state.
@@ -22,23 +27,49 @@ from __future__ import annotations
 import hashlib
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 MAX_WEIGHT_RATIO = 4.0
 """A peer's compute counts as at most this many times the median peer's."""
 
 
-def unit_shares(weights: Sequence[float], num_units: int) -> list[int]:
+def unit_shares(weights: Sequence[float], num_units: int, caps: Sequence[int | None] | None = None) -> list[int]:
     """How many of `num_units` units each peer owns: proportional to its (bounded) weight, summing to
-    `num_units`; every peer gets at least one while `num_units` >= the number of peers."""
+    `num_units`; every peer gets at least one while `num_units` >= the number of peers. With `caps` (None: no
+    cap), no peer gets more than its cap while the others have room for the rest."""
     count = len(weights)
     if count == 0:
         return []
     bounded = _bounded(weights)
+    limits = [None if caps is None or caps[index] is None else max(0, int(caps[index] or 0)) for index in range(count)]
+    shares, uncapped, left = [0] * count, list(range(count)), num_units
+    while uncapped:
+        proposal = _proportional([bounded[index] for index in uncapped], left)
+        over = [
+            index
+            for index, share in zip(uncapped, proposal, strict=True)
+            if (limit := limits[index]) is not None and share > limit
+        ]
+        if not over:
+            for index, share in zip(uncapped, proposal, strict=True):
+                shares[index] = share
+            return shares
+        for index in over:
+            limit = limits[index] or 0
+            shares[index], left = limit, left - limit
+            uncapped.remove(index)
+    # the swarm can't hold every unit within the caps: they go by weight alone
+    return _proportional(bounded, num_units)
+
+
+def _proportional(weights: Sequence[float], num_units: int) -> list[int]:
+    """`num_units` split by `weights` (positive), the largest-remainder way; at least one each while there are
+    units enough."""
+    count = len(weights)
     floor = 1 if num_units >= count else 0
     spare = num_units - floor * count
-    total = sum(bounded)
-    exact = [spare * weight / total for weight in bounded]
+    total = sum(weights)
+    exact = [spare * weight / total for weight in weights]
     shares = [floor + math.floor(value) for value in exact]
     by_remainder = sorted(range(count), key=lambda index: (-(exact[index] - math.floor(exact[index])), index))
     for index in by_remainder[: num_units - sum(shares)]:
@@ -46,12 +77,16 @@ def unit_shares(weights: Sequence[float], num_units: int) -> list[int]:
     return shares
 
 
-def assign_units(peers: Sequence[tuple[str, float]], num_units: int) -> list[str]:
-    """The owner of each unit 0..num_units-1, from (peer ID, measured compute) pairs; [] without peers."""
+def assign_units(
+    peers: Sequence[tuple[str, float]], num_units: int, caps: Mapping[str, int | None] | None = None
+) -> list[str]:
+    """The owner of each unit 0..num_units-1, from (peer ID, measured compute) pairs and each peer's cap (see
+    `unit_shares`; a peer not in `caps` has none); [] without peers."""
     ordered = sorted(dict(peers).items())  # one entry per peer, in an order every node shares
     if not ordered:
         return []
-    shares = unit_shares([weight for _, weight in ordered], num_units)
+    peer_caps = [None if caps is None else caps.get(peer) for peer, _ in ordered]
+    shares = unit_shares([weight for _, weight in ordered], num_units, peer_caps)
     left = {peer: share for (peer, _), share in zip(ordered, shares, strict=True)}
     owners: list[str | None] = [None] * num_units
     pairs = sorted(((_score(unit, peer), unit, peer) for unit in range(num_units) for peer, _ in ordered), reverse=True)

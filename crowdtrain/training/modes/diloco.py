@@ -61,7 +61,7 @@ from crowdtrain.averaging.error_feedback import ErrorFeedback, Kept
 from crowdtrain.averaging.partition import EXPECTED_ROUND_FAILURES
 from crowdtrain.averaging.phases import Phase, wait_for_round
 from crowdtrain.averaging.progress_bounds import BoundedProgressTracker, ProgressBounds
-from crowdtrain.averaging.pseudo_gradients import OuterState, PseudoGradientAverager, gathered_round
+from crowdtrain.averaging.pseudo_gradients import MAX_GATHERED, OuterState, PseudoGradientAverager, gathered_round
 from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.averaging.state_download import StateTemplate, epoch_ceiling, parameter_specs
 from crowdtrain.averaging.traffic import AggregationSettings
@@ -613,4 +613,4 @@ def _base58(peer: Any) -> str:
 
 def _gathered_proposal(value: Any) -> Any:
     """The H a peer proposed in its gathered data (checked by agreed_round_batches); None without one."""
-    return value[1] if isinstance(value, list | tuple) and 2 <= len(value) <= 3 else None
+    return value[1] if isinstance(value, list | tuple) and 2 <= len(value) <= MAX_GATHERED else None

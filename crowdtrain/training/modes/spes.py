@@ -21,9 +21,14 @@ apply to, so nodes that briefly disagreed about owners converge to the owner's c
 With `spes.merge_every` set, each owner runs the expert-merging warm-up on its experts every M inner steps
 (models/expert_merging.py), from the copies of the others it holds.
 
+Ownership is weighted by memory too: each node gathers, with its round, how many experts' gradients and AdamW
+moments fit MEMORY_SHARE of its device's free memory (`_unit_capacity`), and no member of an averaged round is
+given more than that while the others have room (planning/ownership.py). Peers known only from their status
+records (a swarm larger than a group) have no cap.
+
 Not built yet: replicas of an expert on a second owner (an owner that vanishes mid-round loses that round's
-training of its experts), ownership weighted by memory, and overlap of the exchange with the next round's
-inner steps (SPES rounds run without DiLoCo's `overlap`).
+training of its experts), and overlap of the exchange with the next round's inner steps (SPES rounds run without
+DiLoCo's `overlap`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from crowdtrain.averaging.expert_exchange import (
     encode_change,
 )
 from crowdtrain.manifest import SPESSpec
+from crowdtrain.models.device import available_memory_bytes
 from crowdtrain.models.expert_merging import merge_alpha, merged_experts
 from crowdtrain.models.owned_experts import (
     expert_parameter_ids,
@@ -55,6 +61,11 @@ from crowdtrain.training.modes.diloco import DiLoCoMode
 from crowdtrain.training.progress import Progress
 
 logger = logging.getLogger(__name__)
+
+MEMORY_SHARE = 0.5
+"""The share of its device's free memory a node offers for the gradients and AdamW moments of experts it owns."""
+TRAINABLE_BYTES_PER_VALUE = 12
+"""A trained float32 value's gradient and its two AdamW moments."""
 
 
 class SPESMode(DiLoCoMode):
@@ -147,8 +158,10 @@ class SPESMode(DiLoCoMode):
         known = {status.peer_id for status in self._view.statuses} | {me}
         group, started = self.round_group, self.round > 0
         if group is not None and len(known) <= self.context.manifest.averaging.group_size:
-            # every member computes from the same gathered rates (status records differ between readers)
-            return assign_units([(peer, self._gathered_rate(peer)) for peer in group], self.num_units)
+            # every member computes from the same gathered rates and capacities (status records differ between
+            # readers)
+            caps = {peer: self._gathered_capacity(peer) for peer in group}
+            return assign_units([(peer, self._gathered_rate(peer)) for peer in group], self.num_units, caps)
         if started and self.tracker.global_progress.num_peers <= 1:
             peers = [me]
         elif started and group is None:
@@ -158,15 +171,35 @@ class SPESMode(DiLoCoMode):
         return assign_units([(peer, self._compute_of(peer)) for peer in peers], self.num_units)
 
     def _gather(self) -> Any:
-        """This node's round, its proposed H and its samples/s in the round, for every member to see alike."""
+        """This node's round, its proposed H, its samples/s in the round and how many experts it can train (-1:
+        not known), for every member to see alike."""
         elapsed = time.monotonic() - self._round_started_at
-        return [self.round, self._proposal, float(self.samples) / elapsed if elapsed > 0 else 0.0]
+        capacity = self._unit_capacity()
+        rate = float(self.samples) / elapsed if elapsed > 0 else 0.0
+        return [self.round, self._proposal, rate, -1 if capacity is None else capacity]
 
     def _gathered_rate(self, peer: str) -> float:
         """The samples/s `peer` gathered in the last averaged round; 0 (counted as the median) if not a number."""
         value = self.round_gathered.get(peer)
-        rate = value[2] if isinstance(value, list | tuple) and len(value) == 3 else None
+        rate = value[2] if isinstance(value, list | tuple) and len(value) >= 3 else None
         return float(rate) if isinstance(rate, int | float) and not isinstance(rate, bool) else 0.0
+
+    def _gathered_capacity(self, peer: str) -> int | None:
+        """How many experts `peer` said it can train in the last averaged round; None (no cap) if it did not say
+        or said something else than an integer in 0..num_units."""
+        value = self.round_gathered.get(peer)
+        capacity = value[3] if isinstance(value, list | tuple) and len(value) >= 4 else None
+        valid = isinstance(capacity, int) and not isinstance(capacity, bool) and 0 <= capacity <= self.num_units
+        return capacity if valid else None
+
+    def _unit_capacity(self) -> int | None:
+        """The experts this node can train: those it owns (their state is allocated) and as many more as fit
+        MEMORY_SHARE of the free memory; None where the free memory can't be read."""
+        free = available_memory_bytes(str(self.layers[0].module.gate_up_proj.device))
+        if free is None:
+            return None
+        per_unit = sum(tensor.numel() for tensor in unit_experts(self.layers, 0)) * TRAINABLE_BYTES_PER_VALUE
+        return min(self.num_units, len(self.owned) + int(free * MEMORY_SHARE // per_unit))
 
     def _compute_of(self, peer: str) -> float:
         """The peer's measured samples/s from the last re-planning read; 0 (counted as the median) if unknown."""
