@@ -345,6 +345,7 @@ def test_training_mode_and_round_of_a_diloco_peer() -> None:
         "experts_total": 0,
         "skippipe_stage": None,
         "skippipe_iteration": 0,
+        "experts_capacity": None,
     }
     assert report.peers[1].to_json()["training"] is None
     console = Console(width=400, record=True)
@@ -358,11 +359,19 @@ def test_a_spes_peer_shows_the_experts_it_owns() -> None:
     training = proto.TrainingStatus(
         mode="spes", compression="fp16", inner_step=2, inner_steps=20, experts_owned=8, experts_total=32
     )
-    report = summarize("demo", None, [proto.PeerStatus(peer_id=PEER_A, training=training), *statuses()[1:]])
+    short = proto.TrainingStatus(mode="spes", compression="fp16", experts_owned=3, experts_total=32, experts_capacity=3)
+    report = summarize(
+        "demo",
+        None,
+        [proto.PeerStatus(peer_id=PEER_A, training=training), proto.PeerStatus(peer_id=PEER_B, training=short)],
+    )
     assert report.peers[0].to_json()["training"]["experts_owned"] == 8
+    assert report.peers[1].to_json()["training"]["experts_capacity"] == 3
     console = Console(width=400, record=True)
     console.print(render(report, now=1000.0))
-    assert "spes 2/20 fp16, owns 8/32 experts" in console.export_text()
+    table = console.export_text()
+    assert "spes 2/20 fp16, owns 8/32 experts" in table and "owns 8/32 experts (room" not in table
+    assert "owns 3/32 experts (room for 3)" in table
 
 
 def test_loss_of_zero_is_not_unset() -> None:

@@ -250,6 +250,7 @@ def test_peer_status_with_a_training_status_round_trips(identity: Identity) -> N
         ({"inner_step": 0, "inner_steps": 10**12}, "inner step"),
         ({"experts_owned": 9, "experts_total": 8}, "experts"),
         ({"experts_owned": 0, "experts_total": 70_000}, "experts"),
+        ({"experts_owned": 1, "experts_total": 8, "experts_capacity": 9}, "room for 9 of 8 experts"),
     ],
 )
 def test_peer_status_with_a_bogus_training_status_is_rejected(

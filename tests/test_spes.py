@@ -115,6 +115,7 @@ def test_each_node_trains_its_own_experts_and_a_round_hands_out_the_owners_copie
         progress = Progress()
         modes[0].report(progress)
         assert (progress.experts_owned, progress.experts_total) == (len(modes[0].owned), modes[0].num_units)
+        assert progress.experts_capacity == 2, "what it gathered is what its status record says"
 
 
 def test_an_owner_that_goes_costs_its_experts_one_round_and_they_are_re_owned() -> None:

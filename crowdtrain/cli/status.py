@@ -187,6 +187,8 @@ def _describe_training(training: proto.TrainingStatus) -> str:
     iteration 41" or "gradients fp16"."""
     step = f" {training.inner_step}/{training.inner_steps}" if training.inner_steps else ""
     owned = f", owns {training.experts_owned}/{training.experts_total} experts" if training.experts_total else ""
+    if training.HasField("experts_capacity") and training.experts_capacity < training.experts_total:
+        owned += f" (room for {training.experts_capacity})"
     if training.HasField("skippipe_stage"):
         owned += f", stage {training.skippipe_stage}, iteration {training.skippipe_iteration}"
     return f"{training.mode}{step} {training.compression}".strip() + owned

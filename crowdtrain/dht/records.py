@@ -219,6 +219,8 @@ def _check_training_status(training: proto.TrainingStatus) -> None:
         raise RecordError(f"peer status has an invalid training.compute_utilisation: {training.compute_utilisation}")
     if training.experts_total > MAX_SPES_EXPERTS or training.experts_owned > training.experts_total:
         raise RecordError(f"peer status owns an invalid {training.experts_owned} of {training.experts_total} experts")
+    if training.HasField("experts_capacity") and training.experts_capacity > training.experts_total:
+        raise RecordError(f"peer status has room for {training.experts_capacity} of {training.experts_total} experts")
     if training.HasField("skippipe_stage") and training.skippipe_stage >= MAX_SKIPPIPE_STAGES:
         raise RecordError(f"peer status serves an invalid SkipPipe stage {training.skippipe_stage}")
 

@@ -258,7 +258,7 @@ class ObservedUpload(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., upload_mbps: _Optional[float] = ...) -> None: ...
 
 class TrainingStatus(_message.Message):
-    __slots__ = ("mode", "compression", "inner_step", "inner_steps", "round_bytes_sent", "compute_utilisation", "experts_owned", "experts_total", "skippipe_stage", "skippipe_iteration")
+    __slots__ = ("mode", "compression", "inner_step", "inner_steps", "round_bytes_sent", "compute_utilisation", "experts_owned", "experts_total", "skippipe_stage", "skippipe_iteration", "experts_capacity")
     MODE_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +269,7 @@ class TrainingStatus(_message.Message):
     EXPERTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SKIPPIPE_STAGE_FIELD_NUMBER: _ClassVar[int]
     SKIPPIPE_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     mode: str
     compression: str
     inner_step: int
@@ -279,7 +280,8 @@ class TrainingStatus(_message.Message):
     experts_total: int
     skippipe_stage: int
     skippipe_iteration: int
-    def __init__(self, mode: _Optional[str] = ..., compression: _Optional[str] = ..., inner_step: _Optional[int] = ..., inner_steps: _Optional[int] = ..., round_bytes_sent: _Optional[int] = ..., compute_utilisation: _Optional[float] = ..., experts_owned: _Optional[int] = ..., experts_total: _Optional[int] = ..., skippipe_stage: _Optional[int] = ..., skippipe_iteration: _Optional[int] = ...) -> None: ...
+    experts_capacity: int
+    def __init__(self, mode: _Optional[str] = ..., compression: _Optional[str] = ..., inner_step: _Optional[int] = ..., inner_steps: _Optional[int] = ..., round_bytes_sent: _Optional[int] = ..., compute_utilisation: _Optional[float] = ..., experts_owned: _Optional[int] = ..., experts_total: _Optional[int] = ..., skippipe_stage: _Optional[int] = ..., skippipe_iteration: _Optional[int] = ..., experts_capacity: _Optional[int] = ...) -> None: ...
 
 class PhaseTimes(_message.Message):
     __slots__ = ("compute_s", "wait_s", "matchmaking_s", "allreduce_s", "state_averaging_s", "optimizer_step_s", "state_download_s")

@@ -55,6 +55,8 @@ class Progress:
     """spes: the experts (of all layers) this node trains now; 0 in other modes."""
     experts_total: int = 0
     """spes: the experts of all layers in the model; 0 in other modes."""
+    experts_capacity: int | None = None
+    """spes: the experts whose gradients and AdamW moments fit this node's memory; None in other modes or unknown."""
     skippipe_stage: int | None = None
     """skippipe: the stage this node serves; None in other modes and before it took one."""
     skippipe_iteration: int = 0

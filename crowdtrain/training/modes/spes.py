@@ -23,8 +23,8 @@ With `spes.merge_every` set, each owner runs the expert-merging warm-up on its e
 
 Ownership is weighted by memory too: each node gathers, with its round, how many experts' gradients and AdamW
 moments fit MEMORY_SHARE of its device's free memory (`_unit_capacity`), and no member of an averaged round is
-given more than that while the others have room (planning/ownership.py). Peers known only from their status
-records (a swarm larger than a group) have no cap.
+given more than that while the others have room (planning/ownership.py). Peers known from their status records
+(a swarm larger than a group) are capped by what their records say (`experts_capacity`, as of their last round).
 
 Not built yet: replicas of an expert on a second owner (an owner that vanishes mid-round loses that round's
 training of its experts), and overlap of the exchange with the next round's inner steps (SPES rounds run without
@@ -88,6 +88,8 @@ class SPESMode(DiLoCoMode):
         self.bases: dict[int, torch.Tensor] = {}
         """Owned expert → the copy every other node holds of it (float32, flattened); its trained weights are
         the model's."""
+        self._capacity: int | None = None
+        """The experts this node said it can train, at its last round's end (`_unit_capacity`)."""
         self.fetch_failures = 0
         """Experts this node could not fetch from their owners (it kept its own copy of them)."""
         self.exchange = ExpertExchange(context.dht)
@@ -121,6 +123,7 @@ class SPESMode(DiLoCoMode):
         super().report(progress)
         progress.averaging_bytes_sent += self.exchange.bytes_served
         progress.experts_owned, progress.experts_total = len(self.owned), self.num_units
+        progress.experts_capacity = self._capacity
 
     def close(self) -> None:
         try:
@@ -134,7 +137,7 @@ class SPESMode(DiLoCoMode):
         """Train exactly this node's experts of the next round (`_next_owners`, or among `peers` only)."""
         me = self.context.peer_id
         if peers is not None:
-            owners = assign_units([(peer, self._compute_of(peer)) for peer in peers], self.num_units)
+            owners = self._assign_from_statuses(peers)
         else:
             owners = self._next_owners()
         owned = [unit for unit, owner in enumerate(owners) if owner == me]
@@ -168,13 +171,18 @@ class SPESMode(DiLoCoMode):
             peers = sorted(known - {me}) or [me]
         else:
             peers = sorted(known)
-        return assign_units([(peer, self._compute_of(peer)) for peer in peers], self.num_units)
+        return self._assign_from_statuses(peers)
+
+    def _assign_from_statuses(self, peers: list[str]) -> list[str]:
+        """Ownership among `peers` by the compute and memory their status records (last re-planning read) say."""
+        caps = {peer: self._capacity_of(peer) for peer in peers}
+        return assign_units([(peer, self._compute_of(peer)) for peer in peers], self.num_units, caps)
 
     def _gather(self) -> Any:
         """This node's round, its proposed H, its samples/s in the round and how many experts it can train (-1:
         not known), for every member to see alike."""
         elapsed = time.monotonic() - self._round_started_at
-        capacity = self._unit_capacity()
+        self._capacity = capacity = self._unit_capacity()
         rate = float(self.samples) / elapsed if elapsed > 0 else 0.0
         return [self.round, self._proposal, rate, -1 if capacity is None else capacity]
 
@@ -200,6 +208,14 @@ class SPESMode(DiLoCoMode):
             return None
         per_unit = sum(tensor.numel() for tensor in unit_experts(self.layers, 0)) * TRAINABLE_BYTES_PER_VALUE
         return min(self.num_units, len(self.owned) + int(free * MEMORY_SHARE // per_unit))
+
+    def _capacity_of(self, peer: str) -> int | None:
+        """The experts `peer`'s status record says fit its memory (checked against the total when read); None if
+        it says none."""
+        status = next((s for s in self._view.statuses if s.peer_id == peer), None)
+        if status is None or not status.HasField("training") or not status.training.HasField("experts_capacity"):
+            return None
+        return int(status.training.experts_capacity)
 
     def _compute_of(self, peer: str) -> float:
         """The peer's measured samples/s from the last re-planning read; 0 (counted as the median) if unknown."""
