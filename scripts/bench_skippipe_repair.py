@@ -17,7 +17,6 @@ stages of 2 layers, as in bench_skippipe_swarm.py. Measured, each against what a
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import sys
 import time
@@ -27,30 +26,17 @@ from typing import Any
 
 import hivemind
 import torch
+from bench_skippipe_swarm import NUM_STAGES, bench_run, staged_model
 
-from crowdtrain.manifest import ModelSpec, RunManifest, demo, llama_20m
-from crowdtrain.models import ByteTokenizer, build_model
+from crowdtrain.manifest import RunManifest
 from crowdtrain.models.stages import StagedModel
 from crowdtrain.pipeline import HopLimits, StageService
 from crowdtrain.pipeline.iteration import STATE_PARTS, SkipPipeNode, fingerprint, fingerprint_positions
 from crowdtrain.planning.skippipe import NodeInfo
 from crowdtrain.testing.bench import bench_parser, environment_json, print_table, say, write_json
 
-NUM_STAGES = 4
 STAGE = 1
 MICRO_BATCH_SIZE = 4
-
-
-def bench_run(model: str) -> RunManifest:
-    if model == "llama-20m":
-        return llama_20m()
-    base = demo()
-    spec = ModelSpec(config={**base.model.config, "num_hidden_layers": 8}, tokenizer=base.model.tokenizer)
-    return dataclasses.replace(base, run_id="bench-skippipe-repair", model=spec)
-
-
-def staged_model(run: RunManifest) -> StagedModel:
-    return StagedModel(build_model(run.model, ByteTokenizer().vocab_size, seed=0), NUM_STAGES)
 
 
 def microbatch_seconds(run: RunManifest, staged: StagedModel, repeats: int) -> float:

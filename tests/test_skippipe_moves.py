@@ -16,17 +16,16 @@ import torch
 
 from crowdtrain import proto
 from crowdtrain.averaging.exact import new_partial_counter
-from crowdtrain.averaging.phases import PhaseAccumulator
 from crowdtrain.data import WindowSampler, load_token_stream
 from crowdtrain.dht.swarm import SupervisedDHT, SwarmOptions, join_swarm
 from crowdtrain.dht.validator import make_validators
 from crowdtrain.manifest import RunManifest, load_run_file
-from crowdtrain.models import MicroStep, build_model, load_tokenizer, model_kind, precision_for_device
+from crowdtrain.models import build_model, load_tokenizer
 from crowdtrain.node.identity import load_or_create_identity
 from crowdtrain.pipeline.membership import membership_at
+from crowdtrain.testing.diloco import cpu_compute
 from crowdtrain.testing.fixtures import tiny_run_file
 from crowdtrain.testing.processes import await_condition
-from crowdtrain.training.compute import LocalCompute
 from crowdtrain.training.modes import skippipe
 from crowdtrain.training.modes.base import ModeContext, SwarmView
 from crowdtrain.training.modes.skippipe import SkipPipeMode
@@ -91,14 +90,7 @@ def start_node(run: RunManifest, tmp_path: Path, name: str, initial_peers: list[
         peer_id=peer_id,
         private_key=identity.private_key,
         parameters=list(model.parameters()),
-        compute=LocalCompute(
-            model=model,
-            kind=model_kind(run.model),
-            micro_step=MicroStep(precision_for_device(run.model.precision, "cpu"), "cpu"),
-            device="cpu",
-            generator=torch.Generator().manual_seed(0),
-            phases=PhaseAccumulator(),
-        ),
+        compute=cpu_compute(run, model),
         micro_batch_size=MICRO_BATCH,
         client_mode=False,
         auxiliary=False,

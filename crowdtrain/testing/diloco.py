@@ -97,7 +97,14 @@ def computing_peer(
 ) -> M:
     """One real mode of `mode_class` over a new replica of `run`'s model on `dht`, seeing the swarm `statuses`."""
     model = build_model(run.model, 260, seed=0)
-    compute = LocalCompute(
+    status = proto.PeerStatus(peer_id=dht.peer_id.to_base58())
+    compute = cpu_compute(run, model)
+    return mode_class(_context(run, dht, status, statuses, list(model.parameters()), compute, micro_batch_size))
+
+
+def cpu_compute(run: RunManifest, model: torch.nn.Module) -> LocalCompute:
+    """`model`'s forward and backward on the CPU in `run`'s precision, as a node's training loop computes them."""
+    return LocalCompute(
         model=model,
         kind=model_kind(run.model),
         micro_step=MicroStep(precision_for_device(run.model.precision, "cpu"), "cpu"),
@@ -105,8 +112,6 @@ def computing_peer(
         generator=torch.Generator().manual_seed(0),
         phases=PhaseAccumulator(),
     )
-    status = proto.PeerStatus(peer_id=dht.peer_id.to_base58())
-    return mode_class(_context(run, dht, status, statuses, list(model.parameters()), compute, micro_batch_size))
 
 
 def _context(
