@@ -17,7 +17,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from crowdtrain import proto
 from crowdtrain.models.stages import StagedModel
 from crowdtrain.pipeline import HopFailedError, HopLimits, HopRefusedError, PipelineDriver, StageService
-from crowdtrain.pipeline.iteration import IterationReport, SkipPipeNode, drifted, fingerprint, fingerprint_positions
+from crowdtrain.pipeline.iteration import (
+    IterationReport,
+    SkipPipeNode,
+    drifted,
+    fingerprint,
+    fingerprint_positions,
+    reference_replica,
+)
 from crowdtrain.pipeline.stage_service import CHUNK_BYTES, NAMESPACE
 from crowdtrain.planning.skippipe import NodeInfo, Route
 
@@ -376,3 +383,15 @@ def test_a_fingerprint_tells_drifted_replicas_from_rounding() -> None:
     assert not drifted(mine, fingerprint(rounded, positions))
     assert drifted(mine, fingerprint(stepped, positions)), "one AdamW step of lr 1e-3 apart"
     assert not drifted(mine, torch.zeros(3)), "a fingerprint of another size shows nothing"
+
+
+def test_the_replicas_follow_the_majority_of_fingerprints_and_ties_go_to_the_lowest_peer_id() -> None:
+    honest, other = torch.ones(8), torch.full((8,), 2.0)
+    # two replicas: no majority, the lower peer ID
+    assert reference_replica({"b": honest, "a": other}) == "a"
+    # three: the one that differs is outvoted, be it the lowest (drifted, or lying to make the others take its state)
+    assert reference_replica({"a": other, "b": honest, "c": honest * (1 + 1e-7)}) == "b"
+    assert reference_replica({"a": honest, "b": honest, "c": other}) == "a"
+    # a replica that sent no fingerprint (another version) counts for nothing
+    assert reference_replica({"a": None, "b": other, "c": other}) == "b"
+    assert reference_replica({"a": None}) is None

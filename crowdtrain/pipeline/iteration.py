@@ -18,9 +18,10 @@ the swarm's nodes, seeded by the iteration), so no message carries it. An iterat
    microbatches is lost for the others this iteration, and from then on the replicas differ);
 5. clip to `max_grad_norm`, the optimizer's step, gradients zeroed, the iteration closed;
 6. drift: each gradient carries a fingerprint of its replica's parameters before the step (`fingerprint`: the
-   parameters at MAX_FINGERPRINT fixed positions). A replica whose fingerprint differs from that of the stage's
-   lowest peer ID among those it summed by more than DRIFT_TOLERANCE (relative; the last bits of different
-   hardware differ by far less, a missed gradient by far more) takes that replica's state of the iteration
+   parameters at MAX_FINGERPRINT fixed positions). A replica whose fingerprint differs by more than
+   DRIFT_TOLERANCE (relative; the last bits of different hardware differ by far less, a missed gradient by far
+   more) from that of the replica most of the summed fingerprints agree with (`reference_replica`: ties, and
+   two replicas, to the lowest peer ID) takes that replica's state of the iteration
    (parameters and AdamW moments, as a joiner does) right after its step: replicas that parted (a lost exchange)
    are one again within an iteration of seeing each other's gradients. The work the other replica did alone
    since they parted is dropped (it was done on a copy that no other replica follows).
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -335,8 +336,8 @@ class SkipPipeNode:
                 count = parameter.numel()
                 _grad(parameter).copy_(total[offset : offset + count].view_as(parameter))
                 offset += count
-        reference = min(summed)
-        theirs = summed[reference]
+        reference = reference_replica(summed)
+        theirs = summed.get(reference) if reference is not None else None
         if reference == self.peer_id or theirs is None or not drifted(own_fingerprint, theirs):
             return len(summed), None
         return len(summed), reference
@@ -387,6 +388,18 @@ def fingerprint(parameters: Sequence[torch.Tensor], positions: Sequence[torch.Te
         for parameter, where in zip(parameters, positions, strict=True)
     ]
     return torch.cat(values).float().cpu()
+
+
+def reference_replica(fingerprints: Mapping[str, torch.Tensor | None]) -> str | None:
+    """The replica whose state the others follow, from the fingerprints of those summed (by peer ID; None: sent
+    none): the lowest peer ID among those the most fingerprints agree with (`drifted`). With two replicas that is
+    the lower; with more, a replica whose parameters differ from the others' is outvoted, drifted or lying."""
+    known = {peer: mine for peer, mine in fingerprints.items() if mine is not None}
+    support = {peer: sum(not drifted(mine, theirs) for theirs in known.values()) for peer, mine in known.items()}
+    if not support:
+        return None
+    most = max(support.values())
+    return min(peer for peer, count in support.items() if count == most)
 
 
 def drifted(mine: torch.Tensor, theirs: torch.Tensor) -> bool:

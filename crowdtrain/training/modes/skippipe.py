@@ -16,11 +16,12 @@ publishes is the iteration's mean over the sources that reported theirs.
 A node peers can't dial (client mode) is refused with a sentence: every node of an iteration is called by others
 (hops, done messages, pings, its replicas' gradient fetches).
 
-Replicas that drifted apart (a lost gradient exchange) are made one again by `SkipPipeNode` (the higher peer ID
-takes the lower's state). A stage 1..S-1 that has had no node for REBALANCE_AFTER_S (its last node left; every path
-skips its layers meanwhile) takes one from the stage with the most nodes (`spare_for_empty_stage`): the spare
-declares the empty stage, the leader announces the move two iterations ahead like any change, and the spare serves
-the new stage from that iteration on, from its own copy of the stage's layers (no node serves a trained one).
+Replicas that drifted apart (a lost gradient exchange) are made one again by `SkipPipeNode` (those that differ
+from the majority's fingerprint, or from the lower peer ID's of two, take that replica's state). A stage 1..S-1
+that has had no node for REBALANCE_AFTER_S (its last node left; every path skips its layers meanwhile) takes one
+from the stage with the most nodes (`spare_for_empty_stage`): the spare declares the empty stage, the leader
+announces the move two iterations ahead like any change, and the spare serves the new stage from that iteration
+on, from its own copy of the stage's layers (no node serves a trained one).
 Not built yet (issue 17): a joiner's download checked by a second replica; a swarm whose stage 0 lost every node
 (no node may announce a roster then: a new node must found the stage again).
 """
