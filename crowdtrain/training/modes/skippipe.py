@@ -22,8 +22,9 @@ that has had no node for REBALANCE_AFTER_S (its last node left; every path skips
 from the stage with the most nodes (`spare_for_empty_stage`): the spare declares the empty stage, the leader
 announces the move two iterations ahead like any change, and the spare serves the new stage from that iteration
 on, from its own copy of the stage's layers (no node serves a trained one).
-Not built yet (issue 17): a joiner's download checked by a second replica; a swarm whose stage 0 lost every node
-(no node may announce a roster then: a new node must found the stage again).
+A joiner's download is checked by the same repair in its first iteration (a state that differs from the majority
+of its stage's replicas is replaced; with one other replica nothing checks it). Not built yet (issue 17): a swarm
+whose stage 0 lost every node (no node may announce a roster then: a new node must found the stage again).
 """
 
 from __future__ import annotations
