@@ -306,12 +306,12 @@ class SkipPipeNode:
     def _sum_gradients(self, iteration: int) -> tuple[int, str | None]:
         """Replace each parameter's `.grad` with the sum over the stage's replicas; (how many were summed, the
         replica whose state to take after the step because this node's parameters drifted from its, or None)."""
-        with self.service.model_lock:
-            own = torch.cat([_grad(p).reshape(-1) for p in self.parameters])
-            own_fingerprint = fingerprint(self.parameters, self._positions)
         replicas = self.replicas[self.service.stage]
         if len(replicas) == 1:
             return 1, None
+        with self.service.model_lock:
+            own = torch.cat([_grad(p).reshape(-1) for p in self.parameters])
+            own_fingerprint = fingerprint(self.parameters, self._positions)
         self.service.publish_gradient(iteration, own, own_fingerprint)
         total = torch.zeros_like(own)
         summed: dict[str, torch.Tensor | None] = {}

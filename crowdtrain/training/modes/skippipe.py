@@ -127,7 +127,7 @@ class SkipPipeMode(TrainingMode):
         self.service.hold(-1)
         self.service.start()
         self._first_batch: torch.Tensor | None = None
-        self.optimizer, self.runner = self._stage_runner()
+        self.runner = self._stage_runner()
         self.history: list[Membership] = []
         self.iteration: int | None = None
         """The next iteration this node runs; None while it is not in the roster."""
@@ -153,15 +153,20 @@ class SkipPipeMode(TrainingMode):
         """The stage this node serves now (`me.stage` is the one it declares: another while it moves)."""
         return self.service.stage
 
-    def _stage_runner(self) -> tuple[torch.optim.AdamW, SkipPipeNode]:
-        """A fresh AdamW over the served stage's parameters, and the iterations' runner stepping it."""
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The served stage's AdamW (its runner's)."""
+        return self.runner.optimizer
+
+    def _stage_runner(self) -> SkipPipeNode:
+        """The iterations' runner of the served stage, stepping a fresh AdamW over its parameters."""
         optimizer_spec = self.context.manifest.optimizer
         optimizer = torch.optim.AdamW(
             self.staged.stage_parameters(self.stage),
             lr=optimizer_spec.learning_rate,
             weight_decay=optimizer_spec.weight_decay,
         )
-        runner = SkipPipeNode(
+        return SkipPipeNode(
             service=self.service,
             nodes=[self.me],
             num_microbatches=self.spec.microbatches,
@@ -171,7 +176,6 @@ class SkipPipeMode(TrainingMode):
             batch=self._batch,
             wire_dtype=self.spec.wire_dtype,
         )
-        return optimizer, runner
 
     @property
     def compression(self) -> str:
@@ -321,7 +325,7 @@ class SkipPipeMode(TrainingMode):
         from this node's own copy of them (no node serves a trained one: that is why it moves)."""
         old, last = self.stage, self.runner.last_iteration
         self.service.set_stage(stage, self.me.memory_microbatches)
-        self.optimizer, self.runner = self._stage_runner()
+        self.runner = self._stage_runner()
         self.runner.last_iteration = last
         logger.warning(
             f"iteration {iteration}: moved from stage {old} to stage {stage}, which had no node; its layers start "
