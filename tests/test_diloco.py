@@ -59,7 +59,9 @@ def snapshot_when(observer: Daemon, daemons: list[Daemon], epoch: int, timeout_s
 def test_two_peers_average_outer_rounds_and_learn_and_a_joiner_takes_the_swarms_round(tmp_path: Path) -> None:
     run_file = tmp_path / "diloco.toml"
     run_file.write_text(RUN_FILE)
-    founder = start_daemon(tmp_path / "node0", "--run-file", str(run_file), env=ENV).await_ready()
+    # the founder scores its replica on the held-out windows every second outer round (eval_every)
+    founder_env = {**ENV, "CROWDTRAIN_EVAL_EVERY": "2"}
+    founder = start_daemon(tmp_path / "node0", "--run-file", str(run_file), env=founder_env).await_ready()
     second = start_daemon(tmp_path / "node1", initial_peers=[founder.address], env=ENV).await_ready()
     # outer rounds after the second joined are averaged by both: the same rounds on both sides
     await_condition(
@@ -79,6 +81,13 @@ def test_two_peers_average_outer_rounds_and_learn_and_a_joiner_takes_the_swarms_
         if peer["epoch"] in averaged_rounds(daemons[peer["peer_id"]]):  # the round it shows was averaged
             assert training["round_bytes_sent"] > 0
     assert snapshot["run"]["epoch"] >= 4
+    scores = {
+        int(e): float(loss)
+        for e, loss in re.findall(r"epoch (\d+): held-out loss ([\d.]+) on 32 windows", founder.log())
+    }
+    assert scores and all(epoch % 2 == 0 for epoch in scores), founder.log()
+    assert scores[max(scores)] < math.log(260) - 1.0, "the held-out loss fell with the training loss"
+    assert "held-out loss" not in second.log()
     # a late joiner downloads the outer state (verified) and continues from the swarm's round, at least the
     # last one averaged before it started (the swarm goes on averaging while it joins)
     averaged_before_joining = max(averaged_rounds(founder) & averaged_rounds(second))

@@ -53,8 +53,12 @@ def test_the_endpoint_serves_the_nodes_metrics_on_loopback(endpoint: tuple[Metri
     ):
         assert line in lines
     assert any(line.startswith("# HELP crowdtrain_averaging_sent_bytes_total ") for line in lines)
+    assert not any(line.startswith("crowdtrain_held_out") for line in lines), "no score yet: no gauge"
     progress.epoch = 8  # read at every scrape: nothing pushed from the training path
-    assert "crowdtrain_epoch 8.0" in scrape(metrics.port).splitlines()
+    progress.held_out_loss, progress.held_out_epoch = 3.5, 8
+    lines = scrape(metrics.port).splitlines()
+    assert "crowdtrain_epoch 8.0" in lines
+    assert "crowdtrain_held_out_loss 3.5" in lines and "crowdtrain_held_out_epoch 8.0" in lines
 
 
 def test_a_port_in_use_is_one_plain_sentence() -> None:

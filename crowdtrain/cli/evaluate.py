@@ -38,7 +38,7 @@ from crowdtrain.data import WindowSampler, load_token_stream
 from crowdtrain.dht.records import owner_marker
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import RunManifest, load_run_file, skippipe_spec
-from crowdtrain.models import build_model, load_tokenizer, model_kind, training_loss
+from crowdtrain.models import build_model, load_tokenizer, model_kind
 from crowdtrain.models.stages import StagedModel, check_path
 from crowdtrain.node.config import SwarmSettings
 from crowdtrain.node.membership import with_join_token
@@ -46,6 +46,7 @@ from crowdtrain.pipeline import HopFailedError, HopLimits, StageService
 from crowdtrain.pipeline.iteration import STATE_PARTS
 from crowdtrain.pipeline.membership import StageDirectory
 from crowdtrain.training.checkpoint import Checkpoint, CheckpointError, load_checkpoint, load_latest_checkpoint
+from crowdtrain.training.held_out import window_losses
 
 MAX_WINDOWS = 4096
 """Held-out windows scored at most (`--batches` × `--batch-size`)."""
@@ -229,9 +230,7 @@ def _checkpoint(checkpoint: str | None, state_dir: str, manifest: RunManifest, m
 
 
 def _model_losses(model: torch.nn.Module, manifest: RunManifest, windows: list[torch.Tensor]) -> list[float]:
-    kind = model_kind(manifest.model)
-    generator = torch.Generator().manual_seed(0)  # masked LMs: the same masking on every run of eval
-    return [float(training_loss(model, window, kind, generator=generator)) for window in windows]
+    return window_losses(model, model_kind(manifest.model), windows)
 
 
 def _staged_scores(

@@ -101,6 +101,10 @@ class NodeConfig(MachineSettings):
     """Seconds between two checkpoints while training, written in the background; one more at exit."""
     metrics_port: int = 0
     """TCP port of a Prometheus endpoint on 127.0.0.1 (never on other interfaces); 0 turns it off."""
+    eval_every: int = 0
+    """Every this many epochs (global steps; outer rounds in diloco and spes), score this node's replica on the
+    run's 32 fixed held-out windows, log the loss and export it (`crowdtrain_held_out_loss`); 0 never. Not in
+    skippipe runs (a node there holds one stage)."""
     data_paths: tuple[str, ...] = ()
     """Local folders a run joined from the swarm may train on; a joiner reads no other local path a remote
     manifest names (the founder's own run file is not limited)."""
@@ -111,6 +115,8 @@ class NodeConfig(MachineSettings):
         _check_machine_settings(self)
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be a TCP port (1-65535) or 0 for off, got {self.metrics_port}")
+        if not 0 <= self.eval_every <= 1_000_000:
+            raise ValueError(f"eval_every must be between 0 (never) and 1000000 epochs, got {self.eval_every}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         _check_positive(self, "status_interval_s", "status_ttl_s")

@@ -87,6 +87,16 @@ class ProgressCollector(Collector):
                 progress.compute_utilisation,
             ),
             (
+                "crowdtrain_held_out_loss",
+                "The loss of this node's replica on the run's held-out windows, at its last score (eval_every).",
+                progress.held_out_loss,
+            ),
+            (
+                "crowdtrain_held_out_epoch",
+                "The epoch of the last held-out score.",
+                progress.held_out_epoch if progress.held_out_loss is not None else None,
+            ),
+            (
                 "crowdtrain_inner_step",
                 "diloco: global batches the swarm completed in the current outer round (of H inner steps).",
                 progress.inner_step if progress.inner_steps else None,

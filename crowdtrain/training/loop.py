@@ -40,6 +40,7 @@ from crowdtrain.moe.directory import ExpertDirectory
 from crowdtrain.training.checkpoint import load_latest_checkpoint
 from crowdtrain.training.checkpoint_writer import CheckpointSchedule, CheckpointWriter, take_snapshot
 from crowdtrain.training.compute import LocalCompute
+from crowdtrain.training.held_out import HeldOutScorer
 from crowdtrain.training.modes import ModeContext, SwarmView, TrainingMode, mode_class
 from crowdtrain.training.progress import Progress
 from crowdtrain.training.progress_bar import GlobalBatchBar
@@ -69,6 +70,8 @@ class TrainerOptions:
     """How many checkpoints to keep."""
     checkpoint_interval_s: float = 600.0
     """Seconds between two checkpoints while training (taken at the first new epoch after); one more at exit."""
+    eval_every: int = 0
+    """Score the replica on the held-out windows at every epoch divisible by this (training/held_out.py); 0 never."""
     data_cache_dir: Path
     """Where the tokenised corpus is cached."""
     client_mode: bool
@@ -111,6 +114,7 @@ class Trainer:
         self._next_expert_warning_at = 0.0
         self._checkpoint_writer: CheckpointWriter | None = None
         self._checkpoint_schedule: CheckpointSchedule | None = None
+        self._held_out: HeldOutScorer | None = None
         self._round_started_at = time.monotonic()
         self._round_bytes_at_start = 0
 
@@ -134,6 +138,8 @@ class Trainer:
             tokens = load_token_stream(manifest.data, tokenizer, options.data_cache_dir)
             sampler = WindowSampler(tokens, manifest.data.sequence_length, peer_seed_from_peer_id(self.peer_id))
         mode = self._make_mode(model, sampler)
+        if sampler is not None and options.eval_every:
+            self._held_out = self._held_out_scorer(model, mode, sampler)
         if not options.auxiliary:  # an auxiliary peer's weights never train: nothing worth resuming
             self._checkpoint_writer = CheckpointWriter(directory=options.checkpoint_dir, keep=options.checkpoint_keep)
             self._checkpoint_schedule = CheckpointSchedule(interval_s=options.checkpoint_interval_s)
@@ -241,8 +247,30 @@ class Trainer:
             f"epoch {mode.epoch}: loss {loss}, {self.progress.samples_per_second:.1f} samples/s on this node"
             f"; {phases.describe()}; computing {self.progress.compute_utilisation:.0%} of the time"
         )
+        self._score_if_due(mode.epoch)
         self._checkpoint_if_due(model, mode)
         self._replan_in_background(mode)
+
+    def _held_out_scorer(
+        self, model: torch.nn.Module, mode: TrainingMode, sampler: WindowSampler
+    ) -> HeldOutScorer | None:
+        if mode.name == "skippipe":
+            logger.warning("eval_every is ignored in skippipe runs: a node holds one stage (use crowdtrain eval)")
+            return None
+        kind, device = model_kind(self.manifest.model), self.options.device
+        return HeldOutScorer.for_sampler(model, kind, sampler, self.options.eval_every, device)
+
+    def _score_if_due(self, epoch: int) -> None:
+        scorer = self._held_out
+        if scorer is None or not scorer.due(epoch):
+            return
+        started = time.monotonic()
+        loss = scorer.score()
+        self.progress.held_out_loss, self.progress.held_out_epoch = loss, epoch
+        logger.info(
+            f"epoch {epoch}: held-out loss {loss:.4f} on {scorer.num_windows} windows "
+            f"({time.monotonic() - started:.2f} s)"
+        )
 
     def _complete_round(self) -> PhaseTimes:
         """Close the round (global step or outer round) that just completed: its phases, the share of its wall

@@ -51,6 +51,9 @@ class Progress:
     """Averaging bytes sent during the last completed round (global step or outer round); None before one."""
     compute_utilisation: float | None = None
     """Time computing / wall time over the last completed round, in [0, 1]; None before one."""
+    held_out_loss: float | None = None
+    """The loss of this node's replica on the run's held-out windows at `held_out_epoch`; None before a score."""
+    held_out_epoch: int = 0
     experts_owned: int = 0
     """spes: the experts (of all layers) this node trains now; 0 in other modes."""
     experts_total: int = 0
