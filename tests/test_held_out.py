@@ -41,9 +41,14 @@ def test_the_score_is_the_mean_loss_of_the_held_out_windows_in_eval_mode_without
     assert all(torch.equal(a, b) for a, b in zip(scorer.windows, other.eval_batches(8, 4), strict=True))
 
 
-def test_scores_are_due_at_every_nth_epoch_after_the_first() -> None:
+def test_scores_are_due_at_every_nth_epoch_or_the_first_past_it() -> None:
     scorer, _ = tiny_scorer(every=3)
-    assert [epoch for epoch in range(10) if scorer.due(epoch)] == [3, 6, 9]
+    assert [epoch for epoch in range(10) if scorer.due(epoch) and scorer.score_at(epoch)] == [3, 6, 9]
+    scorer.last_scored = 3
+    assert not scorer.due(5)
+    assert scorer.due(7), "a node that jumped from epoch 5 to 7 (the swarm's state) scores at 7"
+    scorer.score_at(7)
+    assert not scorer.due(8) and scorer.due(9)
 
 
 def test_eval_every_is_off_by_default_and_bounded() -> None:

@@ -31,7 +31,9 @@ class HeldOutScorer:
     kind: ModelKind
     windows: list[torch.Tensor]
     every: int
-    """Score at every epoch divisible by this (> 0)."""
+    """Score at every epoch divisible by this (> 0), or the first epoch past one (a node that took the swarm's state
+    may jump over it)."""
+    last_scored: int = 0
 
     @classmethod
     def for_sampler(
@@ -45,7 +47,12 @@ class HeldOutScorer:
         return sum(len(window) for window in self.windows)
 
     def due(self, epoch: int) -> bool:
-        return epoch > 0 and epoch % self.every == 0
+        return epoch // self.every > self.last_scored // self.every
+
+    def score_at(self, epoch: int) -> float:
+        """`score()`, remembered as the score of `epoch`."""
+        self.last_scored = epoch
+        return self.score()
 
     def score(self) -> float:
         """The mean loss over the windows, in eval mode and without gradients; the model's mode is restored."""

@@ -265,7 +265,7 @@ class Trainer:
         if scorer is None or not scorer.due(epoch):
             return
         started = time.monotonic()
-        loss = scorer.score()
+        loss = scorer.score_at(epoch)
         self.progress.held_out_loss, self.progress.held_out_epoch = loss, epoch
         logger.info(
             f"epoch {epoch}: held-out loss {loss:.4f} on {scorer.num_windows} windows "
