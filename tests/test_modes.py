@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from crowdtrain import proto
 from crowdtrain.data import WindowSampler
 from crowdtrain.manifest import TRAINING_MODES, demo
+from crowdtrain.node.config import NodeConfig
 from crowdtrain.training.loop import Trainer, TrainerOptions
 from crowdtrain.training.modes import MODES, SwarmView, TrainingMode
 from crowdtrain.training.progress import Progress
@@ -122,3 +124,59 @@ def test_the_loop_drives_a_mode_through_micro_batches_epochs_and_replans(tmp_pat
     trainer._replanner.shutdown(wait=True)
     assert [view.plan_share for view in mode.views] == [0.25, 0.25]
     assert list(mode.views[0].statuses) == peers
+
+
+def waiting_trainer(tmp_path: Path, reads: list[list[proto.PeerStatus]]) -> tuple[Trainer, list[int]]:
+    """A trainer with start_with_peers = 3 whose DHT reads return `reads` one after another (the last repeats)."""
+    calls: list[int] = []
+
+    def known_peers() -> list[proto.PeerStatus]:
+        calls.append(1)
+        return reads[min(len(calls), len(reads)) - 1]
+
+    options = TrainerOptions(
+        micro_batch_size=2, checkpoint_dir=tmp_path, checkpoint_keep=1, data_cache_dir=tmp_path, client_mode=False,
+        show_bar=False, start_with_peers=3,
+    )  # fmt: skip
+    trainer = Trainer(
+        dht=None,  # type: ignore[arg-type]
+        manifest=demo(),
+        peer_id="me",
+        private_key=None,  # type: ignore[arg-type]
+        options=options,
+        progress=Progress(),
+        known_peers=known_peers,
+    )
+    return trainer, calls
+
+
+def test_a_node_waits_for_start_with_peers_planned_nodes_before_its_first_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("crowdtrain.training.loop.START_POLL_S", 0.01)
+    planned, probing = proto.PeerStatus(plan_digest="ab12"), proto.PeerStatus()
+    reads = [[planned, probing, probing], [planned, planned, probing], [planned, planned, planned]]
+    trainer, calls = waiting_trainer(tmp_path, reads)
+    trainer._await_start_peers(threading.Event())
+    assert len(calls) == 3, "it waited until the third node had planned"
+    # a run that has begun (a peer past epoch 0) is joined at once, whoever is ready
+    trainer, calls = waiting_trainer(tmp_path, [[planned, proto.PeerStatus(epoch=4)]])
+    trainer._await_start_peers(threading.Event())
+    assert len(calls) == 1
+    # the wait ends with the node's stop, and at START_WAIT_S at the latest
+    stop = threading.Event()
+    stop.set()
+    trainer, calls = waiting_trainer(tmp_path, [[planned]])
+    trainer._await_start_peers(stop)
+    assert calls == []
+    monkeypatch.setattr("crowdtrain.training.loop.START_WAIT_S", 0.05)
+    trainer, calls = waiting_trainer(tmp_path, [[planned]])
+    trainer._await_start_peers(threading.Event())
+    assert len(calls) >= 2
+
+
+def test_start_with_peers_never_waits_by_default_and_is_bounded() -> None:
+    assert NodeConfig().start_with_peers == 1
+    for bad in (0, 10_001):
+        with pytest.raises(ValueError, match="start_with_peers"):
+            NodeConfig(start_with_peers=bad)

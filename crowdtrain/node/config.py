@@ -101,6 +101,10 @@ class NodeConfig(MachineSettings):
     """Seconds between two checkpoints while training, written in the background; one more at exit."""
     metrics_port: int = 0
     """TCP port of a Prometheus endpoint on 127.0.0.1 (never on other interfaces); 0 turns it off."""
+    start_with_peers: int = 1
+    """Before its first micro-batch of a run at epoch 0, wait (at most 10 minutes) until this many nodes, this one
+    included, have measured themselves and planned, so an experiment starts with its whole swarm instead of one node
+    racing ahead and the others downloading its state; 1 never waits."""
     eval_every: int = 0
     """Every this many epochs (global steps; outer rounds in diloco and spes), score this node's replica on the
     run's 32 fixed held-out windows, log the loss and export it (`crowdtrain_held_out_loss`); 0 never. Not in
@@ -115,6 +119,8 @@ class NodeConfig(MachineSettings):
         _check_machine_settings(self)
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be a TCP port (1-65535) or 0 for off, got {self.metrics_port}")
+        if not 1 <= self.start_with_peers <= 10_000:
+            raise ValueError(f"start_with_peers must be between 1 (never wait) and 10000, got {self.start_with_peers}")
         if not 0 <= self.eval_every <= 1_000_000:
             raise ValueError(f"eval_every must be between 0 (never) and 1000000 epochs, got {self.eval_every}")
         if self.role not in ROLES:

@@ -250,6 +250,7 @@ class Daemon:
             checkpoint_keep=self.config.checkpoint_keep,
             checkpoint_interval_s=self.config.checkpoint_interval_s,
             eval_every=self.config.eval_every,
+            start_with_peers=self.config.start_with_peers,
             data_cache_dir=state / "data-cache",
             client_mode=roles.is_client,
             auxiliary=roles.running_auxiliary,

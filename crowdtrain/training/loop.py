@@ -52,6 +52,9 @@ AUXILIARY_STEP_INTERVAL_S = 0.5
 """How often an auxiliary peer steps its optimizer, which joins an averaging round once one is due."""
 EXPERT_RETRY_S = 1.0
 EXPERT_WARNING_INTERVAL_S = 60.0
+START_WAIT_S = 600.0
+"""`start_with_peers` waits at most this long, then trains with whoever is there."""
+START_POLL_S = 2.0
 FINAL_CHECKPOINT_TIMEOUT_S = 10.0
 """Bound on the checkpoint at shutdown (the write in flight, then the final one): the daemon leaves within
 LEAVE_DEADLINE_S (28 s), which must also cover the last micro-step, the mode's shutdown and the status
@@ -70,6 +73,8 @@ class TrainerOptions:
     """How many checkpoints to keep."""
     checkpoint_interval_s: float = 600.0
     """Seconds between two checkpoints while training (taken at the first new epoch after); one more at exit."""
+    start_with_peers: int = 1
+    """At epoch 0, wait for this many planned nodes (this one included) before the first micro-batch; 1 never waits."""
     eval_every: int = 0
     """Score the replica on the held-out windows at every epoch divisible by this (training/held_out.py); 0 never."""
     data_cache_dir: Path
@@ -152,11 +157,32 @@ class Trainer:
             if sampler is None:
                 self._assist(mode, stop)
             else:
+                if mode.epoch == 0 and options.start_with_peers > 1:
+                    self._await_start_peers(stop)
                 self._train(model, mode, sampler, stop)
         finally:
             self._final_checkpoint(model, mode)
             mode.close()
             self._replanner.shutdown(wait=False, cancel_futures=True)
+
+    def _await_start_peers(self, stop: threading.Event) -> None:
+        """Wait until `start_with_peers` nodes have planned (or trained), START_WAIT_S at most, saying so."""
+        wanted, deadline, said = self.options.start_with_peers, time.monotonic() + START_WAIT_S, -1
+        while not stop.is_set():
+            peers = self.known_peers()
+            if any(status.epoch > 0 for status in peers):
+                return  # the run has begun: this node joins it as any joiner
+            ready = sum(1 for status in peers if status.plan_digest or has_started(status))
+            if ready >= wanted:
+                logger.info(f"{ready} nodes are ready: starting to train")
+                return
+            if time.monotonic() >= deadline:
+                logger.warning(f"starting to train with {ready} of the {wanted} nodes start_with_peers waits for")
+                return
+            if ready != said:
+                logger.info(f"waiting for {wanted} nodes before the first step (start_with_peers): {ready} ready")
+                said = ready
+            stop.wait(START_POLL_S)
 
     def _make_mode(self, model: torch.nn.Module, sampler: WindowSampler | None) -> TrainingMode:
         """The run's training mode over this replica, with the plan and the peers as the DHT has them now."""
