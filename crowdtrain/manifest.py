@@ -173,6 +173,8 @@ class AveragingSpec:
             raise ValueError(f"group_size must be a power of two (Moshpit grid keys are bits), got {self.group_size}")
 
 
+MAX_FRAGMENTS = 64
+"""The most fragments a streaming DiLoCo run may cut its parameters into."""
 DILOCO_COMPRESSIONS = ("fp16", "int8", "topk", "none")
 
 
@@ -203,6 +205,11 @@ class DiLoCoSpec:
     `inner_steps`, never below this. None (both): H stays `inner_steps`."""
     max_inner_steps: int | None = None
     """Adaptive H: the largest H the peers may agree on (see `min_inner_steps`)."""
+    fragments: int = 1
+    """Streaming DiLoCo: cut the parameters into this many fragments of consecutive layers (averaging/fragments.py);
+    an outer round then lasts H / fragments global batches and averages one fragment, in turn, so each fragment is
+    still averaged every H global batches while a round sends (and with `overlap` holds in flight) 1/fragments of
+    the model. 1: the whole model every round. H must be a multiple; not with adaptive H or `topk`."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.inner_steps <= 1_000_000:
@@ -217,12 +224,26 @@ class DiLoCoSpec:
             raise ValueError(f"topk_fraction must be in (0, 1], got {self.topk_fraction}")
         if (self.min_inner_steps is None) != (self.max_inner_steps is None):
             raise ValueError("min_inner_steps and max_inner_steps go together (adaptive H), or neither")
+        self._check_fragments()
         if self.min_inner_steps is not None and self.max_inner_steps is not None:
             if not 1 <= self.min_inner_steps <= self.inner_steps <= self.max_inner_steps <= 1_000_000:
                 raise ValueError(
                     "adaptive H needs 1 <= min_inner_steps <= inner_steps <= max_inner_steps <= 1000000, got "
                     f"{self.min_inner_steps}, {self.inner_steps}, {self.max_inner_steps}"
                 )
+
+    def _check_fragments(self) -> None:
+        if not 1 <= self.fragments <= MAX_FRAGMENTS:
+            raise ValueError(f"fragments must be between 1 and {MAX_FRAGMENTS}, got {self.fragments}")
+        if self.fragments == 1:
+            return
+        if self.inner_steps % self.fragments:
+            raise ValueError(
+                f"inner_steps ({self.inner_steps}) must be a multiple of fragments ({self.fragments}): "
+                "each fragment is averaged every inner_steps global batches"
+            )
+        if self.min_inner_steps is not None or self.compression == "topk":
+            raise ValueError("fragments > 1 works with a fixed H (no min_inner_steps) and fp16, int8 or none, not topk")
 
     @property
     def inner_steps_range(self) -> tuple[int, int]:
@@ -404,6 +425,8 @@ class RunManifest:
             raise ValueError(f"a [skippipe] section needs averaging.mode = 'skippipe', not {self.averaging.mode!r}")
         if self.averaging.mode == "skippipe":
             _check_skippipe_model(self)
+        if self.averaging.mode == "spes" and self.diloco is not None and self.diloco.fragments > 1:
+            raise ValueError("a SPES run averages its dense part every round: diloco.fragments must be 1")
         if self.averaging.mode == "spes" and self.moe is not None:
             raise ValueError("a SPES run trains the model's own experts: it can't have a [moe] section (DMoE)")
         if self.diloco is not None and self.diloco.compression == "topk" and self.averaging.aggregation != "mean":

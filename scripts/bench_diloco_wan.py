@@ -7,7 +7,8 @@ processed the same number of samples (`--batches` global batches of 64) in every
 - `gradients`: DeDLOC as today, an fp16 all-reduce of the gradients every global batch;
 - `diloco-fp16`, `diloco-int8`, `diloco-topk`: DiLoCo, H = `--inner-steps` global batches of inner AdamW steps per
   outer round, the pseudo-gradients averaged in the background (`overlap`, the default) in that encoding (top-k
-  keeps 2% of each tensor with error feedback);
+  keeps 2% of each tensor with error feedback); `diloco-int8-stream`: Streaming DiLoCo, int8, the model in 4
+  fragments, one averaged every H / 4 global batches in turn (`diloco.fragments`);
 - `single`: one process (this one, both cores) training the same model on global batches of 64, AdamW as the
   manifest, the gradient clipped as the swarm's.
 
@@ -55,7 +56,9 @@ EVAL_SAMPLES = 512
 """The first daemon scores the held-out windows every this many samples (8 global batches)."""
 METRICS_PORT = 29500
 """Every daemon's Prometheus port, inside its own host (namespace)."""
-ARMS = ("single", "gradients", "diloco-fp16", "diloco-int8", "diloco-topk")
+ARMS = ("single", "gradients", "diloco-fp16", "diloco-int8", "diloco-topk", "diloco-int8-stream")
+STREAM_FRAGMENTS = 4
+"""`diloco-int8-stream`: Streaming DiLoCo, the model in this many fragments, one averaged per H / 4 global batches."""
 MODELS = {
     "llama-20m": {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8},
     "demo": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4},
@@ -103,8 +106,12 @@ def run_text(args: argparse.Namespace, arm: str) -> str:
     mode = "gradients" if arm in ("gradients", "single") else "diloco"
     diloco = ""
     if mode == "diloco":
-        compression = arm.removeprefix("diloco-")
-        diloco = f'\n[diloco]\ninner_steps = {args.inner_steps}\ncompression = "{compression}"\noverlap = true\n'
+        compression = arm.removeprefix("diloco-").removesuffix("-stream")
+        fragments = STREAM_FRAGMENTS if arm.endswith("-stream") else 1
+        diloco = (
+            f'\n[diloco]\ninner_steps = {args.inner_steps}\ncompression = "{compression}"\noverlap = true\n'
+            f"fragments = {fragments}\n"
+        )
     return RUN_FILE.format(
         arm=arm, batch=BATCH, heads=shape["num_attention_heads"], model=model, sequence=args.sequence_length,
         mode=mode, diloco=diloco,
@@ -112,7 +119,10 @@ def run_text(args: argparse.Namespace, arm: str) -> str:
 
 
 def samples_per_epoch(args: argparse.Namespace, arm: str) -> int:
-    return BATCH * (args.inner_steps if arm.startswith("diloco") else 1)
+    """Samples per epoch: a global batch, an outer round (H global batches), or a streaming round (H / 4)."""
+    if not arm.startswith("diloco"):
+        return BATCH
+    return BATCH * args.inner_steps // (STREAM_FRAGMENTS if arm.endswith("-stream") else 1)
 
 
 # --- the swarm arms ---------------------------------------------------------------------------------------------
@@ -261,7 +271,7 @@ def single_arm(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         optimizer.zero_grad()
         compute_s += time.monotonic() - began
         if scorer.due(step):
-            loss = scorer.score()
+            loss = scorer.score_at(step)
             result["samples"].append(step * BATCH)
             result["wall_s"].append(time.monotonic() - started)
             result["held_out_loss"].append(loss)

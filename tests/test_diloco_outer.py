@@ -32,16 +32,23 @@ OUTER_LR, OUTER_MOMENTUM = 0.5, 0.9
 
 
 def manifest(
-    num_peers: int, compression: str, topk_fraction: float = 0.02, overlap: bool = False, adaptive: bool = False
+    num_peers: int,
+    compression: str,
+    topk_fraction: float = 0.02,
+    overlap: bool = False,
+    adaptive: bool = False,
+    fragments: int = 1,
 ) -> RunManifest:
     base = demo()
     return dataclasses.replace(
         base,
-        run_id=f"outer-{num_peers}-{compression}{'-overlap' if overlap else ''}{'-adaptive' if adaptive else ''}",
+        run_id=f"outer-{num_peers}-{compression}{'-overlap' if overlap else ''}{'-adaptive' if adaptive else ''}"
+        f"-{fragments}",
         target_batch_size=64,
         averaging=dataclasses.replace(base.averaging, mode="diloco", group_size=4, matchmaking_time_s=2.0),
         diloco=DiLoCoSpec(
-            inner_steps=1,
+            inner_steps=fragments,
+            fragments=fragments,
             outer_learning_rate=OUTER_LR,
             outer_momentum=OUTER_MOMENTUM,
             compression=compression,
@@ -226,3 +233,60 @@ def test_a_group_of_peers_at_different_rounds_skips_its_all_reduce_and_quarantin
         assert [mode.num_local_rounds for mode in modes] == [1, 1, 1, 1], "a round of mixed rounds is not applied"
         assert [mode.averager.excluded_peers() for mode in modes] == [{}] * 4, "an honest peer was quarantined"
         assert [mode.context.traffic.sent_bytes.value for mode in modes] == [0] * 4, "the skipped all-reduce sent"
+
+
+def end_round_together(modes: list[DiLoCoMode], samples: int) -> None:
+    """Every peer reports `samples` toward its round and ends it (waiting for the average, with overlap)."""
+    for mode in modes:
+        mode.samples = samples
+        mode.tracker.report_local_progress(mode.round, samples)
+    await_condition(
+        lambda: all(mode.tracker.global_progress.num_peers == len(modes) for mode in modes), 60, "the peers"
+    )
+    with ThreadPoolExecutor(len(modes)) as pool:
+        list(pool.map(lambda mode: mode._outer_round(), modes))
+        if modes[0].spec.overlap:
+            list(pool.map(lambda mode: mode._finish_round_in_flight(wait=True), modes))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_with_fragments_a_round_averages_one_fragment_and_the_other_trains_on_until_its_turn(overlap: bool) -> None:
+    """Streaming DiLoCo with 2 fragments: round 0 averages fragment 0 and leaves fragment 1 (θ₀, momentum and the
+    peers' own replicas) alone; round 1 averages fragment 1 with a pseudo-gradient spanning both rounds."""
+    first, second = torch.linspace(-1.0, 1.0, 12).reshape(3, 4), torch.linspace(0.0, 2.0, 6)
+    step = OUTER_LR * (1 + OUTER_MOMENTUM)  # Nesterov's first step on a fresh buffer
+    with diloco_peers(manifest(2, "none", overlap=overlap, fragments=2), 2, [first, second]) as modes:
+        generator = torch.Generator().manual_seed(13)
+        firsts = [torch.randn(3, 4, generator=generator) for _ in modes]
+        seconds = [torch.randn(6, generator=generator) for _ in modes]
+        for mode, delta, other in zip(modes, firsts, seconds, strict=True):
+            assert (
+                mode.fragments.members == ((0,), (1,)) and mode.round_samples == mode.context.manifest.target_batch_size
+            )
+            with torch.no_grad():
+                mode.parameters[0].copy_(first - delta)
+                mode.parameters[1].copy_(second - other)
+        end_round_together(modes, 8)
+        expected_first = first - step * (firsts[0] + firsts[1]) / 2
+        for mode, other in zip(modes, seconds, strict=True):
+            assert mode.round == 1 and mode.num_local_rounds == 0
+            assert torch.allclose(mode.global_parameters[0], expected_first, atol=1e-6)
+            assert torch.allclose(mode.parameters[0].detach(), mode.global_parameters[0], atol=1e-6)
+            assert torch.equal(mode.global_parameters[1], second), "fragment 1's round has not come"
+            assert torch.equal(mode.parameters[1].detach(), second - other), "its inner steps are kept"
+            assert "momentum_buffer" not in mode.outer_optimizer.state.get(mode.global_parameters[1], {})
+        laters = [torch.randn(6, generator=generator) for _ in modes]
+        for mode, later in zip(modes, laters, strict=True):
+            with torch.no_grad():
+                mode.parameters[1].sub_(later)  # round 1's inner steps on fragment 1
+        end_round_together(modes, 8)
+        spans = [other + later for other, later in zip(seconds, laters, strict=True)]  # both rounds' steps
+        expected_second = second - step * (spans[0] + spans[1]) / 2
+        for mode in modes:
+            assert mode.round == 2 and mode.num_local_rounds == 0
+            assert torch.allclose(mode.global_parameters[1], expected_second, atol=1e-6)
+            assert torch.allclose(mode.parameters[1].detach(), mode.global_parameters[1], atol=1e-6)
+            assert torch.allclose(mode.global_parameters[0], expected_first, atol=1e-6), "fragment 0 waits for round 2"
+        assert all(
+            torch.equal(a, b) for a, b in zip(modes[0].global_parameters, modes[1].global_parameters, strict=True)
+        )

@@ -64,7 +64,7 @@ class SpesSpec(_message.Message):
     def __init__(self, merge_every: _Optional[int] = ..., merge_neighbours: _Optional[int] = ..., merge_alpha: _Optional[float] = ..., merge_warmup_steps: _Optional[int] = ...) -> None: ...
 
 class DiLoCoSpec(_message.Message):
-    __slots__ = ("inner_steps", "outer_learning_rate", "outer_momentum", "compression", "topk_fraction", "overlap", "min_inner_steps", "max_inner_steps")
+    __slots__ = ("inner_steps", "outer_learning_rate", "outer_momentum", "compression", "topk_fraction", "overlap", "min_inner_steps", "max_inner_steps", "fragments")
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     OUTER_LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     OUTER_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class DiLoCoSpec(_message.Message):
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     MIN_INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     inner_steps: int
     outer_learning_rate: float
     outer_momentum: float
@@ -81,7 +82,8 @@ class DiLoCoSpec(_message.Message):
     overlap: bool
     min_inner_steps: int
     max_inner_steps: int
-    def __init__(self, inner_steps: _Optional[int] = ..., outer_learning_rate: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., compression: _Optional[str] = ..., topk_fraction: _Optional[float] = ..., overlap: _Optional[bool] = ..., min_inner_steps: _Optional[int] = ..., max_inner_steps: _Optional[int] = ...) -> None: ...
+    fragments: int
+    def __init__(self, inner_steps: _Optional[int] = ..., outer_learning_rate: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., compression: _Optional[str] = ..., topk_fraction: _Optional[float] = ..., overlap: _Optional[bool] = ..., min_inner_steps: _Optional[int] = ..., max_inner_steps: _Optional[int] = ..., fragments: _Optional[int] = ...) -> None: ...
 
 class ModelSpec(_message.Message):
     __slots__ = ("architecture", "config_json", "tokenizer", "precision")

@@ -31,7 +31,14 @@ last round and the compute utilisation.
 With `min_inner_steps` and `max_inner_steps` set, H adapts (averaging/adaptive_h.py): each peer proposes the H
 that keeps its last all-reduce within 5% of a round's compute, the proposals travel in the round's gathered
 data, and every member of the group takes the same H (their lower median) from the next round it starts. A
-joiner takes the H in force with the swarm's state. Not built yet: fragment streaming.
+joiner takes the H in force with the swarm's state.
+
+With `fragments` F > 1 (Streaming DiLoCo, averaging/fragments.py) the parameters are cut into F fragments of
+consecutive layers, a round lasts H / F global batches and averages one fragment, round r fragment r mod F, whose
+pseudo-gradient θ₀ − θ spans its last F rounds; the outer step moves that fragment's θ₀ (and momentum) only, and its
+replica restarts from (or, with overlap, is re-based on) it, while the other fragments' inner steps go on. Each
+fragment is still averaged every H global batches; a round sends, and holds in flight, 1/F of the model. A round's
+weight is the samples of that round, the same share of each peer's span as its rounds'.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from crowdtrain.averaging.collaboration import (
 )
 from crowdtrain.averaging.compression import compression_for
 from crowdtrain.averaging.error_feedback import ErrorFeedback, Kept
+from crowdtrain.averaging.fragments import Fragments
 from crowdtrain.averaging.partition import EXPECTED_ROUND_FAILURES
 from crowdtrain.averaging.phases import Phase, wait_for_round
 from crowdtrain.averaging.progress_bounds import BoundedProgressTracker, ProgressBounds
@@ -93,7 +101,8 @@ class _RoundInFlight:
     round: int
     """The round it averages (the applied round then, `DiLoCoMode.round`)."""
     pseudo_gradients: list[torch.Tensor]
-    """Δ = θ₀ − θ_end, this peer's own, as it was at the round's end (float32, on the parameters' devices)."""
+    """Δ = θ₀ − θ_end of the round's fragment's tensors, this peer's own, as it was at the round's end (float32, on
+    the parameters' devices)."""
     kept: list[Kept] | None
     """top-k: what was sent of each tensor (its residual is committed once the round is averaged)."""
     started: float
@@ -110,6 +119,7 @@ class DiLoCoMode(TrainingMode):
         manifest = context.manifest
         self.spec = manifest.diloco if manifest.diloco is not None else DiLoCoSpec()
         self.parameters = self._synchronised_parameters()
+        self.fragments = Fragments.split([parameter.shape for parameter in self.parameters], self.spec.fragments)
         self.round, self.samples, self.inner_steps, self.num_local_rounds = 0, 0, 0, 0
         self.diverged = False
         self.round_group: list[str] | None = None
@@ -148,7 +158,7 @@ class DiLoCoMode(TrainingMode):
         averaging = manifest.averaging
         with keep_sigint_handler():
             self.averager = PseudoGradientAverager(
-                [torch.zeros(parameter.shape, dtype=torch.float32) for parameter in self.parameters],
+                [torch.zeros(shape, dtype=torch.float32) for shape in self.fragments.buffer_shapes()],
                 dht=context.dht,
                 prefix=run_prefix,
                 target_group_size=averaging.group_size,
@@ -189,9 +199,24 @@ class DiLoCoMode(TrainingMode):
         return self.round
 
     @property
+    def batches_per_round(self) -> int:
+        """Global batches in one outer round: H, or H / fragments when the rounds stream fragments."""
+        return self.round_batches // self.fragments.count
+
+    @property
     def round_samples(self) -> int:
-        """Samples the swarm processes in an outer round: H global batches."""
-        return self.context.manifest.target_batch_size * self.round_batches
+        """Samples the swarm processes in an outer round: H (/ fragments) global batches."""
+        return self.context.manifest.target_batch_size * self.batches_per_round
+
+    @property
+    def round_fragment(self) -> int:
+        """The fragment the round now ending (`round`) averages: 0 without fragments."""
+        return self.fragments.of_round(self.round)
+
+    @property
+    def fragment_members(self) -> tuple[int, ...]:
+        """The indices of the synchronised tensors the round now ending averages."""
+        return self.fragments.members[self.round_fragment]
 
     @property
     def adaptive(self) -> bool:
@@ -249,9 +274,9 @@ class DiLoCoMode(TrainingMode):
 
     def report(self, progress: Progress) -> None:
         progress.epoch = self.round
-        progress.inner_steps = self.round_batches
+        progress.inner_steps = self.batches_per_round
         global_batches = self.tracker.global_progress.samples_accumulated // self.context.manifest.target_batch_size
-        progress.inner_step = min(global_batches, self.round_batches)
+        progress.inner_step = min(global_batches, self.batches_per_round)
         progress.samples_accumulated = self.samples
         progress.num_partial_averages = self.context.partial_counter.value
         progress.num_local_steps = self.num_local_rounds
@@ -295,7 +320,7 @@ class DiLoCoMode(TrainingMode):
     def _outer_round(self) -> None:
         """Average this peer's pseudo-gradient with a group, apply the outer step, start the next round; with
         `overlap`, start the average and return, the outer step follows when it is in."""
-        self._seconds_per_batch = (time.monotonic() - self._round_started_at) / self.round_batches
+        self._seconds_per_batch = (time.monotonic() - self._round_started_at) / self.batches_per_round
         self.round_group = None
         if self._in_flight is not None:
             self._finish_round_in_flight(wait=True)  # at most one round in flight
@@ -328,7 +353,7 @@ class DiLoCoMode(TrainingMode):
         """Start the round's all-reduce in the background; the next round's inner steps begin now."""
         timeout = self.context.manifest.averaging.timeout_s
         with torch.no_grad():
-            pseudo_gradients = [start - parameter.detach().float() for start, parameter in self._starts_and_params()]
+            pseudo_gradients = list(self._pseudo_gradients(on_cpu=False))
         started = time.monotonic()
         control = self.averager.step(weight=float(self.samples), gather=self._gather(), timeout=timeout, wait=False)
         self._in_flight = _RoundInFlight(control, self.round, pseudo_gradients, kept, started)
@@ -356,13 +381,14 @@ class DiLoCoMode(TrainingMode):
                 self.feedback.commit(iter(flight.pseudo_gradients), flight.kept)
             if not averaged:
                 with self.averager.get_tensors() as buffers:
-                    for buffer, pseudo_gradient in zip(buffers, flight.pseudo_gradients, strict=True):
-                        buffer.copy_(pseudo_gradient.cpu())
+                    own = (delta.cpu() for delta in flight.pseudo_gradients)
+                    self.fragments.write(buffers, self.round_fragment, own)
                     if self.feedback is not None:
                         self.feedback.flush_(buffers)
                 self.num_local_rounds += 1
                 self.diverged = True  # the others stepped without this peer: take their state next
-            ends = [start - delta for start, delta in zip(self.global_parameters, flight.pseudo_gradients, strict=True)]
+            starts = [self.global_parameters[index] for index in self.fragment_members]
+            ends = [start - delta for start, delta in zip(starts, flight.pseudo_gradients, strict=True)]
             with self.context.phases.measure(Phase.OPTIMIZER_STEP):
                 self._outer_step(ends)
         self.averager.state_sharing_priority = self._priority()
@@ -370,21 +396,19 @@ class DiLoCoMode(TrainingMode):
         logger.info(f"outer round {self.round}: {'averaged with the swarm' if averaged else 'alone'} "
                     f"in the background, {self.inner_steps} inner steps so far")  # fmt: skip
 
-    def _starts_and_params(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return zip(self.global_parameters, self.parameters, strict=True)
-
     def _write_pseudo_gradient(self, flush_residuals: bool = False) -> None:
         """θ₀ − θ into the averager's buffers; with `flush_residuals` (top-k only), plus the residuals, emptied."""
         with torch.no_grad(), self.averager.get_tensors() as buffers:
-            for buffer, pseudo_gradient in zip(buffers, self._pseudo_gradients(), strict=True):
-                buffer.copy_(pseudo_gradient)
+            self.fragments.write(buffers, self.round_fragment, self._pseudo_gradients())
             if flush_residuals and self.feedback is not None:
                 self.feedback.flush_(buffers)
 
-    def _pseudo_gradients(self) -> Iterator[torch.Tensor]:
-        """θ₀ − θ per parameter, on the CPU in float32, one at a time."""
-        for start, parameter in zip(self.global_parameters, self.parameters, strict=True):
-            yield (start - parameter.detach().float()).cpu()
+    def _pseudo_gradients(self, on_cpu: bool = True) -> Iterator[torch.Tensor]:
+        """θ₀ − θ of each tensor of the round's fragment (every tensor without fragments), in float32, one at a time,
+        on the CPU or, with `on_cpu` false, on the parameters' devices."""
+        for index in self.fragment_members:
+            delta = self.global_parameters[index] - self.parameters[index].detach().float()
+            yield delta.cpu() if on_cpu else delta
 
     def _sparsify(self) -> list[Kept] | None:
         """Top-k only: the buffers' pseudo-gradients plus residuals, all but each tensor's largest values zeroed."""
@@ -486,24 +510,28 @@ class DiLoCoMode(TrainingMode):
         self.tracker.bounds.target_batch_size = self.round_samples
 
     def _outer_step(self, ends: list[torch.Tensor] | None = None) -> None:
-        """θ₀ ← the outer step of θ₀ with the buffers' (averaged) pseudo-gradient. The replica restarts from θ₀;
+        """θ₀ ← the outer step of θ₀ with the buffers' (averaged) pseudo-gradient, for the round's fragment's tensors
+        (the others have no gradient: SGD leaves them and their momentum alone). Their replica restarts from θ₀;
         with `ends` (the round's end points, when inner steps went on meanwhile), it moves by θ₀' − θ_end."""
-        with self._lock, torch.no_grad(), self.averager.get_tensors() as averaged:
-            for start, pseudo_gradient in zip(self.global_parameters, averaged, strict=True):
+        members = self.fragment_members
+        with self._lock, torch.no_grad(), self.averager.get_tensors() as buffers:
+            for index, pseudo_gradient in zip(members, self.fragments.read(buffers, self.round_fragment), strict=True):
+                start = self.global_parameters[index]
                 start.grad = pseudo_gradient.to(start.device, copy=True)
             self.outer_optimizer.step()
-            for index, (start, parameter) in enumerate(self._starts_and_params()):
+            for position, index in enumerate(members):
+                start, parameter = self.global_parameters[index], self.parameters[index]
                 if ends is None:
                     parameter.copy_(start)
                 else:
-                    parameter.add_((start - ends[index]).to(parameter.dtype))
+                    parameter.add_((start - ends[position]).to(parameter.dtype))
                 start.grad = None
             self.round += 1
 
     def _swarm_inner_step(self) -> int:
         """The swarm's inner step, counted in global batches over all rounds: the learning-rate schedule's step."""
-        return self.training_round * self.round_batches + min(
-            self.round_batches - 1,
+        return self.training_round * self.batches_per_round + min(
+            self.batches_per_round - 1,
             self.tracker.global_progress.samples_accumulated // self.context.manifest.target_batch_size,
         )
 
