@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from crowdtrain.averaging.fragments import Fragments
+from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import PRESETS, DiLoCoSpec, RunManifest, demo
+from crowdtrain.testing.diloco import diloco_peers
 
 SHAPES = [torch.Size(shape) for shape in [(10, 4), (4,), (4, 4), (4, 4), (8, 2), (3,)]]
 
@@ -73,3 +75,15 @@ def test_a_spes_run_refuses_fragments() -> None:
     assert spes.diloco is not None
     with pytest.raises(ValueError, match="diloco.fragments must be 1"):
         dataclasses.replace(spes, diloco=dataclasses.replace(spes.diloco, inner_steps=8, fragments=2))
+
+
+def test_a_model_with_fewer_tensors_than_fragments_is_refused_in_one_sentence() -> None:
+    base = demo()
+    run = dataclasses.replace(
+        base,
+        averaging=dataclasses.replace(base.averaging, mode="diloco"),
+        diloco=DiLoCoSpec(inner_steps=4, fragments=4),
+    )
+    with pytest.raises(BadInputError, match="diloco.fragments doesn't fit its model: 4 fragments need 4 tensors"):
+        with diloco_peers(run, 1, [torch.zeros(3), torch.zeros(2)]):
+            pass

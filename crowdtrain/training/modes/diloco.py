@@ -73,6 +73,7 @@ from crowdtrain.averaging.pseudo_gradients import MAX_GATHERED, OuterState, Pseu
 from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.averaging.state_download import StateTemplate, epoch_ceiling, parameter_specs
 from crowdtrain.averaging.traffic import AggregationSettings
+from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import DiLoCoSpec
 from crowdtrain.training.modes.base import ModeContext, SwarmView, TrainingMode
 from crowdtrain.training.progress import Progress
@@ -119,7 +120,10 @@ class DiLoCoMode(TrainingMode):
         manifest = context.manifest
         self.spec = manifest.diloco if manifest.diloco is not None else DiLoCoSpec()
         self.parameters = self._synchronised_parameters()
-        self.fragments = Fragments.split([parameter.shape for parameter in self.parameters], self.spec.fragments)
+        try:
+            self.fragments = Fragments.split([parameter.shape for parameter in self.parameters], self.spec.fragments)
+        except ValueError as e:
+            raise BadInputError(f"This run's diloco.fragments doesn't fit its model: {e}.") from None
         self.round, self.samples, self.inner_steps, self.num_local_rounds = 0, 0, 0, 0
         self.diverged = False
         self.round_group: list[str] | None = None
