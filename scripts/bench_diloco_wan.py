@@ -2,7 +2,8 @@
 
 Issue 15's benchmark. Four `crowdtrain run` daemons, each in its own WAN-lab host (a network namespace whose
 upload and download are capped by `tc tbf`), train one run per arm, one arm after the other, until the swarm has
-processed the same number of samples (`--batches` global batches of 64) in every arm:
+processed `--batches` global batches of 64 or trained `--arm-wall-s` seconds (losses are then compared at the
+samples every arm reached):
 
 - `gradients`: DeDLOC as today, an fp16 all-reduce of the gradients every global batch;
 - `diloco-fp16`, `diloco-int8`, `diloco-topk`: DiLoCo, H = `--inner-steps` global batches of inner AdamW steps per
@@ -96,6 +97,8 @@ matchmaking_time_s = 3.0
 timeout_s = 90.0
 {diloco}
 """
+START_S = 600.0
+"""Bound on the daemons' start, link probes and wait for each other, before an arm's wall-time cap begins."""
 SCORE = re.compile(r"epoch (\d+): held-out loss ([\d.]+) on")
 COMPUTING = re.compile(r"epoch (\d+): loss .*computing (\d+)% of the time")
 
@@ -202,10 +205,15 @@ def swarm_arm(args: argparse.Namespace, scenario: str, arm: str, groups: Process
             def finished() -> bool:
                 for node in nodes:
                     node.check_alive()
-                return watch.poll() >= last_epoch
+                capped = watch.started is not None and time.monotonic() - watch.started > args.arm_wall_s
+                return watch.poll() >= last_epoch or capped
 
-            await_condition(finished, args.arm_timeout_s, f"{scenario}/{arm} to reach epoch {last_epoch}", poll_s=1)
+            await_condition(
+                finished, args.arm_wall_s + START_S, f"{scenario}/{arm} to reach epoch {last_epoch}", poll_s=1
+            )
             wall_s = time.monotonic() - (watch.started or started)
+            if watch.poll() < last_epoch:
+                say(f"{scenario}/{arm}: stopped at its {args.arm_wall_s:g}-s cap, at epoch {watch.poll()}")
             counters = [metrics_in_host(host.namespace) for host in lab.hosts]
             logs = [node.log() for node in nodes]
         finally:
@@ -291,6 +299,12 @@ def time_to(result: dict[str, Any], target: float) -> float | None:
     return next((s for s, loss in zip(result["wall_s"], result["held_out_loss"], strict=True) if loss <= target), None)
 
 
+def loss_at(result: dict[str, Any], samples: int) -> float | None:
+    """The held-out loss of the last score at or before `samples`."""
+    losses = [loss for seen, loss in zip(result["samples"], result["held_out_loss"], strict=True) if seen <= samples]
+    return losses[-1] if losses else None
+
+
 def add_comparisons(results: dict[str, Any]) -> None:
     """Per scenario: the target loss, each arm's time to it, and its ratios against `gradients`."""
     single = results.get("single")
@@ -302,6 +316,9 @@ def add_comparisons(results: dict[str, Any]) -> None:
         if not finals:
             continue
         target = scenario["target_loss"] = max(finals)
+        common = scenario["common_samples"] = min(arm["samples"][-1] for arm in arms.values() if arm.get("samples"))
+        for arm in arms.values():
+            arm["loss_at_common_samples"] = loss_at(arm, common)
         gradients = arms.get("gradients")
         for arm in scenario["arms"].values():
             arm["time_to_target_s"] = time_to(arm, target)
@@ -316,7 +333,8 @@ def add_comparisons(results: dict[str, Any]) -> None:
             arm["fewer_bytes_per_sample_vs_gradients"] = (
                 gradients["sent_bytes_per_sample"] / own_sent if own_sent else None
             )
-            arm["loss_vs_gradients"] = arm["held_out_loss"][-1] / gradients["held_out_loss"][-1] - 1
+            own_loss, base_loss = arm["loss_at_common_samples"], gradients["loss_at_common_samples"]
+            arm["loss_vs_gradients"] = own_loss / base_loss - 1 if own_loss and base_loss else None
 
 
 def print_results(results: dict[str, Any]) -> None:
@@ -326,16 +344,17 @@ def print_results(results: dict[str, Any]) -> None:
         for arm in ([single] if single else []) + list(scenario["arms"].values()):
             peers = [share for share in arm["utilisation_per_peer"] if share is not None]
             rows.append([
-                arm["arm"], arm["held_out_loss"][-1] if arm["held_out_loss"] else None,
+                arm["arm"], arm["samples"][-1] if arm["samples"] else 0, arm.get("loss_at_common_samples"),
+                arm.get("loss_vs_gradients"),
                 min(peers) if peers else None, arm["sent_bytes_per_sample"] / 1024,
                 arm.get("fewer_bytes_per_sample_vs_gradients"), time_to(arm, scenario.get("target_loss", 0.0)),
                 arm.get("speedup_to_target_vs_gradients"), arm["wall_s_total"], arm["partial_averages"],
             ])  # fmt: skip
         print_table(
-            f"{name}: {results['batches'] * BATCH} samples per arm, H = {results['inner_steps']}, target loss "
-            f"{scenario.get('target_loss', float('nan')):.4f}",
-            ["arm", "held-out loss", "min computing", "KiB sent/sample", "fewer bytes", "s to target", "speed-up",
-             "wall s", "partial"],
+            f"{name}: up to {results['batches'] * BATCH} samples per arm, H = {results['inner_steps']}, losses at "
+            f"{scenario.get('common_samples')} samples (every arm's), target loss {scenario.get('target_loss', 0):.4f}",
+            ["arm", "samples", "loss at common", "vs gradients", "min computing", "KiB sent/sample", "fewer bytes",
+             "s to target", "speed-up", "wall s", "partial"],
             rows,
         )  # fmt: skip
 
@@ -364,7 +383,9 @@ def main() -> int:
     parser.add_argument("--inner-steps", type=int, default=8, help="DiLoCo's H in global batches (8)")
     parser.add_argument("--model", choices=list(MODELS), default="llama-20m")
     parser.add_argument("--sequence-length", type=int, default=64)
-    parser.add_argument("--arm-timeout-s", type=float, default=2400.0, help="give an arm up after this (2400)")
+    parser.add_argument(
+        "--arm-wall-s", type=float, default=1200.0, help="stop an arm that trains this long short of --batches (1200)"
+    )
     args = parser.parse_args()
     eval_batches = EVAL_SAMPLES // BATCH
     if args.batches % math.lcm(eval_batches, args.inner_steps) or max(eval_batches, args.inner_steps) % min(
