@@ -290,3 +290,30 @@ def test_with_fragments_a_round_averages_one_fragment_and_the_other_trains_on_un
         assert all(
             torch.equal(a, b) for a, b in zip(modes[0].global_parameters, modes[1].global_parameters, strict=True)
         )
+
+
+def test_with_overlap_a_peer_that_notices_the_rounds_end_late_joins_its_all_reduce_instead_of_downloading() -> None:
+    """With overlap a peer's epoch moves on as soon as it ends a round. A peer that trained in that round and comes
+    to its end a micro-batch later (a slow step, a held-out score) must end it too and join the all-reduce, not
+    take a state: in the WAN lab that download cost the founder four minutes and every later round."""
+    start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    with diloco_peers(manifest(2, "none", overlap=True), 2, [start]) as modes:
+        early, late = modes
+        generator = torch.Generator().manual_seed(17)
+        pseudo_gradients = [torch.randn(3, 4, generator=generator) for _ in modes]
+        for mode, pseudo_gradient in zip(modes, pseudo_gradients, strict=True):
+            with torch.no_grad():
+                mode.parameters[0].copy_(start - pseudo_gradient)
+            mode.samples = 8
+            mode.tracker.report_local_progress(mode.round, 8)
+        await_condition(lambda: all(mode.tracker.global_progress.num_peers == 2 for mode in modes), 60, "the peers")
+        with ThreadPoolExecutor(2) as pool:
+            ended = pool.submit(early._outer_round)  # its all-reduce starts in the background; its epoch is 1
+            await_condition(lambda: late.tracker.global_epoch == 1, 30, "the late peer to see the swarm at epoch 1")
+            assert not late._behind_the_swarm(), "one round late with samples of that round: not behind"
+            assert late.tracker.ready_to_update_epoch, "its next micro-batch ends the round"
+            late._outer_round()
+            ended.result()
+            list(pool.map(lambda mode: mode._finish_round_in_flight(wait=True), modes))
+        expected = start - OUTER_LR * (1 + OUTER_MOMENTUM) * (pseudo_gradients[0] + pseudo_gradients[1]) / 2
+        assert_every_peer_stepped_to(modes, expected, 1e-6)

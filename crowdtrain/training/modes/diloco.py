@@ -555,7 +555,13 @@ class DiLoCoMode(TrainingMode):
             return False
         if self.diverged and self.tracker.global_progress.num_peers > 1:
             return True
-        return self.tracker.global_epoch > self.training_round
+        behind = self.tracker.global_epoch - self.training_round
+        if behind == 1 and self.samples > 0 and not self._catching_up():
+            # With overlap the others' epoch moves on as soon as they end a round, before its all-reduce: a node that
+            # trained in that round and notices its end a micro-batch later (a slow step, a held-out score) ends it
+            # too and joins the all-reduce; taking a state instead cost it minutes on a home link (the WAN lab).
+            return False
+        return behind > 0
 
     def _priority(self) -> float:
         """What this peer declares as a state donor: its round, then a tiebreak every peer computes alike, so peers
