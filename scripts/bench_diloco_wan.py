@@ -44,7 +44,16 @@ from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.data import WindowSampler, load_token_stream
 from crowdtrain.manifest import RunManifest, load_run_file
 from crowdtrain.models import build_model, load_tokenizer, training_loss
-from crowdtrain.testing.bench import bench_parser, plot_to_png, print_table, say, say_plotted, with_children, write_json
+from crowdtrain.testing.bench import (
+    bench_parser,
+    parse_metrics,
+    plot_to_png,
+    print_table,
+    say,
+    say_plotted,
+    with_children,
+    write_json,
+)
 from crowdtrain.testing.processes import HarnessError, ProcessGroups, await_condition, child_env
 from crowdtrain.testing.swarm import START_TIMEOUT_S, Daemon, start_daemon, start_swarm
 from crowdtrain.testing.wanlab import HostSpec, Lab, Scenario
@@ -157,12 +166,7 @@ def metrics_in_host(host_namespace: str) -> dict[str, float]:
         ["ip", "netns", "exec", host_namespace, "curl", "-s", "--max-time", "10", url],
         capture_output=True, text=True, check=True, timeout=20,
     ).stdout  # fmt: skip
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("crowdtrain_") and "{" not in line:
-            name, _, value = line.partition(" ")
-            values[name.removesuffix("_total")] = float(value)
-    return values
+    return parse_metrics(text)
 
 
 def utilisation(log: str) -> float | None:

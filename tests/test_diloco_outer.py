@@ -60,10 +60,11 @@ def manifest(
     )
 
 
-def run_one_outer_round(
+def end_of_round(
     modes: list[DiLoCoMode], start: torch.Tensor, pseudo_gradients: list[torch.Tensor], samples: list[int]
 ) -> None:
-    """Set each peer's replica to θ₀ − its pseudo-gradient, over its samples, and run the outer round on all."""
+    """Set each peer's replica to θ₀ − its pseudo-gradient, over its samples, reported; wait until every peer's
+    tracker sees them all."""
     for mode, pseudo_gradient, num_samples in zip(modes, pseudo_gradients, samples, strict=True):
         with torch.no_grad():
             mode.parameters[0].copy_(start - pseudo_gradient)
@@ -74,6 +75,13 @@ def run_one_outer_round(
         60,
         "every peer's tracker to see the others",
     )
+
+
+def run_one_outer_round(
+    modes: list[DiLoCoMode], start: torch.Tensor, pseudo_gradients: list[torch.Tensor], samples: list[int]
+) -> None:
+    """`end_of_round`, then the outer round on all."""
+    end_of_round(modes, start, pseudo_gradients, samples)
     with ThreadPoolExecutor(len(modes)) as pool:
         list(pool.map(lambda mode: mode._outer_round(), modes))
         if modes[0].spec.overlap:  # the round's all-reduce went on in the background: wait for it as the next would
@@ -116,12 +124,7 @@ def test_with_overlap_inner_steps_go_on_and_the_outer_step_moves_them_with_the_r
     with diloco_peers(manifest(2, "topk", topk_fraction=1.0, overlap=True), 2, [start]) as modes:
         generator = torch.Generator().manual_seed(11)
         pseudo_gradients = [torch.randn(3, 4, generator=generator) for _ in modes]
-        for mode, pseudo_gradient in zip(modes, pseudo_gradients, strict=True):
-            with torch.no_grad():
-                mode.parameters[0].copy_(start - pseudo_gradient)
-            mode.samples = 8
-            mode.tracker.report_local_progress(mode.round, 8)
-        await_condition(lambda: all(mode.tracker.global_progress.num_peers == 2 for mode in modes), 60, "the peers")
+        end_of_round(modes, start, pseudo_gradients, [8, 8])
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda mode: mode._outer_round(), modes))
         moved = [torch.full((3, 4), 0.01 * (rank + 1)) for rank in range(2)]
@@ -301,12 +304,7 @@ def test_with_overlap_a_peer_that_notices_the_rounds_end_late_joins_its_all_redu
         early, late = modes
         generator = torch.Generator().manual_seed(17)
         pseudo_gradients = [torch.randn(3, 4, generator=generator) for _ in modes]
-        for mode, pseudo_gradient in zip(modes, pseudo_gradients, strict=True):
-            with torch.no_grad():
-                mode.parameters[0].copy_(start - pseudo_gradient)
-            mode.samples = 8
-            mode.tracker.report_local_progress(mode.round, 8)
-        await_condition(lambda: all(mode.tracker.global_progress.num_peers == 2 for mode in modes), 60, "the peers")
+        end_of_round(modes, start, pseudo_gradients, [8, 8])
         with ThreadPoolExecutor(2) as pool:
             ended = pool.submit(early._outer_round)  # its all-reduce starts in the background; its epoch is 1
             await_condition(lambda: late.tracker.global_epoch == 1, 30, "the late peer to see the swarm at epoch 1")

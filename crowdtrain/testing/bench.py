@@ -397,7 +397,11 @@ def scrape_metrics(port: int) -> dict[str, float]:
     """A daemon's crowdtrain_* gauges and counters without labels from its Prometheus endpoint on 127.0.0.1 (a
     counter's `_total` suffix dropped)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
+        return parse_metrics(response.read().decode())
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The crowdtrain_* gauges and counters without labels of a Prometheus text page (a counter's `_total` dropped)."""
     values = {}
     for line in text.splitlines():
         if line.startswith("crowdtrain_") and "{" not in line:
