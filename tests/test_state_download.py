@@ -429,3 +429,23 @@ def test_a_joiner_refuses_a_well_formed_lie_that_two_honest_donors_refute() -> N
         assert liar.served == 1 and joiner.local_epoch == 4
     finally:
         shut_down(averagers, dhts)
+
+
+def test_an_answer_that_comes_too_late_is_no_state_said_plainly_not_a_timeout_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The averager process gives up a little before its caller; on a saturated home link (the WAN lab) its answer
+    still came late, and the caller's TimeoutError reached hivemind's retry loop (a traceback in the log) or would
+    stop a DiLoCo node's training. A late answer is now no state: the caller goes on with its own."""
+    sent: list[Any] = []
+    averager = SimpleNamespace(
+        state_template=lambda: TEMPLATE,
+        states_agree_at_epoch=True,
+        _outer_pipe=SimpleNamespace(send=sent.append),  # a request nobody answers
+        last_loaded_epoch=3,
+    )
+    started = time.monotonic()
+    assert VerifiedStateDownloadMixin.load_state_from_peers(averager, timeout=0.2) is None  # type: ignore[arg-type]
+    assert time.monotonic() - started < 5 and len(sent) == 1
+    assert "no verified state came within 0.2 s" in caplog.text
+    assert averager.last_loaded_epoch == 3, "nothing loaded: the last loaded epoch stays"
