@@ -365,10 +365,10 @@ def print_results(results: dict[str, Any]) -> None:
 
 @plot_to_png(1, 2, figsize=(12, 4.5))
 def plot_losses(results: dict[str, Any], axes: Any) -> None:
-    for name, scenario in results["scenarios"].items():
-        arms = list(scenario["arms"].values()) + ([results["single"]] if "single" in results else [])
-        for arm in arms:
-            label = arm["arm"] if arm["arm"] == "single" else f"{name}/{arm['arm']}"
+    labelled = [(f"{name}/{arm['arm']}", arm) for name, scenario in results["scenarios"].items()
+                for arm in scenario["arms"].values()]  # fmt: skip
+    for label, arm in labelled + ([("single", results["single"])] if "single" in results else []):
+        if arm["samples"]:
             axes[0].plot(arm["samples"], arm["held_out_loss"], marker=".", label=label)
             axes[1].plot(arm["wall_s"], arm["held_out_loss"], marker=".", label=label)
     axes[0].set_xlabel("samples (all peers)")
