@@ -80,7 +80,8 @@ def bare_optimizer(num_peers: int, scheduled: FakeStepControl | None = None) -> 
     optimizer: Any = object.__new__(_Optimizer)
     optimizer.tracker = SimpleNamespace(
         global_progress=SimpleNamespace(num_peers=num_peers),
-        distrust_unbacked_epochs=lambda local, loaded: None,
+        global_epoch=0,
+        distrust_unbacked_epochs=lambda local, loaded, claimed_at_start=None: None,
         pause_updates=contextlib.nullcontext,
         refresh_global_progress=lambda timeout: None,
         last_records={},
@@ -200,11 +201,14 @@ def test_a_state_download_is_timed_as_a_phase_of_its_own(monkeypatch: pytest.Mon
 
 def test_after_a_download_the_tracker_weighs_the_claims_against_the_loaded_epoch(hivemind_underneath: list) -> None:
     optimizer = bare_optimizer(3)
-    weighed: list[tuple[int, int | None]] = []
-    optimizer.tracker.distrust_unbacked_epochs = lambda local, loaded: weighed.append((local, loaded))
+    weighed: list[tuple[int, int | None, int | None]] = []
+    optimizer.tracker.distrust_unbacked_epochs = lambda local, loaded, claimed_at_start=None: weighed.append(
+        (local, loaded, claimed_at_start)
+    )
+    optimizer.tracker.global_epoch = 9
     optimizer.state_averager = SimpleNamespace(local_epoch=7, last_loaded_epoch=6)
     optimizer.load_state_from_peers()
-    assert weighed == [(7, 6)], "a claim the swarm's newest state can't back must not cost a download per step"
+    assert weighed == [(7, 6, 9)], "a claim the swarm's newest state can't back must not cost a download per step"
 
 
 def progress_record(epoch: int) -> Any:

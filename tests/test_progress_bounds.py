@@ -215,6 +215,27 @@ def test_a_claim_no_download_backs_is_dropped_at_once(dht: hivemind.DHT) -> None
     assert tracker.global_epoch == 8, "a peer one epoch ahead is still followed"
 
 
+def test_epochs_an_honest_swarm_reached_during_a_slow_download_are_not_distrusted(dht: hivemind.DHT) -> None:
+    """A joiner on a slow link downloads the state of epoch 138 while the swarm steps on to 141: the donor backed
+    what was claimed when the download began (138), so the founder's 141 keeps counting. Distrusting it left the
+    joiner ignoring the founder for 300 s, the two stepping alone and taking each other's state in turn."""
+    now = get_dht_time()
+    tracker = BoundedProgressTracker(
+        dht=dht,
+        prefix="bounds-slow",
+        target_batch_size=TARGET,
+        start=False,
+        bounds=ProgressBounds(target_batch_size=TARGET, run_created_at=time.time() - 3600.0),
+    )
+    tracker.report_local_progress(local_epoch=138, samples_accumulated=0)
+    founder = dict(claim("founder", 141), time=now)
+    tracker.global_progress = tracker._parse_swarm_progress_data(records(founder))
+    tracker.distrust_unbacked_epochs(local_epoch=138, loaded_epoch=138, claimed_at_start=138)
+    assert tracker.global_epoch == 141, "the swarm moved on while the state travelled: still followed"
+    tracker.distrust_unbacked_epochs(local_epoch=138, loaded_epoch=138, claimed_at_start=141)
+    assert tracker.global_epoch == 138, "claimed before the download and not backed by it: ignored, as before"
+
+
 def test_stepping_dates_the_beginning_of_the_epoch(dht: hivemind.DHT) -> None:
     tracker = BoundedProgressTracker(
         dht=dht, prefix="bounds-step", target_batch_size=TARGET, start=False, bounds=bounds()

@@ -284,6 +284,7 @@ class _Optimizer(hivemind.Optimizer):
         # Announced first and renewed while it lasts, so the swarm holds its next step until this node reports the
         # epoch of the state (averaging/catch_up.py); a node that dies mid-download stops renewing and is soon not
         # waited for. The last says which epoch this node loaded: the swarm waits for its progress record to show it.
+        claimed_at_start = self.tracker.global_epoch
         self._announce_catch_up(Announcement(until=get_dht_time() + ANNOUNCE_FOR_S))
         downloaded = threading.Event()
         renewals = threading.Thread(target=self._renew_announcement, args=(downloaded,), daemon=True)
@@ -296,7 +297,9 @@ class _Optimizer(hivemind.Optimizer):
             renewals.join()
             self._announce_catch_up(Announcement(until=get_dht_time() + ANNOUNCE_FOR_S, loaded=self.local_epoch))
         self.replica_diverged = False
-        self.tracker.distrust_unbacked_epochs(self.local_epoch, self.state_averager.last_loaded_epoch)
+        self.tracker.distrust_unbacked_epochs(
+            self.local_epoch, self.state_averager.last_loaded_epoch, claimed_at_start=claimed_at_start
+        )
         # The swarm may be holding its step for this node: read its progress now, not at the next scheduled fetch
         # (up to a refresh period away), so that the next micro-batch already sees the batch full and averages it.
         with self.tracker.pause_updates():

@@ -246,12 +246,21 @@ class BoundedProgressTracker(ProgressTracker):
         metadata = found.value if isinstance(found, ValueWithExpiration) else None
         self.global_progress = self._parse_swarm_progress_data(metadata)
 
-    def distrust_unbacked_epochs(self, local_epoch: int, loaded_epoch: int | None) -> None:
+    def distrust_unbacked_epochs(
+        self, local_epoch: int, loaded_epoch: int | None, claimed_at_start: int | None = None
+    ) -> None:
         """After a state download that loaded `loaded_epoch` (None: no donor answered) and left this node at
         `local_epoch`: if the swarm's epoch is still further ahead, no donor backs it, and epochs more than one
-        ahead of this node's are ignored for DISTRUST_S, from now on (see EpochDistrust)."""
+        ahead of this node's are ignored for DISTRUST_S, from now on (see EpochDistrust). `claimed_at_start`: the
+        swarm's epoch when the download began; a donor whose state is within one epoch of it backed the claims,
+        and the epochs the swarm reached while the state travelled are not held against it."""
         if loaded_epoch is None or local_epoch >= self.global_epoch - 1:
             return  # no donor answered (nothing says the claims are false), or the download caught up with them
+        if claimed_at_start is not None and loaded_epoch >= claimed_at_start - 1:
+            # An honest swarm moves on during a slow download (a home link, a hold that began late): distrusting
+            # it left a joiner ignoring the founder for 300 s, each stepping alone and downloading the other's
+            # state in turn (the WAN-lab catch-up test, once).
+            return
         self.bounds.distrust.begin(get_dht_time())
         with self.lock_global_progress:
             self.global_progress = self._parse_swarm_progress_data(self._last_metadata)
