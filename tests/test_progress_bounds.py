@@ -192,16 +192,22 @@ def records(*claims: dict[str, Any]) -> dict[bytes, ValueWithExpiration]:
     return {c["peer_id"]: ValueWithExpiration(c, expiration) for c in claims}
 
 
-def test_a_claim_no_download_backs_is_dropped_at_once(dht: hivemind.DHT) -> None:
-    now = get_dht_time()
+def tracker_at(dht: hivemind.DHT, prefix: str, local_epoch: int) -> BoundedProgressTracker:
+    """An unstarted tracker of an hour-old run, this node at `local_epoch`."""
     tracker = BoundedProgressTracker(
         dht=dht,
-        prefix="bounds-test",
+        prefix=prefix,
         target_batch_size=TARGET,
         start=False,
         bounds=ProgressBounds(target_batch_size=TARGET, run_created_at=time.time() - 3600.0),
     )
-    tracker.report_local_progress(local_epoch=7, samples_accumulated=0)
+    tracker.report_local_progress(local_epoch=local_epoch, samples_accumulated=0)
+    return tracker
+
+
+def test_a_claim_no_download_backs_is_dropped_at_once(dht: hivemind.DHT) -> None:
+    now = get_dht_time()
+    tracker = tracker_at(dht, "bounds-test", local_epoch=7)
     honest = dict(claim("honest", 7), time=now)
     tracker.global_progress = tracker._parse_swarm_progress_data(records(honest, dict(claim("liar", 500), time=now)))
     assert tracker.global_epoch == 500, "believed until a download says otherwise: it may be an honest swarm"
@@ -220,14 +226,7 @@ def test_epochs_an_honest_swarm_reached_during_a_slow_download_are_not_distruste
     what was claimed when the download began (138), so the founder's 141 keeps counting. Distrusting it left the
     joiner ignoring the founder for 300 s, the two stepping alone and taking each other's state in turn."""
     now = get_dht_time()
-    tracker = BoundedProgressTracker(
-        dht=dht,
-        prefix="bounds-slow",
-        target_batch_size=TARGET,
-        start=False,
-        bounds=ProgressBounds(target_batch_size=TARGET, run_created_at=time.time() - 3600.0),
-    )
-    tracker.report_local_progress(local_epoch=138, samples_accumulated=0)
+    tracker = tracker_at(dht, "bounds-slow", local_epoch=138)
     founder = dict(claim("founder", 141), time=now)
     tracker.global_progress = tracker._parse_swarm_progress_data(records(founder))
     tracker.distrust_unbacked_epochs(local_epoch=138, loaded_epoch=138, claimed_at_start=138)
