@@ -253,6 +253,10 @@ class DiLoCoSpec:
         return self.min_inner_steps, self.max_inner_steps
 
 
+MAX_SPES_REPLICAS = 8
+"""The most owners a SPES run may give each expert."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SPESSpec:
     """SPES runs (`averaging.mode = "spes"`): each node trains the dense parameters (averaged as in DiLoCo, with the
@@ -267,8 +271,14 @@ class SPESSpec:
     """The pull's weight at the first inner step: θ ← (1 − α)·θ + α·mean(neighbours); it decays linearly to 0."""
     merge_warmup_steps: int = 500
     """The swarm's inner steps (global batches) over which α decays to 0; no merging after them."""
+    replicas: int = 1
+    """How many owners train each expert (as many as there are peers when fewer): each round's copy of the expert
+    is the mean of theirs, so an owner that vanishes mid-round costs its experts that owner's share of the round,
+    not the round. Each replica costs every owner the expert's gradients and moments and every node its fetch."""
 
     def __post_init__(self) -> None:
+        if not 1 <= self.replicas <= MAX_SPES_REPLICAS:
+            raise ValueError(f"replicas must be between 1 and {MAX_SPES_REPLICAS}, got {self.replicas}")
         if not 0 <= self.merge_every <= 1_000_000:
             raise ValueError(f"merge_every must be between 0 (no warm-up) and 1000000, got {self.merge_every}")
         if not 1 <= self.merge_neighbours <= 64:

@@ -145,6 +145,71 @@ def test_an_owner_that_goes_costs_its_experts_one_round_and_they_are_re_owned() 
         assert_every_node_holds_the_owners_copies(survivors)
 
 
+def the_mean_of(owners: Sequence[SPESMode], round_: int, unit: int) -> torch.Tensor:
+    """What every node must hold of `unit` after round `round_`: its owners' published copies summed in the order of
+    their peer IDs, divided by their number."""
+    ordered = sorted(owners, key=lambda mode: mode.context.peer_id)
+    copies = [published.values for mode in ordered if (published := mode.exchange.published(round_, unit))]
+    assert len(copies) == len(ordered), f"expert {unit}: each owner published its copy"
+    total = copies[0].clone()
+    for copy in copies[1:]:
+        total += copy
+    return total / len(copies)
+
+
+def held(mode: SPESMode, unit: int) -> torch.Tensor:
+    """The copy of `unit` a node holds between rounds: an owner's base (it trains on from the same copy plus what
+    the int8 change left out), the model's weights elsewhere."""
+    return mode.bases[unit] if unit in mode.owned else flat(mode, unit)
+
+
+def test_experts_with_two_owners_become_their_mean_and_outlive_an_owner_that_goes() -> None:
+    run = dataclasses.replace(manifest("replicas"), spes=SPESSpec(replicas=2))
+    with spes_peers(run, 3) as modes:
+        units = range(modes[0].num_units)
+        round_owners = modes[0].owners
+        assert all(mode.owners == round_owners for mode in modes) and all(len(owners) == 2 for owners in round_owners)
+        start = [flat(modes[0], unit) for unit in units]
+        train(modes, steps=2, seed=8)
+        outer_round(modes)
+        assert [mode.fetch_failures for mode in modes] == [0, 0, 0]
+        for unit in units:
+            owners = [mode for mode in modes if mode.context.peer_id in round_owners[unit]]
+            mean = the_mean_of(owners, 1, unit)
+            assert all(torch.equal(held(mode, unit), mean) for mode in modes), f"expert {unit}: the mean, bit for bit"
+            copies = [owner.exchange.published(1, unit).values for owner in owners]  # type: ignore[union-attr]
+            assert not torch.equal(copies[0], copies[1]) and not torch.equal(mean, start[unit]), "both trained it"
+            for mode in modes:
+                if unit in mode.owned:  # the mean, plus what its own int8 change left out
+                    torch.testing.assert_close(flat(mode, unit), mean, rtol=0, atol=1e-3)
+        # one owner goes: each of its experts keeps the round's training of the other owner
+        round_owners = modes[0].owners
+        survivors, dead = modes[:2], modes[2]
+        orphans = [unit for unit in units if dead.context.peer_id in round_owners[unit]]
+        before = {unit: held(survivors[0], unit).clone() for unit in orphans}
+        modes.remove(dead)
+        dead.close()
+        dead.context.dht.shutdown()
+        train(survivors, steps=2, seed=9)
+        for mode in survivors:
+            mode.apply_swarm_view(SwarmView(plan_share=None, statuses=statuses_of(survivors)))
+        outer_round(survivors)
+        for mode in survivors:
+            assert mode.fetch_failures == len(orphans), "each missing copy said and counted"
+        for unit in orphans:
+            (other,) = [mode for mode in survivors if mode.context.peer_id in round_owners[unit]]
+            copy = other.exchange.published(2, unit)
+            assert copy is not None and not torch.equal(copy.values, before[unit]), "trained in the round"
+            assert all(torch.equal(held(mode, unit), copy.values) for mode in survivors), f"expert {unit}"
+        assert all(mode.owners == [tuple(sorted(m.context.peer_id for m in survivors))] * len(units) for mode in modes)
+        train(survivors, steps=2, seed=10)
+        outer_round(survivors)
+        assert all(mode.fetch_failures == len(orphans) for mode in survivors), "no failure in the next round"
+        for unit in units:
+            mean = the_mean_of(survivors, 3, unit)
+            assert all(torch.equal(held(mode, unit), mean) for mode in survivors), f"expert {unit}, round 3"
+
+
 def test_nodes_that_disagreed_about_owners_hold_the_owners_copies_after_the_next_round() -> None:
     with spes_peers(manifest("disagree"), 2) as modes:
         first, second = modes
@@ -198,10 +263,15 @@ def test_a_rounds_experts_are_fetched_from_owners_that_publish_after_the_fetches
         held = torch.zeros(1000)
         copies = {unit: encode_change(held, torch.full((1000,), float(unit)))[1] for unit in range(8)}
         owned = {unit: owners[unit % 2] for unit in range(8)}
-        peers = {unit: owner.dht.peer_id.to_base58() for unit, owner in owned.items()}
+        peers = {unit: [owner.dht.peer_id.to_base58()] for unit, owner in owned.items()}
         taken: dict[int, torch.Tensor] = {}
+
+        def take(unit: int, copies: dict[str, torch.Tensor]) -> None:
+            assert list(copies) == peers[unit]
+            taken[unit] = copies[peers[unit][0]]
+
         with ThreadPoolExecutor(1) as pool:
-            fetching = pool.submit(fetcher.fetch_all, peers, 7, 20.0, lambda unit: held, taken.__setitem__)
+            fetching = pool.submit(fetcher.fetch_all, peers, 7, 20.0, lambda unit: held, take)
             await_condition(fetching.running, 10, "the fetches to start")
             for owner in owners:
                 copy_of = {unit: copies[unit] for unit in range(8) if owned[unit] is owner}
@@ -260,12 +330,13 @@ def test_a_fetcher_refuses_non_finite_mis_sized_forged_and_unowned_copies() -> N
             with pytest.raises(ExpertFetchError, match=reason):
                 fetcher.fetch(peer, unit, round_, held, 1.0)
         # all at once, as a round's end fetches them: each copy is taken as it comes, each failure has its sentence
-        taken: dict[int, torch.Tensor] = {}
-        wanted = {unit: peer for unit in (0, 1, 4, 5)}
+        taken: dict[int, dict[str, torch.Tensor]] = {}
+        wanted = {unit: [peer] for unit in (0, 1, 4, 5)}
         failures = fetcher.fetch_all(wanted, 3, 5.0, lambda unit: base, taken.__setitem__)
-        assert list(taken) == [0] and torch.equal(taken[0], copy)
-        assert sorted(failures) == [1, 4, 5] and "non-finite" in failures[1] and "did not own" in failures[5]
-        assert "not the copy its digest names" in failures[4]
+        assert list(taken) == [0] and list(taken[0]) == [peer] and torch.equal(taken[0][peer], copy)
+        assert sorted(failures) == [1, 4, 5] and all(list(why) == [peer] for why in failures.values())
+        assert "non-finite" in failures[1][peer] and "did not own" in failures[5][peer]
+        assert "not the copy its digest names" in failures[4][peer]
     finally:
         fetcher.close()
         owner.close()

@@ -14,7 +14,7 @@ from crowdtrain.averaging.expert_exchange import apply_change, change_bytes, enc
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, SPESSpec, demo, manifest_from_overrides, spes_demo
 from crowdtrain.models.expert_merging import merge_alpha, merged_experts
 from crowdtrain.models.owned_experts import find_fused_experts, own, unit_experts, units_of
-from crowdtrain.planning.ownership import MAX_WEIGHT_RATIO, assign_units, unit_shares
+from crowdtrain.planning.ownership import MAX_WEIGHT_RATIO, assign_owners, assign_units, unit_shares
 from crowdtrain.structured import FieldError
 
 PEERS = [f"peer-{index}" for index in range(4)]
@@ -75,6 +75,40 @@ def test_a_peer_short_of_memory_owns_no_more_than_fits_and_the_others_take_the_r
 def test_no_peers_own_nothing_and_one_peer_owns_everything() -> None:
     assert assign_units([], 8) == []
     assert assign_units([("alone", 0.0)], 8) == ["alone"] * 8
+
+
+def test_replicated_experts_have_distinct_owners_in_their_shares_and_few_move_when_one_leaves() -> None:
+    weights = [1.0, 2.0, 1.0, 4.0]
+    peers = list(zip(PEERS, weights, strict=True))
+    owners = assign_owners(peers, 32, replicas=2)
+    assert all(len(set(unit_owners)) == 2 and list(unit_owners) == sorted(unit_owners) for unit_owners in owners)
+    counts = [sum(peer in unit_owners for unit_owners in owners) for peer in PEERS]
+    assert counts == unit_shares(weights, 64, [32] * 4), "the 64 places shared by compute, none twice on one expert"
+    shuffled = list(peers)
+    random.Random(1).shuffle(shuffled)
+    assert assign_owners(shuffled, 32, replicas=2) == owners, "every node computes the same owners"
+    assert [unit_owners[0] for unit_owners in assign_owners(peers, 32)] == assign_units(peers, 32)
+    after = assign_owners(peers[:3], 32, replicas=2)
+    kept = sum(len(set(old) & set(new)) for old, new in zip(owners, after, strict=True))
+    assert kept >= 0.8 * (64 - counts[3]), f"only {kept} of the remaining peers' {64 - counts[3]} places stayed put"
+    # fewer peers than replicas: every peer owns every expert; a capped peer owns no more than fits
+    assert assign_owners([("a", 1.0), ("b", 1.0)], 4, replicas=3) == [("a", "b")] * 4
+    capped = assign_owners(peers, 16, replicas=3, caps={"peer-3": 2})
+    assert sum("peer-3" in unit_owners for unit_owners in capped) == 2
+    assert all(len(set(unit_owners)) == 3 for unit_owners in capped)
+
+
+def test_every_expert_gets_its_distinct_owners_even_where_the_rendezvous_order_corners_it() -> None:
+    # with these shares the first pass leaves experts whose only peers with places left own them already
+    for seed in range(200):
+        rng = random.Random(seed)
+        count, units, replicas = rng.randint(2, 7), rng.randint(1, 40), rng.randint(2, 4)
+        peers = [(f"p{index}", rng.choice([0.5, 1.0, 2.0, 9.0])) for index in range(count)]
+        owners = assign_owners(peers, units, replicas)
+        copies = min(replicas, count)
+        assert all(len(set(unit_owners)) == len(unit_owners) == copies for unit_owners in owners)
+        counts = [sum(peer in unit_owners for unit_owners in owners) for peer, _ in peers]
+        assert counts == unit_shares([weight for _, weight in peers], copies * units, [units] * count), seed
 
 
 # the merging warm-up

@@ -12,8 +12,10 @@ to any other (a joiner, or a node that missed a round). An owner keeps the last 
 A fetcher asks for an exact round and checks everything before use: the header's encoding, base round and size
 against the expert's shape in the model every node builds, the bytes received against it, every value finite.
 An owner that has not reached the round yet answers `found: false`; the fetcher asks again until its deadline.
-A round's experts are fetched MAX_CONCURRENT_FETCHES at a time (`fetch_all`), each copy written into the model as
-it arrives, so the round's exchange waits for the slowest owner, not for the sum of them.
+A round's experts are fetched MAX_CONCURRENT_FETCHES copies at a time (`fetch_all`), each expert written into the
+model once its copies are in, so the round's exchange waits for the slowest owner, not for the sum of them. An
+expert with several owners (`spes.replicas`) comes from each of them: every node makes its copy of the round the
+mean of the owners' copies (training/modes/spes.py).
 
 Each value travels once per fetcher, in one byte: a DiLoCo all-reduce sends each value of the model twice
 (reduce-scatter, then all-gather), in two bytes under its default fp16.
@@ -29,7 +31,7 @@ import threading
 import time
 import typing
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import hivemind
@@ -213,33 +215,50 @@ class ExpertExchange(P2PService):
 
     def fetch_all(
         self,
-        owners: Mapping[int, str],
+        owners: Mapping[int, Sequence[str]],
         round_: int,
         timeout_s: float,
         held: Callable[[int], torch.Tensor],
-        take: Callable[[int, torch.Tensor], None],
-    ) -> dict[int, str]:
-        """Every unit of `owners` (unit → its owner's peer ID), round `round_`, fetched MAX_CONCURRENT_FETCHES at a
-        time within `timeout_s` in all: `held(unit)` gives this node's copy as a fetch starts, `take(unit, values)`
-        gets each copy as it arrives (both in the exchange's thread, while the caller waits here, so at most
-        MAX_CONCURRENT_FETCHES copies are in memory at once). Returns why each unit that did not come failed."""
+        take: Callable[[int, dict[str, torch.Tensor]], None],
+    ) -> dict[int, dict[str, str]]:
+        """Every unit of `owners` (unit → the peer IDs of the owners to fetch it from), round `round_`, fetched
+        MAX_CONCURRENT_FETCHES copies at a time within `timeout_s` in all: `held(unit)` gives this node's copy as a
+        unit's fetches start, `take(unit, copies)` gets the copies that came (owner → values) once each of the
+        unit's owners has answered or failed, and at least one came (both in the exchange's thread, while the
+        caller waits here, so few copies are in memory at once). Returns why each copy that did not come failed
+        (unit → owner → a sentence)."""
         deadline = time.monotonic() + timeout_s
-        failures: dict[int, str] = {}
+        failures: dict[int, dict[str, str]] = {}
 
-        async def fetch_one(slots: asyncio.Semaphore, unit: int, peer_id: str) -> None:
+        async def fetch_one(slots: asyncio.Semaphore, unit: int, peer_id: str, base: torch.Tensor) -> torch.Tensor:
             async with slots:
-                try:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError
-                    fetching = self._fetch(PeerID.from_base58(peer_id), unit, round_, held(unit), deadline)
-                    take(unit, await asyncio.wait_for(fetching, left))
-                except Exception as e:
-                    failures[unit] = str(_explained(e, peer_id, unit, round_, timeout_s))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                return await asyncio.wait_for(
+                    self._fetch(PeerID.from_base58(peer_id), unit, round_, base, deadline), left
+                )
+
+        async def fetch_unit(slots: asyncio.Semaphore, unit: int, peer_ids: Sequence[str]) -> None:
+            base = held(unit)
+            answers = await asyncio.gather(
+                *(fetch_one(slots, unit, peer_id, base) for peer_id in peer_ids), return_exceptions=True
+            )
+            copies: dict[str, torch.Tensor] = {}
+            for peer_id, answer in zip(peer_ids, answers, strict=True):
+                if isinstance(answer, torch.Tensor):
+                    copies[peer_id] = answer
+                elif isinstance(answer, Exception):
+                    reason = str(_explained(answer, peer_id, unit, round_, timeout_s))
+                    failures.setdefault(unit, {})[peer_id] = reason
+                else:
+                    raise answer  # cancelled: the call as a whole gives up
+            if copies:
+                take(unit, copies)
 
         async def fetch_every_one() -> None:
             slots = asyncio.Semaphore(MAX_CONCURRENT_FETCHES)
-            await asyncio.gather(*(fetch_one(slots, unit, peer_id) for unit, peer_id in owners.items()))
+            await asyncio.gather(*(fetch_unit(slots, unit, peer_ids) for unit, peer_ids in owners.items()))
 
         self.run(fetch_every_one(), timeout_s + FETCH_ALL_SLACK_S)
         return failures

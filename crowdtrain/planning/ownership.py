@@ -82,20 +82,63 @@ def assign_units(
 ) -> list[str]:
     """The owner of each unit 0..num_units-1, from (peer ID, measured compute) pairs and each peer's cap (see
     `unit_shares`; a peer not in `caps` has none); [] without peers."""
+    return [owners[0] for owners in assign_owners(peers, num_units, 1, caps)]
+
+
+def assign_owners(
+    peers: Sequence[tuple[str, float]],
+    num_units: int,
+    replicas: int = 1,
+    caps: Mapping[str, int | None] | None = None,
+) -> list[tuple[str, ...]]:
+    """The owners of each unit 0..num_units-1 (peer IDs in order), `replicas` distinct ones each (as many as
+    there are peers when fewer), from (peer ID, measured compute) pairs and each peer's cap (see `unit_shares`;
+    a peer not in `caps` has none, and none owns a unit twice); [] without peers.
+
+    The replicas × num_units places are shared out like units (`unit_shares`), and each unit takes its owners
+    in the order of their rendezvous score among the peers with places left. Where the places left can't give
+    a unit distinct owners (a share that only fits units the peer already owns), the unit takes the best scored
+    peers that don't own it yet, past their share."""
     ordered = sorted(dict(peers).items())  # one entry per peer, in an order every node shares
     if not ordered:
         return []
-    peer_caps = [None if caps is None else caps.get(peer) for peer, _ in ordered]
-    shares = unit_shares([weight for _, weight in ordered], num_units, peer_caps)
+    copies = max(1, min(replicas, len(ordered)))
+    peer_caps: list[int | None] = [_cap(caps, peer, num_units) for peer, _ in ordered]
+    shares = unit_shares([weight for _, weight in ordered], copies * num_units, peer_caps)
     left = {peer: share for (peer, _), share in zip(ordered, shares, strict=True)}
-    owners: list[str | None] = [None] * num_units
+    owners: list[list[str]] = [[] for _ in range(num_units)]
     pairs = sorted(((_score(unit, peer), unit, peer) for unit in range(num_units) for peer, _ in ordered), reverse=True)
     for _, unit, peer in pairs:
-        if owners[unit] is None and left[peer] > 0:
-            owners[unit] = peer
+        if len(owners[unit]) < copies and left[peer] > 0 and peer not in owners[unit]:
+            owners[unit].append(peer)
             left[peer] -= 1
-    assert all(owner is not None for owner in owners), "shares sum to the number of units"
-    return [owner for owner in owners if owner is not None]
+    for unit in range(num_units):
+        while len(owners[unit]) < copies:
+            _complete(owners, unit, left, [peer for peer, _ in ordered])
+    return [tuple(sorted(unit_owners)) for unit_owners in owners]
+
+
+def _complete(owners: list[list[str]], unit: int, left: dict[str, int], peers: list[str]) -> None:
+    """Give `unit` one more owner. The rendezvous pass leaves a unit short only where every peer with places left
+    owns it already: one of them takes another unit's place from a peer `unit` lacks, who moves here, so every
+    share stays as it was. Without such a swap, the first peer that doesn't own `unit` takes it past its share."""
+    for peer in peers:
+        if left[peer] <= 0:
+            continue
+        for other in owners:
+            swapped = next((q for q in other if q not in owners[unit]), None) if peer not in other else None
+            if swapped is not None:
+                other[other.index(swapped)] = peer
+                owners[unit].append(swapped)
+                left[peer] -= 1
+                return
+    owners[unit].append(next(peer for peer in peers if peer not in owners[unit]))
+
+
+def _cap(caps: Mapping[str, int | None] | None, peer: str, num_units: int) -> int:
+    """The most units `peer` may own: its cap, and never more than one place per unit."""
+    cap = None if caps is None else caps.get(peer)
+    return num_units if cap is None else min(num_units, max(0, int(cap)))
 
 
 def _bounded(weights: Sequence[float]) -> list[float]:

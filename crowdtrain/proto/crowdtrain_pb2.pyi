@@ -52,16 +52,18 @@ class SkipPipeSpec(_message.Message):
     def __init__(self, stages: _Optional[int] = ..., skip_ratio: _Optional[float] = ..., reorder: _Optional[bool] = ..., microbatches: _Optional[int] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
 
 class SpesSpec(_message.Message):
-    __slots__ = ("merge_every", "merge_neighbours", "merge_alpha", "merge_warmup_steps")
+    __slots__ = ("merge_every", "merge_neighbours", "merge_alpha", "merge_warmup_steps", "replicas")
     MERGE_EVERY_FIELD_NUMBER: _ClassVar[int]
     MERGE_NEIGHBOURS_FIELD_NUMBER: _ClassVar[int]
     MERGE_ALPHA_FIELD_NUMBER: _ClassVar[int]
     MERGE_WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     merge_every: int
     merge_neighbours: int
     merge_alpha: float
     merge_warmup_steps: int
-    def __init__(self, merge_every: _Optional[int] = ..., merge_neighbours: _Optional[int] = ..., merge_alpha: _Optional[float] = ..., merge_warmup_steps: _Optional[int] = ...) -> None: ...
+    replicas: int
+    def __init__(self, merge_every: _Optional[int] = ..., merge_neighbours: _Optional[int] = ..., merge_alpha: _Optional[float] = ..., merge_warmup_steps: _Optional[int] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class DiLoCoSpec(_message.Message):
     __slots__ = ("inner_steps", "outer_learning_rate", "outer_momentum", "compression", "topk_fraction", "overlap", "min_inner_steps", "max_inner_steps", "fragments")

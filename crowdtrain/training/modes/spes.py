@@ -26,9 +26,15 @@ moments fit MEMORY_SHARE of its device's free memory (`_unit_capacity`), and no 
 given more than that while the others have room (planning/ownership.py). Peers known from their status records
 (a swarm larger than a group) are capped by what their records say (`experts_capacity`, as of their last round).
 
-Not built yet: replicas of an expert on a second owner (an owner that vanishes mid-round loses that round's
-training of its experts), and overlap of the exchange with the next round's inner steps (SPES rounds run without
-DiLoCo's `overlap`).
+Replicas (`spes.replicas = R`): each expert has R owners (planning/ownership.py, `assign_owners`), each training it
+on its own samples from the round's common copy; at the round's end every node, the owners too, fetches each
+owner's copy and makes the expert the mean of the copies that came, summed in the order of the owners' peer IDs
+so that every node holding the same copies holds the same bits. An owner that vanishes mid-round then costs its
+experts its share of the round, not the round: the others' copies still come. A node that missed a copy another
+got holds another mean for a round; the changes being keyed by copy digests, it gets whole copies next round.
+
+Not built yet: overlap of the exchange with the next round's inner steps (SPES rounds run without DiLoCo's
+`overlap`), and replicas chosen by an owner's weakness or flakiness (R is the run's, for every expert).
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ from crowdtrain.models.owned_experts import (
     unit_experts,
     units_of,
 )
-from crowdtrain.planning.ownership import assign_units
+from crowdtrain.planning.ownership import assign_owners
 from crowdtrain.training.modes.base import ModeContext, SwarmView
 from crowdtrain.training.modes.diloco import DiLoCoMode
 from crowdtrain.training.progress import Progress
@@ -82,8 +88,8 @@ class SPESMode(DiLoCoMode):
         own(self.layers, [])  # freeze every expert before the dense parameters are chosen
         self.spes = context.manifest.spes if context.manifest.spes is not None else SPESSpec()
         self._view = context.swarm
-        self.owners: list[str] = []
-        """The owner of each unit in the current round."""
+        self.owners: list[tuple[str, ...]] = []
+        """The owners of each unit in the current round (peer IDs in order; more than one with `spes.replicas`)."""
         self.owned: list[int] = []
         self.bases: dict[int, torch.Tensor] = {}
         """Owned expert → the copy every other node holds of it (float32, flattened); its trained weights are
@@ -140,7 +146,7 @@ class SPESMode(DiLoCoMode):
             owners = self._assign_from_statuses(peers)
         else:
             owners = self._next_owners()
-        owned = [unit for unit, owner in enumerate(owners) if owner == me]
+        owned = [unit for unit, unit_owners in enumerate(owners) if me in unit_owners]
         if owned != self.owned:
             logger.info(f"owns {len(owned)} of {self.num_units} experts (was {len(self.owned)})")
         for unit in set(self.bases) - set(owned):
@@ -150,7 +156,7 @@ class SPESMode(DiLoCoMode):
         self.owners, self.owned = owners, owned
         self._set_inner_optimizer(own(self.layers, owned))
 
-    def _next_owners(self) -> list[str]:
+    def _next_owners(self) -> list[tuple[str, ...]]:
         """Who owns which expert in the next round. Nodes must agree, and the freshest agreed fact is the round
         just averaged: when its group was the whole swarm (the swarm fits in one group), the experts go to its
         members. A node alone takes every expert. A node whose round was not averaged while others train leaves
@@ -164,7 +170,8 @@ class SPESMode(DiLoCoMode):
             # every member computes from the same gathered rates and capacities (status records differ between
             # readers)
             caps = {peer: self._gathered_capacity(peer) for peer in group}
-            return assign_units([(peer, self._gathered_rate(peer)) for peer in group], self.num_units, caps)
+            rates = [(peer, self._gathered_rate(peer)) for peer in group]
+            return assign_owners(rates, self.num_units, self.spes.replicas, caps)
         if started and self.tracker.global_progress.num_peers <= 1:
             peers = [me]
         elif started and group is None:
@@ -173,10 +180,11 @@ class SPESMode(DiLoCoMode):
             peers = sorted(known)
         return self._assign_from_statuses(peers)
 
-    def _assign_from_statuses(self, peers: list[str]) -> list[str]:
+    def _assign_from_statuses(self, peers: list[str]) -> list[tuple[str, ...]]:
         """Ownership among `peers` by the compute and memory their status records (last re-planning read) say."""
         caps = {peer: self._capacity_of(peer) for peer in peers}
-        return assign_units([(peer, self._compute_of(peer)) for peer in peers], self.num_units, caps)
+        rates = [(peer, self._compute_of(peer)) for peer in peers]
+        return assign_owners(rates, self.num_units, self.spes.replicas, caps)
 
     def _gather(self) -> Any:
         """This node's round, its proposed H, its samples/s in the round and how many experts it can train (-1:
@@ -244,20 +252,53 @@ class SPESMode(DiLoCoMode):
         self._exchange_experts(self.owners)
         self._take_ownership()
 
-    def _exchange_experts(self, owners: list[str]) -> None:
-        """Publish this node's experts' copies of the round just made; fetch every other one from `owners`."""
+    def _exchange_experts(self, owners: list[tuple[str, ...]]) -> None:
+        """Publish this node's copies of its experts for the round just made; fetch every other owner's copy, and
+        make each expert the mean of its owners' copies (`_take_copies`)."""
         me, round_ = self.context.peer_id, self.round
-        self.exchange.publish(round_, {unit: self._publish(unit) for unit in self.bases})
-        wanted = [unit for unit, owner in enumerate(owners) if owner != me and unit not in self.bases]
-        timeout = self.context.manifest.averaging.timeout_s
+        previous = dict(self.bases)  # the copies every node held at the round's start: the changes apply to them
+        published = {unit: self._publish(unit) for unit in self.bases}
+        self.exchange.publish(round_, published)
+        others = {unit: [peer for peer in unit_owners if peer != me] for unit, unit_owners in enumerate(owners)}
+        wanted = {unit: peers for unit, peers in others.items() if peers}
+        taken: set[int] = set()
+
+        def take(unit: int, copies: dict[str, torch.Tensor]) -> None:
+            self._take_copies(unit, copies, published.get(unit))
+            taken.add(unit)
+
         failures = self.exchange.fetch_all(
-            {unit: owners[unit] for unit in wanted}, round_, timeout, self._flat, self._write
+            wanted,
+            round_,
+            self.context.manifest.averaging.timeout_s,
+            lambda unit: previous[unit] if unit in previous else self._flat(unit),
+            take,
         )
-        missing = [f"{unit} ({reason})" for unit, reason in sorted(failures.items())]
-        self.fetch_failures += len(missing)
-        if missing:
-            logger.warning(f"round {round_}: kept this node's own copy of {len(missing)} of {len(wanted)} experts "
-                           f"its owners did not send: {'; '.join(missing[:3])}")  # fmt: skip
+        failed = [reason for _, by_owner in sorted(failures.items()) for reason in by_owner.values()]
+        self.fetch_failures += len(failed)
+        if failed:
+            kept = len(set(failures) - taken)
+            logger.warning(f"round {round_}: {len(failed)} of {sum(map(len, wanted.values()))} expert copies did not "
+                           f"come from their owners ({kept} experts kept as this node had them, {len(failures) - kept} "
+                           f"averaged without the missing copies): {'; '.join(failed[:3])}")  # fmt: skip
+
+    def _take_copies(self, unit: int, copies: dict[str, torch.Tensor], mine: Published | None) -> None:
+        """Make `unit` the mean of its owners' copies (`copies`, and this node's own one, `mine`, if it owns it),
+        summed in the order of the owners' peer IDs: the same bits on every node that got the same copies. An
+        owner keeps what the int8 change left out of its copy (θ − P) on top of the mean, as it would alone."""
+        if mine is not None:
+            copies = {**copies, self.context.peer_id: mine.values}
+        ordered = [copies[peer] for peer in sorted(copies)]
+        mean = ordered[0].clone()
+        for copy in ordered[1:]:
+            mean += copy
+        mean /= len(ordered)
+        if mine is None:
+            self._write(unit, mean)
+            return
+        left_out = self._flat(unit) - mine.values
+        self.bases[unit] = mean
+        self._write(unit, mean + left_out)
 
     def _publish(self, unit: int) -> Published:
         """The new copy of owned `unit`: its last copy plus the int8 change toward its trained weights. Fetchers
