@@ -48,10 +48,15 @@ from crowdtrain.testing.procfs import peak_rss_kib
 from crowdtrain.training.modes.diloco import DiLoCoMode
 from crowdtrain.training.modes.spes import SPESMode
 
-ARMS = ("centralized", "diloco", "spes", "spes-warmup", "diloco-int8", "diloco-topk", "diloco-overlap")
+ARMS = (
+    "centralized", "diloco", "spes", "spes-warmup", "diloco-int8", "diloco-topk", "diloco-overlap",
+    "spes-replicas", "spes-kill", "spes-replicas-kill",
+)  # fmt: skip
 DEFAULT_ARMS = ARMS[:4]
 """The DiLoCo variants (issue 15's loss per sample: int8 and top-k pseudo-gradients, the one-round-late outer step
-of `overlap`) run when named."""
+of `overlap`) and the SPES replica arms run when named: `spes-replicas` gives each expert two owners
+(`spes.replicas = 2`); the `-kill` arms close the fourth peer mid-run (after its inner steps of the middle round,
+before that round's end: its experts' training of the round goes with it unless another owner has them)."""
 NUM_PEERS = 4
 EVAL_BATCHES = 8
 
@@ -64,6 +69,7 @@ def run_for(args: argparse.Namespace, arm: str) -> RunManifest:
         merge_alpha=0.1,
         merge_warmup_steps=args.rounds * args.inner_steps,
     )
+    plain = SPESSpec(replicas=2 if "replicas" in arm else 1)
     return dataclasses.replace(
         base,
         run_id=f"bench-{arm}",
@@ -77,7 +83,7 @@ def run_for(args: argparse.Namespace, arm: str) -> RunManifest:
             compression={"diloco-int8": "int8", "diloco-topk": "topk"}.get(arm, args.compression),
             overlap=arm == "diloco-overlap",
         ),
-        spes=merge if arm == "spes-warmup" else (SPESSpec() if arm == "spes" else None),
+        spes=merge if arm == "spes-warmup" else (plain if arm.startswith("spes") else None),
     )  # fmt: skip
 
 
@@ -139,6 +145,7 @@ def swarm(args: argparse.Namespace, arm: str, data: Data) -> dict[str, Any]:
         losses = [held_out_loss(modes[0].context.compute.model, data)]  # type: ignore[union-attr]
         compute_s, tokens = [0.0] * NUM_PEERS, 0
         sent_before = [bytes_sent(mode) for mode in modes]
+        kill_round = args.rounds // 2 if arm.endswith("-kill") else None
         for round_ in range(args.rounds):
             for step in range(args.inner_steps):
                 for peer, mode in enumerate(modes):
@@ -147,6 +154,8 @@ def swarm(args: argparse.Namespace, arm: str, data: Data) -> dict[str, Any]:
                     mode.train_micro_batch(batch)
                     compute_s[peer] += time.perf_counter() - began
                     tokens += batch.numel() if peer == 0 else 0
+            if round_ == kill_round:
+                vanish(modes)
             outer_round(modes)
             if round_ == args.rounds - 1 and modes[0].overlapped:  # the last round's average, applied at the end
                 with ThreadPoolExecutor(len(modes)) as pool:
@@ -154,20 +163,29 @@ def swarm(args: argparse.Namespace, arm: str, data: Data) -> dict[str, Any]:
             losses.append(held_out_loss(modes[0].context.compute.model, data))  # type: ignore[union-attr]
             say(f"{arm} round {round_ + 1}: held-out loss {losses[-1]:.4f}, "
                 f"{sum(mode.num_local_rounds for mode in modes)} solo rounds")  # fmt: skip
-        sent = [(bytes_sent(mode) - before) / args.rounds for mode, before in zip(modes, sent_before, strict=True)]
+        sent = [(bytes_sent(mode) - before) / args.rounds for mode, before in zip(modes, sent_before, strict=False)]
         result: dict[str, Any] = {
             "held_out_loss": losses,
             "trainable_state_bytes": max(state_bytes(mode.inner_optimizer, trained(mode)) for mode in modes),
             "outer_state_bytes": max(outer_bytes(mode) for mode in modes),
             "bytes_sent_per_round": sum(sent) / len(sent),
             "bytes_sent_per_round_max": max(sent),
-            "tokens_per_s_per_node": tokens / (sum(compute_s) / NUM_PEERS),
+            "tokens_per_s_per_node": tokens / (sum(compute_s[: len(modes)]) / len(modes)),
             "solo_rounds": sum(mode.num_local_rounds for mode in modes),
         }
         if isinstance(modes[0], SPESMode):
             result["experts_owned"] = [len(mode.owned) for mode in modes]  # type: ignore[attr-defined]
             result["expert_fetch_failures"] = sum(mode.fetch_failures for mode in modes)  # type: ignore[attr-defined]
+            result["experts_stale"] = sum(mode.stale_experts for mode in modes)  # type: ignore[attr-defined]
         return result
+
+
+def vanish(modes: list[DiLoCoMode]) -> None:
+    """The last peer goes without a word, as a SIGKILLed one: its exchange, its averager and its DHT stop."""
+    gone = modes.pop()
+    gone.close()
+    gone.context.dht.shutdown()
+    say(f"peer {len(modes)} is gone")
 
 
 def outer_round(modes: Sequence[DiLoCoMode]) -> None:
@@ -284,10 +302,20 @@ def main() -> int:
             arm, f"{result['held_out_loss'][-1]:.4f}", f"{result['trainable_state_bytes'] / 2**20:.1f}",
             f"{result['outer_state_bytes'] / 2**20:.1f}", f"{result['bytes_sent_per_round'] / 2**20:.2f}",
             f"{result['tokens_per_s_per_node']:.0f}", f"{result.get('peak_rss_mib', float('nan')):.0f}",
+            str(result.get("experts_stale", "—")),
         ])  # fmt: skip
     print_table(
         f"{args.preset}, {NUM_PEERS} peers, {args.rounds} rounds of H = {args.inner_steps}",
-        ["arm", "held-out loss", "trainable state MiB", "outer state MiB", "MiB sent/round", "tok/s/node", "RSS MiB"],
+        [
+            "arm",
+            "held-out loss",
+            "trainable state MiB",
+            "outer state MiB",
+            "MiB sent/round",
+            "tok/s/node",
+            "RSS MiB",
+            "experts left stale",
+        ],  # fmt: skip
         rows,
     )
     write_json(args.out / "spes.json", results)

@@ -134,7 +134,7 @@ def test_an_owner_that_goes_costs_its_experts_one_round_and_they_are_re_owned() 
         outer_round(survivors)
         for mode in survivors:
             # the round could not fetch the dead owner's experts: said and counted, the last copies kept
-            assert mode.fetch_failures == len(orphans)
+            assert mode.fetch_failures == mode.stale_experts == len(orphans)
             for unit in orphans:
                 assert torch.equal(flat(mode, unit), copies[unit]) or unit in mode.owned
         assert sorted(survivors[0].owned + survivors[1].owned) == list(range(survivors[0].num_units))
@@ -196,6 +196,7 @@ def test_experts_with_two_owners_become_their_mean_and_outlive_an_owner_that_goe
         outer_round(survivors)
         for mode in survivors:
             assert mode.fetch_failures == len(orphans), "each missing copy said and counted"
+            assert mode.stale_experts == 0, "every expert of the dead owner had another owner's copy"
         for unit in orphans:
             (other,) = [mode for mode in survivors if mode.context.peer_id in round_owners[unit]]
             copy = other.exchange.published(2, unit)

@@ -97,7 +97,10 @@ class SPESMode(DiLoCoMode):
         self._capacity: int | None = None
         """The experts this node said it can train, at its last round's end (`_unit_capacity`)."""
         self.fetch_failures = 0
-        """Experts this node could not fetch from their owners (it kept its own copy of them)."""
+        """Copies of experts this node could not fetch from their owners."""
+        self.stale_experts = 0
+        """Experts a round left as this node had them before it (no owner's copy came): that round's training of
+        them is lost to this node."""
         self.exchange = ExpertExchange(context.dht)
         self.exchange.start()
         try:
@@ -274,13 +277,24 @@ class SPESMode(DiLoCoMode):
             lambda unit: previous[unit] if unit in previous else self._flat(unit),
             take,
         )
-        failed = [reason for _, by_owner in sorted(failures.items()) for reason in by_owner.values()]
-        self.fetch_failures += len(failed)
-        if failed:
-            kept = len(set(failures) - taken)
-            logger.warning(f"round {round_}: {len(failed)} of {sum(map(len, wanted.values()))} expert copies did not "
-                           f"come from their owners ({kept} experts kept as this node had them, {len(failures) - kept} "
-                           f"averaged without the missing copies): {'; '.join(failed[:3])}")  # fmt: skip
+        self._say_failures(failures, sum(map(len, wanted.values())), stale=set(failures) - taken - set(published))
+
+    def _say_failures(self, failures: dict[int, dict[str, str]], wanted: int, stale: set[int]) -> None:
+        """Count the round's missing copies and say, in one line, what they cost and why (by owner)."""
+        missed = sum(map(len, failures.values()))
+        self.fetch_failures += missed
+        self.stale_experts += len(stale)
+        if not missed:
+            return
+        by_owner: dict[str, list[str]] = {}
+        for _, why in sorted(failures.items()):
+            for owner, reason in why.items():
+                by_owner.setdefault(owner, []).append(reason)
+        reasons = "; ".join(f"{len(why)} from peer {owner[-8:]} ({why[0].splitlines()[0]})"
+                            for owner, why in sorted(by_owner.items())[:3])  # fmt: skip
+        logger.warning(f"round {self.round}: {missed} of {wanted} expert copies did not come: {reasons}; "
+                       f"{len(stale)} experts stay as they were (their round's training is lost here), "
+                       f"{len(failures) - len(stale)} are made from the copies that came")  # fmt: skip
 
     def _take_copies(self, unit: int, copies: dict[str, torch.Tensor], mine: Published | None) -> None:
         """Make `unit` the mean of its owners' copies (`copies`, and this node's own one, `mine`, if it owns it),
