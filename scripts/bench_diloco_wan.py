@@ -10,6 +10,9 @@ samples every arm reached):
   outer round, the pseudo-gradients averaged in the background (`overlap`, the default) in that encoding (top-k
   keeps 2% of each tensor with error feedback); `diloco-int8-stream`: Streaming DiLoCo, int8, the model in 4
   fragments, one averaged every H / 4 global batches in turn (`diloco.fragments`);
+- `spes`, `spes-replicas` (issue 16; `--model olmoe-28m` or `olmoe-demo`, a mixture of experts): SPES, the dense
+  part's outer rounds as `diloco-int8` but waiting for the round (SPES doesn't overlap), each node training only
+  the experts it owns and fetching the others' as int8 changes; `spes-replicas`: two owners per expert;
 - `single`: one process (this one, both cores) training the same model on global batches of 64, AdamW as the
   manifest, the gradient clipped as the swarm's.
 
@@ -42,7 +45,7 @@ import torch
 
 from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.data import WindowSampler, load_token_stream
-from crowdtrain.manifest import RunManifest, load_run_file
+from crowdtrain.manifest import RunManifest, load_run_file, spes_28m, spes_demo
 from crowdtrain.models import build_model, load_tokenizer, training_loss
 from crowdtrain.testing.bench import (
     bench_parser,
@@ -66,14 +69,25 @@ EVAL_SAMPLES = 512
 """The first daemon scores the held-out windows every this many samples (8 global batches)."""
 METRICS_PORT = 29500
 """Every daemon's Prometheus port, inside its own host (namespace)."""
-ARMS = ("single", "gradients", "diloco-fp16", "diloco-int8", "diloco-topk", "diloco-int8-stream")
+ARMS = (
+    "single", "gradients", "diloco-fp16", "diloco-int8", "diloco-topk", "diloco-int8-stream", "spes", "spes-replicas",
+)  # fmt: skip
+SPES_ARMS = ("spes", "spes-replicas")
+"""SPES (issue 16), mixture-of-experts models only: the dense part's rounds as `diloco-int8` without overlap (SPES
+rounds wait for the exchange), the experts from their owners as int8 changes; `spes-replicas`: two owners each."""
 STREAM_FRAGMENTS = 4
 """`diloco-int8-stream`: Streaming DiLoCo, the model in this many fragments, one averaged per H / 4 global batches."""
-MODELS = {
-    "llama-20m": {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8},
-    "demo": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4},
-}
-"""LLaMA shapes by name: llama-20m's (25.4M parameters with the byte vocabulary) and the demo's (3.2M, smoke runs)."""
+LLAMA = {"vocab_size": 260, "max_position_embeddings": 512, "tie_word_embeddings": True}
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-20m": ("LlamaForCausalLM", LLAMA | {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
+                                               "num_attention_heads": 8, "num_key_value_heads": 8}),
+    "demo": ("LlamaForCausalLM", LLAMA | {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+                                          "num_attention_heads": 4, "num_key_value_heads": 4}),
+    "olmoe-28m": ("OlmoeForCausalLM", dict(spes_28m().model.config)),
+    "olmoe-demo": ("OlmoeForCausalLM", dict(spes_demo().model.config)),
+}  # fmt: skip
+"""Models by name: llama-20m's shape (25.4M parameters with the byte vocabulary), the demo's (3.2M, smoke runs), and
+the SPES presets' mixtures of experts (28.4M: 6 layers of 8 experts, top-2; 5.4M)."""
 SCENARIOS = {
     "home": (HostSpec(name="home", count=4, upload_mbps=20, download_mbps=20),),
     "hetero": (
@@ -85,11 +99,10 @@ RUN_FILE = """
 run_id = "wan-{arm}"
 target_batch_size = {batch}
 
+[model]
+architecture = "{architecture}"
+
 [model.config]
-vocab_size = 260
-num_key_value_heads = {heads}
-max_position_embeddings = 512
-tie_word_embeddings = true
 {model}
 
 [data]
@@ -104,7 +117,7 @@ total_steps = 100000
 mode = "{mode}"
 matchmaking_time_s = 3.0
 timeout_s = 90.0
-{diloco}
+{diloco}{spes}
 """
 START_S = 600.0
 """Bound on the daemons' start, link probes and wait for each other, before an arm's wall-time cap begins."""
@@ -113,10 +126,10 @@ COMPUTING = re.compile(r"epoch (\d+): loss .*computing (\d+)% of the time")
 
 
 def run_text(args: argparse.Namespace, arm: str) -> str:
-    shape = MODELS[args.model]
-    model = "\n".join(f"{key} = {value}" for key, value in shape.items())
-    mode = "gradients" if arm in ("gradients", "single") else "diloco"
-    diloco = ""
+    architecture, config = MODELS[args.model]
+    model = "\n".join(f"{key} = {json.dumps(value)}" for key, value in config.items())  # TOML's scalars, as JSON's
+    mode = "gradients" if arm in ("gradients", "single") else "spes" if arm in SPES_ARMS else "diloco"
+    diloco = spes = ""
     if mode == "diloco":
         compression = arm.removeprefix("diloco-").removesuffix("-stream")
         fragments = STREAM_FRAGMENTS if arm.endswith("-stream") else 1
@@ -124,15 +137,18 @@ def run_text(args: argparse.Namespace, arm: str) -> str:
             f'\n[diloco]\ninner_steps = {args.inner_steps}\ncompression = "{compression}"\noverlap = true\n'
             f"fragments = {fragments}\n"
         )
+    if mode == "spes":
+        diloco = f'\n[diloco]\ninner_steps = {args.inner_steps}\ncompression = "int8"\noverlap = false\n'
+        spes = f"\n[spes]\nreplicas = {2 if arm == 'spes-replicas' else 1}\n"
     return RUN_FILE.format(
-        arm=arm, batch=BATCH, heads=shape["num_attention_heads"], model=model, sequence=args.sequence_length,
-        mode=mode, diloco=diloco,
+        arm=arm, batch=BATCH, architecture=architecture, model=model, sequence=args.sequence_length, mode=mode,
+        diloco=diloco, spes=spes,
     )  # fmt: skip
 
 
 def samples_per_epoch(args: argparse.Namespace, arm: str) -> int:
     """Samples per epoch: a global batch, an outer round (H global batches), or a streaming round (H / 4)."""
-    if not arm.startswith("diloco"):
+    if not arm.startswith(("diloco", "spes")):
         return BATCH
     return BATCH * args.inner_steps // (STREAM_FRAGMENTS if arm.endswith("-stream") else 1)
 
@@ -391,6 +407,10 @@ def main() -> int:
         "--arm-wall-s", type=float, default=1200.0, help="stop an arm that trains this long short of --batches (1200)"
     )
     args = parser.parse_args()
+    if set(args.arms) & set(SPES_ARMS) and MODELS[args.model][0] != "OlmoeForCausalLM":
+        parser.error(
+            f"the SPES arms train a mixture of experts: --model {' or '.join(m for m in MODELS if 'olmoe' in m)}"
+        )
     eval_batches = EVAL_SAMPLES // BATCH
     if args.batches % math.lcm(eval_batches, args.inner_steps) or max(eval_batches, args.inner_steps) % min(
         eval_batches, args.inner_steps

@@ -73,6 +73,18 @@ def outer_round(modes: Sequence[SPESMode]) -> None:
         list(pool.map(lambda mode: mode._outer_round(), modes))
 
 
+def a_round_without(modes: list[SPESMode], dead: SPESMode, seed: int) -> None:
+    """`dead` stops answering (its exchange, its averager and its DHT go; no hand-over is attempted); the others,
+    left in `modes`, train two inner steps and run a round."""
+    modes.remove(dead)
+    dead.close()
+    dead.context.dht.shutdown()
+    train(modes, steps=2, seed=seed)
+    for mode in modes:
+        mode.apply_swarm_view(SwarmView(plan_share=None, statuses=statuses_of(modes)))
+    outer_round(modes)
+
+
 def assert_every_node_holds_the_owners_copies(modes: Sequence[SPESMode]) -> None:
     for unit in range(modes[0].num_units):
         owner = next(mode for mode in modes if unit in mode.owned)
@@ -125,13 +137,7 @@ def test_an_owner_that_goes_costs_its_experts_one_round_and_they_are_re_owned() 
         survivors, dead = modes[:2], modes[2]
         orphans = list(dead.owned)
         copies = {unit: dead.bases[unit].clone() for unit in orphans}
-        modes.remove(dead)
-        dead.close()  # it stops answering: its exchange, its averager and its DHT go (no hand-over is attempted)
-        dead.context.dht.shutdown()
-        train(survivors, steps=2, seed=3)
-        for mode in survivors:
-            mode.apply_swarm_view(SwarmView(plan_share=None, statuses=statuses_of(survivors)))
-        outer_round(survivors)
+        a_round_without(modes, dead, seed=3)
         for mode in survivors:
             # the round could not fetch the dead owner's experts: said and counted, the last copies kept
             assert mode.fetch_failures == mode.stale_experts == len(orphans)
@@ -187,13 +193,7 @@ def test_experts_with_two_owners_become_their_mean_and_outlive_an_owner_that_goe
         survivors, dead = modes[:2], modes[2]
         orphans = [unit for unit in units if dead.context.peer_id in round_owners[unit]]
         before = {unit: held(survivors[0], unit).clone() for unit in orphans}
-        modes.remove(dead)
-        dead.close()
-        dead.context.dht.shutdown()
-        train(survivors, steps=2, seed=9)
-        for mode in survivors:
-            mode.apply_swarm_view(SwarmView(plan_share=None, statuses=statuses_of(survivors)))
-        outer_round(survivors)
+        a_round_without(modes, dead, seed=9)
         for mode in survivors:
             assert mode.fetch_failures == len(orphans), "each missing copy said and counted"
             assert mode.stale_experts == 0, "every expert of the dead owner had another owner's copy"
