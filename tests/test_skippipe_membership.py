@@ -22,6 +22,7 @@ from crowdtrain.pipeline.membership import (
     pick_roster,
     restage,
     spare_for_empty_stage,
+    stage_zero_gone,
 )
 from crowdtrain.planning.skippipe import NodeInfo
 
@@ -83,13 +84,30 @@ def test_the_next_membership_keeps_live_members_adds_declared_ones_and_drops_the
     assert next_members(current, slower, given_up=())[0].seconds_per_microbatch == 1.0
 
 
+def test_a_swarm_whose_stage_zero_is_gone_follows_the_roster_a_node_founds_again() -> None:
+    a, b, c, d = node("a", 0), node("b", 0), node("c", 1), node("d", 1)
+    current = [Membership(0, (a, b, c, d))]
+    assert stage_zero_gone(current[-1], {b.peer_id, c.peer_id}) == []  # one stage-0 node is enough
+    assert stage_zero_gone(current[-1], {c.peer_id, d.peer_id}) == [a.peer_id, b.peer_id]
+    moved = dataclasses.replace(d, stage=0)
+    refounded = [*current, Membership(9, (c, moved))]
+    rosters = {a.peer_id: current, d.peer_id: refounded}
+    assert pick_roster(rosters, current, iteration=7) == current, "d was no stage-0 member: not followed"
+    assert pick_roster(rosters, current, iteration=7, orphaned=True) == refounded
+    far = [*current, Membership(7 + 2 + 64 + 1, (c, moved))]
+    assert pick_roster({d.peer_id: far}, current, iteration=7, orphaned=True) == [], "nor far ahead"
+
+
 def test_a_stage_left_without_nodes_takes_the_highest_peer_id_of_the_most_replicated_stage() -> None:
     a, b, c, d, e = node("a", 0), node("b", 0), node("c", 1), node("d", 1), node("e", 2)
     assert spare_for_empty_stage(Membership(0, (a, b, c, e)), 4) == (b.peer_id, 3)  # stage 0's non-leader
     assert spare_for_empty_stage(Membership(0, (a, b, c, d)), 4) == (d.peer_id, 2)  # ties: the higher stage spares
     assert spare_for_empty_stage(Membership(0, (a, c, e)), 4) is None  # no stage has a node to spare
     assert spare_for_empty_stage(Membership(0, (a, b, c, e)), 3) is None  # no stage is empty
-    assert spare_for_empty_stage(Membership(0, (c, d)), 2) is None  # stage 0 empty: nobody leads, none moves
+    # stage 0 (it drives every microbatch) takes one from any stage, even its only node; stage 0 first
+    assert spare_for_empty_stage(Membership(0, (c, d)), 2) == (d.peer_id, 0)
+    assert spare_for_empty_stage(Membership(0, (a, c, e)), 4, gone={a.peer_id}) == (e.peer_id, 0)
+    assert spare_for_empty_stage(Membership(0, (a, b, c, e)), 4, gone={a.peer_id}) is None  # b: stage 0's last
     # a mover declares its new stage; the leader's next membership has it there, and it spares no more
     moved = dataclasses.replace(b, stage=3)
     assert next_members(Membership(0, (a, b, c, e)), {n.peer_id: n for n in (a, moved, c, e)}, ()) == (a, moved, c, e)

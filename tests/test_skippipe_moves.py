@@ -22,6 +22,7 @@ from crowdtrain.dht.validator import make_validators
 from crowdtrain.manifest import RunManifest, load_run_file
 from crowdtrain.models import build_model, load_tokenizer
 from crowdtrain.node.identity import load_or_create_identity
+from crowdtrain.pipeline import membership
 from crowdtrain.pipeline.membership import membership_at
 from crowdtrain.testing.diloco import cpu_compute
 from crowdtrain.testing.fixtures import tiny_run_file
@@ -174,3 +175,67 @@ def test_a_stage_that_loses_its_last_node_takes_a_spare_one_at_one_iteration_eve
             assert node.error is None, repr(node.error)
             assert node.losses and all(math.isfinite(loss) for loss in node.losses)
         assert mover.mode.runner.driver is None, "a stage-1 node drives no microbatches"
+
+
+def test_a_swarm_whose_stage_zero_is_gone_holds_then_a_spare_founds_it_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(
+        tiny_run_file(
+            "skippipe-refound",
+            64,
+            averaging='mode = "skippipe"',
+            sections='[skippipe]\nstages = 2\nskip_ratio = 0.0\nmicrobatches = 4\nwire_dtype = "float32"\n',
+        )
+    )
+    run = load_run_file(str(run_file))
+    torch.set_num_threads(1)
+    monkeypatch.setattr(skippipe, "REBALANCE_AFTER_S", 3.0)  # a real node waits 300 s for stage 0 to come back
+    monkeypatch.setattr(membership, "DECLARATION_TTL_S", 6.0)  # a real gone node's declaration lasts 60 s
+    monkeypatch.setattr(skippipe, "DECLARATION_RENEW_S", 1.0)
+    held: dict[str, list[torch.Tensor]] = {}
+    hold = SkipPipeMode._hold_without_sources
+
+    def holding(mode: SkipPipeMode, iteration: int) -> None:
+        # the stage's parameters each time the node holds: no step may move them while no source is left
+        held.setdefault(mode.me.peer_id, []).append(torch.cat([p.detach().reshape(-1) for p in mode.runner.parameters]))
+        hold(mode, iteration)
+
+    monkeypatch.setattr(SkipPipeMode, "_hold_without_sources", holding)
+    with closing_all([]) as nodes:
+        nodes.append(start_node(run, tmp_path, "founder", []))
+        address = [str(nodes[0].dht.get_visible_maddrs()[0])]
+        with monkeypatch.context() as choosing:  # both others on stage 1, so that stage 0 has one node to lose
+            choosing.setattr(skippipe, "choose_stage", lambda declared, num_stages, me: 1)
+            nodes += [start_node(run, tmp_path, name, address) for name in ("second", "third")]
+        founder, second, third = nodes
+        assert [node.mode.stage for node in nodes] == [0, 1, 1]
+        await_condition(lambda: all(len(stages_in_force(node)) == 3 for node in nodes), 90, "three nodes in force")
+
+        # stage 0's only node goes without a word: no microbatch can be driven; the others hold, then the spare
+        # (stage 1's highest peer ID) takes stage 0 and founds the roster again
+        nodes.remove(founder)
+        founder.close()
+        spare, other = sorted(nodes, key=lambda node: node.peer_id, reverse=True)
+        await_condition(
+            lambda: (
+                all(stages_in_force(node) == {spare.peer_id: 0, other.peer_id: 1} for node in nodes)
+                and spare.mode.stage == 0
+            ),
+            120,
+            "the spare in force on stage 0",
+        )
+        refounded_at = [node.mode.iteration or 0 for node in nodes]
+        await_condition(
+            lambda: all(node.mode.runner.last_iteration >= max(refounded_at) + 3 for node in nodes),
+            60,
+            "three iterations driven by the new stage 0",
+        )
+        for node in nodes:
+            assert node.error is None, repr(node.error)
+        assert spare.mode.runner.driver is not None, "the new stage-0 node drives microbatches"
+        assert len(held.get(other.peer_id, [])) >= 2, "the stage-1 node held while no source was left"
+        first = held[other.peer_id][0]
+        assert all(torch.equal(first, later) for later in held[other.peer_id]), "no step while holding"
+        assert other.losses and all(math.isfinite(loss) for loss in other.losses[-3:])

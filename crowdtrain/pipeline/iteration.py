@@ -16,7 +16,9 @@ the swarm's nodes, seeded by the iteration), so no message carries it. An iterat
    others' (`rpc_stage_gradient`), and adds them in peer-ID order, so every replica that heard from all of them
    holds the same bits; a replica that does not answer within `exchange_timeout_s` is left out (its share of
    microbatches is lost for the others this iteration, and from then on the replicas differ);
-5. clip to `max_grad_norm`, the optimizer's step, gradients zeroed, the iteration closed;
+5. clip to `max_grad_norm`, the optimizer's step, gradients zeroed, the iteration closed; an iteration that no
+   source finished (every stage-0 node gone) trained nothing and takes no step (AdamW would still move the
+   parameters on its momentum and weight decay);
 6. drift: each gradient carries a fingerprint of its replica's parameters before the step (`fingerprint`: the
    parameters at MAX_FINGERPRINT fixed positions). A replica whose fingerprint differs by more than
    DRIFT_TOLERANCE (relative; the last bits of different hardware differ by far less, a missed gradient by far
@@ -151,7 +153,7 @@ class SkipPipeNode:
         self.suspected.add(peer_id)
         self._suspected_at[peer_id] = time.monotonic()
 
-    def _forgive(self) -> None:
+    def forgive(self) -> None:
         """Give the peers suspected SUSPICION_S ago another chance."""
         now = time.monotonic()
         for peer in [peer for peer, since in self._suspected_at.items() if now - since >= SUSPICION_S]:
@@ -207,7 +209,7 @@ class SkipPipeNode:
 
     def run_iteration(self, iteration: int) -> IterationReport:
         started = time.perf_counter()
-        self._forgive()
+        self.forgive()
         phases: dict[str, float] = {}
         schedule = self.scheduler(
             SkipPipeProblem(
@@ -256,8 +258,9 @@ class SkipPipeNode:
         phases["gradient exchange"] = time.perf_counter() - mark
         mark = time.perf_counter()
         with self.service.model_lock:
-            torch.nn.utils.clip_grad_norm_(self.parameters, self.max_grad_norm)
-            self.optimizer.step()
+            if sources_done:
+                torch.nn.utils.clip_grad_norm_(self.parameters, self.max_grad_norm)
+                self.optimizer.step()  # no source done: no microbatch came, and AdamW's momentum and decay stay put
             self.optimizer.zero_grad(set_to_none=False)
             self.last_iteration = iteration
         phases["step"] = time.perf_counter() - mark

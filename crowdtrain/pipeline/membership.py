@@ -159,30 +159,46 @@ def restage(declared: Iterable[NodeInfo], stage: int, num_stages: int, me: str) 
     return choose_stage(others, num_stages, me)
 
 
-def spare_for_empty_stage(membership: Membership, num_stages: int) -> tuple[str, int] | None:
-    """When a stage 1..S-1 has no member (its last node left): (the member that moves there, the lowest such
-    stage), the member being the highest peer ID of the stage with the most members, at least two (ties to the
-    higher stage; stage 0's highest is never its leader, the lowest); None when no stage is empty or none can spare
-    a node. Every node computes the same from the same membership."""
+def spare_for_empty_stage(
+    membership: Membership, num_stages: int, gone: Collection[str] = ()
+) -> tuple[str, int] | None:
+    """When a stage has no member but those `gone` (its last node left): (the member that moves there, the lowest
+    such stage), the member being the highest peer ID of the stage with the most members (ties to the higher stage;
+    stage 0's highest is never its leader, the lowest). A stage 1..S-1 is given a node only by a stage of at least
+    two; stage 0, which drives every microbatch, by any (the stage it leaves is skipped by every path until it
+    gets one). None when no stage is empty or none can spare a node. Every node computes the same from the same
+    membership and the same gone nodes."""
     members: list[list[str]] = [[] for _ in range(num_stages)]
     for node in membership.members:
-        members[node.stage].append(node.peer_id)
-    empty = [stage for stage in range(1, num_stages) if not members[stage]]
+        if node.peer_id not in gone:
+            members[node.stage].append(node.peer_id)
+    empty = [stage for stage in range(num_stages) if not members[stage]]
     crowded = max(range(num_stages), key=lambda stage: (len(members[stage]), stage))
-    if not empty or len(members[crowded]) < 2:
+    if not empty or len(members[crowded]) < (1 if empty[0] == 0 else 2):
         return None
     return max(members[crowded]), empty[0]
 
 
+def stage_zero_gone(membership: Membership, declared: Collection[str]) -> list[str]:
+    """The stage-0 members of `membership` when none of them has a live declaration (`declared`: the peer IDs that
+    have one): no node is left to drive microbatches or announce rosters. [] while one is there."""
+    stage_zero = [node.peer_id for node in membership.members if node.stage == 0]
+    return [] if any(peer in declared for peer in stage_zero) else stage_zero
+
+
 def pick_roster(
-    rosters: Mapping[str, Sequence[Membership]], current: Sequence[Membership] = (), iteration: int | None = None
+    rosters: Mapping[str, Sequence[Membership]],
+    current: Sequence[Membership] = (),
+    iteration: int | None = None,
+    orphaned: bool = False,
 ) -> list[Membership]:
     """The roster every node follows among those found (publisher → history): the newest membership starting
     latest, ties to the lowest publisher; [] if none. Only from a stage-0 member of its own newest membership and,
     once this node follows a roster (`current`), of that roster's newest membership (a node that is not a stage-0
-    member can't take the swarm over), and for a node that runs `iteration`, announcing no further than MAX_JUMP
-    iterations past it (nor can a stage-0 member move the swarm to an iteration far ahead)."""
-    trusted = None if not current else {node.peer_id for node in current[-1].members if node.stage == 0}
+    member can't take the swarm over) unless every one of those is gone (`orphaned`: a node that took stage 0 since
+    founds the roster again), and for a node that runs `iteration`, announcing no further than MAX_JUMP iterations
+    past it (nor can a stage-0 member move the swarm to an iteration far ahead)."""
+    trusted = None if not current or orphaned else {node.peer_id for node in current[-1].members if node.stage == 0}
     limit = None if iteration is None else iteration + LOOKAHEAD + MAX_JUMP
     valid = [
         (history[-1].from_iteration, publisher)
@@ -266,11 +282,16 @@ class StageDirectory:
 
     def roster(self, current: Sequence[Membership] = (), iteration: int | None = None) -> list[Membership]:
         """The roster to follow (`pick_roster`, after `current`, by a node running `iteration`) among the valid ones
-        found; [] if none."""
+        found; [] if none. A roster from a node outside the current stage 0 is followed only when the declarations
+        say that every node of the current stage 0 is gone (read only then)."""
         rosters = {}
         for subkey, value in read_dictionary(self.dht, keys.skippipe_roster_key(self.run_id), DHT_TIMEOUT_S).items():
             try:
                 rosters[peer_id_of_owner(subkey).to_base58()] = parse_roster(subkey, value, self.num_stages)
             except RecordError as e:
                 logger.debug(f"skipped a roster: {e}")
-        return pick_roster(rosters, current, iteration)
+        picked = pick_roster(rosters, current, iteration)
+        refounded = pick_roster(rosters, current, iteration, orphaned=True) if current else picked
+        if refounded != picked and stage_zero_gone(current[-1], self.declarations().keys()):
+            return refounded
+        return picked

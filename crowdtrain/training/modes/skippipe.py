@@ -23,8 +23,13 @@ from the stage with the most nodes (`spare_for_empty_stage`): the spare declares
 announces the move two iterations ahead like any change, and the spare serves the new stage from that iteration
 on, from its own copy of the stage's layers (no node serves a trained one).
 A joiner's download is checked by the same repair in its first iteration (a state that differs from the majority
-of its stage's replicas is replaced; with one other replica nothing checks it). Not built yet (issue 17): a swarm
-whose stage 0 lost every node (no node may announce a roster then: a new node must found the stage again).
+of its stage's replicas is replaced; with one other replica nothing checks it).
+
+A swarm whose stage 0 lost every node has no source and no leader: its nodes hold (`_hold_without_sources`: no
+iteration, no step) and, once the stage-0 nodes' declarations have been gone for REBALANCE_AFTER_S, a joiner that
+declared stage 0 (the lowest peer ID of them) or else the node `spare_for_empty_stage` names takes stage 0 and
+founds the roster again (`_refound_stage_zero`), from LOOKAHEAD iterations past the swarm's; the others follow it
+(`StageDirectory.roster` trusts its publisher once the old stage 0 is gone) and jump to its first iteration.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from crowdtrain.pipeline.membership import (
     next_members,
     restage,
     spare_for_empty_stage,
+    stage_zero_gone,
 )
 from crowdtrain.pipeline.stage_service import MAX_ITERATIONS_AHEAD
 from crowdtrain.planning.skippipe import NodeInfo
@@ -139,6 +145,10 @@ class SkipPipeMode(TrainingMode):
         """As the leader: reads in a row that missed each member's declaration."""
         self._empty_since: dict[int, float] = {}
         """Stages 1..S-1 that the newest membership leaves without a node, since when (monotonic)."""
+        self._stage_zero_gone_since: float | None = None
+        """Since when (monotonic) every stage-0 node of the newest membership has been gone; None while one is there."""
+        self._holding = False
+        """Whether this node is waiting for a stage-0 node (`_hold_without_sources`), said once."""
         self._given_up: dict[str, float] = {}
         """Peers this node found gone (a failed hop, done message, exchange or ping), until when (monotonic): as the
         leader it leaves them out of the rosters it announces, though their declarations may last a while."""
@@ -199,6 +209,15 @@ class SkipPipeMode(TrainingMode):
             self.service.hold(self.runner.last_iteration)
             self.iteration = None
             return None
+        if not self._has_source(membership):
+            newest = self.history[-1]
+            if newest.from_iteration <= iteration or not self._has_source(newest):
+                self._hold_without_sources(iteration)
+                return None
+            logger.warning(f"iteration {iteration}: no stage-0 node was left; on to iteration "
+                           f"{newest.from_iteration}, where the roster founded again has one")  # fmt: skip
+            iteration, membership = newest.from_iteration, newest
+            self.iteration = iteration
         listed = membership.stage_of(self.me.peer_id)
         if listed != self.stage and listed == self.me.stage:
             self._move(listed, iteration)  # the move this node declared (`_offer_to_move`) is in force
@@ -209,7 +228,7 @@ class SkipPipeMode(TrainingMode):
             logger.info(f"iteration {iteration}: {len(membership.members)} nodes, {self._describe(membership)}")
         self._lead(iteration, membership)
         self._offer_to_move()
-        self._first_batch = batch
+        self._first_batch, self._holding = batch, False
         report = self.runner.run_iteration(iteration)
         self.last_report, self.iteration = report, iteration + 1
         return report.loss
@@ -230,6 +249,11 @@ class SkipPipeMode(TrainingMode):
                 self.history = [founding]
                 self._published_at = time.monotonic()
                 logger.info("founded the SkipPipe roster")
+        orphan = self.history and self.me.peer_id not in self.history[-1].peers() and self.stage == 0
+        if orphan and self._refound_stage_zero(0):  # a joiner on stage 0 of a swarm that lost its stage 0
+            self.iteration = self.history[-1].from_iteration  # no replica of its stage is left to take a state from
+            logger.info(f"taking part in SkipPipe iterations from iteration {self.iteration} on")
+            return True
         if not self.history or self.me.peer_id not in self.history[-1].peers():
             return False
         index = len(self.history) - 1
@@ -319,6 +343,61 @@ class SkipPipeMode(TrainingMode):
             f"stage {stage} has had no node for {now - self._empty_since[stage]:.0f} s: this node moves there from "
             f"stage {self.stage} (declared; the leader announces the move)"
         )
+
+    def _has_source(self, membership: Membership) -> bool:
+        """Whether a stage-0 node of `membership` that this node does not suspect is there to drive microbatches."""
+        return any(node.stage == 0 and node.peer_id not in self.runner.suspected for node in membership.members)
+
+    def _hold_without_sources(self, iteration: int) -> None:
+        """No stage-0 node is left to drive microbatches: run no iteration (nothing would be trained), give the
+        suspected ones another chance after their suspicion ends, and found the roster again where it is this
+        node's to do (`_refound_stage_zero`)."""
+        if not self._holding:
+            logger.warning(f"iteration {iteration}: no stage-0 node is left to drive microbatches; waiting for one "
+                           f"(after {REBALANCE_AFTER_S:.0f} s a node of another stage takes stage 0)")  # fmt: skip
+        self._holding = True
+        self.service.hold(self.runner.last_iteration)
+        self.runner.forgive()
+        self._refound_stage_zero(iteration)
+        time.sleep(WAIT_FOR_ROSTER_S)
+
+    def _refound_stage_zero(self, iteration: int) -> bool:
+        """When every stage-0 node of the newest membership has been gone (no live declaration) for
+        REBALANCE_AFTER_S, and this node is the one to take stage 0 (a joiner that declared stage 0, the lowest
+        peer ID of them; else the node `spare_for_empty_stage` spares, while no joiner declares stage 0), take
+        stage 0 and found the roster again: a membership of the live nodes, from LOOKAHEAD iterations past the
+        swarm's, that every node follows (`StageDirectory.roster`: its publisher's stage-0 predecessors are gone).
+        Stage 0's layers start from this node's copy of them. Whether it did."""
+        newest, now = self.history[-1], time.monotonic()
+        declared = self.directory.declarations(serving_only=True)
+        absent = {node.peer_id for node in newest.members if node.peer_id not in declared}
+        if not stage_zero_gone(newest, declared.keys()):
+            self._stage_zero_gone_since = None
+            return False
+        since = self._stage_zero_gone_since = self._stage_zero_gone_since or now
+        joiners = sorted(peer for peer, node in declared.items() if node.stage == 0 and peer not in newest.peers())
+        if self.stage == 0:
+            ours = bool(joiners) and joiners[0] == self.me.peer_id
+        else:
+            ours = not joiners and spare_for_empty_stage(newest, self.spec.stages, absent) == (self.me.peer_id, 0)
+        if not ours or now - since < REBALANCE_AFTER_S:
+            return False
+        if self.me.stage != 0:
+            self.me = self._node(0)
+            self._declared_at = -float("inf")
+            self._renew_declaration()
+        members = next_members(newest, {**declared, self.me.peer_id: self.me}, absent)
+        start = max(iteration, newest.from_iteration, self._swarm_iteration()) + LOOKAHEAD  # no node is past it
+        announced = Membership(start, members)
+        if not self.directory.publish_roster([*self.history, announced]):
+            return False
+        self.history, self._published_at = [*self.history, announced], now
+        logger.warning(
+            f"every stage-0 node has been gone for {now - since:.0f} s: this node takes stage 0 and founds the roster "
+            f"again, {len(members)} nodes from iteration {announced.from_iteration}; stage 0's layers start from "
+            "this node's copy of them"
+        )
+        return True
 
     def _move(self, stage: int, iteration: int) -> None:
         """Serve `stage` from `iteration` on, as the roster says: a fresh optimizer over its layers, which start
