@@ -211,6 +211,23 @@ def test_experts_with_two_owners_become_their_mean_and_outlive_an_owner_that_goe
             assert all(torch.equal(held(mode, unit), mean) for mode in survivors), f"expert {unit}, round 3"
 
 
+def test_a_round_whose_group_held_part_of_the_swarm_leaves_ownership_to_the_status_records() -> None:
+    with spes_peers(manifest("partial"), 3) as modes:
+        mode, ids = modes[0], [m.context.peer_id for m in modes]
+        mode.apply_swarm_view(SwarmView(plan_share=None, statuses=statuses_of(modes)))
+        train(modes, steps=1, seed=11)  # the trackers see the peers that train
+        await_condition(lambda: mode.tracker.global_progress.num_peers >= 3, 60, "the tracker to see the others")
+        mode.round = 1
+        mode.round_gathered = {peer: [1, 1, 1.0, -1] for peer in ids}
+        mode.round_group = sorted(ids)
+        assert {owner for owners in mode._next_owners() for owner in owners} == set(ids), "the whole swarm's group"
+        # two groups met in this round (peers too far apart): this one's members must not share every expert
+        mode.round_group = sorted(ids[:2])
+        mode.round_gathered = {peer: [1, 1, 1.0, -1] for peer in ids[:2]}
+        assert mode._next_owners() == mode._assign_from_statuses(sorted(ids))
+        assert {owner for owners in mode._next_owners() for owner in owners} == set(ids)
+
+
 def test_nodes_that_disagreed_about_owners_hold_the_owners_copies_after_the_next_round() -> None:
     with spes_peers(manifest("disagree"), 2) as modes:
         first, second = modes

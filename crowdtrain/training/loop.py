@@ -159,6 +159,7 @@ class Trainer:
             else:
                 if mode.epoch == 0 and options.start_with_peers > 1:
                     self._await_start_peers(stop)
+                    mode.apply_swarm_view(self._watched(self._read_swarm()))  # the peers it waited for
                 self._train(model, mode, sampler, stop)
         finally:
             self._final_checkpoint(model, mode)

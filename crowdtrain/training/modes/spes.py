@@ -127,6 +127,8 @@ class SPESMode(DiLoCoMode):
     def apply_swarm_view(self, view: SwarmView) -> None:
         super().apply_swarm_view(view)
         self._view = view  # ownership follows it from the next round's start
+        if self.owners and self.round == 0 and self.inner_steps == 0:  # (not from DiLoCoMode's __init__)
+            self._take_ownership()  # before the first step: the peers the node waited for (start_with_peers) count
 
     def report(self, progress: Progress) -> None:
         super().report(progress)
@@ -161,15 +163,18 @@ class SPESMode(DiLoCoMode):
 
     def _next_owners(self) -> list[tuple[str, ...]]:
         """Who owns which expert in the next round. Nodes must agree, and the freshest agreed fact is the round
-        just averaged: when its group was the whole swarm (the swarm fits in one group), the experts go to its
-        members. A node alone takes every expert. A node whose round was not averaged while others train leaves
-        the experts to them for a round: it can't know whom they counted, and two owners of one expert would
-        waste a round of its training. Otherwise (a fresh run, a swarm larger than one group) the last
-        re-planning read decides; it lags a round or two behind joins and leaves."""
+        just averaged: when its group held every peer this node knows, the experts go to its members. A group that
+        holds part of the swarm (a larger swarm's Moshpit group, or a round whose peers came to it too far apart to
+        meet) would share every expert among its members only: two groups, two owners of each expert, each
+        fetching the other's copies from the wrong peers (seen in the WAN lab). A node alone takes every expert.
+        A node whose round was not averaged while others train leaves the experts to them for a round: it can't
+        know whom they counted, and two owners of one expert would waste a round of its training. Otherwise (a
+        fresh run, a partial group) the last re-planning read decides, from the peers' measured compute; it lags
+        a round or two behind joins and leaves."""
         me = self.context.peer_id
         known = {status.peer_id for status in self._view.statuses} | {me}
         group, started = self.round_group, self.round > 0
-        if group is not None and len(known) <= self.context.manifest.averaging.group_size:
+        if group is not None and known <= set(group):
             # every member computes from the same gathered rates and capacities (status records differ between
             # readers)
             caps = {peer: self._gathered_capacity(peer) for peer in group}
