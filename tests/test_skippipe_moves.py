@@ -239,3 +239,49 @@ def test_a_swarm_whose_stage_zero_is_gone_holds_then_a_spare_founds_it_again(
         first = held[other.peer_id][0]
         assert all(torch.equal(first, later) for later in held[other.peer_id]), "no step while holding"
         assert other.losses and all(math.isfinite(loss) for loss in other.losses[-3:])
+
+
+def test_a_joiner_that_takes_the_lost_stage_zero_founds_the_roster_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(
+        tiny_run_file(
+            "skippipe-rejoin",
+            64,
+            averaging='mode = "skippipe"',
+            sections='[skippipe]\nstages = 2\nskip_ratio = 0.0\nmicrobatches = 4\nwire_dtype = "float32"\n',
+        )
+    )
+    run = load_run_file(str(run_file))
+    torch.set_num_threads(1)
+    monkeypatch.setattr(skippipe, "REBALANCE_AFTER_S", 3.0)
+    monkeypatch.setattr(membership, "DECLARATION_TTL_S", 6.0)
+    monkeypatch.setattr(skippipe, "DECLARATION_RENEW_S", 1.0)
+    monkeypatch.setattr(skippipe, "spare_for_empty_stage", lambda *args: None)  # only the joiner may take stage 0
+    with closing_all([]) as nodes:
+        nodes.append(start_node(run, tmp_path, "founder", []))
+        address = [str(nodes[0].dht.get_visible_maddrs()[0])]
+        nodes.append(start_node(run, tmp_path, "second", address))
+        founder, second = nodes
+        await_condition(lambda: all(len(stages_in_force(node)) == 2 for node in nodes), 90, "two nodes in force")
+        nodes.remove(founder)
+        founder.close()
+        await_condition(lambda: second.mode._holding, 60, "the stage-1 node to hold")
+        gone = founder.peer_id
+        await_condition(lambda: gone not in second.mode.directory.declarations(), 30, "the founder's record to expire")
+        address = [str(second.dht.get_visible_maddrs()[0])]
+        joiner = start_node(run, tmp_path, "joiner", address)  # stage 0 has no declared node: it takes it
+        nodes.append(joiner)
+        assert joiner.mode.stage == 0
+        await_condition(
+            lambda: all(stages_in_force(node) == {joiner.peer_id: 0, second.peer_id: 1} for node in nodes),
+            120,
+            "the joiner in force on stage 0",
+        )
+        begun = max(node.mode.iteration or 0 for node in nodes)
+        await_condition(
+            lambda: all(node.mode.runner.last_iteration >= begun + 3 for node in nodes), 60, "three iterations"
+        )
+        for node in nodes:
+            assert node.error is None, repr(node.error)
