@@ -117,6 +117,38 @@ def closing_all(nodes: list[Node]) -> Iterator[list[Node]]:
             node.close()
 
 
+def two_stage_run(tmp_path: Path, name: str) -> RunManifest:
+    """The tiny LM in two SkipPipe stages, every microbatch through both; one thread per process's torch."""
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(
+        tiny_run_file(
+            name,
+            64,
+            averaging='mode = "skippipe"',
+            sections='[skippipe]\nstages = 2\nskip_ratio = 0.0\nmicrobatches = 4\nwire_dtype = "float32"\n',
+        )
+    )
+    torch.set_num_threads(1)
+    return load_run_file(str(run_file))
+
+
+def records_that_expire_fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real node waits 300 s for a lost stage-0 node to come back, and a gone node's declaration lasts 60 s."""
+    monkeypatch.setattr(skippipe, "REBALANCE_AFTER_S", 3.0)
+    monkeypatch.setattr(membership, "DECLARATION_TTL_S", 6.0)
+    monkeypatch.setattr(skippipe, "DECLARATION_RENEW_S", 1.0)
+
+
+def three_more_iterations(nodes: list[Node], what: str) -> None:
+    """Wait until every node stepped three iterations past the newest any of them runs now; none failed."""
+    begun = max(node.mode.iteration or 0 for node in nodes)
+    await_condition(
+        lambda: all(node.mode.runner.last_iteration >= begun + 3 for node in nodes), 60, f"three iterations {what}"
+    )
+    for node in nodes:
+        assert node.error is None, repr(node.error)
+
+
 def stages_in_force(node: Node) -> dict[str, int]:
     """The stage of each node in the membership `node` runs its current iteration with."""
     mode = node.mode
@@ -127,17 +159,7 @@ def stages_in_force(node: Node) -> dict[str, int]:
 def test_a_stage_that_loses_its_last_node_takes_a_spare_one_at_one_iteration_everywhere(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    run_file = tmp_path / "run.toml"
-    run_file.write_text(
-        tiny_run_file(
-            "skippipe-moves",
-            64,
-            averaging='mode = "skippipe"',
-            sections='[skippipe]\nstages = 2\nskip_ratio = 0.0\nmicrobatches = 4\nwire_dtype = "float32"\n',
-        )
-    )
-    run = load_run_file(str(run_file))
-    torch.set_num_threads(1)
+    run = two_stage_run(tmp_path, "skippipe-moves")
     monkeypatch.setattr(skippipe, "REBALANCE_AFTER_S", 3.0)  # a real node waits 300 s for its stage's node to return
     with closing_all([]) as nodes:
         nodes.append(start_node(run, tmp_path, "founder", []))
@@ -165,14 +187,8 @@ def test_a_stage_that_loses_its_last_node_takes_a_spare_one_at_one_iteration_eve
             "the spare node in force on stage 1",
         )
         assert mover.mode.me.stage == 1
-        moved_at = [node.mode.iteration or 0 for node in nodes]
-        await_condition(
-            lambda: all(node.mode.runner.last_iteration >= max(moved_at) + 3 for node in nodes),
-            60,
-            "three iterations with every stage served again",
-        )
+        three_more_iterations(nodes, "with every stage served again")
         for node in nodes:
-            assert node.error is None, repr(node.error)
             assert node.losses and all(math.isfinite(loss) for loss in node.losses)
         assert mover.mode.runner.driver is None, "a stage-1 node drives no microbatches"
 
@@ -180,20 +196,8 @@ def test_a_stage_that_loses_its_last_node_takes_a_spare_one_at_one_iteration_eve
 def test_a_swarm_whose_stage_zero_is_gone_holds_then_a_spare_founds_it_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    run_file = tmp_path / "run.toml"
-    run_file.write_text(
-        tiny_run_file(
-            "skippipe-refound",
-            64,
-            averaging='mode = "skippipe"',
-            sections='[skippipe]\nstages = 2\nskip_ratio = 0.0\nmicrobatches = 4\nwire_dtype = "float32"\n',
-        )
-    )
-    run = load_run_file(str(run_file))
-    torch.set_num_threads(1)
-    monkeypatch.setattr(skippipe, "REBALANCE_AFTER_S", 3.0)  # a real node waits 300 s for stage 0 to come back
-    monkeypatch.setattr(membership, "DECLARATION_TTL_S", 6.0)  # a real gone node's declaration lasts 60 s
-    monkeypatch.setattr(skippipe, "DECLARATION_RENEW_S", 1.0)
+    run = two_stage_run(tmp_path, "skippipe-refound")
+    records_that_expire_fast(monkeypatch)
     held: dict[str, list[torch.Tensor]] = {}
     hold = SkipPipeMode._hold_without_sources
 
@@ -226,14 +230,7 @@ def test_a_swarm_whose_stage_zero_is_gone_holds_then_a_spare_founds_it_again(
             120,
             "the spare in force on stage 0",
         )
-        refounded_at = [node.mode.iteration or 0 for node in nodes]
-        await_condition(
-            lambda: all(node.mode.runner.last_iteration >= max(refounded_at) + 3 for node in nodes),
-            60,
-            "three iterations driven by the new stage 0",
-        )
-        for node in nodes:
-            assert node.error is None, repr(node.error)
+        three_more_iterations(nodes, "driven by the new stage 0")
         assert spare.mode.runner.driver is not None, "the new stage-0 node drives microbatches"
         assert len(held.get(other.peer_id, [])) >= 2, "the stage-1 node held while no source was left"
         first = held[other.peer_id][0]
@@ -244,20 +241,8 @@ def test_a_swarm_whose_stage_zero_is_gone_holds_then_a_spare_founds_it_again(
 def test_a_joiner_that_takes_the_lost_stage_zero_founds_the_roster_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    run_file = tmp_path / "run.toml"
-    run_file.write_text(
-        tiny_run_file(
-            "skippipe-rejoin",
-            64,
-            averaging='mode = "skippipe"',
-            sections='[skippipe]\nstages = 2\nskip_ratio = 0.0\nmicrobatches = 4\nwire_dtype = "float32"\n',
-        )
-    )
-    run = load_run_file(str(run_file))
-    torch.set_num_threads(1)
-    monkeypatch.setattr(skippipe, "REBALANCE_AFTER_S", 3.0)
-    monkeypatch.setattr(membership, "DECLARATION_TTL_S", 6.0)
-    monkeypatch.setattr(skippipe, "DECLARATION_RENEW_S", 1.0)
+    run = two_stage_run(tmp_path, "skippipe-rejoin")
+    records_that_expire_fast(monkeypatch)
     monkeypatch.setattr(skippipe, "spare_for_empty_stage", lambda *args: None)  # only the joiner may take stage 0
     with closing_all([]) as nodes:
         nodes.append(start_node(run, tmp_path, "founder", []))
@@ -279,9 +264,4 @@ def test_a_joiner_that_takes_the_lost_stage_zero_founds_the_roster_again(
             120,
             "the joiner in force on stage 0",
         )
-        begun = max(node.mode.iteration or 0 for node in nodes)
-        await_condition(
-            lambda: all(node.mode.runner.last_iteration >= begun + 3 for node in nodes), 60, "three iterations"
-        )
-        for node in nodes:
-            assert node.error is None, repr(node.error)
+        three_more_iterations(nodes, "driven by the joiner")
