@@ -97,13 +97,13 @@ def assign_owners(
 
     The replicas × num_units places are shared out like units (`unit_shares`), and each unit takes its owners
     in the order of their rendezvous score among the peers with places left. Where the places left can't give
-    a unit distinct owners (a share that only fits units the peer already owns), the unit takes the best scored
-    peers that don't own it yet, past their share."""
+    a unit distinct owners (a share that only fits units the peer already owns), a place is swapped with
+    another unit (`_complete`)."""
     ordered = sorted(dict(peers).items())  # one entry per peer, in an order every node shares
     if not ordered:
         return []
     copies = max(1, min(replicas, len(ordered)))
-    peer_caps: list[int | None] = [_cap(caps, peer, num_units) for peer, _ in ordered]
+    peer_caps = [_cap(caps, peer, num_units) for peer, _ in ordered]
     shares = unit_shares([weight for _, weight in ordered], copies * num_units, peer_caps)
     left = {peer: share for (peer, _), share in zip(ordered, shares, strict=True)}
     owners: list[list[str]] = [[] for _ in range(num_units)]
@@ -126,7 +126,9 @@ def _complete(owners: list[list[str]], unit: int, left: dict[str, int], peers: l
         if left[peer] <= 0:
             continue
         for other in owners:
-            swapped = next((q for q in other if q not in owners[unit]), None) if peer not in other else None
+            if peer in other:
+                continue
+            swapped = next((owner for owner in other if owner not in owners[unit]), None)
             if swapped is not None:
                 other[other.index(swapped)] = peer
                 owners[unit].append(swapped)

@@ -209,9 +209,9 @@ class SkipPipeMode(TrainingMode):
             self.service.hold(self.runner.last_iteration)
             self.iteration = None
             return None
-        if not self._has_source(membership):
+        if leader_of(membership, self.runner.suspected) is None:  # no stage-0 node left to drive microbatches
             newest = self.history[-1]
-            if newest.from_iteration <= iteration or not self._has_source(newest):
+            if newest.from_iteration <= iteration or leader_of(newest, self.runner.suspected) is None:
                 self._hold_without_sources(iteration)
                 return None
             logger.warning(f"iteration {iteration}: no stage-0 node was left; on to iteration "
@@ -343,10 +343,6 @@ class SkipPipeMode(TrainingMode):
             f"stage {stage} has had no node for {now - self._empty_since[stage]:.0f} s: this node moves there from "
             f"stage {self.stage} (declared; the leader announces the move)"
         )
-
-    def _has_source(self, membership: Membership) -> bool:
-        """Whether a stage-0 node of `membership` that this node does not suspect is there to drive microbatches."""
-        return any(node.stage == 0 and node.peer_id not in self.runner.suspected for node in membership.members)
 
     def _hold_without_sources(self, iteration: int) -> None:
         """No stage-0 node is left to drive microbatches: run no iteration (nothing would be trained), give the

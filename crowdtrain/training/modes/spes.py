@@ -269,20 +269,16 @@ class SPESMode(DiLoCoMode):
         self.exchange.publish(round_, published)
         others = {unit: [peer for peer in unit_owners if peer != me] for unit, unit_owners in enumerate(owners)}
         wanted = {unit: peers for unit, peers in others.items() if peers}
-        taken: set[int] = set()
-
-        def take(unit: int, copies: dict[str, torch.Tensor]) -> None:
-            self._take_copies(unit, copies, published.get(unit))
-            taken.add(unit)
-
         failures = self.exchange.fetch_all(
             wanted,
             round_,
             self.context.manifest.averaging.timeout_s,
             lambda unit: previous[unit] if unit in previous else self._flat(unit),
-            take,
+            lambda unit, copies: self._take_copies(unit, copies, published.get(unit)),
         )
-        self._say_failures(failures, sum(map(len, wanted.values())), stale=set(failures) - taken - set(published))
+        # stale: no owner's copy came, and this node's own was not one of them
+        stale = {unit for unit, why in failures.items() if len(why) == len(wanted[unit]) and unit not in published}
+        self._say_failures(failures, sum(map(len, wanted.values())), stale)
 
     def _say_failures(self, failures: dict[int, dict[str, str]], wanted: int, stale: set[int]) -> None:
         """Count the round's missing copies and say, in one line, what they cost and why (by owner)."""
