@@ -290,6 +290,7 @@ class SPESSpec:
 
 
 SKIPPIPE_WIRE_DTYPES = ("float16", "bfloat16", "float32")
+SKIPPIPE_GRADIENT_DTYPES = ("bfloat16", "float32")
 MAX_SKIPPIPE_STAGES = 64
 SKIPPIPE_ARCHITECTURES = ("LlamaForCausalLM",)
 """Decoder LMs whose layers `models.stages.StagedModel` cuts into stages."""
@@ -310,6 +311,10 @@ class SkipPipeSpec:
     """M: the whole swarm's microbatches per iteration; each stage steps its optimizer once per iteration."""
     wire_dtype: str = "float16"
     """How hidden states and their gradients travel between stages: `float16`, `bfloat16` or `float32`."""
+    gradient_dtype: str = "bfloat16"
+    """How a stage's replicas exchange their iteration's gradient: `bfloat16` (half of float32's bytes, float32's
+    range; every replica sums the rounded values, so they stay bit-identical) or `float32`. Not float16: a
+    gradient's small values would underflow without a scale."""
 
     def __post_init__(self) -> None:
         if not 2 <= self.stages <= MAX_SKIPPIPE_STAGES:
@@ -320,6 +325,10 @@ class SkipPipeSpec:
             raise ValueError(f"microbatches must be between 1 and 4096, got {self.microbatches}")
         if self.wire_dtype not in SKIPPIPE_WIRE_DTYPES:
             raise ValueError(f"wire_dtype must be one of {', '.join(SKIPPIPE_WIRE_DTYPES)}, got {self.wire_dtype!r}")
+        if self.gradient_dtype not in SKIPPIPE_GRADIENT_DTYPES:
+            raise ValueError(
+                f"gradient_dtype must be one of {', '.join(SKIPPIPE_GRADIENT_DTYPES)}, got {self.gradient_dtype!r}"
+            )
 
 
 EXPERT_ARCHITECTURES = ("ffn",)

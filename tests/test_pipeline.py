@@ -284,6 +284,7 @@ def test_iterations_on_every_node_step_each_stage_as_one_process_would(
             optimizer=torch.optim.AdamW(service.staged.stage_parameters(service.stage), lr=1e-2),
             batch=lambda iteration, microbatch: data[iteration * num_microbatches + microbatch],
             wire_dtype="float32",
+            gradient_dtype="float32",
             in_flight=1,
             done_timeout_s=60.0,
         )
@@ -332,6 +333,51 @@ def test_iterations_on_every_node_step_each_stage_as_one_process_would(
     assert last[1].replicas_summed == last[2].replicas_summed == 2, "node 2 forgave node 1"
     assert torch.equal(stage_vector(runners[1]), stage_vector(runners[2])), "the replicas are one again"
     assert all(report.adopted_from is None for node, report in enumerate(last) if node not in (1, 2))
+
+
+def test_replicas_sum_the_gradients_as_published_in_the_runs_dtype(swarm: Swarm) -> None:
+    """Stage 1's two replicas exchange their gradients in bfloat16 (half of float32's bytes) and both hold the sum,
+    in peer-ID order, of what each published, bit for bit; in float32 the sum is of the gradients themselves."""
+    nodes = [
+        NodeInfo(peer_id=swarm.peer(node), stage=stage, seconds_per_microbatch=1.0, memory_microbatches=2)
+        for node, stage in enumerate(STAGE_OF_NODE)
+    ]
+    replicas = [
+        SkipPipeNode(
+            service=swarm.services[node],
+            nodes=nodes,
+            num_microbatches=2,
+            skip_ratio=0.25,
+            reorder=True,
+            optimizer=torch.optim.AdamW(swarm.services[node].staged.stage_parameters(1), lr=1e-2),
+            batch=lambda iteration, microbatch: tokens(),
+        )
+        for node in (1, 2)
+    ]
+    numel = stage_vector(replicas[0]).numel()
+    for iteration, (dtype, itemsize) in enumerate([("bfloat16", 2), ("float32", 4)]):
+        generator = torch.Generator().manual_seed(iteration)
+        published = {}
+        for runner in replicas:
+            runner.gradient_dtype = dtype
+            for parameter in runner.parameters:
+                parameter.grad = torch.randn(parameter.shape, generator=generator) * 1e-3
+            gradient = torch.cat([parameter.grad.reshape(-1) for parameter in runner.parameters])
+            published[runner.peer_id] = gradient.to(getattr(torch, dtype)).float()
+        expected = torch.zeros(numel)
+        for peer in sorted(published):
+            expected += published[peer]
+        sent_before = [runner.service.bytes_sent for runner in replicas]
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            summed = [
+                future.result(timeout=60) for future in [pool.submit(r._sum_gradients, iteration) for r in replicas]
+            ]
+        assert summed == [(2, None), (2, None)]
+        for runner, before in zip(replicas, sent_before, strict=True):
+            got = torch.cat([parameter.grad.reshape(-1) for parameter in runner.parameters])
+            assert torch.equal(got, expected), f"{dtype}: a replica summed other bits than the published ones"
+            assert runner.service.bytes_sent - before == itemsize * numel
+    assert not torch.equal(published[swarm.peer(1)], published[swarm.peer(1)].bfloat16().float()), "float32 kept"
 
 
 def assert_a_joiner_steps_as_the_replica_it_joined(

@@ -152,11 +152,17 @@ def test_the_manifest_section_is_checked_and_the_preset_is_a_skippipe_run() -> N
     preset = skippipe_demo()
     assert (preset.averaging.mode, preset.skippipe) == ("skippipe", SkipPipeSpec(stages=4, skip_ratio=0.25))
     assert type(preset).from_bytes(preset.to_bytes()) == preset
+    exact = dataclasses.replace(preset, skippipe=SkipPipeSpec(gradient_dtype="float32"))
+    assert type(exact).from_bytes(exact.to_bytes()).skippipe == SkipPipeSpec(gradient_dtype="float32")
+    older = proto.RunManifest.FromString(exact.to_bytes())
+    older.skippipe.ClearField("gradient_dtype")  # a manifest from before the setting
+    assert type(exact).from_bytes(older.SerializeToString()).skippipe == SkipPipeSpec()
     for bad, reason in (
         (dict(stages=1), "stages must be between 2"),
         (dict(skip_ratio=1.0), "skip_ratio"),
         (dict(microbatches=0), "microbatches"),
         (dict(wire_dtype="int8"), "wire_dtype"),
+        (dict(gradient_dtype="float16"), "gradient_dtype must be one of bfloat16, float32"),
     ):
         with pytest.raises(ValueError, match=reason):
             SkipPipeSpec(**bad)  # type: ignore[arg-type]

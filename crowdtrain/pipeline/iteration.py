@@ -12,10 +12,12 @@ the swarm's nodes, seeded by the iteration), so no message carries it. An iterat
    schedules (nodes may then differ on a schedule; only the balance suffers: step 3 waits for done messages,
    not for counts, and every source tells every node);
 4. the stage's gradient: each microbatch's gradient landed on exactly one replica of each stage it visited, so the
-   iteration's gradient is the *sum* of the replicas' `.grad`. Each replica publishes its own and fetches the
-   others' (`rpc_stage_gradient`), and adds them in peer-ID order, so every replica that heard from all of them
-   holds the same bits; a replica that does not answer within `exchange_timeout_s` is left out (its share of
-   microbatches is lost for the others this iteration, and from then on the replicas differ);
+   iteration's gradient is the *sum* of the replicas' `.grad`. Each replica publishes its own, rounded to
+   `gradient_dtype` (bfloat16 by default: half of float32's bytes, and this exchange is most of what a stage node
+   sends), fetches the others' (`rpc_stage_gradient`) and adds them, its own as rounded, in peer-ID order, so
+   every replica that heard from all of them holds the same bits; a replica that does not answer within
+   `exchange_timeout_s` is left out (its share of microbatches is lost for the others this iteration, and from
+   then on the replicas differ);
 5. clip to `max_grad_norm`, the optimizer's step, gradients zeroed, the iteration closed; an iteration that no
    source finished (every stage-0 node gone) trained nothing and takes no step (AdamW would still move the
    parameters on its momentum and weight decay);
@@ -51,7 +53,7 @@ import torch
 
 from crowdtrain import proto
 from crowdtrain.pipeline.driver import MicrobatchOutcome, PipelineDriver
-from crowdtrain.pipeline.stage_service import MAX_FINGERPRINT, HopFailedError, StageService
+from crowdtrain.pipeline.stage_service import MAX_FINGERPRINT, WIRE_DTYPES, HopFailedError, StageService
 from crowdtrain.planning.skippipe import NodeInfo, Schedule, SkipPipeProblem, schedule_microbatches
 
 logger = logging.getLogger(__name__)
@@ -108,6 +110,8 @@ class SkipPipeNode:
     batch: Callable[[int, int], torch.Tensor]
     """The token ids [batch, sequence] of microbatch m of iteration i, `batch(i, m)`, for a stage-0 node."""
     wire_dtype: str = "float16"
+    gradient_dtype: str = "bfloat16"
+    """How this node publishes its stage's gradient to the other replicas (`SkipPipeSpec.gradient_dtype`)."""
     in_flight: int = 2
     max_grad_norm: float = 1.0
     hop_timeout_s: float = 30.0
@@ -315,7 +319,9 @@ class SkipPipeNode:
         with self.service.model_lock:
             own = torch.cat([_grad(p).reshape(-1) for p in self.parameters])
             own_fingerprint = fingerprint(self.parameters, self._positions)
-        self.service.publish_gradient(iteration, own, own_fingerprint)
+        # every replica sums what each one published: this node's own term is its gradient as the others receive it
+        own = own.to(WIRE_DTYPES[self.gradient_dtype]).float()
+        self.service.publish_gradient(iteration, own, own_fingerprint, self.gradient_dtype)
         total = torch.zeros_like(own)
         summed: dict[str, torch.Tensor | None] = {}
         for peer in replicas:  # peer-ID order: the same sum, bit for bit, on every replica

@@ -213,7 +213,7 @@ class StageService(P2PService):
         self._done: dict[int, set[str]] = {}
         self._losses: dict[int, dict[str, tuple[float, int]]] = {}
         self._rows: Counter[int] = Counter()
-        self._gradients: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._gradients: OrderedDict[int, tuple[torch.Tensor, torch.Tensor, str]] = OrderedDict()
         self._state_source: Callable[[], tuple[int, int, torch.Tensor]] | None = None
         self._state_reads = asyncio.Semaphore(1)  # one state snapshot at a time: each copies the whole stage
 
@@ -302,17 +302,17 @@ class StageService(P2PService):
     async def rpc_stage_gradient(
         self, request: proto.StageHop, context: P2PContext
     ) -> typing.AsyncIterator[proto.StageHop]:
-        """This replica's gradient of `request.iteration` (float32, flattened), for the stage's other replicas; a
-        header with no shape while it is not ready (yet, or any more)."""
+        """This replica's gradient of `request.iteration` (flattened, in the dtype it was published in), for the
+        stage's other replicas; a header with no shape while it is not ready (yet, or any more)."""
         with self._held_lock:
             published = self._gradients.get(request.iteration)
         if request.stage != self.stage or published is None:
             yield proto.StageHop(iteration=request.iteration, stage=self.stage)
         else:
-            gradient, fingerprint = published
+            gradient, fingerprint, dtype = published
             header = _reply_header(request)
             header.fingerprint[:] = fingerprint.tolist()
-            for frame in encode_frames(gradient, header, "float32"):
+            for frame in encode_frames(gradient, header, dtype):
                 self.bytes_sent += len(frame.payload)
                 yield frame
         await linger()
@@ -449,13 +449,18 @@ class StageService(P2PService):
                 self._backwards_changed.wait(left)
             return self._done.get(iteration, set()) & set(sources)
 
-    def publish_gradient(self, iteration: int, gradient: torch.Tensor, fingerprint: torch.Tensor) -> None:
-        """Serve `gradient` (float32, flattened) as this replica's of `iteration`, with the `fingerprint` of its
-        parameters before the iteration's step (float32, at most MAX_FINGERPRINT values); the last two are kept."""
+    def publish_gradient(
+        self, iteration: int, gradient: torch.Tensor, fingerprint: torch.Tensor, dtype: str = "float32"
+    ) -> None:
+        """Serve `gradient` (flattened) as this replica's of `iteration`, sent as `dtype` (one of WIRE_DTYPES: the
+        caller rounds it first where every replica must sum the same bits), with the `fingerprint` of its parameters
+        before the iteration's step (float32, at most MAX_FINGERPRINT values); the last two are kept."""
         if fingerprint.numel() > MAX_FINGERPRINT:
             raise ValueError(f"a fingerprint holds at most {MAX_FINGERPRINT} values")
+        if dtype not in WIRE_DTYPES:
+            raise ValueError(f"a gradient travels as one of {sorted(WIRE_DTYPES)}, not {dtype!r}")
         with self._held_lock:
-            self._gradients[iteration] = (gradient, fingerprint.detach().float().cpu())
+            self._gradients[iteration] = (gradient, fingerprint.detach().float().cpu(), dtype)
             while len(self._gradients) > 2:
                 self._gradients.popitem(last=False)
 
@@ -564,9 +569,10 @@ class StageService(P2PService):
     def fetch_gradient(
         self, peer_id: str, iteration: int, num_values: int, timeout_s: float
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`peer_id`'s gradient of `iteration` for this node's stage, `num_values` float32 values, and the
-        fingerprint of its parameters before the step (None unless it sent one of MAX_FINGERPRINT finite values or
-        fewer); waits up to `timeout_s` for it to be published; HopFailedError if it is not had."""
+        """`peer_id`'s gradient of `iteration` for this node's stage, `num_values` values (float32, whatever wire
+        dtype they came in), and the fingerprint of its parameters before the step (None unless it sent one of
+        MAX_FINGERPRINT finite values or fewer); waits up to `timeout_s` for it to be published; HopFailedError if
+        it is not had."""
         request = proto.StageHop(iteration=iteration, stage=self.stage)
         what = f"gradient of iteration {iteration}"
         header, gradient = self._fetch_flat(peer_id, "gradient", request, num_values, timeout_s, what)

@@ -185,6 +185,7 @@ class SkipPipeMode(TrainingMode):
             optimizer=optimizer,
             batch=self._batch,
             wire_dtype=self.spec.wire_dtype,
+            gradient_dtype=self.spec.gradient_dtype,
         )
 
     @property
