@@ -5,7 +5,10 @@ layers; 8 node processes hold them, 2 replicas per stage, each node its own hive
 torch on one thread. Every iteration, every node computes the same schedule (`planning.skippipe`, k = 0.25:
 each microbatch visits 2 of stages 1..3, reordered) over the nodes' measured costs, the two stage-0 nodes drive
 their microbatches along their routes through the other nodes (`crowdtrain.pipeline`: fp16 hidden states on the
-wire), each stage sums its gradient over its replicas and steps AdamW. Arms, one after the other, same data:
+wire), each stage sums its gradient over its replicas (exchanged in bfloat16, `--gradient-dtype`) and steps AdamW.
+With `--scenario scripts/scenarios/skippipe.toml` every node runs in a WAN-lab host of its own (network namespaces
+with token-bucket caps: the first replica of each stage on 100 Mbit/s, the second on 25; run as root) instead of
+on loopback. Arms, one after the other, same data:
 
     one-process   the same routes in one process: gradient accumulation over the iteration's microbatches, one
                   step; torch on one thread, and again on every core (`one-process-all-cores`): the best
@@ -17,27 +20,32 @@ wire), each stage sums its gradient over its replicas and steps AdamW. Arms, one
     swarm-random  the same k and reordering, stages and replicas drawn at random (`random_skipping`)
     swarm-full    the 8 node processes as a standard pipeline (`full_pipeline`): k = 0, every microbatch through
                   every stage in order, each stage's replicas in turn
+    swarm-float32 `swarm` with the replicas' gradients exchanged in float32 (twice the bytes)
 
 Node 7 (stage 3's second replica) is `--slowdown` times slower (default 4): after each of its forwards and
 backwards it sleeps (slowdown - 1) times the compute, busy for anything else, and the schedule knows its cost (as
 from its published measurement). A sleeping node takes no core here, as a slow remote node would take none.
 
 Reported per arm: seconds per iteration (median after the first two), training samples per second, the mean
-training loss of the last iterations, the held-out loss of the trained model along the full path (for a swarm,
-one replica of each stage put together), and for the swarms: rerouted and skipped hops, lost backwards, bytes
+training loss of the last iterations, the held-out loss along the full path every `--eval-every` iterations
+against samples and against training seconds (for a swarm, the first replica of each stage put together: it is
+never the killed one), the trained model's held-out perplexity with 1 and 2 of stages 1..3 removed (25% and 50%
+of the stages; the mean over the paths), and for the swarms: rerouted and skipped hops, lost backwards, bytes
 sent per iteration by the stage nodes, and where the time went (per node: microbatches, waiting for sources,
-gradient exchange, step).
+gradient exchange, step). Writes skippipe_swarm.json and skippipe_swarm.png (the curves and the perplexities).
 
 On this 2-core machine 8 processes (and their 8 p2pd) share two cores, so the swarm's seconds per iteration
 measure the protocol's overhead under contention, not a pipeline's speed-up: that needs a core (or a machine) per
 node. The swarm's ratio is taken against the faster of the two one-process arms.
 
     python scripts/bench_skippipe_swarm.py [--model demo|llama-20m] [--iterations 30] [--kill-at 10]
+        [--scenario scripts/scenarios/skippipe.toml] [--arms ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -52,10 +60,10 @@ from typing import Any
 
 import hivemind
 import torch
+from bench_skippipe import Data, RemovedStages, held_out_loss, removed_stages
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from crowdtrain.data import WindowSampler, load_token_stream
 from crowdtrain.manifest import ModelSpec, RunManifest, demo, llama_20m
 from crowdtrain.models import ByteTokenizer, build_model
 from crowdtrain.models.stages import StagedModel
@@ -69,15 +77,22 @@ from crowdtrain.planning.skippipe import (
     random_skipping,
     schedule_microbatches,
 )
-from crowdtrain.testing.bench import bench_parser, environment_json, print_table, say, write_json
+from crowdtrain.testing.bench import (
+    bench_parser,
+    environment_json,
+    plot_to_png,
+    print_table,
+    say,
+    say_plotted,
+    write_json,
+)
 from crowdtrain.testing.processes import ProcessGroups, await_condition
+from crowdtrain.testing.wanlab import Lab, Scenario
 
 NUM_STAGES = 4
 REPLICAS = 2
 SKIP_RATIO = 0.25
 LEARNING_RATE = 1e-3
-EVAL_BATCHES = 8
-EVAL_BATCH_SIZE = 8
 KILLED_STAGE = 2
 """The stage one of whose replicas the swarm-kill arm kills (its second replica, never a source)."""
 SLOW_NODE = 7
@@ -88,6 +103,7 @@ SCHEDULERS: dict[str, Callable[[SkipPipeProblem], Schedule]] = {
     "full": full_pipeline,
 }
 STARTUP_TIMEOUT_S = 120.0
+ARMS = ("swarm", "swarm-kill", "swarm-random", "swarm-full", "swarm-float32")
 
 
 def bench_run(model: str) -> RunManifest:
@@ -99,29 +115,8 @@ def bench_run(model: str) -> RunManifest:
     return dataclasses.replace(base, run_id="bench-skippipe-swarm", model=spec)
 
 
-class Data:
-    """Microbatch m of iteration i is the same windows in every arm and on every node; a fixed held-out set."""
-
-    def __init__(self, run: RunManifest, micro_batch_size: int, cache: Path) -> None:
-        tokens = load_token_stream(run.data, ByteTokenizer(), cache)
-        self.sampler = WindowSampler(tokens, run.data.sequence_length, peer_seed=0)
-        self.micro_batch_size = micro_batch_size
-
-    def batch(self, iteration: int, microbatch: int) -> torch.Tensor:
-        return self.sampler.batch(iteration, self.micro_batch_size, microbatch)
-
-    def held_out(self) -> list[torch.Tensor]:
-        return self.sampler.eval_batches(EVAL_BATCH_SIZE, EVAL_BATCHES)
-
-
 def staged_model(run: RunManifest) -> StagedModel:
     return StagedModel(build_model(run.model, ByteTokenizer().vocab_size, seed=0), NUM_STAGES)
-
-
-def held_out_loss(staged: StagedModel, data: Data) -> float:
-    staged.model.eval()
-    with torch.no_grad():
-        return statistics.fmean(float(staged.loss(batch, staged.full_path)) for batch in data.held_out())
 
 
 def stage_seconds(run: RunManifest, data: Data) -> list[float]:
@@ -191,7 +186,8 @@ def one_process(
     nodes = topology([f"node{index}" for index in range(NUM_STAGES * REPLICAS)], seconds, args.memory, args.slowdown)
     staged = staged_model(run)
     optimizers = [torch.optim.AdamW(staged.stage_parameters(stage), lr=LEARNING_RATE) for stage in range(NUM_STAGES)]
-    iteration_s, losses = [], []
+    iteration_s, losses, curve = [], [], Curve()
+    curve.add(0, 0.0, held_out_loss(staged, data, staged.full_path))
     for iteration in range(args.iterations):
         began = time.perf_counter()
         schedule = schedule_microbatches(_problem(args, nodes, iteration))
@@ -206,9 +202,33 @@ def one_process(
             optimizer.zero_grad()
         iteration_s.append(time.perf_counter() - began)
         losses.append(statistics.fmean(iteration_losses))
-    result = {"iteration_s": iteration_s, "train_loss": losses, "held_out_loss": held_out_loss(staged, data)}
+        if evaluated(args, iteration + 1):
+            curve.add(iteration + 1, sum(iteration_s), held_out_loss(staged, data, staged.full_path))
+    result = {"iteration_s": iteration_s, "train_loss": losses, "held_out_loss": curve.held_out_loss[-1]}
+    result.update(
+        curve=dataclasses.asdict(curve), removed=[dataclasses.asdict(r) for r in removed_stages(staged, data)]
+    )
     torch.set_num_threads(1)
     return {**result, "torch_threads": threads}
+
+
+@dataclasses.dataclass
+class Curve:
+    """Held-out loss along the full path after some iterations, and the training seconds spent by then."""
+
+    iterations: list[int] = dataclasses.field(default_factory=list)
+    train_s: list[float] = dataclasses.field(default_factory=list)
+    held_out_loss: list[float] = dataclasses.field(default_factory=list)
+
+    def add(self, iterations: int, train_s: float, loss: float) -> None:
+        self.iterations.append(iterations)
+        self.train_s.append(train_s)
+        self.held_out_loss.append(loss)
+
+
+def evaluated(args: argparse.Namespace, iterations: int) -> bool:
+    """Whether the held-out loss is measured after `iterations` iterations (every `--eval-every`, and the last)."""
+    return iterations % args.eval_every == 0 or iterations == args.iterations
 
 
 def _problem(args: argparse.Namespace, nodes: Sequence[NodeInfo], iteration: int) -> SkipPipeProblem:
@@ -228,7 +248,7 @@ def node_main(args: argparse.Namespace) -> int:
     with TemporaryDirectory() as cache:
         data = Data(run, args.micro_batch_size, Path(cache))
         initial = json.loads((folder / "node0.json").read_text())["maddrs"] if index else []
-        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial)
+        dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{args.host}/tcp/0"], initial_peers=initial)
         staged = staged_model(run)
         hidden = run.model.config["hidden_size"]
         limits = HopLimits(max_batch=args.micro_batch_size, max_sequence=run.data.sequence_length, hidden_size=hidden)
@@ -251,10 +271,14 @@ def node_main(args: argparse.Namespace) -> int:
             reorder=args.skip_ratio > 0, scheduler=SCHEDULERS[args.scheduler],
             optimizer=torch.optim.AdamW(staged.stage_parameters(stage), lr=LEARNING_RATE), batch=data.batch,
             in_flight=args.memory, hop_timeout_s=60.0, done_timeout_s=300.0, exchange_timeout_s=60.0,
+            gradient_dtype=args.gradient_dtype,
         )  # fmt: skip
         with (folder / f"node{index}.jsonl").open("a") as log:
             for iteration in range(args.iterations):
                 report = runner.run_iteration(iteration)
+                if index % REPLICAS == 0 and evaluated(args, iteration + 1):  # the first replica of each stage
+                    parameters = [p.detach().clone() for p in staged.stage_parameters(stage)]
+                    torch.save(parameters, folder / f"snapshot{iteration + 1}-stage{stage}.pt")
                 log.write(json.dumps(_report_json(report, service)) + "\n")
                 log.flush()
         torch.save([p.detach() for p in staged.stage_parameters(stage)], folder / f"stage{stage}-{index}.pt")
@@ -300,23 +324,30 @@ def _read(path: Path) -> Any:
 def swarm_arm(
     args: argparse.Namespace, run: RunManifest, data: Data, seconds: Sequence[float], arm: str
 ) -> dict[str, Any]:
-    """One swarm arm: `swarm`, `swarm-kill`, `swarm-random` or `swarm-full`."""
+    """One swarm arm (`ARMS`), on loopback or, with `--scenario`, each node in a WAN-lab host of its own."""
     kill = arm == "swarm-kill"
     skip_ratio = 0.0 if arm == "swarm-full" else SKIP_RATIO
     scheduler = {"swarm-full": "full", "swarm-random": "random"}.get(arm, "skippipe")
+    gradient_dtype = "float32" if arm == "swarm-float32" else args.gradient_dtype
     groups = ProcessGroups()
     num_nodes = NUM_STAGES * REPLICAS
     victim = KILLED_STAGE * REPLICAS + 1
-    with TemporaryDirectory(prefix="skippipe-swarm-") as directory:
+    with TemporaryDirectory(prefix="skippipe-swarm-") as directory, contextlib.ExitStack() as stack:
         folder = Path(directory)
+        hosts = stack.enter_context(Lab(Scenario.load(args.scenario))).hosts if args.scenario else []
+        if hosts and len(hosts) != num_nodes:
+            raise SystemExit(f"the scenario has {len(hosts)} hosts; this benchmark runs {num_nodes} nodes")
         try:
             processes = []
             for index in range(num_nodes):
-                command = [sys.executable, __file__, "--node", "--folder", directory, "--index", str(index),
+                where = ["ip", "netns", "exec", hosts[index].namespace] if hosts else []
+                command = [*where, sys.executable, __file__, "--node", "--folder", directory, "--index", str(index),
                            "--model", args.model, "--iterations", str(args.iterations), "--microbatches",
                            str(args.microbatches), "--micro-batch-size", str(args.micro_batch_size),
                            "--memory", str(args.memory), "--skip-ratio", str(skip_ratio), "--scheduler", scheduler,
-                           "--slowdown", str(args.slowdown)]  # fmt: skip
+                           "--slowdown", str(args.slowdown), "--eval-every", str(args.eval_every),
+                           "--gradient-dtype", gradient_dtype,
+                           "--host", hosts[index].address if hosts else "127.0.0.1"]  # fmt: skip
                 log = (folder / f"node{index}.log").open("w")
                 processes.append(groups.start(command, stdout=log, stderr=log))
                 if index == 0:
@@ -339,16 +370,23 @@ def swarm_arm(
                 processes[index].wait(timeout=60)
             reports = {index: _lines(folder / f"node{index}.jsonl") for index in living}
             staged = staged_model(run)
-            for stage in range(NUM_STAGES):  # one replica of each stage: the first that lived
-                index = next(i for i in living if i // REPLICAS == stage)
-                saved = torch.load(folder / f"stage{stage}-{index}.pt", weights_only=True)
-                with torch.no_grad():
-                    for parameter, value in zip(staged.stage_parameters(stage), saved, strict=True):
-                        parameter.copy_(value)
-            held_out = held_out_loss(staged, data)
+            evaluations = {0: held_out_loss(staged, data, staged.full_path)}
+            for iterations in range(1, args.iterations + 1):
+                if evaluated(args, iterations):  # the snapshots of each stage's first replica (never the victim)
+                    for stage in range(NUM_STAGES):
+                        _load(staged, stage, folder / f"snapshot{iterations}-stage{stage}.pt")
+                    evaluations[iterations] = held_out_loss(staged, data, staged.full_path)
+            removed = removed_stages(staged, data)
         finally:
             groups.kill_all()
-    return _swarm_json(reports, wall_s, held_out, victim if kill else None)
+    return _swarm_json(reports, wall_s, evaluations, removed, victim if kill else None)
+
+
+def _load(staged: StagedModel, stage: int, path: Path) -> None:
+    saved = torch.load(path, weights_only=True)
+    with torch.no_grad():
+        for parameter, value in zip(staged.stage_parameters(stage), saved, strict=True):
+            parameter.copy_(value)
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
@@ -358,11 +396,19 @@ def _lines(path: Path) -> list[dict[str, Any]]:
         return []
 
 
-def _swarm_json(reports: dict[int, list[dict[str, Any]]], wall_s: float, held_out: float, killed: int | None
-                ) -> dict[str, Any]:  # fmt: skip
+def _swarm_json(
+    reports: dict[int, list[dict[str, Any]]],
+    wall_s: float,
+    evaluations: dict[int, float],
+    removed: list[RemovedStages],
+    killed: int | None,
+) -> dict[str, Any]:
     sources = [index for index in reports if index // REPLICAS == 0]
     iterations = len(reports[sources[0]])
     iteration_s = [max(reports[i][n]["seconds"] for i in sources) for n in range(iterations)]
+    curve = Curve()
+    for done, loss in evaluations.items():
+        curve.add(done, sum(iteration_s[:done]), loss)
     train_loss = [
         statistics.fmean(loss for i in sources for loss in reports[i][n]["losses"]) for n in range(iterations)
     ]
@@ -374,7 +420,9 @@ def _swarm_json(reports: dict[int, list[dict[str, Any]]], wall_s: float, held_ou
     return {
         "iteration_s": iteration_s,
         "train_loss": train_loss,
-        "held_out_loss": held_out,
+        "held_out_loss": curve.held_out_loss[-1],
+        "curve": dataclasses.asdict(curve),
+        "removed": [dataclasses.asdict(r) for r in removed],
         "wall_s": wall_s,
         "killed_node": killed,
         "rerouted": [sum(reports[i][n]["rerouted"] for i in sources) for n in range(iterations)],
@@ -394,15 +442,24 @@ def show(args: argparse.Namespace, results: dict[str, Any]) -> None:
     for arm, result in results["arms"].items():
         per_iteration = statistics.median(result["iteration_s"][2:])
         tail = result["train_loss"][-5:]
+        everything, one, two = (statistics.fmean(group["perplexities"]) for group in result["removed"])
         rows.append([arm, per_iteration, samples / per_iteration, base / per_iteration, statistics.fmean(tail),
-                     result["held_out_loss"], sum(result.get("rerouted", [0])), sum(result.get("skipped", [0])),
+                     result["held_out_loss"], everything, one / everything - 1, two / everything - 1,
+                     sum(result.get("rerouted", [0])), sum(result.get("skipped", [0])),
                      sum(result.get("backward_lost", [0])), result.get("bytes_served_per_iteration")])  # fmt: skip
     print_table(
         f"SkipPipe, {results['model']} in {NUM_STAGES} stages x {REPLICAS} replicas, {args.iterations} iterations of "
         f"{args.microbatches} x {args.micro_batch_size} windows, k = {SKIP_RATIO}, reordered (swarm-full: k = 0)",
-        ["arm", "s/iteration", "samples/s", "x best one process", "train loss (last 5)", "held-out loss", "rerouted",
-         "skipped", "backward lost", "bytes/iter/stage node"],
+        ["arm", "s/iteration", "samples/s", "x best one process", "train loss (last 5)", "held-out loss", "ppl",
+         "ppl -25% stages", "ppl -50% stages", "rerouted", "skipped", "backward lost", "bytes/iter/stage node"],
         rows,
+    )  # fmt: skip
+    first = next(iter(results["arms"].values()))["curve"]
+    print_table(
+        "held-out loss along the full path (training seconds in brackets)",
+        ["iterations", *results["arms"]],
+        [[done, *(f"{r['curve']['held_out_loss'][i]:.4f} ({r['curve']['train_s'][i]:.0f} s)"
+                  for r in results["arms"].values())] for i, done in enumerate(first["iterations"])],
     )  # fmt: skip
     for arm, result in results["arms"].items():
         if "phase_s" in result:
@@ -422,9 +479,21 @@ def main() -> int:
     parser.add_argument("--skip-ratio", type=float, default=SKIP_RATIO, help=argparse.SUPPRESS)  # a node's k
     parser.add_argument("--slowdown", type=float, default=4.0, help=f"how much slower node {SLOW_NODE} is (4)")
     parser.add_argument("--scheduler", choices=SCHEDULERS, default="skippipe", help=argparse.SUPPRESS)
-    parser.add_argument("--arms", nargs="+", choices=("swarm", "swarm-kill", "swarm-random", "swarm-full"),
-                        default=["swarm", "swarm-kill", "swarm-random", "swarm-full"],
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS),
                         help="the swarm arms (the one-process arms always run)")  # fmt: skip
+    parser.add_argument("--eval-every", type=int, default=5, help="iterations between held-out evaluations (5)")
+    parser.add_argument(
+        "--gradient-dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="how a stage's replicas exchange gradients (bfloat16; the swarm-float32 arm: float32)",
+    )
+    parser.add_argument(
+        "--scenario",
+        type=Path,
+        help="a WAN-lab scenario of 8 hosts (scripts/scenarios/skippipe.toml): node i runs in host i",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)  # a node's address
     parser.add_argument("--node", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
@@ -451,12 +520,40 @@ def main() -> int:
         "environment": {**environment, "load_average_at_end": os.getloadavg()},
         "model": f"{args.model} ({parameters / 1e6:.1f}M parameters, 8 layers)",
         "stage_seconds_per_microbatch": seconds,
-        "arguments": {key: value for key, value in vars(args).items() if key not in ("node", "folder", "index", "out")},
+        "arguments": {
+            key: str(value) if isinstance(value, Path) else value
+            for key, value in vars(args).items()
+            if key not in ("node", "folder", "index", "out", "host")
+        },
+        "scenario": Scenario.load(args.scenario).name if args.scenario else None,
         "arms": arms,
     }
     show(args, results)
     write_json(args.out / "skippipe_swarm.json", results)
+    say_plotted(args.out, "skippipe_swarm", plot_results, results)
     return 0
+
+
+@plot_to_png(1, 3, figsize=(16, 4.5))
+def plot_results(results: dict[str, Any], axes: Any) -> None:
+    samples_per_iteration = results["arguments"]["microbatches"] * results["arguments"]["micro_batch_size"]
+    for arm, result in results["arms"].items():
+        curve = result["curve"]
+        samples = [done * samples_per_iteration for done in curve["iterations"]]
+        axes[0].plot(samples, curve["held_out_loss"], label=arm, marker=".")
+        axes[1].plot(curve["train_s"], curve["held_out_loss"], label=arm, marker=".")
+        counts = [group["num_removed"] for group in result["removed"]]
+        perplexities = [statistics.fmean(group["perplexities"]) for group in result["removed"]]
+        axes[2].plot(counts, perplexities, label=arm, marker="o")
+    axes[0].set_xlabel("training windows")
+    axes[1].set_xlabel("seconds of training (the swarm's iterations; one process: its own)")
+    for axis in axes[:2]:
+        axis.set_ylabel("held-out loss (full path)")
+    axes[2].set_xlabel(f"stages of 1..{NUM_STAGES - 1} removed at evaluation (mean over the paths)")
+    axes[2].set_ylabel("held-out perplexity")
+    axes[2].set_xticks(range(NUM_STAGES - 1))
+    axes[0].set_title(results["model"] + (f", WAN lab {results['scenario']}" if results.get("scenario") else ""))
+    axes[1].legend()
 
 
 if __name__ == "__main__":
