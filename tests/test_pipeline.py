@@ -18,12 +18,15 @@ from crowdtrain import proto
 from crowdtrain.models.stages import StagedModel
 from crowdtrain.pipeline import HopFailedError, HopLimits, HopRefusedError, PipelineDriver, StageService
 from crowdtrain.pipeline.iteration import (
+    STATE_PARTS,
+    STATE_TIMEOUT_FLOOR_S,
     IterationReport,
     SkipPipeNode,
     drifted,
     fingerprint,
     fingerprint_positions,
     reference_replica,
+    state_timeout_s,
 )
 from crowdtrain.pipeline.stage_service import CHUNK_BYTES, NAMESPACE
 from crowdtrain.planning.skippipe import NodeInfo, Route
@@ -414,6 +417,13 @@ def assert_a_joiner_steps_as_the_replica_it_joined(
     finally:
         joiner.close()
         joiner_dht.shutdown()
+
+
+def test_a_stage_state_download_is_given_the_time_a_slow_home_uplink_takes() -> None:
+    llama_20m_stage = 6_330_000 * STATE_PARTS  # float32 values: 76 MB, 30 s at 20 Mbit/s
+    seconds_at_4_mbit = 4 * llama_20m_stage / (4e6 / 8)  # 152 s
+    assert state_timeout_s(llama_20m_stage) > seconds_at_4_mbit
+    assert state_timeout_s(1000) == pytest.approx(STATE_TIMEOUT_FLOOR_S, abs=0.01)
 
 
 def test_a_fingerprint_tells_drifted_replicas_from_rounding() -> None:

@@ -43,15 +43,13 @@ from crowdtrain.models.stages import StagedModel, check_path
 from crowdtrain.node.config import SwarmSettings
 from crowdtrain.node.membership import with_join_token
 from crowdtrain.pipeline import HopFailedError, HopLimits, StageService
-from crowdtrain.pipeline.iteration import STATE_PARTS
+from crowdtrain.pipeline.iteration import STATE_PARTS, state_timeout_s
 from crowdtrain.pipeline.membership import StageDirectory
 from crowdtrain.training.checkpoint import Checkpoint, CheckpointError, load_checkpoint, load_latest_checkpoint
 from crowdtrain.training.held_out import window_losses
 
 MAX_WINDOWS = 4096
 """Held-out windows scored at most (`--batches` × `--batch-size`)."""
-STATE_TIMEOUT_S = 60.0
-"""How long one node may take to send its stage's state."""
 MAX_SWEEP_STAGES = 9
 """`--sweep` scores 2^(S-1) paths: 256 at most."""
 
@@ -196,7 +194,9 @@ def _load_stage(service: StageService, staged: StagedModel, stage: int, peers: S
     numel = sum(parameter.numel() for parameter in parameters)
     for peer in peers:
         try:
-            header, values = service.fetch_state(peer, STATE_PARTS * numel, STATE_TIMEOUT_S, stage=stage)
+            header, values = service.fetch_state(
+                peer, STATE_PARTS * numel, state_timeout_s(STATE_PARTS * numel), stage=stage
+            )
         except HopFailedError as e:
             print(f"stage {stage}: {e}; asking another node", file=sys.stderr)
             continue

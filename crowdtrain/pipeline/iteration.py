@@ -63,6 +63,11 @@ PING_EVERY_S = 2.0
 PING_TIMEOUT_S = 2.0
 STATE_PARTS = 3
 """A stage's state for a joiner: its parameters, AdamW's first moments, its second moments."""
+STATE_RATE_FLOOR = 500_000
+"""Bytes per second a stage's state download is given time for at least (4 Mbit/s, a slow home uplink): the state
+of one of a 25M-parameter model's 4 stages (6.3M parameters and two moments, float32) is 76 MB, 2.5 minutes at
+this rate, where a fixed 30-s bound needed 20 Mbit/s and a joiner behind a slower replica never got in."""
+STATE_TIMEOUT_FLOOR_S = 30.0
 DRIFT_TOLERANCE = 1e-4
 """Replicas whose fingerprints differ by more than this, relative to the fingerprint's norm, have drifted apart.
 An AdamW step moves each parameter by about the learning rate (1e-4 to 1e-3 of a typical weight's 0.02 or more,
@@ -164,10 +169,15 @@ class SkipPipeNode:
             del self._suspected_at[peer]
             self.suspected.discard(peer)
 
-    def join(self, peer_id: str, timeout_s: float = 60.0) -> int:
+    def state_timeout_s(self) -> float:
+        """How long this stage's state may take to download (`state_timeout_s`)."""
+        return state_timeout_s(STATE_PARTS * sum(parameter.numel() for parameter in self.parameters))
+
+    def join(self, peer_id: str, timeout_s: float | None = None) -> int:
         """Take the stage's state from `peer_id`, a replica of it: parameters and AdamW moments, so that this node
-        steps as the replica does from now on; the iteration to run next. HopFailedError if it is not had."""
-        header, values = self._fetch_state(peer_id, timeout_s)
+        steps as the replica does from now on; the iteration to run next. HopFailedError if it is not had within
+        `timeout_s` (default: what the state's size may take, `state_timeout_s`)."""
+        header, values = self._fetch_state(peer_id, self.state_timeout_s() if timeout_s is None else timeout_s)
         self._load_state(header, values)
         logger.info(f"took stage {self.service.stage}'s state of iteration {header.iteration} from {peer_id[-8:]}")
         return header.iteration + 1
@@ -356,7 +366,7 @@ class SkipPipeNode:
         had (this node goes on with its own, and tries again when it next sees the drift)."""
         stage = self.service.stage
         try:
-            header, values = self._fetch_state(peer_id, self.exchange_timeout_s, since=iteration)
+            header, values = self._fetch_state(peer_id, self.state_timeout_s(), since=iteration)
         except HopFailedError as e:
             logger.warning(f"stage {stage}'s replicas have drifted apart, and {e}: going on with this node's own")
             return None
@@ -372,6 +382,12 @@ class SkipPipeNode:
             f"{peer_id[-8:]}'s state of iteration {iteration}"
         )
         return peer_id
+
+
+def state_timeout_s(num_values: int) -> float:
+    """How long a download of `num_values` float32 values of a stage's state may take: STATE_TIMEOUT_FLOOR_S, and
+    the time the bytes take at STATE_RATE_FLOOR."""
+    return STATE_TIMEOUT_FLOOR_S + 4 * num_values / STATE_RATE_FLOOR
 
 
 def fingerprint_positions(parameters: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -80,7 +80,8 @@ ACTIVATION_FLOATS = 24
 WAIT_FOR_ROSTER_S = 1.0
 """A node not in the roster yet reads it again after this long (it serves its stage meanwhile)."""
 JOIN_TIMEOUT_S = 120.0
-"""How long a joiner tries to take its stage's state of the iteration before its first."""
+"""How long a joiner looks for a replica serving the iteration before its first (then gets the time one download of
+its stage's state may take, `SkipPipeNode.state_timeout_s`, to take that state)."""
 STAGE_SETTLE_S = 2.0
 """After declaring a stage, how long a joiner waits before it looks whether another joiner chose the same."""
 STAGE_SETTLE_TRIES = 3
@@ -282,14 +283,14 @@ class SkipPipeMode(TrainingMode):
 
     def _join(self, replicas: list[str], first: int) -> int:
         """Take the stage's state of iteration `first - 1` from one of `replicas`; the iteration to run next."""
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        deadline = time.monotonic() + JOIN_TIMEOUT_S + self.runner.state_timeout_s()
         while time.monotonic() < deadline:
             for peer in replicas:
                 serving = self.service.ping(peer, timeout_s=2.0)
                 if serving is None or serving < first:
                     continue  # gone, or still stepping an earlier iteration: a state is a whole stage, ask once
                 try:
-                    self.runner.join(peer, timeout_s=30.0)
+                    self.runner.join(peer)
                 except HopFailedError as e:
                     logger.warning(f"could not take stage {self.stage}'s state: {e}")
                     continue
