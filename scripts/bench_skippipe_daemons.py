@@ -11,9 +11,12 @@ each arm is measured over the same window from `crowdtrain status --json --watch
 - the training loss the nodes publish at the window's end, and the samples the swarm trained in the window;
 - each skippipe node's stage, and the iterations in the window.
 With N nodes sharing 2 cores, neither arm can show a parallel speed-up; what it shows is whether the mode trains
-at real sizes and what its hops and roster cost against data-parallel training of the same samples.
+at real sizes and what its hops and roster cost against data-parallel training of the same samples. With
+`--scenario` (a WAN-lab scenario of N hosts, e.g. scripts/scenarios/home.toml: four 20/20 Mbit/s home links; run
+as root) each daemon runs in a host of its own, and the bytes each sent are read from its Prometheus counters
+(SkipPipe's hops and gradient exchange; the all-reduce in `gradients`).
 
-    python scripts/bench_skippipe_daemons.py --model llama-20m --nodes 4 --window-s 90
+    python scripts/bench_skippipe_daemons.py --model llama-20m --nodes 4 --window-s 90 [--scenario FILE]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_diloco_wan import METRICS_PORT, metrics_in_host
 from bench_realmodel import write_run_file
 
 from crowdtrain.manifest import PRESETS, AveragingSpec, RunManifest, SkipPipeSpec
@@ -43,6 +47,7 @@ from crowdtrain.testing.bench import (
 )
 from crowdtrain.testing.processes import ProcessGroups, await_condition, child_env
 from crowdtrain.testing.swarm import StatusWatcher, start_swarm
+from crowdtrain.testing.wanlab import Lab, Scenario
 
 STATUS_INTERVAL_S = 2.0
 SETTLE_TIMEOUT_S = 300.0
@@ -69,6 +74,19 @@ def manifest_for(args: Any, mode: str) -> RunManifest:
 
 
 def measure(args: Any, groups: ProcessGroups, root: Path, mode: str) -> dict[str, Any]:
+    """One arm, on loopback or in a WAN lab of `--scenario` (torn down, its daemons killed, however the arm ends)."""
+    if not args.scenario:
+        return measure_in(args, groups, root, mode, None)
+    with Lab(Scenario.load(args.scenario)) as lab:
+        if len(lab.hosts) != args.nodes:
+            raise ValueError(f"the scenario has {len(lab.hosts)} hosts, not --nodes {args.nodes}")
+        try:
+            return measure_in(args, groups, root, mode, lab)
+        finally:
+            groups.kill_all()  # before the lab's namespaces go
+
+
+def measure_in(args: Any, groups: ProcessGroups, root: Path, mode: str, lab: Lab | None) -> dict[str, Any]:
     manifest = manifest_for(args, mode)
     run_file = root / f"{mode}.toml"
     write_run_file(manifest, run_file)
@@ -77,11 +95,14 @@ def measure(args: Any, groups: ProcessGroups, root: Path, mode: str) -> dict[str
         CROWDTRAIN_MICRO_BATCH_SIZE=str(args.micro_batch),
         CROWDTRAIN_NUM_THREADS="1",
         CROWDTRAIN_STATUS_INTERVAL_S=f"{STATUS_INTERVAL_S:g}",
+        **({"CROWDTRAIN_METRICS_PORT": str(METRICS_PORT)} if lab else {}),  # read inside each host
     )
-    say(f"{mode}: {args.nodes} daemons")
-    nodes = start_swarm(groups, root / mode, args.nodes, ["--run-file", str(run_file)], env)
+    placements = [(f"/ip4/{h.address}/tcp/0", ("ip", "netns", "exec", h.namespace)) for h in lab.hosts] if lab else None
+    say(f"{mode}: {args.nodes} daemons" + (f" in the WAN lab's {lab.scenario.name} hosts" if lab else ""))
+    nodes = start_swarm(groups, root / mode, args.nodes, ["--run-file", str(run_file)], env, placements)
     peer_ids = [node.node_info["peer_id"] for node in nodes]
-    watcher = StatusWatcher(groups, nodes[0].address, STATUS_INTERVAL_S, root / f"{mode}-status.log")
+    launcher = placements[0][1] if placements else ()
+    watcher = StatusWatcher(groups, nodes[0].address, STATUS_INTERVAL_S, root / f"{mode}-status.log", launcher)
 
     def settled() -> bool:
         for node in nodes:
@@ -97,10 +118,12 @@ def measure(args: Any, groups: ProcessGroups, root: Path, mode: str) -> dict[str
     say(f"{mode}: the swarm trains; {args.warmup_s:g} s warm-up, then measuring {args.window_s:g} s")
     time.sleep(args.warmup_s)  # a warm-up interval, not a synchronisation: both arms get the same
     started = time.monotonic()
+    sent_before = _bytes_sent(lab)
     while (left_s := started + args.window_s - time.monotonic()) > 0:
         for node in nodes:
             node.check_alive()
         time.sleep(min(2.0, left_s))
+    sent_in_window = _bytes_sent(lab) - sent_before
     snapshots = [
         (t, s)
         for t, s in watcher.between(started, time.monotonic())
@@ -110,6 +133,14 @@ def measure(args: Any, groups: ProcessGroups, root: Path, mode: str) -> dict[str
         groups.kill(process)
     if len(snapshots) < 3:
         raise RuntimeError(f"{mode}: fewer than 3 status snapshots listed every node in the window")
+    result = window_result(args, mode, snapshots)
+    if lab:
+        result["kib_sent_per_sample"] = sent_in_window / 1024 / max(result["samples_in_window"], 1)
+    return result
+
+
+def window_result(args: Any, mode: str, snapshots: list[tuple[float, dict[str, Any]]]) -> dict[str, Any]:
+    """The arm's numbers from the status snapshots of its window."""
     (t0, first), (t1, last) = snapshots[0], snapshots[-1]
     losses = [peer["loss"] for peer in last["peers"] if peer.get("loss") is not None]
     result: dict[str, Any] = {"loss_at_end": sum(losses) / len(losses) if losses else None}
@@ -136,6 +167,13 @@ def measure(args: Any, groups: ProcessGroups, root: Path, mode: str) -> dict[str
     return result
 
 
+def _bytes_sent(lab: Lab | None) -> float:
+    """What the daemons in the lab's hosts have sent to peers (averaging, hops), by their counters; 0 on loopback."""
+    if lab is None:
+        return 0.0
+    return sum(metrics_in_host(host.namespace).get("crowdtrain_averaging_sent_bytes", 0.0) for host in lab.hosts)
+
+
 def _iterations(node: Any) -> list[int]:
     return [int(i) for i in re.findall(r"iteration (\d+): \d+ nodes", node.log())][-1:]
 
@@ -152,8 +190,10 @@ def main() -> int:
     parser.add_argument("--window-s", type=float, default=90.0)
     parser.add_argument("--warmup-s", type=float, default=20.0)
     parser.add_argument("--arms", nargs="+", choices=("skippipe", "gradients"), default=["skippipe", "gradients"])
+    parser.add_argument("--scenario", type=Path, help="a WAN-lab scenario of --nodes hosts: one daemon in each")
     args = parser.parse_args()
-    results: dict[str, Any] = {"settings": vars(args) | {"out": str(args.out)}, "environment": environment_json(False)}
+    settings = vars(args) | {"out": str(args.out), "scenario": str(args.scenario) if args.scenario else None}
+    results: dict[str, Any] = {"settings": settings, "environment": environment_json(False)}
 
     def body(groups: ProcessGroups, root: Path) -> None:
         for mode in args.arms:
@@ -168,15 +208,16 @@ def main() -> int:
     for mode in args.arms:
         result = results[mode]
         if "error" in result:
-            rows.append([mode, result["error"][:60], "", "", ""])
+            rows.append([mode, result["error"][:60], "", "", "", ""])
             continue
         steps = result.get("iterations_in_window", result.get("global_steps_in_window"))
-        rows.append(
-            [mode, f"{result['samples_per_second']:.2f}", steps, result["samples_in_window"], result["loss_at_end"]]
-        )
+        rows.append([mode, f"{result['samples_per_second']:.2f}", steps, result["samples_in_window"],
+                     result["loss_at_end"], result.get("kib_sent_per_sample")])  # fmt: skip
+    where = f", WAN lab {args.scenario}" if args.scenario else ", loopback"
     print_table(
-        f"{args.nodes} daemons, {args.model}, B={args.micro_batch}, M={args.microbatches}, {args.window_s:g} s window",
-        ["arm", "samples/s", "steps in window", "samples in window", "loss at end"],
+        f"{args.nodes} daemons, {args.model}, B={args.micro_batch}, M={args.microbatches}, {args.window_s:g} s window"
+        + where,
+        ["arm", "samples/s", "steps in window", "samples in window", "loss at end", "KiB sent per sample"],
         rows,
     )
     return 0 if all("error" not in results[mode] for mode in args.arms) else 1

@@ -160,6 +160,11 @@ def test_gradients_along_a_path_of_nodes_are_the_models_own(
     for node in set(range(len(STAGE_OF_NODE))) - set(nodes):
         assert all(grad.abs().sum() == 0 for grad in node_grads(swarm.services[node])), "a node off the path trained"
     assert all(service.held_microbatches == 0 for service in swarm.services), "a forward was held past its backward"
+    # the source sends the hidden states to each stage on the path and the gradient back, and receives as much
+    hop_bytes = batch.numel() * HIDDEN * (2 if wire_dtype == "float16" else 4)
+    source = swarm.services[0]
+    assert source.bytes_sent == source.bytes_received == 2 * (len(nodes) - 1) * hop_bytes
+    assert [swarm.services[node].bytes_sent for node in nodes[1:]] == [2 * hop_bytes] * (len(nodes) - 1)
 
 
 def test_a_dead_replica_is_routed_around_and_a_stage_with_none_left_is_skipped(swarm: Swarm) -> None:

@@ -70,12 +70,14 @@ class ProgressCollector(Collector):
         )
         yield CounterMetricFamily(
             "crowdtrain_averaging_sent_bytes",
-            "Serialized tensor-part bytes this node sent in all-reduce rounds (payload, without framing).",
+            "Serialized tensor-part bytes this node sent in all-reduce rounds (payload, without framing); in SkipPipe "
+            "runs its pipeline hops, gradients and stage states.",
             value=progress.averaging_bytes_sent,
         )
         yield CounterMetricFamily(
             "crowdtrain_averaging_received_bytes",
-            "Serialized tensor-part bytes this node received in all-reduce rounds (payload, without framing).",
+            "Serialized tensor-part bytes this node received in all-reduce rounds (payload, without framing); in "
+            "SkipPipe runs its pipeline hops, gradients and stage states.",
             value=progress.averaging_bytes_received,
         )
         # Gauges of values that are not known yet, or mean nothing in this run's mode, are left out.

@@ -205,7 +205,7 @@ class StageService(P2PService):
         self._backwards: Counter[int] = Counter()
         self._backwards_changed = threading.Condition(self._held_lock)
         self.bytes_received = self.bytes_sent = 0
-        """Payload bytes of hops this node served."""
+        """Payload bytes this node sent and received: hops (as a source and as a stage), gradients and states."""
         self._open: int | None = None
         """The iteration whose forwards are served (later ones wait for it, then are refused); None: any."""
         self._done_from: int | None = None
@@ -526,6 +526,7 @@ class StageService(P2PService):
     ) -> torch.Tensor:
         async def frames() -> AsyncIterator[proto.StageHop]:
             for frame in encode_frames(tensor, header, header.dtype):
+                self.bytes_sent += len(frame.payload)
                 yield frame
 
         answers = await getattr(self._stub(peer), f"rpc_stage_{call}")(frames())
@@ -535,6 +536,7 @@ class StageService(P2PService):
             )
         finally:
             await answers.aclose()
+        self.bytes_received += answer.numel() * WIRE_DTYPES[reply.dtype].itemsize
         if (reply.iteration, reply.microbatch, reply.stage) != (header.iteration, header.microbatch, header.stage):
             raise HopFailedError(f"{where} answered for another microbatch or stage")
         if answer.shape != tensor.shape:
@@ -628,12 +630,14 @@ class StageService(P2PService):
                 if header is not None and header.shape:
                     if header.stage != request.stage:
                         raise HopFailedError(f"{where} sent stage {header.stage}'s {what}, not stage {request.stage}'s")
-                    return await decode_frames(
+                    reply, values = await decode_frames(
                         _prepend(header, answers),
                         flat,
                         lambda reason: HopFailedError(f"{where}: {reason}"),
                         to_end=False,
                     )
+                    self.bytes_received += values.numel() * WIRE_DTYPES[reply.dtype].itemsize
+                    return reply, values
             finally:
                 await answers.aclose()
             if time.monotonic() + GRADIENT_RETRY_S > deadline:

@@ -36,7 +36,8 @@ class Progress:
     swarm_samples_accumulated: int = 0
     """Samples the whole swarm accumulated toward the current global batch, as the training mode last saw them."""
     averaging_bytes_sent: int = 0
-    """Serialized tensor-part bytes this node sent in averaging rounds since it started, B."""
+    """Serialized tensor-part bytes this node sent in averaging rounds since it started, B (SkipPipe: its hops,
+    gradients and stage states)."""
     averaging_bytes_received: int = 0
     """Serialized tensor-part bytes this node received in averaging rounds since it started, B."""
     mode: str = ""

@@ -495,6 +495,8 @@ class SkipPipeMode(TrainingMode):
         progress.skippipe_iteration = max(self.runner.last_iteration, 0)
         membership = membership_at(self.history, self.iteration) if self.iteration is not None else None
         progress.num_peers = len(membership.members) if membership else 1
+        progress.averaging_bytes_sent = self.service.bytes_sent  # hops and the replicas' gradient exchange
+        progress.averaging_bytes_received = self.service.bytes_received
 
     def state_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "iteration": self.runner.last_iteration, "optimizer": self.optimizer.state_dict()}
