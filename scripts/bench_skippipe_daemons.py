@@ -111,7 +111,7 @@ def measure_in(args: Any, groups: ProcessGroups, root: Path, mode: str, lab: Lab
         if set(peers) != set(peer_ids):
             return False
         if mode == "skippipe":  # every node runs iterations with every other
-            return all(f"iteration {n}: {args.nodes} nodes" in node.log() for node in nodes for n in _iterations(node))
+            return all(_last_roster_size(node) == args.nodes for node in nodes)
         return all((peer.get("loss") is not None) for peer in peers.values())
 
     await_condition(settled, SETTLE_TIMEOUT_S, f"the {mode} swarm to train with every node", poll_s=1)
@@ -174,8 +174,10 @@ def _bytes_sent(lab: Lab | None) -> float:
     return sum(metrics_in_host(host.namespace).get("crowdtrain_averaging_sent_bytes", 0.0) for host in lab.hosts)
 
 
-def _iterations(node: Any) -> list[int]:
-    return [int(i) for i in re.findall(r"iteration (\d+): \d+ nodes", node.log())][-1:]
+def _last_roster_size(node: Any) -> int:
+    """How many nodes the last roster change a daemon logged counts (0 before any: it runs no iteration yet)."""
+    sizes = re.findall(r"iteration \d+: (\d+) nodes", node.log())
+    return int(sizes[-1]) if sizes else 0
 
 
 def main() -> int:
