@@ -240,7 +240,8 @@ def _problem(args: argparse.Namespace, nodes: Sequence[NodeInfo], iteration: int
 
 
 def node_main(args: argparse.Namespace) -> int:
-    """One stage node: start, publish its address, wait for the topology, run the iterations, save its stage."""
+    """One stage node: start, publish its address, wait for the topology, run the iterations (the first replica of
+    each stage saves its parameters at every evaluation)."""
     torch.set_num_threads(1)
     folder, index = Path(args.folder), args.index
     run = bench_run(args.model)
@@ -281,7 +282,6 @@ def node_main(args: argparse.Namespace) -> int:
                     torch.save(parameters, folder / f"snapshot{iteration + 1}-stage{stage}.pt")
                 log.write(json.dumps(_report_json(report, service)) + "\n")
                 log.flush()
-        torch.save([p.detach() for p in staged.stage_parameters(stage)], folder / f"stage{stage}-{index}.pt")
         (folder / f"node{index}.finished").touch()
         # stay until every node finished: a node that left early would fail the others' last gradient fetches
         await_condition(lambda: (folder / "all-finished").exists(), 600.0, "every node to finish")
