@@ -8,6 +8,9 @@ import os
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
 import hivemind
 from hivemind.dht.validation import RecordValidatorBase
@@ -62,7 +65,43 @@ class SupervisedDHT(hivemind.DHT):
         os.setpgid(0, 0)
         signal.signal(signal.SIGTERM, _kill_children_and_exit)
         die_with_parent(self._parent_pid, signal.SIGTERM)  # SIGTERM: the handler takes p2pd down too
+        self._inner_pipe: Any = RequestPipe(self._inner_pipe)  # type: ignore[has-type]  # hivemind sets it untyped
         super().run()
+
+    async def _dropped_request(self) -> None:
+        """What a request RequestPipe could not read becomes: nothing to do, nobody awaits it."""
+
+
+class RequestPipe:
+    """The DHT process's end of hivemind's request pipe, which drops a request whose sender has exited.
+
+    Symptom worked around: each request carries its sender's result pipe, which the DHT process fetches from the
+    sender's multiprocessing resource sharer while unpickling the request. A request from a process that exited
+    before the DHT read it (an averager shut down at Ctrl-C) fails there (FileNotFoundError, ConnectionRefused- or
+    ConnectionResetError), and hivemind then sleeps `wait_timeout` (5 s) before reading the next request: a few of
+    them at a daemon's shutdown held up every DHT call of its leave, the status withdrawal included, for 20 s. The
+    request's bytes were read whole, so the stream is intact: the next request is read at once.
+    """
+
+    def __init__(self, connection: Connection):
+        self._connection = connection
+
+    def fileno(self) -> int:
+        return self._connection.fileno()
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self._connection.poll(timeout)
+
+    def close(self) -> None:
+        self._connection.close()
+
+    def recv(self) -> Any:
+        payload = self._connection.recv_bytes()  # the pipe's own failures (EOF, errors) reach hivemind as before
+        try:
+            return ForkingPickler.loads(payload)
+        except OSError as error:
+            logger.warning(f"dropped a DHT request from a process that has exited ({type(error).__name__}: {error})")
+            return "_dropped_request", [], {}
 
 
 def die_with_parent(parent_pid: int, signum: int = signal.SIGKILL) -> None:
