@@ -420,15 +420,26 @@ class Heartbeat:
 
 
 def _enforce_leave_deadline(stop: threading.Event, left: threading.Event, state_path: Path) -> None:
-    """Once asked to stop, exit within LEAVE_DEADLINE_S even if hivemind blocks (e.g. on a dead DHT process)."""
+    """Once asked to stop, exit within LEAVE_DEADLINE_S even if hivemind blocks (e.g. on a dead DHT process).
+
+    The deadline holds until the process has exited, not only until it has left: the DHT's shutdown and the
+    interpreter's exit (which joins hivemind's processes and threads) come after, and have hung there. A node that
+    left cleanly (checkpoint written, status withdrawn) still exits 0 then."""
     stop.wait()
-    if left.wait(LEAVE_DEADLINE_S):
-        return
-    logger.error(f"could not leave the swarm cleanly within {LEAVE_DEADLINE_S:g} s; exiting now")
+    deadline = time.monotonic() + LEAVE_DEADLINE_S
+    if not left.wait(LEAVE_DEADLINE_S):
+        logger.error(f"could not leave the swarm cleanly within {LEAVE_DEADLINE_S:g} s; exiting now")
+        _exit_now(state_path, 1)
+    time.sleep(max(0.0, deadline - time.monotonic()))  # returns only if the process is still here then
+    logger.warning(f"left the swarm, but its processes were not shut down within {LEAVE_DEADLINE_S:g} s; exiting now")
+    _exit_now(state_path, 0)
+
+
+def _exit_now(state_path: Path, code: int) -> None:
     remove_node_file(state_path)
     signal_children(signal.SIGTERM)  # the DHT process takes its p2pd down; averagers just end
     logging.shutdown()
-    os._exit(1)
+    os._exit(code)
 
 
 def _check_role_fits(role: Role | None, manifest: RunManifest) -> None:
