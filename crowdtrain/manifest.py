@@ -315,6 +315,10 @@ class SkipPipeSpec:
     """How a stage's replicas exchange their iteration's gradient: `bfloat16` (half of float32's bytes, float32's
     range; every replica sums the rounded values, so they stay bit-identical) or `float32`. Not float16: a
     gradient's small values would underflow without a scale."""
+    overlap_exchange: bool = False
+    """Whether the replicas' gradient exchange runs during the next iteration instead of between the two: each
+    iteration then steps on the replicas' summed gradient of the iteration before (one iteration stale), and the
+    exchange leaves the iteration's critical path (on home links it was a third of a SkipPipe iteration)."""
 
     def __post_init__(self) -> None:
         if not 2 <= self.stages <= MAX_SKIPPIPE_STAGES:

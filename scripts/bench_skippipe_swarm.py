@@ -21,6 +21,8 @@ on loopback. Arms, one after the other, same data:
     swarm-full    the 8 node processes as a standard pipeline (`full_pipeline`): k = 0, every microbatch through
                   every stage in order, each stage's replicas in turn
     swarm-float32 `swarm` with the replicas' gradients exchanged in float32 (twice the bytes)
+    swarm-overlap `swarm` with the exchange overlapped (`overlap_exchange`): each iteration steps on the replicas'
+                  gradient of the iteration before, exchanged while this one ran
 
 Node 7 (stage 3's second replica) is `--slowdown` times slower (default 4): after each of its forwards and
 backwards it sleeps (slowdown - 1) times the compute, busy for anything else, and the schedule knows its cost (as
@@ -103,7 +105,7 @@ SCHEDULERS: dict[str, Callable[[SkipPipeProblem], Schedule]] = {
     "full": full_pipeline,
 }
 STARTUP_TIMEOUT_S = 120.0
-ARMS = ("swarm", "swarm-kill", "swarm-random", "swarm-full", "swarm-float32")
+ARMS = ("swarm", "swarm-kill", "swarm-random", "swarm-full", "swarm-float32", "swarm-overlap")
 
 
 def bench_run(model: str) -> RunManifest:
@@ -272,7 +274,7 @@ def node_main(args: argparse.Namespace) -> int:
             reorder=args.skip_ratio > 0, scheduler=SCHEDULERS[args.scheduler],
             optimizer=torch.optim.AdamW(staged.stage_parameters(stage), lr=LEARNING_RATE), batch=data.batch,
             in_flight=args.memory, hop_timeout_s=60.0, done_timeout_s=300.0, exchange_timeout_s=60.0,
-            gradient_dtype=args.gradient_dtype,
+            gradient_dtype=args.gradient_dtype, overlap_exchange=args.overlap,
         )  # fmt: skip
         with (folder / f"node{index}.jsonl").open("a") as log:
             for iteration in range(args.iterations):
@@ -346,7 +348,7 @@ def swarm_arm(
                            str(args.microbatches), "--micro-batch-size", str(args.micro_batch_size),
                            "--memory", str(args.memory), "--skip-ratio", str(skip_ratio), "--scheduler", scheduler,
                            "--slowdown", str(args.slowdown), "--eval-every", str(args.eval_every),
-                           "--gradient-dtype", gradient_dtype,
+                           "--gradient-dtype", gradient_dtype, *(["--overlap"] if arm == "swarm-overlap" else []),
                            "--host", hosts[index].address if hosts else "127.0.0.1"]  # fmt: skip
                 log = (folder / f"node{index}.log").open("w")
                 processes.append(groups.start(command, stdout=log, stderr=log))
@@ -493,6 +495,7 @@ def main() -> int:
         type=Path,
         help="a WAN-lab scenario of 8 hosts (scripts/scenarios/skippipe.toml): node i runs in host i",
     )
+    parser.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)  # a node's overlap_exchange
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)  # a node's address
     parser.add_argument("--node", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)

@@ -424,6 +424,99 @@ def assert_a_joiner_steps_as_the_replica_it_joined(
         joiner_dht.shutdown()
 
 
+def one_process_stepping_a_stale_gradient(
+    reports: dict[int, list[IterationReport]], data: list[torch.Tensor], num_microbatches: int
+) -> StagedModel:
+    """The model after one process runs the source's routes of each iteration and steps each stage, at the end of
+    iteration t, on its accumulated gradient of iteration t - 1 (overlap_exchange)."""
+    reference = StagedModel(model(), NUM_STAGES)
+    optimizers = {stage: torch.optim.AdamW(reference.stage_parameters(stage), lr=1e-2) for stage in range(NUM_STAGES)}
+    previous: dict[int, list[torch.Tensor]] = {}
+    for iteration in sorted(reports):
+        for outcome in reports[iteration][0].outcomes:
+            assert not (outcome.skipped or outcome.backward_lost or outcome.rerouted)
+            batch = data[iteration * num_microbatches + outcome.microbatch]
+            (reference.loss(batch, outcome.stages) / num_microbatches).backward()
+        current = {stage: [grad_of(p) for p in reference.stage_parameters(stage)] for stage in optimizers}
+        for stage, optimizer in optimizers.items():
+            optimizer.zero_grad()
+            for parameter, gradient in zip(reference.stage_parameters(stage), previous.get(stage, []), strict=False):
+                parameter.grad = gradient
+            if previous:
+                torch.nn.utils.clip_grad_norm_(reference.stage_parameters(stage), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+        previous = current
+    return reference
+
+
+def test_an_overlapped_exchange_steps_each_stage_on_the_iteration_before_and_a_joiner_steps_in_step(
+    swarm: Swarm,
+) -> None:
+    """With overlap_exchange, each iteration's step is on the replicas' summed gradient of the iteration before
+    (none at the first): every node's stage ends where one process ends that steps on its previous iteration's
+    accumulated gradient; stage 1's replicas hold the same bits; and a replica that joins after iteration 2 steps
+    on the others' sum of iteration 2 at its first iteration, so that all three hold the same bits after it."""
+    nodes = [
+        NodeInfo(peer_id=swarm.peer(node), stage=stage, seconds_per_microbatch=1.0, memory_microbatches=2)
+        for node, stage in enumerate(STAGE_OF_NODE)
+    ]
+    num_microbatches, iterations = 4, 4
+    data = [tokens(seed) for seed in range(num_microbatches * iterations)]
+
+    def runner(service: StageService, on: list[NodeInfo]) -> SkipPipeNode:
+        return SkipPipeNode(
+            service=service,
+            nodes=on,
+            num_microbatches=num_microbatches,
+            skip_ratio=0.25,
+            reorder=True,
+            optimizer=torch.optim.AdamW(service.staged.stage_parameters(service.stage), lr=1e-2),
+            batch=lambda iteration, microbatch: data[iteration * num_microbatches + microbatch],
+            wire_dtype="float32",
+            gradient_dtype="float32",
+            in_flight=1,
+            done_timeout_s=60.0,
+            overlap_exchange=True,
+        )
+
+    runners = [runner(service, nodes) for service in swarm.services]
+    joiner_dht = hivemind.DHT(
+        start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=swarm.dhts[0].get_visible_maddrs()
+    )
+    joiner_service = StageService(joiner_dht, StagedModel(model(), NUM_STAGES), 1, LIMITS)
+    try:
+        joiner_service.start()
+        reports = run_iterations(runners, range(iterations - 1))
+        assert [report.replicas_summed for report in reports[0]] == [0] * len(runners), "no sum before iteration 0"
+        assert reports[2][1].replicas_summed == reports[2][2].replicas_summed == 2
+        with torch.no_grad():
+            for parameter in joiner_service.staged.stage_parameters(1):
+                parameter.add_(1.0)  # whatever it held, the download replaces
+        everyone = [*nodes, NodeInfo(peer_id=joiner_service.peer_id, stage=1, seconds_per_microbatch=1.0,
+                                     memory_microbatches=2)]  # fmt: skip
+        joiner = runner(joiner_service, everyone)
+        assert joiner.join(swarm.peer(1)) == iterations - 1
+        for other in runners:
+            other.set_nodes(everyone)
+        reports.update(run_iterations([*runners, joiner], [iterations - 1]))
+        assert reports[iterations - 1][-1].replicas_summed == 2, "the joiner's first step: the others' sum of 2"
+        assert all(report.adopted_from is None for reports_of in reports.values() for report in reports_of)
+        replicas = [stage_vector(r) for r in (runners[1], runners[2], joiner)]
+        assert torch.equal(replicas[0], replicas[1]) and torch.equal(replicas[0], replicas[2])
+    finally:
+        for each in runners:
+            each.close()
+        joiner_service.close()
+        joiner_dht.shutdown()
+    reference = one_process_stepping_a_stale_gradient(reports, data, num_microbatches)
+    for service in swarm.services:
+        for mine, theirs in zip(
+            service.staged.stage_parameters(service.stage), reference.stage_parameters(service.stage), strict=True
+        ):
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
+
+
 def test_a_stage_state_download_is_given_the_time_a_slow_home_uplink_takes() -> None:
     llama_20m_stage = 6_330_000 * STATE_PARTS  # float32 values: 76 MB, 30 s at 20 Mbit/s
     seconds_at_4_mbit = 4 * llama_20m_stage / (4e6 / 8)  # 152 s

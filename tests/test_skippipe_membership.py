@@ -152,10 +152,12 @@ def test_the_manifest_section_is_checked_and_the_preset_is_a_skippipe_run() -> N
     preset = skippipe_demo()
     assert (preset.averaging.mode, preset.skippipe) == ("skippipe", SkipPipeSpec(stages=4, skip_ratio=0.25))
     assert type(preset).from_bytes(preset.to_bytes()) == preset
-    exact = dataclasses.replace(preset, skippipe=SkipPipeSpec(gradient_dtype="float32"))
-    assert type(exact).from_bytes(exact.to_bytes()).skippipe == SkipPipeSpec(gradient_dtype="float32")
+    exact = dataclasses.replace(preset, skippipe=SkipPipeSpec(gradient_dtype="float32", overlap_exchange=True))
+    spec = type(exact).from_bytes(exact.to_bytes()).skippipe
+    assert spec == SkipPipeSpec(gradient_dtype="float32", overlap_exchange=True)
     older = proto.RunManifest.FromString(exact.to_bytes())
-    older.skippipe.ClearField("gradient_dtype")  # a manifest from before the setting
+    older.skippipe.ClearField("gradient_dtype")  # a manifest from before the settings
+    older.skippipe.ClearField("overlap_exchange")
     assert type(exact).from_bytes(older.SerializeToString()).skippipe == SkipPipeSpec()
     for bad, reason in (
         (dict(stages=1), "stages must be between 2"),

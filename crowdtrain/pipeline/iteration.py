@@ -21,6 +21,11 @@ the swarm's nodes, seeded by the iteration), so no message carries it. An iterat
 5. clip to `max_grad_norm`, the optimizer's step, gradients zeroed, the iteration closed; an iteration that no
    source finished (every stage-0 node gone) trained nothing and takes no step (AdamW would still move the
    parameters on its momentum and weight decay);
+   with `overlap_exchange`, steps 4 and 5 part: the node publishes its gradient of iteration t and fetches the
+   others' in the background while iteration t + 1 runs, and iteration t's step is taken on the replicas' sum
+   of iteration t - 1 (one iteration stale; none at the first iteration). A joiner, holding the state of the
+   iteration before its first, fetches the other replicas' gradients of that iteration for its first step, so it
+   steps as they do;
 6. drift: each gradient carries a fingerprint of its replica's parameters before the step (`fingerprint`: the
    parameters at MAX_FINGERPRINT fixed positions). A replica whose fingerprint differs by more than
    DRIFT_TOLERANCE (relative; the last bits of different hardware differ by far less, a missed gradient by far
@@ -47,6 +52,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -101,6 +107,20 @@ class IterationReport:
     """The replica whose state this node took after its step, its parameters having drifted from it; None."""
 
 
+@dataclass(frozen=True, slots=True)
+class Gathered:
+    """A stage's gradient of one iteration, summed over the replicas that published it."""
+
+    iteration: int
+    total: torch.Tensor
+    fingerprints: dict[str, torch.Tensor | None]
+    """The fingerprint each summed replica sent with its gradient (this node's own included, if it had one)."""
+    failed: tuple[str, ...]
+    """Replicas whose gradient was not had: to be suspected."""
+    trained: bool
+    """Whether the iteration trained anything (a source finished it): its sum is worth a step."""
+
+
 @dataclass(kw_only=True)
 class SkipPipeNode:
     """Runs SkipPipe iterations on one node serving `service.stage`."""
@@ -122,6 +142,8 @@ class SkipPipeNode:
     hop_timeout_s: float = 30.0
     done_timeout_s: float = 120.0
     exchange_timeout_s: float = 30.0
+    overlap_exchange: bool = False
+    """Exchange the stage's gradient during the next iteration and step on the one before (`SkipPipeSpec`)."""
     scheduler: Callable[[SkipPipeProblem], Schedule] = schedule_microbatches
     """SkipPipe's scheduler, or a baseline of `planning.skippipe` (`full_pipeline`, `random_skipping`)."""
     parameters: list[torch.nn.Parameter] = field(init=False)
@@ -137,6 +159,11 @@ class SkipPipeNode:
         self._positions = fingerprint_positions(self.parameters)
         self.last_iteration = -1
         """The last iteration this node stepped (or took the state of); -1 before any."""
+        self._pending: tuple[int, Future[Gathered]] | None = None
+        """With overlap_exchange: the exchange of this node's last iteration, running in the background."""
+        self._exchanger: ThreadPoolExecutor | None = None
+        self._adopted_at = -1
+        """The last iteration after whose step this node took a replica's state (drift repair)."""
         self.service.set_state_source(self._state)
         self.peer_id = self.service.peer_id
         self.replicas = _replicas(self.nodes)
@@ -179,6 +206,7 @@ class SkipPipeNode:
         `timeout_s` (default: what the state's size may take, `state_timeout_s`)."""
         header, values = self._fetch_state(peer_id, self.state_timeout_s() if timeout_s is None else timeout_s)
         self._load_state(header, values)
+        self._pending = None  # its first step sums the others' gradients of the iteration it took the state of
         logger.info(f"took stage {self.service.stage}'s state of iteration {header.iteration} from {peer_id[-8:]}")
         return header.iteration + 1
 
@@ -268,11 +296,14 @@ class SkipPipeNode:
         driven = sum(int(batch.shape[0]) for batch in batches)
         samples = driven if self.driver is not None else self.service.rows_served(iteration)
         mark = time.perf_counter()
-        replicas_summed, reference = self._sum_gradients(iteration)
+        if self.overlap_exchange:
+            replicas_summed, reference, trained = self._overlapped_sum(iteration, sources_done > 0)
+        else:
+            (replicas_summed, reference), trained = self._sum_gradients(iteration), sources_done > 0
         phases["gradient exchange"] = time.perf_counter() - mark
         mark = time.perf_counter()
         with self.service.model_lock:
-            if sources_done:
+            if trained:
                 torch.nn.utils.clip_grad_norm_(self.parameters, self.max_grad_norm)
                 self.optimizer.step()  # no source done: no microbatch came, and AdamW's momentum and decay stay put
             self.optimizer.zero_grad(set_to_none=False)
@@ -282,6 +313,7 @@ class SkipPipeNode:
         if reference is not None:
             mark = time.perf_counter()
             adopted_from = self._adopt(reference, iteration)
+            self._adopted_at = iteration if adopted_from is not None else self._adopted_at
             phases["drift repair"] = time.perf_counter() - mark
         self.service.finish_iteration(iteration)
         return IterationReport(
@@ -326,40 +358,104 @@ class SkipPipeNode:
         replicas = self.replicas[self.service.stage]
         if len(replicas) == 1:
             return 1, None
+        own, own_fingerprint = self._publish_own(iteration)
+        gathered = self._gather(iteration, own, own_fingerprint, tuple(replicas), frozenset(self.suspected), True)
+        return len(gathered.fingerprints), self._take(gathered, own_fingerprint)
+
+    def _overlapped_sum(self, iteration: int, trained: bool) -> tuple[int, str | None, bool]:
+        """With overlap_exchange: publish this iteration's gradient and start summing the replicas' in the
+        background; replace `.grad` with the replicas' sum of the iteration before. (How many replicas that sum
+        has, the replica whose state to take after the step (or None), whether to step.)"""
+        replicas = tuple(self.replicas[self.service.stage])
+        own, own_fingerprint = self._publish_own(iteration)
+        if self._exchanger is None:
+            self._exchanger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skippipe-exchange")
+        suspected = frozenset(self.suspected)
+        exchange = self._exchanger.submit(self._gather, iteration, own, own_fingerprint, replicas, suspected, trained)
+        previous, self._pending = self._pending, (iteration, exchange)
+        if previous is not None and previous[0] == iteration - 1:
+            # fingerprints taken before a state this node has since taken tell nothing of its parameters now
+            gathered, fingerprint_then = previous[1].result(), previous[0] > self._adopted_at
+        elif iteration > 0 and self.last_iteration == iteration - 1 and len(replicas) > 1:
+            # A joiner (or a node whose exchange was cut short) holds the state of the iteration before: its first
+            # step is on the other replicas' sum of that iteration, the one they step on now.
+            gathered = self._gather(iteration - 1, None, None, replicas, suspected, None)
+            fingerprint_then = False
+        else:
+            return 0, None, False  # the first iteration: nothing summed yet
+        reference = self._take(gathered, gathered.fingerprints.get(self.peer_id) if fingerprint_then else None)
+        return len(gathered.fingerprints), reference, gathered.trained
+
+    def _publish_own(self, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This replica's gradient of `iteration` (flattened, rounded to gradient_dtype: every replica sums what
+        each one published, so this node's own term is its gradient as the others receive it) and the fingerprint
+        of its parameters, published for the other replicas."""
         with self.service.model_lock:
             own = torch.cat([_grad(p).reshape(-1) for p in self.parameters])
             own_fingerprint = fingerprint(self.parameters, self._positions)
-        # every replica sums what each one published: this node's own term is its gradient as the others receive it
         own = own.to(WIRE_DTYPES[self.gradient_dtype]).float()
         self.service.publish_gradient(iteration, own, own_fingerprint, self.gradient_dtype)
-        total = torch.zeros_like(own)
+        return own, own_fingerprint
+
+    def _gather(
+        self,
+        iteration: int,
+        own: torch.Tensor | None,
+        own_fingerprint: torch.Tensor | None,
+        replicas: tuple[str, ...],
+        suspected: frozenset[str],
+        trained: bool | None,
+    ) -> Gathered:
+        """The sum of `replicas`' gradients of `iteration`, in peer-ID order (the same bits on every replica that
+        heard from the same ones): this node's `own` (None: none of its own, as a joiner's), the others' fetched,
+        `suspected` ones left out. `trained` None: whether the sum is not zero (a joiner can't know otherwise).
+        Touches no state of this node: it may run in the background."""
+        numel = sum(parameter.numel() for parameter in self.parameters)
+        total = torch.zeros(numel)
         summed: dict[str, torch.Tensor | None] = {}
+        failed: list[str] = []
         for peer in replicas:  # peer-ID order: the same sum, bit for bit, on every replica
             if peer == self.peer_id:
+                if own is None:
+                    continue
                 gradient, summed[peer] = own, own_fingerprint
-            elif peer in self.suspected:
+            elif peer in suspected:
                 continue
             else:
                 try:
                     gradient, summed[peer] = self.service.fetch_gradient(
-                        peer, iteration, own.numel(), self.exchange_timeout_s
+                        peer, iteration, numel, self.exchange_timeout_s
                     )
                 except HopFailedError as e:
                     logger.warning(f"{e}; the stage's step goes on without it")
-                    self.suspect(peer)
+                    failed.append(peer)
                     continue
             total += gradient.to(total.device)
+        trained = bool(total.any()) if trained is None else trained
+        return Gathered(iteration=iteration, total=total, fingerprints=summed, failed=tuple(failed), trained=trained)
+
+    def _take(self, gathered: Gathered, own_fingerprint: torch.Tensor | None) -> str | None:
+        """Make `gathered`'s sum each parameter's `.grad` and suspect the replicas it lacks; the replica whose state
+        to take after the step because this node's parameters (`own_fingerprint`, None: not known) drifted from
+        its, or None."""
+        for peer in gathered.failed:
+            self.suspect(peer)
         with self.service.model_lock:
             offset = 0
             for parameter in self.parameters:
                 count = parameter.numel()
-                _grad(parameter).copy_(total[offset : offset + count].view_as(parameter))
+                _grad(parameter).copy_(gathered.total[offset : offset + count].view_as(parameter))
                 offset += count
-        reference = reference_replica(summed)
-        theirs = summed.get(reference) if reference is not None else None
-        if reference == self.peer_id or theirs is None or not drifted(own_fingerprint, theirs):
-            return len(summed), None
-        return len(summed), reference
+        reference = reference_replica(gathered.fingerprints)
+        theirs = gathered.fingerprints.get(reference) if reference is not None else None
+        if own_fingerprint is None or reference == self.peer_id or theirs is None:
+            return None
+        return reference if drifted(own_fingerprint, theirs) else None
+
+    def close(self) -> None:
+        """Stop the background exchange (overlap_exchange), if any."""
+        if self._exchanger is not None:
+            self._exchanger.shutdown(wait=False, cancel_futures=True)
 
     def _adopt(self, peer_id: str, iteration: int) -> str | None:
         """Take `peer_id`'s state of `iteration` (this node's drifted from it); `peer_id`, or None if it was not

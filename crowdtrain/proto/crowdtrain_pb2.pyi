@@ -38,20 +38,22 @@ class RunManifest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., created_at: _Optional[float] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., target_batch_size: _Optional[int] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., moe: _Optional[_Union[MoESpec, _Mapping]] = ..., diloco: _Optional[_Union[DiLoCoSpec, _Mapping]] = ..., admission: _Optional[str] = ..., spes: _Optional[_Union[SpesSpec, _Mapping]] = ..., skippipe: _Optional[_Union[SkipPipeSpec, _Mapping]] = ...) -> None: ...
 
 class SkipPipeSpec(_message.Message):
-    __slots__ = ("stages", "skip_ratio", "reorder", "microbatches", "wire_dtype", "gradient_dtype")
+    __slots__ = ("stages", "skip_ratio", "reorder", "microbatches", "wire_dtype", "gradient_dtype", "overlap_exchange")
     STAGES_FIELD_NUMBER: _ClassVar[int]
     SKIP_RATIO_FIELD_NUMBER: _ClassVar[int]
     REORDER_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_EXCHANGE_FIELD_NUMBER: _ClassVar[int]
     stages: int
     skip_ratio: float
     reorder: bool
     microbatches: int
     wire_dtype: str
     gradient_dtype: str
-    def __init__(self, stages: _Optional[int] = ..., skip_ratio: _Optional[float] = ..., reorder: _Optional[bool] = ..., microbatches: _Optional[int] = ..., wire_dtype: _Optional[str] = ..., gradient_dtype: _Optional[str] = ...) -> None: ...
+    overlap_exchange: bool
+    def __init__(self, stages: _Optional[int] = ..., skip_ratio: _Optional[float] = ..., reorder: _Optional[bool] = ..., microbatches: _Optional[int] = ..., wire_dtype: _Optional[str] = ..., gradient_dtype: _Optional[str] = ..., overlap_exchange: _Optional[bool] = ...) -> None: ...
 
 class SpesSpec(_message.Message):
     __slots__ = ("merge_every", "merge_neighbours", "merge_alpha", "merge_warmup_steps", "replicas")

@@ -187,6 +187,7 @@ class SkipPipeMode(TrainingMode):
             batch=self._batch,
             wire_dtype=self.spec.wire_dtype,
             gradient_dtype=self.spec.gradient_dtype,
+            overlap_exchange=self.spec.overlap_exchange,
         )
 
     @property
@@ -402,6 +403,7 @@ class SkipPipeMode(TrainingMode):
         from this node's own copy of them (no node serves a trained one: that is why it moves)."""
         old, last = self.stage, self.runner.last_iteration
         self.service.set_stage(stage, self.me.memory_microbatches)
+        self.runner.close()
         self.runner = self._stage_runner()
         self.runner.last_iteration = last
         logger.warning(
@@ -510,4 +512,5 @@ class SkipPipeMode(TrainingMode):
         self.optimizer.load_state_dict(state["optimizer"])
 
     def close(self) -> None:
+        self.runner.close()
         self.service.close()
