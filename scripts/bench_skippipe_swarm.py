@@ -23,6 +23,8 @@ on loopback. Arms, one after the other, same data:
     swarm-float32 `swarm` with the replicas' gradients exchanged in float32 (twice the bytes)
     swarm-overlap `swarm` with the exchange overlapped (`overlap_exchange`): each iteration steps on the replicas'
                   gradient of the iteration before, exchanged while this one ran
+    one-process-stale  one process (every core) stepping, as swarm-overlap does, on the iteration before's
+                  gradient: what the stale step alone does to the loss, without any network
 
 Node 7 (stage 3's second replica) is `--slowdown` times slower (default 4): after each of its forwards and
 backwards it sleeps (slowdown - 1) times the compute, busy for anything else, and the schedule knows its cost (as
@@ -105,7 +107,7 @@ SCHEDULERS: dict[str, Callable[[SkipPipeProblem], Schedule]] = {
     "full": full_pipeline,
 }
 STARTUP_TIMEOUT_S = 120.0
-ARMS = ("swarm", "swarm-kill", "swarm-random", "swarm-full", "swarm-float32", "swarm-overlap")
+ARMS = ("swarm", "swarm-kill", "swarm-random", "swarm-full", "swarm-float32", "swarm-overlap", "one-process-stale")
 
 
 def bench_run(model: str) -> RunManifest:
@@ -181,13 +183,17 @@ class SlowStageService(StageService):
 
 
 def one_process(
-    args: argparse.Namespace, run: RunManifest, data: Data, seconds: Sequence[float], threads: int
+    args: argparse.Namespace, run: RunManifest, data: Data, seconds: Sequence[float], threads: int, stale: bool = False
 ) -> dict[str, Any]:
-    """The same routes (the schedule over 8 stand-in node names) in one process, torch on `threads` threads."""
+    """The same routes (the schedule over 8 stand-in node names) in one process, torch on `threads` threads;
+    `stale`: each iteration steps on the gradient of the iteration before (none at the first), as overlap_exchange."""
     torch.set_num_threads(threads)
     nodes = topology([f"node{index}" for index in range(NUM_STAGES * REPLICAS)], seconds, args.memory, args.slowdown)
     staged = staged_model(run)
-    optimizers = [torch.optim.AdamW(staged.stage_parameters(stage), lr=LEARNING_RATE) for stage in range(NUM_STAGES)]
+    optimizers = [
+        torch.optim.AdamW(staged.stage_parameters(stage), lr=args.learning_rate) for stage in range(NUM_STAGES)
+    ]
+    previous: list[torch.Tensor | None] | None = None
     iteration_s, losses, curve = [], [], Curve()
     curve.add(0, 0.0, held_out_loss(staged, data, staged.full_path))
     for iteration in range(args.iterations):
@@ -198,10 +204,16 @@ def one_process(
             loss = staged.loss(data.batch(iteration, route.microbatch), route.stages)
             (loss / len(schedule.routes)).backward()
             iteration_losses.append(float(loss.detach()))
+        if stale:
+            current = [p.grad.clone() if p.grad is not None else None for p in staged.model.parameters()]
+            for parameter, gradient in zip(staged.model.parameters(), previous or current, strict=True):
+                parameter.grad = gradient
         for stage, optimizer in enumerate(optimizers):
             torch.nn.utils.clip_grad_norm_(staged.stage_parameters(stage), 1.0)
-            optimizer.step()
+            if not stale or previous is not None:
+                optimizer.step()
             optimizer.zero_grad()
+        previous = current if stale else None
         iteration_s.append(time.perf_counter() - began)
         losses.append(statistics.fmean(iteration_losses))
         if evaluated(args, iteration + 1):
@@ -272,7 +284,7 @@ def node_main(args: argparse.Namespace) -> int:
         runner = SkipPipeNode(
             service=service, nodes=nodes, num_microbatches=args.microbatches, skip_ratio=args.skip_ratio,
             reorder=args.skip_ratio > 0, scheduler=SCHEDULERS[args.scheduler],
-            optimizer=torch.optim.AdamW(staged.stage_parameters(stage), lr=LEARNING_RATE), batch=data.batch,
+            optimizer=torch.optim.AdamW(staged.stage_parameters(stage), lr=args.learning_rate), batch=data.batch,
             in_flight=args.memory, hop_timeout_s=60.0, done_timeout_s=300.0, exchange_timeout_s=60.0,
             gradient_dtype=args.gradient_dtype, overlap_exchange=args.overlap,
         )  # fmt: skip
@@ -349,6 +361,7 @@ def swarm_arm(
                            "--memory", str(args.memory), "--skip-ratio", str(skip_ratio), "--scheduler", scheduler,
                            "--slowdown", str(args.slowdown), "--eval-every", str(args.eval_every),
                            "--gradient-dtype", gradient_dtype, *(["--overlap"] if arm == "swarm-overlap" else []),
+                           "--learning-rate", str(args.learning_rate),
                            "--host", hosts[index].address if hosts else "127.0.0.1"]  # fmt: skip
                 log = (folder / f"node{index}.log").open("w")
                 processes.append(groups.start(command, stdout=log, stderr=log))
@@ -439,7 +452,9 @@ def show(args: argparse.Namespace, results: dict[str, Any]) -> None:
     rows = []
     samples = args.microbatches * args.micro_batch_size
     base = min(
-        statistics.median(result["iteration_s"][2:]) for arm, result in results["arms"].items() if "swarm" not in arm
+        statistics.median(result["iteration_s"][2:])
+        for arm, result in results["arms"].items()
+        if "swarm" not in arm and arm != "one-process-stale"
     )
     for arm, result in results["arms"].items():
         per_iteration = statistics.median(result["iteration_s"][2:])
@@ -495,6 +510,9 @@ def main() -> int:
         type=Path,
         help="a WAN-lab scenario of 8 hosts (scripts/scenarios/skippipe.toml): node i runs in host i",
     )
+    parser.add_argument(
+        "--learning-rate", type=float, default=LEARNING_RATE, help=f"AdamW's (default {LEARNING_RATE:g})"
+    )
     parser.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)  # a node's overlap_exchange
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)  # a node's address
     parser.add_argument("--node", action="store_true", help=argparse.SUPPRESS)
@@ -517,7 +535,10 @@ def main() -> int:
             arms[arm] = one_process(args, run, data, seconds, threads)
         for arm in args.arms:
             say(f"arm {arm}")
-            arms[arm] = swarm_arm(args, run, data, seconds, arm)
+            if arm == "one-process-stale":
+                arms[arm] = one_process(args, run, data, seconds, os.cpu_count() or 1, stale=True)
+            else:
+                arms[arm] = swarm_arm(args, run, data, seconds, arm)
     parameters = sum(p.numel() for p in staged_model(run).model.parameters())
     results = {
         "environment": {**environment, "load_average_at_end": os.getloadavg()},

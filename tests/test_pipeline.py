@@ -259,6 +259,31 @@ def run_iterations(runners: Sequence[SkipPipeNode], iterations: Sequence[int]) -
     return reports
 
 
+def exact_runner(
+    service: StageService,
+    nodes: list[NodeInfo],
+    data: list[torch.Tensor],
+    num_microbatches: int,
+    overlap: bool = False,
+) -> SkipPipeNode:
+    """A node of `data`'s iterations whose hops and exchange are float32, one microbatch in flight: its steps can be
+    compared with one process's."""
+    return SkipPipeNode(
+        service=service,
+        nodes=nodes,
+        num_microbatches=num_microbatches,
+        skip_ratio=0.25,
+        reorder=True,
+        optimizer=torch.optim.AdamW(service.staged.stage_parameters(service.stage), lr=1e-2),
+        batch=lambda iteration, microbatch: data[iteration * num_microbatches + microbatch],
+        wire_dtype="float32",
+        gradient_dtype="float32",
+        in_flight=1,
+        done_timeout_s=60.0,
+        overlap_exchange=overlap,
+    )
+
+
 def stage_vector(runner: SkipPipeNode) -> torch.Tensor:
     return torch.cat([parameter.detach().reshape(-1) for parameter in runner.parameters])
 
@@ -282,22 +307,7 @@ def test_iterations_on_every_node_step_each_stage_as_one_process_would(
 
     num_microbatches, iterations = 6, 2
     data = [tokens(seed) for seed in range(num_microbatches * (iterations + 1))]
-    runners = [
-        SkipPipeNode(
-            service=service,
-            nodes=nodes,
-            num_microbatches=num_microbatches,
-            skip_ratio=0.25,
-            reorder=True,
-            optimizer=torch.optim.AdamW(service.staged.stage_parameters(service.stage), lr=1e-2),
-            batch=lambda iteration, microbatch: data[iteration * num_microbatches + microbatch],
-            wire_dtype="float32",
-            gradient_dtype="float32",
-            in_flight=1,
-            done_timeout_s=60.0,
-        )
-        for service in swarm.services
-    ]
+    runners = [exact_runner(service, nodes, data, num_microbatches) for service in swarm.services]
     reports = run_iterations(runners, range(iterations))
     assert all(report.adopted_from is None for reports_of in reports.values() for report in reports_of)
 
@@ -463,24 +473,7 @@ def test_an_overlapped_exchange_steps_each_stage_on_the_iteration_before_and_a_j
     ]
     num_microbatches, iterations = 4, 4
     data = [tokens(seed) for seed in range(num_microbatches * iterations)]
-
-    def runner(service: StageService, on: list[NodeInfo]) -> SkipPipeNode:
-        return SkipPipeNode(
-            service=service,
-            nodes=on,
-            num_microbatches=num_microbatches,
-            skip_ratio=0.25,
-            reorder=True,
-            optimizer=torch.optim.AdamW(service.staged.stage_parameters(service.stage), lr=1e-2),
-            batch=lambda iteration, microbatch: data[iteration * num_microbatches + microbatch],
-            wire_dtype="float32",
-            gradient_dtype="float32",
-            in_flight=1,
-            done_timeout_s=60.0,
-            overlap_exchange=True,
-        )
-
-    runners = [runner(service, nodes) for service in swarm.services]
+    runners = [exact_runner(service, nodes, data, num_microbatches, overlap=True) for service in swarm.services]
     joiner_dht = hivemind.DHT(
         start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=swarm.dhts[0].get_visible_maddrs()
     )
@@ -495,7 +488,7 @@ def test_an_overlapped_exchange_steps_each_stage_on_the_iteration_before_and_a_j
                 parameter.add_(1.0)  # whatever it held, the download replaces
         everyone = [*nodes, NodeInfo(peer_id=joiner_service.peer_id, stage=1, seconds_per_microbatch=1.0,
                                      memory_microbatches=2)]  # fmt: skip
-        joiner = runner(joiner_service, everyone)
+        joiner = exact_runner(joiner_service, everyone, data, num_microbatches, overlap=True)
         assert joiner.join(swarm.peer(1)) == iterations - 1
         for other in runners:
             other.set_nodes(everyone)
