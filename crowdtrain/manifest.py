@@ -290,7 +290,7 @@ class SPESSpec:
 
 
 SKIPPIPE_WIRE_DTYPES = ("float16", "bfloat16", "float32")
-SKIPPIPE_GRADIENT_DTYPES = ("bfloat16", "float32")
+SKIPPIPE_GRADIENT_DTYPES = ("bfloat16", "float32", "int8")
 MAX_SKIPPIPE_STAGES = 64
 SKIPPIPE_ARCHITECTURES = ("LlamaForCausalLM",)
 """Decoder LMs whose layers `models.stages.StagedModel` cuts into stages."""
@@ -313,8 +313,9 @@ class SkipPipeSpec:
     """How hidden states and their gradients travel between stages: `float16`, `bfloat16` or `float32`."""
     gradient_dtype: str = "bfloat16"
     """How a stage's replicas exchange their iteration's gradient: `bfloat16` (half of float32's bytes, float32's
-    range; every replica sums the rounded values, so they stay bit-identical) or `float32`. Not float16: a
-    gradient's small values would underflow without a scale."""
+    range; every replica sums the rounded values, so they stay bit-identical), `float32`, or `int8` (blocks of 4096
+    values with a float32 scale each: a quarter of float32's bytes; what rounding leaves out of a replica's gradient
+    is added to its next one). Not float16: a gradient's small values would underflow without a scale."""
     overlap_exchange: bool = False
     """Whether the replicas' gradient exchange runs during the next iteration instead of between the two: each
     iteration then steps on the replicas' summed gradient of the iteration before (one iteration stale), and the

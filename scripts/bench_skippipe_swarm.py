@@ -25,6 +25,10 @@ on loopback. Arms, one after the other, same data:
                   gradient of the iteration before, exchanged while this one ran
     one-process-stale  one process (every core) stepping, as swarm-overlap does, on the iteration before's
                   gradient: what the stale step alone does to the loss, without any network
+    swarm-int8, swarm-full-int8  `swarm` and `swarm-full` with the replicas' gradients exchanged as int8 blocks
+                  with error feedback (a quarter of float32's bytes)
+    one-process-int8  one process (every core) stepping on each stage's gradient rounded to int8 blocks with
+                  error feedback, as one replica per stage would send it: the rounding alone, without any network
 
 Node 7 (stage 3's second replica) is `--slowdown` times slower (default 4): after each of its forwards and
 backwards it sleeps (slowdown - 1) times the compute, busy for anything else, and the schedule knows its cost (as
@@ -68,6 +72,7 @@ from bench_skippipe import Data, RemovedStages, held_out_loss, removed_stages
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blocks
 from crowdtrain.manifest import ModelSpec, RunManifest, demo, llama_20m
 from crowdtrain.models import ByteTokenizer, build_model
 from crowdtrain.models.stages import StagedModel
@@ -107,7 +112,20 @@ SCHEDULERS: dict[str, Callable[[SkipPipeProblem], Schedule]] = {
     "full": full_pipeline,
 }
 STARTUP_TIMEOUT_S = 120.0
-ARMS = ("swarm", "swarm-kill", "swarm-random", "swarm-full", "swarm-float32", "swarm-overlap", "one-process-stale")
+ARMS = (
+    "swarm",
+    "swarm-kill",
+    "swarm-random",
+    "swarm-full",
+    "swarm-float32",
+    "swarm-overlap",
+    "one-process-stale",
+    "swarm-int8",
+    "swarm-full-int8",
+    "one-process-int8",
+)
+BASELINES = ("one-process", "one-process-all-cores")
+"""The arms every swarm's ratio is taken against."""
 
 
 def bench_run(model: str) -> RunManifest:
@@ -183,10 +201,17 @@ class SlowStageService(StageService):
 
 
 def one_process(
-    args: argparse.Namespace, run: RunManifest, data: Data, seconds: Sequence[float], threads: int, stale: bool = False
+    args: argparse.Namespace,
+    run: RunManifest,
+    data: Data,
+    seconds: Sequence[float],
+    threads: int,
+    stale: bool = False,
+    int8: bool = False,
 ) -> dict[str, Any]:
     """The same routes (the schedule over 8 stand-in node names) in one process, torch on `threads` threads;
-    `stale`: each iteration steps on the gradient of the iteration before (none at the first), as overlap_exchange."""
+    `stale`: each iteration steps on the gradient of the iteration before (none at the first), as overlap_exchange;
+    `int8`: on each stage's gradient rounded to int8 blocks, the rounding's error carried to the next iteration."""
     torch.set_num_threads(threads)
     nodes = topology([f"node{index}" for index in range(NUM_STAGES * REPLICAS)], seconds, args.memory, args.slowdown)
     staged = staged_model(run)
@@ -194,6 +219,7 @@ def one_process(
         torch.optim.AdamW(staged.stage_parameters(stage), lr=args.learning_rate) for stage in range(NUM_STAGES)
     ]
     previous: list[torch.Tensor | None] | None = None
+    unsent: list[torch.Tensor | None] = [None] * NUM_STAGES
     iteration_s, losses, curve = [], [], Curve()
     curve.add(0, 0.0, held_out_loss(staged, data, staged.full_path))
     for iteration in range(args.iterations):
@@ -204,6 +230,8 @@ def one_process(
             loss = staged.loss(data.batch(iteration, route.microbatch), route.stages)
             (loss / len(schedule.routes)).backward()
             iteration_losses.append(float(loss.detach()))
+        if int8:
+            round_to_int8(staged, unsent)
         if stale:
             current = [p.grad.clone() if p.grad is not None else None for p in staged.model.parameters()]
             for parameter, gradient in zip(staged.model.parameters(), previous or current, strict=True):
@@ -224,6 +252,22 @@ def one_process(
     )
     torch.set_num_threads(1)
     return {**result, "torch_threads": threads}
+
+
+def round_to_int8(staged: StagedModel, unsent: list[torch.Tensor | None]) -> None:
+    """Replace each stage's gradient with it rounded to int8 blocks as a replica publishes it, plus `unsent[stage]`,
+    what the rounding left out the iteration before (error feedback; updated)."""
+    for stage in range(NUM_STAGES):
+        parameters = staged.stage_parameters(stage)
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in parameters])
+        if (carried := unsent[stage]) is not None:
+            flat += carried
+        sent = decode_int8_blocks(encode_int8_blocks(flat), flat.numel())
+        unsent[stage] = flat - sent
+        offset = 0
+        for parameter in parameters:
+            parameter.grad = sent[offset : offset + parameter.numel()].view_as(parameter).clone()
+            offset += parameter.numel()
 
 
 @dataclasses.dataclass
@@ -340,9 +384,12 @@ def swarm_arm(
 ) -> dict[str, Any]:
     """One swarm arm (`ARMS`), on loopback or, with `--scenario`, each node in a WAN-lab host of its own."""
     kill = arm == "swarm-kill"
-    skip_ratio = 0.0 if arm == "swarm-full" else SKIP_RATIO
-    scheduler = {"swarm-full": "full", "swarm-random": "random"}.get(arm, "skippipe")
-    gradient_dtype = "float32" if arm == "swarm-float32" else args.gradient_dtype
+    full = arm.startswith("swarm-full")
+    skip_ratio = 0.0 if full else SKIP_RATIO
+    scheduler = "full" if full else "random" if arm == "swarm-random" else "skippipe"
+    gradient_dtype = {"swarm-float32": "float32", "swarm-int8": "int8", "swarm-full-int8": "int8"}.get(
+        arm, args.gradient_dtype
+    )
     groups = ProcessGroups()
     num_nodes = NUM_STAGES * REPLICAS
     victim = KILLED_STAGE * REPLICAS + 1
@@ -452,9 +499,7 @@ def show(args: argparse.Namespace, results: dict[str, Any]) -> None:
     rows = []
     samples = args.microbatches * args.micro_batch_size
     base = min(
-        statistics.median(result["iteration_s"][2:])
-        for arm, result in results["arms"].items()
-        if "swarm" not in arm and arm != "one-process-stale"
+        statistics.median(result["iteration_s"][2:]) for arm, result in results["arms"].items() if arm in BASELINES
     )
     for arm, result in results["arms"].items():
         per_iteration = statistics.median(result["iteration_s"][2:])
@@ -501,7 +546,7 @@ def main() -> int:
     parser.add_argument("--eval-every", type=int, default=5, help="iterations between held-out evaluations (5)")
     parser.add_argument(
         "--gradient-dtype",
-        choices=("bfloat16", "float32"),
+        choices=("bfloat16", "float32", "int8"),
         default="bfloat16",
         help="how a stage's replicas exchange gradients (bfloat16; the swarm-float32 arm: float32)",
     )
@@ -535,8 +580,16 @@ def main() -> int:
             arms[arm] = one_process(args, run, data, seconds, threads)
         for arm in args.arms:
             say(f"arm {arm}")
-            if arm == "one-process-stale":
-                arms[arm] = one_process(args, run, data, seconds, os.cpu_count() or 1, stale=True)
+            if arm.startswith("one-process"):
+                arms[arm] = one_process(
+                    args,
+                    run,
+                    data,
+                    seconds,
+                    os.cpu_count() or 1,
+                    stale=arm.endswith("stale"),
+                    int8=arm.endswith("int8"),
+                )
             else:
                 arms[arm] = swarm_arm(args, run, data, seconds, arm)
     parameters = sum(p.numel() for p in staged_model(run).model.parameters())

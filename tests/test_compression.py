@@ -10,7 +10,16 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import runtime_pb2
 
 from crowdtrain import proto
-from crowdtrain.averaging.compression import SPARSE_WIRE_TYPE, BoundedInt8, SparseFloat16, compression_for
+from crowdtrain.averaging.compression import (
+    INT8_BLOCK,
+    SPARSE_WIRE_TYPE,
+    BoundedInt8,
+    SparseFloat16,
+    compression_for,
+    decode_int8_blocks,
+    encode_int8_blocks,
+    int8_blocks_size,
+)
 
 
 def test_int8_round_trips_within_its_resolution_through_hiveminds_own_decoder() -> None:
@@ -40,6 +49,37 @@ def test_a_hostile_int8_part_is_an_error_not_a_read_past_its_buffer(mutate: obje
     mutate(message)  # type: ignore[operator]
     with pytest.raises(ValueError):
         BoundedInt8().extract(message)
+
+
+def test_int8_blocks_round_each_value_within_half_a_step_of_its_own_blocks_scale() -> None:
+    tensor = torch.randn(2 * INT8_BLOCK + 5) * 1e-3
+    tensor[7] = 1.0  # an outlier coarsens its own block only
+    tensor[INT8_BLOCK : 2 * INT8_BLOCK] = 0.0  # an all-zero block
+    payload = encode_int8_blocks(tensor)
+    assert len(payload) == int8_blocks_size(tensor.numel()) == tensor.numel() + 4 * 3
+    decoded = decode_int8_blocks(payload, tensor.numel())
+    for block in range(3):
+        part = slice(block * INT8_BLOCK, (block + 1) * INT8_BLOCK)
+        step = float(tensor[part].abs().max()) / 127
+        assert float((decoded[part] - tensor[part]).abs().max()) <= step / 2 * (1 + 1e-6)
+    assert torch.equal(decoded[INT8_BLOCK : 2 * INT8_BLOCK], torch.zeros(INT8_BLOCK))
+    assert float(decoded[7]) == 1.0 and int(torch.count_nonzero(decoded[:INT8_BLOCK])) < INT8_BLOCK / 10
+    assert torch.equal(decode_int8_blocks(encode_int8_blocks(torch.zeros(1)), 1), torch.zeros(1))
+
+
+@pytest.mark.parametrize(
+    ("payload", "sentence"),
+    [
+        (b"", "do not hold 4 values"),
+        (b"\0" * 9, "do not hold 4 values"),
+        (np.float32(-1.0).tobytes() + b"\1" * 4, "negative or non-finite"),
+        (np.float32(np.inf).tobytes() + b"\1" * 4, "negative or non-finite"),
+        (np.float32(1.0).tobytes() + b"\x80" * 4, "outside"),
+    ],
+)
+def test_a_hostile_int8_block_payload_is_an_error(payload: bytes, sentence: str) -> None:
+    with pytest.raises(ValueError, match=sentence):
+        decode_int8_blocks(payload, 4)
 
 
 def test_names() -> None:

@@ -15,6 +15,7 @@ from hivemind.p2p import P2PContext, PeerID
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from crowdtrain import proto
+from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blocks, int8_blocks_size
 from crowdtrain.models.stages import StagedModel
 from crowdtrain.pipeline import HopFailedError, HopLimits, HopRefusedError, PipelineDriver, StageService
 from crowdtrain.pipeline.iteration import (
@@ -223,6 +224,7 @@ def test_hostile_hops_are_refused_with_a_sentence_and_the_node_keeps_serving(swa
         ("forward", [hop(2, (2, 8, HIDDEN + 1))], r"shape \[2, 8, 33\]"),
         ("forward", [hop(2, (2, 8), "float32")], "2 dimensions"),
         ("forward", [hop(2, good.shape, "int64")], "wire dtype 'int64'"),
+        ("forward", [hop(2, good.shape, "int8")], "wire dtype 'int8'"),  # only a stage's gradient travels in int8
         ("forward", [hop(2, good.shape), proto.StageHop(payload=b"\0" * 100)], "ended after 100 of its 2048 bytes"),
         ("forward", [hop(2, good.shape), proto.StageHop(payload=b"\0" * (CHUNK_BYTES + 1))], "more than the 2048"),
         ("forward", [hop(2, good.shape), proto.StageHop(payload=nan.numpy().tobytes())], "NaN or infinite"),
@@ -355,7 +357,9 @@ def test_iterations_on_every_node_step_each_stage_as_one_process_would(
 
 def test_replicas_sum_the_gradients_as_published_in_the_runs_dtype(swarm: Swarm) -> None:
     """Stage 1's two replicas exchange their gradients in bfloat16 (half of float32's bytes) and both hold the sum,
-    in peer-ID order, of what each published, bit for bit; in float32 the sum is of the gradients themselves."""
+    in peer-ID order, of what each published, bit for bit; in float32 the sum is of the gradients themselves; in
+    int8 blocks (a quarter of float32's bytes) each publishes its gradient plus what rounding left out of its last
+    int8 one, and both hold the same bits."""
     nodes = [
         NodeInfo(peer_id=swarm.peer(node), stage=stage, seconds_per_microbatch=1.0, memory_microbatches=2)
         for node, stage in enumerate(STAGE_OF_NODE)
@@ -373,7 +377,9 @@ def test_replicas_sum_the_gradients_as_published_in_the_runs_dtype(swarm: Swarm)
         for node in (1, 2)
     ]
     numel = stage_vector(replicas[0]).numel()
-    for iteration, (dtype, itemsize) in enumerate([("bfloat16", 2), ("float32", 4)]):
+    sizes = {"bfloat16": 2 * numel, "float32": 4 * numel, "int8": int8_blocks_size(numel)}
+    unsent: dict[str, torch.Tensor] = {}
+    for iteration, dtype in enumerate(["bfloat16", "float32", "int8", "int8"]):
         generator = torch.Generator().manual_seed(iteration)
         published = {}
         for runner in replicas:
@@ -381,7 +387,13 @@ def test_replicas_sum_the_gradients_as_published_in_the_runs_dtype(swarm: Swarm)
             for parameter in runner.parameters:
                 parameter.grad = torch.randn(parameter.shape, generator=generator) * 1e-3
             gradient = torch.cat([parameter.grad.reshape(-1) for parameter in runner.parameters])
-            published[runner.peer_id] = gradient.to(getattr(torch, dtype)).float()
+            if dtype == "int8":
+                carried = gradient + unsent.get(runner.peer_id, torch.zeros(numel))
+                published[runner.peer_id] = decode_int8_blocks(encode_int8_blocks(carried), numel)
+                unsent[runner.peer_id] = carried - published[runner.peer_id]
+                assert unsent[runner.peer_id].abs().max() > 0, "int8 rounded nothing away"
+            else:
+                published[runner.peer_id] = gradient.to(getattr(torch, dtype)).float()
         expected = torch.zeros(numel)
         for peer in sorted(published):
             expected += published[peer]
@@ -393,9 +405,33 @@ def test_replicas_sum_the_gradients_as_published_in_the_runs_dtype(swarm: Swarm)
         assert summed == [(2, None), (2, None)]
         for runner, before in zip(replicas, sent_before, strict=True):
             got = torch.cat([parameter.grad.reshape(-1) for parameter in runner.parameters])
-            assert torch.equal(got, expected), f"{dtype}: a replica summed other bits than the published ones"
-            assert runner.service.bytes_sent - before == itemsize * numel
+            assert torch.equal(got, expected), f"{iteration}, {dtype}: a replica summed other bits than published"
+            assert runner.service.bytes_sent - before == sizes[dtype]
     assert not torch.equal(published[swarm.peer(1)], published[swarm.peer(1)].bfloat16().float()), "float32 kept"
+
+
+def test_a_malformed_int8_gradient_is_refused_with_a_sentence(swarm: Swarm) -> None:
+    """A replica's int8 gradient is checked before it is summed: its exact bytes, scales finite and not negative,
+    values within ±127, and every decoded value finite; the fetching replica gets a sentence, not a tensor."""
+    fetcher, answerer = swarm.services[1], swarm.services[2]  # stage 1's replicas
+    numel = 5000  # two blocks
+    good = encode_int8_blocks(torch.randn(numel))
+    cases = [
+        (torch.tensor([-1.0]).numpy().tobytes() + good[4:], "negative or non-finite scale"),
+        (torch.tensor([float("nan")]).numpy().tobytes() + good[4:], "negative or non-finite scale"),
+        (good[:8] + b"\x80" + good[9:], "outside ±127"),
+        (torch.tensor([3e38]).numpy().tobytes() + good[4:], "NaN or infinite"),  # 127 steps of 3e38 overflow
+        (good[:-1], f"ended after {len(good) - 1} of its {len(good)} bytes"),
+    ]
+    for iteration, (payload, sentence) in enumerate(cases):
+        with answerer._held_lock:
+            answerer._gradients[iteration] = (numel, payload, torch.zeros(4), "int8")
+        with pytest.raises(HopFailedError, match=sentence):
+            fetcher.fetch_gradient(answerer.peer_id, iteration, numel, 10.0)
+    with answerer._held_lock:
+        answerer._gradients[len(cases)] = (numel, good, torch.zeros(4), "int8")
+    gradient, _ = fetcher.fetch_gradient(answerer.peer_id, len(cases), numel, 10.0)
+    assert torch.equal(gradient, decode_int8_blocks(good, numel))
 
 
 def assert_a_joiner_steps_as_the_replica_it_joined(

@@ -164,7 +164,7 @@ def test_the_manifest_section_is_checked_and_the_preset_is_a_skippipe_run() -> N
         (dict(skip_ratio=1.0), "skip_ratio"),
         (dict(microbatches=0), "microbatches"),
         (dict(wire_dtype="int8"), "wire_dtype"),
-        (dict(gradient_dtype="float16"), "gradient_dtype must be one of bfloat16, float32"),
+        (dict(gradient_dtype="float16"), "gradient_dtype must be one of bfloat16, float32, int8"),
     ):
         with pytest.raises(ValueError, match=reason):
             SkipPipeSpec(**bad)  # type: ignore[arg-type]

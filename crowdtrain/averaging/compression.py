@@ -11,6 +11,11 @@ or all its values when that is smaller. The sparsity comes from DiLoCo's error f
 (averaging/error_feedback.py), which zeroes all but each tensor's largest values before the all-reduce; the
 codec itself is exact for fp16 values, so every peer's part is averaged as it was chosen. A reducer's average of
 k-sparse parts is at most (group size × k)-sparse, and goes back in the same encoding.
+
+`encode_int8_blocks` / `decode_int8_blocks` are a flat vector in blocks of INT8_BLOCK values, each block's values
+rounded to int8 steps of its largest magnitude / 127 (one float32 scale per block): SkipPipe's gradient exchange
+in a quarter of float32's bytes. Unlike the uniform codebook above, an all-zero block, a one-value block and an
+outlier cost nothing but their own block's precision.
 """
 
 from __future__ import annotations
@@ -157,6 +162,43 @@ def _fp16_bytes(flat: torch.Tensor) -> bytes:
 
 
 hivemind_serialization._BASE_COMPRESSION_TYPES[runtime_pb2.CompressionType.Name(SPARSE_WIRE_TYPE)] = SparseFloat16()
+
+
+INT8_BLOCK = 4096
+"""Values per block of `encode_int8_blocks` (one float32 scale each: 0.1% more bytes than int8 alone)."""
+
+
+def int8_blocks_size(numel: int) -> int:
+    """The bytes of `numel` values encoded by `encode_int8_blocks`."""
+    return numel + 4 * -(-numel // INT8_BLOCK)
+
+
+def encode_int8_blocks(flat: torch.Tensor) -> bytes:
+    """A flat float tensor as its blocks' scales (little-endian float32, one per INT8_BLOCK values: the block's
+    largest magnitude / 127), then its values as int8 multiples of their block's scale, rounded to nearest."""
+    flat = flat.detach().to("cpu", torch.float32).reshape(-1)
+    blocks = -(-flat.numel() // INT8_BLOCK)
+    padded = torch.nn.functional.pad(flat, (0, blocks * INT8_BLOCK - flat.numel())).view(blocks, INT8_BLOCK)
+    scales = padded.abs().amax(dim=1) / 127.0
+    steps = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)  # an all-zero block stays zero
+    values = torch.round(padded / steps).clamp_(-127, 127).to(torch.int8).reshape(-1)[: flat.numel()]
+    return scales.numpy().astype("<f4").tobytes() + values.numpy().tobytes()
+
+
+def decode_int8_blocks(payload: bytes | bytearray, numel: int) -> torch.Tensor:
+    """The float32 values `encode_int8_blocks` encoded, `numel` of them; ValueError unless `payload` is exactly
+    their bytes with finite, non-negative scales and values within ±127."""
+    if len(payload) != int8_blocks_size(numel):
+        raise ValueError(f"{len(payload)} bytes of int8 blocks do not hold {numel} values")
+    blocks = -(-numel // INT8_BLOCK)
+    scales = torch.from_numpy(np.frombuffer(payload, dtype="<f4", count=blocks).astype(np.float32))
+    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise ValueError("int8 blocks with a negative or non-finite scale")
+    values = torch.from_numpy(np.frombuffer(payload, dtype=np.int8, offset=4 * blocks).copy())
+    if bool((values == -128).any()):
+        raise ValueError("int8 blocks with a value outside ±127")
+    padded = torch.nn.functional.pad(values.float(), (0, blocks * INT8_BLOCK - numel)).view(blocks, INT8_BLOCK)
+    return (padded * scales.unsqueeze(1)).reshape(-1)[:numel]
 
 
 def compression_for(name: str) -> CompressionBase:

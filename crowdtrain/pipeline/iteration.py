@@ -14,8 +14,9 @@ the swarm's nodes, seeded by the iteration), so no message carries it. An iterat
 4. the stage's gradient: each microbatch's gradient landed on exactly one replica of each stage it visited, so the
    iteration's gradient is the *sum* of the replicas' `.grad`. Each replica publishes its own, rounded to
    `gradient_dtype` (bfloat16 by default: half of float32's bytes, and this exchange is most of what a stage node
-   sends), fetches the others' (`rpc_stage_gradient`) and adds them, its own as rounded, in peer-ID order, so
-   every replica that heard from all of them holds the same bits; a replica that does not answer within
+   sends; int8 blocks: a quarter, with error feedback: what rounding left out of this node's gradient is added to
+   its next one), fetches the others' (`rpc_stage_gradient`) and adds them, its own as rounded, in peer-ID order,
+   so every replica that heard from all of them holds the same bits; a replica that does not answer within
    `exchange_timeout_s` is left out (its share of microbatches is lost for the others this iteration, and from
    then on the replicas differ);
 5. clip to `max_grad_norm`, the optimizer's step, gradients zeroed, the iteration closed; an iteration that no
@@ -59,7 +60,7 @@ import torch
 
 from crowdtrain import proto
 from crowdtrain.pipeline.driver import MicrobatchOutcome, PipelineDriver
-from crowdtrain.pipeline.stage_service import MAX_FINGERPRINT, WIRE_DTYPES, HopFailedError, StageService
+from crowdtrain.pipeline.stage_service import MAX_FINGERPRINT, HopFailedError, StageService
 from crowdtrain.planning.skippipe import NodeInfo, Schedule, SkipPipeProblem, schedule_microbatches
 
 logger = logging.getLogger(__name__)
@@ -164,6 +165,8 @@ class SkipPipeNode:
         self._exchanger: ThreadPoolExecutor | None = None
         self._adopted_at = -1
         """The last iteration after whose step this node took a replica's state (drift repair)."""
+        self._unsent: torch.Tensor | None = None
+        """With int8 gradients: what rounding left out of the gradient this node last published (error feedback)."""
         self.service.set_state_source(self._state)
         self.peer_id = self.service.peer_id
         self.replicas = _replicas(self.nodes)
@@ -389,13 +392,17 @@ class SkipPipeNode:
     def _publish_own(self, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This replica's gradient of `iteration` (flattened, rounded to gradient_dtype: every replica sums what
         each one published, so this node's own term is its gradient as the others receive it) and the fingerprint
-        of its parameters, published for the other replicas."""
+        of its parameters, published for the other replicas. In int8 the rounding's error is carried to the next
+        iteration's gradient (error feedback): int8 blocks round a value under 1/254 of its block's largest to
+        zero, and without it a parameter whose gradient stays that small would never move."""
         with self.service.model_lock:
             own = torch.cat([_grad(p).reshape(-1) for p in self.parameters])
             own_fingerprint = fingerprint(self.parameters, self._positions)
-        own = own.to(WIRE_DTYPES[self.gradient_dtype]).float()
-        self.service.publish_gradient(iteration, own, own_fingerprint, self.gradient_dtype)
-        return own, own_fingerprint
+        if self.gradient_dtype == "int8" and self._unsent is not None:
+            own += self._unsent
+        sent = self.service.publish_gradient(iteration, own, own_fingerprint, self.gradient_dtype)
+        self._unsent = own - sent if self.gradient_dtype == "int8" else None
+        return sent, own_fingerprint
 
     def _gather(
         self,

@@ -18,7 +18,9 @@ caller to close the stream (`dht.service.linger`): a stream the answering node c
 once per full test-suite run under load (the caller saw "the stream ended before its header").
 
 Values travel in the wire dtype the caller chose, `float16` by default (half of float32's bytes; SkipPipe's paper
-sends activations in half precision); the answer uses the request's dtype. Compute is float32 on the node.
+sends activations in half precision); the answer uses the request's dtype. Compute is float32 on the node. A stage's
+gradient for its other replicas (`rpc_stage_gradient`) may also travel as `int8` (`averaging.compression`'s int8
+blocks: a quarter of float32's bytes), encoded once when it is published.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 from hivemind.p2p import P2PContext, PeerID
 
 from crowdtrain import proto
+from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blocks, int8_blocks_size
 from crowdtrain.dht.service import P2PService, drain, linger
 from crowdtrain.errors import CrowdtrainError
 from crowdtrain.models.stages import StagedModel
@@ -52,6 +55,8 @@ CHUNK_BYTES = 1 << 20
 """Payload bytes per streamed frame."""
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 """How hidden states and their gradients may travel."""
+GRADIENT_DTYPES = (*WIRE_DTYPES, "int8")
+"""How a stage's gradient may travel between its replicas."""
 BUSY = "busy:"
 """Starts the refusal of a forward that finds the node's memory full (the caller may ask again later)."""
 SLOT_WAIT_S = 10.0
@@ -106,12 +111,50 @@ class HopLimits:
         return batch, sequence, hidden
 
 
+def wire_bytes(tensor: torch.Tensor, dtype: str) -> bytes:
+    """`tensor`'s values as they travel in `dtype` (one of GRADIENT_DTYPES; int8: flattened)."""
+    if dtype == "int8":
+        return encode_int8_blocks(tensor)
+    return tensor.detach().to("cpu", WIRE_DTYPES[dtype]).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def wire_size(shape: typing.Sequence[int], dtype: str) -> int:
+    """The bytes of a tensor of `shape` in wire dtype `dtype`."""
+    numel = math.prod(shape)
+    return int8_blocks_size(numel) if dtype == "int8" else numel * WIRE_DTYPES[dtype].itemsize
+
+
+def wire_values(payload: bytes | bytearray, shape: typing.Sequence[int], dtype: str) -> torch.Tensor:
+    """The float32 tensor of `shape` that `payload` (exactly `wire_size` bytes) carries in `dtype`; ValueError if it
+    is malformed or holds a value that is not finite."""
+    if dtype == "int8":
+        tensor = decode_int8_blocks(payload, math.prod(shape)).view(tuple(shape))
+    else:
+        tensor = (
+            torch.frombuffer(
+                payload if isinstance(payload, bytearray) else bytearray(payload), dtype=WIRE_DTYPES[dtype]
+            )
+            .view(tuple(shape))
+            .float()
+        )
+    if not bool(torch.isfinite(tensor).all()):
+        raise ValueError("the values hold NaN or infinite ones")
+    return tensor
+
+
 def encode_frames(tensor: torch.Tensor, header: proto.StageHop, dtype: str) -> Iterator[proto.StageHop]:
     """`tensor` as a stream: `header` with its shape and dtype, then its bytes in `CHUNK_BYTES` chunks."""
-    payload = tensor.detach().to("cpu", WIRE_DTYPES[dtype]).contiguous().view(torch.uint8).numpy().tobytes()
+    return payload_frames(wire_bytes(tensor, dtype), list(tensor.shape), header, dtype)
+
+
+def payload_frames(
+    payload: bytes, shape: typing.Sequence[int], header: proto.StageHop, dtype: str
+) -> Iterator[proto.StageHop]:
+    """The stream of a tensor of `shape` whose values `payload` carries in `dtype`: `header` with the shape and
+    dtype, then the payload in `CHUNK_BYTES` chunks."""
     first = proto.StageHop()
     first.CopyFrom(header)
-    first.shape[:] = list(tensor.shape)
+    first.shape[:] = list(shape)
     first.dtype = dtype
     yield first
     for offset in range(0, len(payload), CHUNK_BYTES):
@@ -125,16 +168,17 @@ async def decode_frames(
     expected_stage: int | None = None,
     *,
     to_end: bool = True,
+    dtypes: typing.Collection[str] = WIRE_DTYPES,
 ) -> tuple[proto.StageHop, torch.Tensor]:
     """The header and the float32 tensor a stream carries, checked as the module says, the header's stage against
-    `expected_stage` before any value is read; raises `error(sentence)`. With `to_end` (a request: the caller ends
-    its stream) a frame past the shape's bytes is refused; without it (an answer: the answering node lingers until
-    the caller closes) reading stops at the shape's bytes."""
+    `expected_stage` and its wire dtype against `dtypes` before any value is read; raises `error(sentence)`. With
+    `to_end` (a request: the caller ends its stream) a frame past the shape's bytes is refused; without it (an
+    answer: the answering node lingers until the caller closes) reading stops at the shape's bytes."""
     header = await anext(frames, None)
     if header is None:
         raise error("the stream ended before its header")
-    shape = _checked_shape(header, check_shape, error, expected_stage)
-    size = math.prod(shape) * WIRE_DTYPES[header.dtype].itemsize
+    shape = _checked_shape(header, check_shape, error, expected_stage, dtypes)
+    size = wire_size(shape, header.dtype)
     received = bytearray()
     async for frame in frames:
         received += frame.payload
@@ -144,10 +188,10 @@ async def decode_frames(
             break
     if len(received) != size:
         raise error(f"the stream ended after {len(received)} of its {size} bytes")
-    tensor = torch.frombuffer(received, dtype=WIRE_DTYPES[header.dtype]).view(shape).float()
-    if not bool(torch.isfinite(tensor).all()):
-        raise error("the hidden states hold NaN or infinite values")
-    return header, tensor
+    try:
+        return header, wire_values(received, shape, header.dtype)
+    except ValueError as e:
+        raise error(str(e)) from None
 
 
 def _checked_shape(
@@ -155,12 +199,13 @@ def _checked_shape(
     check_shape: Callable[[typing.Sequence[int]], tuple[int, ...]],
     error: Callable[[str], Exception],
     expected_stage: int | None,
+    dtypes: typing.Collection[str],
 ) -> tuple[int, ...]:
     """The shape a header announces, once its stage, wire dtype and shape passed `decode_frames`' checks."""
     if expected_stage is not None and header.stage != expected_stage:
         raise error(f"this node serves stage {expected_stage}, not {header.stage}")
-    if header.dtype not in WIRE_DTYPES:
-        raise error(f"wire dtype {header.dtype[:20]!r} is not one of {sorted(WIRE_DTYPES)}")
+    if header.dtype not in dtypes:
+        raise error(f"wire dtype {header.dtype[:20]!r} is not one of {sorted(dtypes)}")
     if header.payload:
         raise error("the header frame carries values")
     try:
@@ -213,7 +258,8 @@ class StageService(P2PService):
         self._done: dict[int, set[str]] = {}
         self._losses: dict[int, dict[str, tuple[float, int]]] = {}
         self._rows: Counter[int] = Counter()
-        self._gradients: OrderedDict[int, tuple[torch.Tensor, torch.Tensor, str]] = OrderedDict()
+        self._gradients: OrderedDict[int, tuple[int, bytes, torch.Tensor, str]] = OrderedDict()
+        """Published gradients by iteration: (values, their wire bytes, fingerprint, wire dtype)."""
         self._state_source: Callable[[], tuple[int, int, torch.Tensor]] | None = None
         self._state_reads = asyncio.Semaphore(1)  # one state snapshot at a time: each copies the whole stage
 
@@ -309,10 +355,10 @@ class StageService(P2PService):
         if request.stage != self.stage or published is None:
             yield proto.StageHop(iteration=request.iteration, stage=self.stage)
         else:
-            gradient, fingerprint, dtype = published
+            numel, payload, fingerprint, dtype = published
             header = _reply_header(request)
             header.fingerprint[:] = fingerprint.tolist()
-            for frame in encode_frames(gradient, header, dtype):
+            for frame in payload_frames(payload, [numel], header, dtype):
                 self.bytes_sent += len(frame.payload)
                 yield frame
         await linger()
@@ -451,18 +497,22 @@ class StageService(P2PService):
 
     def publish_gradient(
         self, iteration: int, gradient: torch.Tensor, fingerprint: torch.Tensor, dtype: str = "float32"
-    ) -> None:
-        """Serve `gradient` (flattened) as this replica's of `iteration`, sent as `dtype` (one of WIRE_DTYPES: the
-        caller rounds it first where every replica must sum the same bits), with the `fingerprint` of its parameters
-        before the iteration's step (float32, at most MAX_FINGERPRINT values); the last two are kept."""
+    ) -> torch.Tensor:
+        """Serve `gradient` (flattened) as this replica's of `iteration`, sent as `dtype` (one of GRADIENT_DTYPES),
+        with the `fingerprint` of its parameters before the iteration's step (float32, at most MAX_FINGERPRINT
+        values); the last two are kept. The float32 values the other replicas will receive (where every replica
+        must sum the same bits, this node's own term is these)."""
         if fingerprint.numel() > MAX_FINGERPRINT:
             raise ValueError(f"a fingerprint holds at most {MAX_FINGERPRINT} values")
-        if dtype not in WIRE_DTYPES:
-            raise ValueError(f"a gradient travels as one of {sorted(WIRE_DTYPES)}, not {dtype!r}")
+        if dtype not in GRADIENT_DTYPES:
+            raise ValueError(f"a gradient travels as one of {sorted(GRADIENT_DTYPES)}, not {dtype!r}")
+        payload = wire_bytes(gradient.reshape(-1), dtype)
+        sent = wire_values(payload, [gradient.numel()], dtype)
         with self._held_lock:
-            self._gradients[iteration] = (gradient, fingerprint.detach().float().cpu(), dtype)
+            self._gradients[iteration] = (gradient.numel(), payload, fingerprint.detach().float().cpu(), dtype)
             while len(self._gradients) > 2:
                 self._gradients.popitem(last=False)
+        return sent
 
     def wait_backwards(self, iteration: int, count: int, timeout_s: float) -> int:
         """Wait until `count` backwards of `iteration` ran here, or `timeout_s`; how many ran."""
@@ -635,8 +685,9 @@ class StageService(P2PService):
                         flat,
                         lambda reason: HopFailedError(f"{where}: {reason}"),
                         to_end=False,
+                        dtypes=GRADIENT_DTYPES if call == "gradient" else ("float32",),
                     )
-                    self.bytes_received += values.numel() * WIRE_DTYPES[reply.dtype].itemsize
+                    self.bytes_received += wire_size(values.shape, reply.dtype)
                     return reply, values
             finally:
                 await answers.aclose()
