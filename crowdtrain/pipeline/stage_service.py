@@ -130,13 +130,8 @@ def wire_values(payload: bytes | bytearray, shape: typing.Sequence[int], dtype: 
     if dtype == "int8":
         tensor = decode_int8_blocks(payload, math.prod(shape)).view(tuple(shape))
     else:
-        tensor = (
-            torch.frombuffer(
-                payload if isinstance(payload, bytearray) else bytearray(payload), dtype=WIRE_DTYPES[dtype]
-            )
-            .view(tuple(shape))
-            .float()
-        )
+        writable = payload if isinstance(payload, bytearray) else bytearray(payload)  # torch.frombuffer wants one
+        tensor = torch.frombuffer(writable, dtype=WIRE_DTYPES[dtype]).view(tuple(shape)).float()
     if not bool(torch.isfinite(tensor).all()):
         raise ValueError("the values hold NaN or infinite ones")
     return tensor
@@ -259,7 +254,7 @@ class StageService(P2PService):
         self._losses: dict[int, dict[str, tuple[float, int]]] = {}
         self._rows: Counter[int] = Counter()
         self._gradients: OrderedDict[int, tuple[int, bytes, torch.Tensor, str]] = OrderedDict()
-        """Published gradients by iteration: (values, their wire bytes, fingerprint, wire dtype)."""
+        """Published gradients by iteration: (how many values, their wire bytes, fingerprint, wire dtype)."""
         self._state_source: Callable[[], tuple[int, int, torch.Tensor]] | None = None
         self._state_reads = asyncio.Semaphore(1)  # one state snapshot at a time: each copies the whole stage
 
