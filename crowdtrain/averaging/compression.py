@@ -14,8 +14,8 @@ k-sparse parts is at most (group size × k)-sparse, and goes back in the same en
 
 `encode_int8_blocks` / `decode_int8_blocks` are a flat vector in blocks of INT8_BLOCK values, each block's values
 rounded to int8 steps of its largest magnitude / 127 (one float32 scale per block): SkipPipe's gradient exchange
-in a quarter of float32's bytes. Unlike the uniform codebook above, an all-zero block, a one-value block and an
-outlier cost nothing but their own block's precision.
+in a quarter of float32's bytes. Unlike the uniform codebook above (one per part, six deviations wide, values
+beyond clipped), nothing is clipped, and an outlier coarsens only its own block.
 """
 
 from __future__ import annotations
@@ -170,14 +170,18 @@ INT8_BLOCK = 4096
 
 def int8_blocks_size(numel: int) -> int:
     """The bytes of `numel` values encoded by `encode_int8_blocks`."""
-    return numel + 4 * -(-numel // INT8_BLOCK)
+    return numel + 4 * _int8_blocks(numel)
+
+
+def _int8_blocks(numel: int) -> int:
+    return -(-numel // INT8_BLOCK)
 
 
 def encode_int8_blocks(flat: torch.Tensor) -> bytes:
     """A flat float tensor as its blocks' scales (little-endian float32, one per INT8_BLOCK values: the block's
     largest magnitude / 127), then its values as int8 multiples of their block's scale, rounded to nearest."""
     flat = flat.detach().to("cpu", torch.float32).reshape(-1)
-    blocks = -(-flat.numel() // INT8_BLOCK)
+    blocks = _int8_blocks(flat.numel())
     padded = torch.nn.functional.pad(flat, (0, blocks * INT8_BLOCK - flat.numel())).view(blocks, INT8_BLOCK)
     scales = padded.abs().amax(dim=1) / 127.0
     steps = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)  # an all-zero block stays zero
@@ -190,7 +194,7 @@ def decode_int8_blocks(payload: bytes | bytearray, numel: int) -> torch.Tensor:
     their bytes with finite, non-negative scales and values within ±127."""
     if len(payload) != int8_blocks_size(numel):
         raise ValueError(f"{len(payload)} bytes of int8 blocks do not hold {numel} values")
-    blocks = -(-numel // INT8_BLOCK)
+    blocks = _int8_blocks(numel)
     scales = torch.from_numpy(np.frombuffer(payload, dtype="<f4", count=blocks).astype(np.float32))
     if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
         raise ValueError("int8 blocks with a negative or non-finite scale")
