@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import hivemind
@@ -249,6 +249,32 @@ def test_hostile_hops_are_refused_with_a_sentence_and_the_node_keeps_serving(swa
     answer = caller.call(target, "forward", third, good, 20.0)
     assert answer.shape == good.shape and bool(torch.isfinite(answer).all())
     assert swarm.services[3].finish_iteration(1) == 2  # microbatches 1 and 2 never came back
+
+
+def test_a_forward_of_the_next_iteration_waits_for_the_stage_the_node_moves_to(swarm: Swarm) -> None:
+    """A node that moves from stage 2 to stage 1 at iteration 2 is sent a stage-1 forward of iteration 2 by a source
+    already there while it still steps iteration 1: the forward waits for iteration 2 and is served by stage 1 (it
+    was refused for its stage, and the leader dropped the moving node: a CI run's stage went unserved)."""
+    caller, mover = swarm.services[0], swarm.services[3]  # node 3 serves stage 2
+    mover.open_iteration(1)
+    forward = proto.StageHop(iteration=2, microbatch=0, stage=1, dtype="float32")
+    inputs = torch.randn(2, 8, HIDDEN)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        sent = pool.submit(caller.call, swarm.peer(3), "forward", forward, inputs, 20.0)
+        # refused at once for its stage before; now it waits (up to OPEN_WAIT_S) while the mover steps iteration 1
+        wait([sent], timeout=3.0)
+        assert not sent.done(), f"the forward was answered before its iteration opened: {sent.exception()}"
+        mover.set_stage(1, memory_microbatches=2)
+        mover.open_iteration(2)
+        answer = sent.result(timeout=20)
+    expected = swarm.services[1].staged.run_stage(1, swarm.services[1].staged.activations(inputs)).hidden_states
+    torch.testing.assert_close(answer, expected.detach())
+
+    # a forward of the iteration the node left is refused as busy: its source asks again, and suspects no one
+    over = proto.StageHop(iteration=1, microbatch=1, stage=2, dtype="float32")
+    with pytest.raises(HopFailedError, match="iteration 1 is over") as refused:
+        caller.call(swarm.peer(3), "forward", over, inputs, 20.0)
+    assert refused.value.busy
 
 
 def run_iterations(runners: Sequence[SkipPipeNode], iterations: Sequence[int]) -> dict[int, list[IterationReport]]:

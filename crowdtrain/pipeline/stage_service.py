@@ -39,6 +39,7 @@ from typing import NoReturn, TypeVar
 import hivemind
 import torch
 from hivemind.p2p import P2PContext, PeerID
+from hivemind.utils.asyncio import achain, as_aiter
 
 from crowdtrain import proto
 from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blocks, int8_blocks_size
@@ -268,8 +269,7 @@ class StageService(P2PService):
         self, requests: typing.AsyncIterator[proto.StageHop], context: P2PContext
     ) -> typing.AsyncIterator[proto.StageHop]:
         """Run this stage on a microbatch's hidden states; keep what its backward needs; answer the outputs."""
-        header, inputs = await self._receive(requests, "forward", context)
-        await self._wait_open(header.iteration, context)
+        header, inputs = await self._receive(requests, "forward", context, wait_open=True)
         key = (context.remote_id.to_base58(), header.iteration, header.microbatch)
         await self._reserve(key, context)
         try:
@@ -438,14 +438,23 @@ class StageService(P2PService):
             await asyncio.sleep(0.005)
 
     async def _receive(
-        self, requests: AsyncIterator[proto.StageHop], call: str, context: P2PContext
+        self, requests: AsyncIterator[proto.StageHop], call: str, context: P2PContext, *, wait_open: bool = False
     ) -> tuple[proto.StageHop, torch.Tensor]:
+        """The hop a caller sends, checked (`decode_frames`) against the stage this node serves. With `wait_open`
+        (a forward) the header's iteration is waited for first (`_wait_open`): a node that moves to another stage
+        at that iteration serves it from then on, so a forward sent by a node already there is not refused for
+        its stage (a CI run: the leader dropped a moving node that refused one, and the stage went unserved)."""
+
         def refused(reason: str) -> Exception:
             logger.warning(f"refused a stage {call} from peer {context.remote_id.to_base58()[-8:]}: {reason}")
             return HopRefusedError(f"stage {call} refused: {reason}")
 
+        first = await anext(requests, None)
         try:
-            header, tensor = await decode_frames(requests, self.limits.check_shape, refused, expected_stage=self.stage)
+            if first is not None and wait_open:
+                await self._wait_open(first.iteration, context)
+            frames = achain(as_aiter(first), requests) if first is not None else requests
+            header, tensor = await decode_frames(frames, self.limits.check_shape, refused, expected_stage=self.stage)
         except HopRefusedError:
             await drain(requests)  # so that the refusal reaches the caller
             raise
