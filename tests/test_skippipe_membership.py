@@ -6,9 +6,12 @@ import dataclasses
 
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
+from rich.console import Console
 
 from crowdtrain import proto
-from crowdtrain.dht.records import RecordError, owner_marker, peer_id_of_owner
+from crowdtrain.cli.status import render, summarize
+from crowdtrain.dht.records import PublishedManifest, RecordError, owner_marker, peer_id_of_owner
+from crowdtrain.dht.registry import RunListing
 from crowdtrain.manifest import SkipPipeSpec, demo, skippipe_demo
 from crowdtrain.pipeline.membership import (
     Membership,
@@ -172,3 +175,31 @@ def test_the_manifest_section_is_checked_and_the_preset_is_a_skippipe_run() -> N
         dataclasses.replace(demo(), skippipe=SkipPipeSpec())
     with pytest.raises(ValueError, match="num_hidden_layers >= 5"):
         dataclasses.replace(preset, skippipe=SkipPipeSpec(stages=5))
+
+
+def test_status_shows_the_stages_replicas_and_gradient_exchange_in_force() -> None:
+    spec = dataclasses.replace(skippipe_demo().skippipe or SkipPipeSpec(), gradient_dtype="int8")
+    manifest = dataclasses.replace(skippipe_demo(), skippipe=spec, created_at=1.0)
+    listing = RunListing(PublishedManifest(manifest, "QmFounder"), signed_bytes=b"", publishers=frozenset())
+    stages = {"QmA": 0, "QmB": 0, "QmC": 1, "QmD": 3}  # no node serves stage 2
+    peers = [
+        proto.PeerStatus(
+            peer_id=peer,
+            run_id=manifest.run_id,
+            last_seen=1.0,
+            training=proto.TrainingStatus(mode="skippipe", skippipe_stage=stage),
+        )
+        for peer, stage in stages.items()
+    ]
+    report = summarize(manifest.run_id, listing, peers)
+    assert report.to_json()["run"]["skippipe"] == {
+        "stages": 4,
+        "skip_ratio": 0.25,
+        "reorder": True,
+        "replicas": [2, 1, 0, 1],
+        "gradient_dtype": "int8",
+        "overlap_exchange": False,
+    }
+    console = Console(width=240, record=True)
+    console.print(render(report, now=2.0))
+    assert "4 stages (replicas 2/1/0/1), skipping 25%, reordered, gradients in int8" in console.export_text()

@@ -29,6 +29,7 @@ stages = 2
 skip_ratio = 0.0
 microbatches = 4
 wire_dtype = "float32"
+gradient_dtype = "int8"
 """,
 )
 ENV = {"CROWDTRAIN_MICRO_BATCH_SIZE": "4", "CROWDTRAIN_NUM_THREADS": "1"}
@@ -77,7 +78,14 @@ def test_nodes_take_stages_a_joiner_enters_at_one_iteration_everywhere_and_the_s
     stages = sorted(peer["training"]["skippipe_stage"] for peer in snapshot["peers"])
     assert stages in ([0, 0, 1], [0, 1, 1])
     replicas = [stages.count(0), stages.count(1)]
-    assert snapshot["run"]["skippipe"] == {"stages": 2, "skip_ratio": 0.0, "reorder": True, "replicas": replicas}
+    assert snapshot["run"]["skippipe"] == {
+        "stages": 2,
+        "skip_ratio": 0.0,
+        "reorder": True,
+        "replicas": replicas,
+        "gradient_dtype": "int8",  # a stage's two replicas exchanged their gradients in int8 blocks
+        "overlap_exchange": False,
+    }
     for peer in snapshot["peers"]:
         assert peer["training"]["mode"] == "skippipe"
         assert peer["loss"] < math.log(260), "the swarm learned"

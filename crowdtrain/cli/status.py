@@ -246,12 +246,15 @@ class RunSummary:
 @dataclass(frozen=True, slots=True)
 class SkipPipeSummary:
     """A SkipPipe run as its manifest and its nodes' statuses say: the stages, the skip ratio and order in force,
-    and how many nodes serve each stage (a stage with none is skipped by every microbatch)."""
+    how many nodes serve each stage (a stage with none is skipped by every microbatch), and how a stage's replicas
+    exchange their gradients (the dtype; overlapped: each step on the iteration before's sum)."""
 
     stages: int
     skip_ratio: float
     reorder: bool
     replicas: list[int]
+    gradient_dtype: str
+    overlap_exchange: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,7 +314,14 @@ def _skippipe(manifest: RunManifest | None, peers: Sequence[PeerView]) -> SkipPi
         if peer.training is not None and peer.training.HasField("skippipe_stage"):
             if peer.training.skippipe_stage < spec.stages:
                 replicas[peer.training.skippipe_stage] += 1
-    return SkipPipeSummary(stages=spec.stages, skip_ratio=spec.skip_ratio, reorder=spec.reorder, replicas=replicas)
+    return SkipPipeSummary(
+        stages=spec.stages,
+        skip_ratio=spec.skip_ratio,
+        reorder=spec.reorder,
+        replicas=replicas,
+        gradient_dtype=spec.gradient_dtype,
+        overlap_exchange=spec.overlap_exchange,
+    )
 
 
 def _excluded_peers(peers: Sequence[PeerView]) -> dict[str, int]:
@@ -411,7 +421,8 @@ def _describe_stages(summary: SkipPipeSummary | None) -> tuple[str, str] | str:
         return ""
     replicas = "/".join(map(str, summary.replicas))
     order = ", reordered" if summary.reorder else ""
-    text = f"  {summary.stages} stages (replicas {replicas}), skipping {summary.skip_ratio:.0%}{order}"
+    exchange = f", gradients in {summary.gradient_dtype}" + (" overlapped" if summary.overlap_exchange else "")
+    text = f"  {summary.stages} stages (replicas {replicas}), skipping {summary.skip_ratio:.0%}{order}{exchange}"
     return text, "" if min(summary.replicas) > 0 else "yellow"
 
 
