@@ -112,7 +112,6 @@ class IterationReport:
 class Gathered:
     """A stage's gradient of one iteration, summed over the replicas that published it."""
 
-    iteration: int
     total: torch.Tensor
     fingerprints: dict[str, torch.Tensor | None]
     """The fingerprint each summed replica sent with its gradient (this node's own included, if it had one)."""
@@ -439,7 +438,7 @@ class SkipPipeNode:
                     continue
             total += gradient.to(total.device)
         trained = bool(total.any()) if trained is None else trained
-        return Gathered(iteration=iteration, total=total, fingerprints=summed, failed=tuple(failed), trained=trained)
+        return Gathered(total=total, fingerprints=summed, failed=tuple(failed), trained=trained)
 
     def _take(self, gathered: Gathered, own_fingerprint: torch.Tensor | None) -> str | None:
         """Make `gathered`'s sum each parameter's `.grad` and suspect the replicas it lacks; the replica whose state

@@ -39,7 +39,6 @@ from typing import NoReturn, TypeVar
 import hivemind
 import torch
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.utils.asyncio import achain, as_aiter
 
 from crowdtrain import proto
 from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blocks, int8_blocks_size
@@ -453,7 +452,7 @@ class StageService(P2PService):
         try:
             if first is not None and wait_open:
                 await self._wait_open(first.iteration, context)
-            frames = achain(as_aiter(first), requests) if first is not None else requests
+            frames = _prepend(first, requests) if first is not None else requests
             header, tensor = await decode_frames(frames, self.limits.check_shape, refused, expected_stage=self.stage)
         except HopRefusedError:
             await drain(requests)  # so that the refusal reaches the caller
