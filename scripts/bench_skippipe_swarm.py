@@ -40,7 +40,8 @@ against samples and against training seconds (for a swarm, the first replica of 
 never the killed one), the trained model's held-out perplexity with 1 and 2 of stages 1..3 removed (25% and 50%
 of the stages; the mean over the paths), and for the swarms: rerouted and skipped hops, lost backwards, bytes
 sent per iteration by the stage nodes, and where the time went (per node: microbatches, waiting for sources,
-gradient exchange, step). Writes skippipe_swarm.json and skippipe_swarm.png (the curves and the perplexities).
+gradient exchange, step). Writes skippipe_swarm.json and skippipe_swarm.png (the curves and the perplexities),
+and each swarm arm's node logs and iteration reports to logs/<arm>/.
 
 On this 2-core machine 8 processes (and their 8 p2pd) share two cores, so the swarm's seconds per iteration
 measure the protocol's overhead under contention, not a pipeline's speed-up: that needs a core (or a machine) per
@@ -57,6 +58,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import sys
 import threading
@@ -441,7 +443,16 @@ def swarm_arm(
             removed = removed_stages(staged, data)
         finally:
             groups.kill_all()
+            _keep_logs(folder, args.out / "logs" / arm)
     return _swarm_json(reports, wall_s, evaluations, removed, victim if kill else None)
+
+
+def _keep_logs(folder: Path, kept: Path) -> None:
+    """Copy the nodes' logs and iteration reports out of the arm's temporary folder (which goes), to read what a
+    node saw after the run: a swarm once ended 8% above one process at an early evaluation, and nothing told why."""
+    kept.mkdir(parents=True, exist_ok=True)
+    for path in [*folder.glob("node*.log"), *folder.glob("node*.jsonl")]:
+        shutil.copy(path, kept / path.name)
 
 
 def _load(staged: StagedModel, stage: int, path: Path) -> None:
@@ -566,6 +577,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.node:
         return node_main(args)
+    if args.iterations < 3:
+        parser.error("--iterations must be at least 3: the median iteration leaves out the first two")
     torch.set_num_threads(1)
     run = bench_run(args.model)
     environment = environment_json(quick=False)
