@@ -78,6 +78,7 @@ from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blo
 from crowdtrain.manifest import ModelSpec, RunManifest, demo, llama_20m
 from crowdtrain.models import ByteTokenizer, build_model
 from crowdtrain.models.stages import StagedModel
+from crowdtrain.node.logs import setup_logging
 from crowdtrain.pipeline import HopLimits, StageService
 from crowdtrain.pipeline.iteration import IterationReport, SkipPipeNode
 from crowdtrain.planning.skippipe import (
@@ -302,6 +303,7 @@ def _problem(args: argparse.Namespace, nodes: Sequence[NodeInfo], iteration: int
 def node_main(args: argparse.Namespace) -> int:
     """One stage node: start, publish its address, wait for the topology, run the iterations (the first replica of
     each stage saves its parameters at every evaluation)."""
+    setup_logging("text", 0)  # what the node saw, kept in logs/<arm>/ (INFO: states taken, drift repaired, ...)
     torch.set_num_threads(1)
     folder, index = Path(args.folder), args.index
     run = bench_run(args.model)
@@ -360,6 +362,9 @@ def _report_json(report: IterationReport, service: StageService) -> dict[str, An
         "skipped": sum(len(o.skipped) for o in report.outcomes),
         "backward_lost": sum(bool(o.backward_lost) for o in report.outcomes),
         "replicas_summed": report.replicas_summed,
+        "sources_done": report.sources_done,  # fewer than "sources": a stage stepped without a source's backwards
+        "sources": report.sources,
+        "adopted_from": report.adopted_from,  # a replica whose state this node took: they had drifted apart
         "bytes_sent": service.bytes_sent,
         "microbatches": len(report.outcomes),
     }
