@@ -7,14 +7,18 @@ import asyncio
 import functools
 import time
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, AsyncIterator  # noqa: UP035 (hivemind reads typing's AsyncIterator as a stream)
 
 import hivemind
 import pytest
 import torch
-from hivemind.p2p import PeerID
+from hivemind.compression import serialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.streaming import split_for_streaming
 
 from crowdtrain import proto
+from crowdtrain.averaging import state_download
 from crowdtrain.averaging.collaboration import PlannedStateAverager
 from crowdtrain.averaging.pseudo_gradients import PseudoGradientAverager
 from crowdtrain.averaging.state_digest import (
@@ -32,13 +36,18 @@ from crowdtrain.averaging.state_digest import (
     to_digest,
 )
 from crowdtrain.averaging.state_download import (
+    CUT_SHORT_PAUSE_S,
     EPOCH_SLACK,
+    MAX_CUT_SHORT_PAUSE_S,
     MAX_GLOBAL_STEPS_PER_S,
+    CutShortError,
+    CutShortPauses,
     EpochTooHighError,
     StateTemplate,
     TensorSpec,
     UnacceptableStateError,
     VerifiedStateDownloadMixin,
+    _whole_state,
     check_state,
     epoch_ceiling,
     optimizer_tensor_specs,
@@ -175,6 +184,83 @@ def test_a_joiner_skips_a_poisoned_donor_and_loads_the_honest_state() -> None:
         assert joiner.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
     finally:
         shut_down(averagers, dhts)
+
+
+class CutShortStateAverager(DonorStateAverager):
+    """A donor whose first state stream stops after a few messages, as a connection that closes mid-download does:
+    hivemind's caller sees that as a stream that ended."""
+
+    cuts_left = 1  # in the averager process, which serves the stream
+
+    async def rpc_download_state(  # annotated: hivemind reads the message types from them
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        sent = 0
+        async for message in super().rpc_download_state(request, context):
+            if self.cuts_left and sent == 5:
+                self.cuts_left -= 1
+                return
+            sent += 1
+            yield message
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(90)
+def test_a_stream_cut_short_is_asked_again_after_a_pause_not_held_against_the_donor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A fresh-clone CI run failed this way: the only donor's stream ended early once, the joiner called that a
+    # malformed state, never asked that donor again, and so never joined the swarm.
+    monkeypatch.setattr(state_download, "CUT_SHORT_PAUSE_S", 2.0)  # before the averager processes fork
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
+    peers = [str(maddr) for maddr in first.get_visible_maddrs()]
+    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers, use_ipfs=False)
+    averagers: list[Any] = []
+    try:
+        donor, donor_model = make_averager(CutShortStateAverager, first, seed=1, priority=1.0)
+        joiner, joiner_model = make_averager(PlannedStateAverager, second, seed=3)
+        averagers += [donor, joiner]
+        donor.local_epoch = 4
+        wait_for_donors(second, {1.0})
+        assert joiner.load_state_from_peers(timeout=30) is None, "the cut stream is not loaded"
+        assert (joiner.local_epoch, donor.served) == (0, 1)
+        assert joiner.load_state_from_peers(timeout=30) is None, "the donor is not asked again at once"
+        assert donor.served == 1
+        deadline = time.monotonic() + 10  # the pause is 2 s
+        while joiner.local_epoch != 4 and time.monotonic() < deadline:
+            joiner.load_state_from_peers(timeout=30)
+            time.sleep(0.2)
+        assert joiner.local_epoch == 4, "after its pause the donor is asked again, and its whole state is loaded"
+        for mine, theirs in zip(joiner_model.parameters(), donor_model.parameters(), strict=True):
+            assert torch.equal(mine, theirs)
+    finally:
+        shut_down(averagers, dhts=[first, second])
+
+
+def test_cut_short_pauses_double_with_each_stream_in_a_row_up_to_the_maximum_and_a_whole_state_ends_them() -> None:
+    pauses, donor, other = CutShortPauses(), PeerID(b"donor"), PeerID(b"other")
+    assert [pauses.cut_short(donor, now=0.0) for _ in range(3)] == [CUT_SHORT_PAUSE_S * k for k in (1, 2, 4)]
+    assert pauses.paused(donor, now=4 * CUT_SHORT_PAUSE_S - 0.1) and not pauses.paused(donor, 4 * CUT_SHORT_PAUSE_S)
+    assert not pauses.paused(other, now=0.0)
+    for _ in range(20):
+        longest = pauses.cut_short(donor, now=0.0)
+    assert longest == MAX_CUT_SHORT_PAUSE_S
+    pauses.completed(donor)
+    assert not pauses.paused(donor, now=0.0) and pauses.cut_short(donor, now=0.0) == CUT_SHORT_PAUSE_S
+
+
+def test_a_stream_that_ends_inside_or_before_the_last_tensor_is_cut_short_one_without_metadata_is_malformed() -> None:
+    tensors = honest_tensors()
+    parts = list(split_for_streaming(serialize_torch_tensor(tensors[1]), chunk_size_bytes=2))
+    assert len(parts) == 2
+    assert _whole_state({"epoch": 1}, tensors[:1], parts, TEMPLATE)[1][1].item() == 5.0
+    with pytest.raises(CutShortError, match="ended inside tensor 1 of 2"):
+        _whole_state({"epoch": 1}, tensors[:1], parts[:1], TEMPLATE)
+    with pytest.raises(CutShortError, match="ended after 1 of its 2 tensors"):
+        _whole_state({"epoch": 1}, tensors[:1], [], TEMPLATE)
+    with pytest.raises(UnacceptableStateError, match="sent no metadata"):
+        _whole_state(None, tensors[:1], parts, TEMPLATE)
+    assert not issubclass(CutShortError, UnacceptableStateError), "a cut stream is not held against its donor"
 
 
 def test_a_high_epoch_moves_the_learning_rate_schedule_in_one_step() -> None:

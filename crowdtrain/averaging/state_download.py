@@ -8,7 +8,10 @@ node's own state: the number of tensors, every shape and dtype, finiteness, the 
 can't be negative, the total bytes (bounded while streaming), and an epoch no higher than the run could
 have reached since its manifest was created (`epoch_ceiling`); the optimizer's hyperparameters are always
 this node's own. A donor whose state is malformed is remembered and not asked again; the download goes on
-with the next donor.
+with the next donor. A stream that ends early is not malformed: hivemind ends a stream whose connection closed as if
+it had ended, and a donor that no longer shares its state sends an empty one, so such a donor is asked again after a
+pause that doubles with each short stream in a row (`CutShortPauses`). A fresh-clone CI run showed why: a two-peer
+swarm's only donor was cut off once mid-download, the joiner held it against the donor, and never joined.
 
 A well-formed state can still be wrong (random weights, weights scaled by 0.5), so other donors corroborate it where
 peers at one epoch hold one state (`states_agree_at_epoch`: DeDLOC's gradient mode and DiLoCo's outer state, where
@@ -49,7 +52,7 @@ import random
 import secrets
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -100,6 +103,11 @@ CATCH_UP_S = 1.0
 their step still to come): those are asked again, up to CATCH_UP_TRIES times this far apart."""
 DEADLINE_MARGIN_S = 5.0
 """A state download in the averager process ends this long before its caller's timeout."""
+CUT_SHORT_PAUSE_S = 5.0
+MAX_CUT_SHORT_PAUSE_S = 600.0
+"""A donor whose state stream ended early is asked again after this pause, doubled after each further stream in a row
+that ended early, up to the maximum: a cut connection is no proof of malice, and a donor that always stops short
+costs at most one download per maximum pause."""
 """A donor's digest answer later than this is no answer. For an 85M-parameter model the donor fetches its state from
 its training process as for a download (views of the live tensors in gradient mode; DiLoCo copies its outer state
 and moves it to shared memory, 1-2.5 s on a loaded 2-core machine) and sketches it (30-80 ms on one core)."""
@@ -115,6 +123,34 @@ class EpochTooHighError(UnacceptableStateError):
 
 class StaleStateError(UnacceptableStateError):
     """A state older than this node's own: not loaded; nothing wrong with the donor."""
+
+
+class CutShortError(ValueError):
+    """A state stream that ended before all of the template's tensors came: what a cut connection looks like
+    (hivemind ends a stream whose connection closed as if it were complete), so the donor is asked again later."""
+
+
+@dataclass(slots=True)
+class CutShortPauses:
+    """Donors whose last state streams ended early, and when each may be asked again (CUT_SHORT_PAUSE_S)."""
+
+    _streak: dict[PeerID, int] = field(default_factory=dict)
+    _until: dict[PeerID, float] = field(default_factory=dict)
+
+    def cut_short(self, donor: PeerID, now: float) -> float:
+        """Note a stream of `donor` that ended early; the seconds until it may be asked again."""
+        self._streak[donor] = streak = self._streak.get(donor, 0) + 1
+        pause = min(CUT_SHORT_PAUSE_S * 2 ** (streak - 1), MAX_CUT_SHORT_PAUSE_S)
+        self._until[donor] = now + pause
+        return pause
+
+    def completed(self, donor: PeerID) -> None:
+        """A whole state came from `donor`: its streak ends."""
+        self._streak.pop(donor, None)
+        self._until.pop(donor, None)
+
+    def paused(self, donor: PeerID, now: float) -> bool:
+        return self._until.get(donor, 0.0) > now
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,7 +326,7 @@ class VerifiedStateDownloadMixin:
         bad_donors: set[PeerID] = self.__dict__.setdefault("_bad_donors", set())
         ranked = await self._ranked_donors(bad_donors)
         for donor in [peer for peer, priority in ranked if above_priority is None or priority > above_priority]:
-            if donor in bad_donors:  # refuted while corroborating an earlier donor's state
+            if donor in bad_donors or self._cut_short.paused(donor, time.monotonic()):  # refuted, or cut short
                 continue
             others = [peer for peer, _ in ranked if peer != donor and peer not in bad_donors]
             state = await self._verified_state(donor, template, others if corroborate else None, bad_donors)
@@ -348,7 +384,12 @@ class VerifiedStateDownloadMixin:
         chunk_timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
         try:
             metadata, tensors = await self._download(donor, template, chunk_timeout)
-            return metadata, tensors, check_state(metadata, tensors, template)
+            epoch = check_state(metadata, tensors, template)
+            self._cut_short.completed(donor)
+            return metadata, tensors, epoch
+        except CutShortError as e:
+            pause = self._cut_short.cut_short(donor, time.monotonic())
+            logger.warning(f"the state of peer {donor} {e}; it will be asked again in {pause:g} s")
         except StaleStateError as e:
             logger.debug(f"skipped the state of peer {donor}: {e}")
         except UnacceptableStateError as e:
@@ -478,16 +519,43 @@ class VerifiedStateDownloadMixin:
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
             if message.tensor_part.dtype and parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                tensors.append(_deserialize(parts, len(tensors)))
                 parts = []
                 if len(tensors) > len(template.tensors):
                     raise UnacceptableStateError(f"sent more than the {len(template.tensors)} tensors of a state")
             parts.append(message.tensor_part)
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-        if not metadata:
-            raise UnacceptableStateError("sent no metadata")
-        return metadata, tensors
+        if not received:  # hivemind's donor that no longer shares its state sends nothing, as does a cut connection
+            raise CutShortError("came empty")
+        return _whole_state(metadata, tensors, parts, template)
+
+    @property
+    def _cut_short(self) -> CutShortPauses:
+        pauses: CutShortPauses = self.__dict__.setdefault("_cut_short_pauses", CutShortPauses())
+        return pauses
+
+
+def _whole_state(
+    metadata: Any, tensors: list[torch.Tensor], parts: list[Any], template: StateTemplate
+) -> tuple[Any, list[torch.Tensor]]:
+    """The state a stream that ended brought: `tensors` with the last one's `parts`; CutShortError if it stopped
+    before all of `template`'s tensors came."""
+    if parts:
+        try:
+            tensors = [*tensors, _deserialize(parts, len(tensors))]
+        except UnacceptableStateError:  # the stream may have ended inside it
+            raise CutShortError(f"ended inside tensor {len(tensors)} of {len(template.tensors)}") from None
+    if not metadata:
+        raise UnacceptableStateError("sent no metadata")
+    if len(tensors) < len(template.tensors):
+        raise CutShortError(f"ended after {len(tensors)} of its {len(template.tensors)} tensors")
+    return metadata, tensors
+
+
+def _deserialize(parts: list[Any], index: int) -> torch.Tensor:
+    try:
+        return deserialize_torch_tensor(combine_from_streaming(parts))
+    except Exception as e:  # a buffer of the wrong length, an unknown dtype or compression, ...
+        raise UnacceptableStateError(f"tensor {index} does not deserialize: {e}") from None
 
 
 def parameter_specs(tensors: Sequence[torch.Tensor]) -> list[TensorSpec]:
