@@ -20,6 +20,8 @@ on loopback. Arms, one after the other, same data:
     swarm-random  the same k and reordering, stages and replicas drawn at random (`random_skipping`)
     swarm-full    the 8 node processes as a standard pipeline (`full_pipeline`): k = 0, every microbatch through
                   every stage in order, each stage's replicas in turn
+    one-process-full  the full pipeline's routes in one process (every core): what `swarm-full` must train like
+                  (a standard pipeline is gradient accumulation over the microbatches through every layer)
     swarm-float32 `swarm` with the replicas' gradients exchanged in float32 (twice the bytes)
     swarm-overlap `swarm` with the exchange overlapped (`overlap_exchange`): each iteration steps on the replicas'
                   gradient of the iteration before, exchanged while this one ran
@@ -126,6 +128,7 @@ ARMS = (
     "swarm-int8",
     "swarm-full-int8",
     "one-process-int8",
+    "one-process-full",
 )
 BASELINES = ("one-process", "one-process-all-cores")
 """The arms every swarm's ratio is taken against."""
@@ -211,10 +214,12 @@ def one_process(
     threads: int,
     stale: bool = False,
     int8: bool = False,
+    full: bool = False,
 ) -> dict[str, Any]:
     """The same routes (the schedule over 8 stand-in node names) in one process, torch on `threads` threads;
     `stale`: each iteration steps on the gradient of the iteration before (none at the first), as overlap_exchange;
-    `int8`: on each stage's gradient rounded to int8 blocks, the rounding's error carried to the next iteration."""
+    `int8`: on each stage's gradient rounded to int8 blocks, the rounding's error carried to the next iteration;
+    `full`: the full pipeline's routes (k = 0, every stage in order) instead of SkipPipe's."""
     torch.set_num_threads(threads)
     nodes = topology([f"node{index}" for index in range(NUM_STAGES * REPLICAS)], seconds, args.memory, args.slowdown)
     staged = staged_model(run)
@@ -227,7 +232,8 @@ def one_process(
     curve.add(0, 0.0, held_out_loss(staged, data, staged.full_path))
     for iteration in range(args.iterations):
         began = time.perf_counter()
-        schedule = schedule_microbatches(_problem(args, nodes, iteration))
+        problem = _problem(args, nodes, iteration, skip_ratio=0.0 if full else SKIP_RATIO)
+        schedule = full_pipeline(problem) if full else schedule_microbatches(problem)
         iteration_losses = []
         for route in schedule.routes:
             loss = staged.loss(data.batch(iteration, route.microbatch), route.stages)
@@ -292,9 +298,11 @@ def evaluated(args: argparse.Namespace, iterations: int) -> bool:
     return iterations % args.eval_every == 0 or iterations == args.iterations
 
 
-def _problem(args: argparse.Namespace, nodes: Sequence[NodeInfo], iteration: int) -> SkipPipeProblem:
+def _problem(
+    args: argparse.Namespace, nodes: Sequence[NodeInfo], iteration: int, skip_ratio: float = SKIP_RATIO
+) -> SkipPipeProblem:
     return SkipPipeProblem(num_stages=NUM_STAGES, nodes=tuple(nodes), num_microbatches=args.microbatches,
-                           skip_ratio=SKIP_RATIO, reorder=True, seed=iteration)  # fmt: skip
+                           skip_ratio=skip_ratio, reorder=skip_ratio > 0, seed=iteration)  # fmt: skip
 
 
 # ----- a node process -----
@@ -607,6 +615,7 @@ def main() -> int:
                     os.cpu_count() or 1,
                     stale=arm.endswith("stale"),
                     int8=arm.endswith("int8"),
+                    full=arm.endswith("full"),
                 )
             else:
                 arms[arm] = swarm_arm(args, run, data, seconds, arm)
