@@ -325,14 +325,29 @@ class VerifiedStateDownloadMixin:
     ) -> tuple[Any, list[torch.Tensor]] | None:
         bad_donors: set[PeerID] = self.__dict__.setdefault("_bad_donors", set())
         ranked = await self._ranked_donors(bad_donors)
+        paused = 0
         for donor in [peer for peer, priority in ranked if above_priority is None or priority > above_priority]:
-            if donor in bad_donors or self._cut_short.paused(donor, time.monotonic()):  # refuted, or cut short
+            if donor in bad_donors:  # refuted while corroborating an earlier donor's state
+                continue
+            if self._cut_short.paused(donor, time.monotonic()):
+                paused += 1
                 continue
             others = [peer for peer, _ in ranked if peer != donor and peer not in bad_donors]
             state = await self._verified_state(donor, template, others if corroborate else None, bad_donors)
             if state is not None:
+                self.__dict__["_no_donor_said"] = None
                 return state
+        if above_priority is None:
+            self._say_no_donor(len(bad_donors), paused)
         return None
+
+    def _say_no_donor(self, refused: int, paused: int) -> None:
+        # A joiner that found no state to load can't catch up with the swarm; said once per change, not per step.
+        said = self.__dict__.get("_no_donor_said")
+        self.__dict__["_no_donor_said"] = (refused, paused)
+        if (refused or paused) and said != (refused, paused):
+            logger.warning(f"no peer can give this node the swarm's state now ({refused} refused for good, {paused} "
+                           "paused after a stream cut short); it goes on with its own until one can")  # fmt: skip
 
     async def _verified_state(
         self, donor: PeerID, template: StateTemplate, others: list[PeerID] | None, bad_donors: set[PeerID]
