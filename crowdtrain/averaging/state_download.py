@@ -94,6 +94,9 @@ NUM_CORROBORATORS = 2
 MAX_DIGEST_REQUESTS = 4
 """Donors asked for a digest per downloaded state at most, the further ones after a disagreement included."""
 DIGEST_TIMEOUT_S = 5.0
+"""A donor's digest answer later than this is no answer. For an 85M-parameter model the donor fetches its state from
+its training process as for a download (views of the live tensors in gradient mode; DiLoCo copies its outer state
+and moves it to shared memory, 1-2.5 s on a loaded 2-core machine) and sketches it (30-80 ms on one core)."""
 DIGEST_GRACE_S = 1.0
 """Digests were asked for as the download started; once it is done, the state waits this much longer for them
 (not DIGEST_TIMEOUT_S: every state download, a gradient-mode peer's catch-up included, would pay it)."""
@@ -108,9 +111,6 @@ MAX_CUT_SHORT_PAUSE_S = 600.0
 """A donor whose state stream ended early is asked again after this pause, doubled after each further stream in a row
 that ended early, up to the maximum: a cut connection is no proof of malice, and a donor that always stops short
 costs at most one download per maximum pause."""
-"""A donor's digest answer later than this is no answer. For an 85M-parameter model the donor fetches its state from
-its training process as for a download (views of the live tensors in gradient mode; DiLoCo copies its outer state
-and moves it to shared memory, 1-2.5 s on a loaded 2-core machine) and sketches it (30-80 ms on one core)."""
 
 
 class UnacceptableStateError(ValueError):
