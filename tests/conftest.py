@@ -18,7 +18,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain.dht.validator import make_validators
 from crowdtrain.testing import procfs
-from tests.harness import kill_all_started
+from tests.harness import kill_all_started, logs_summary
 
 NUM_KEYED_DHTS = 3
 STACKS_BEFORE_TIMEOUT_S = 5.0
@@ -27,6 +27,19 @@ STACKS_BEFORE_TIMEOUT_S = 5.0
 # Inherited by every process forked from here (hivemind's DHT and averager processes): SIGUSR1 prints its threads'
 # stacks to fd 2, which pytest captures with the test's output.
 faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failed test's report ends with what the logs in its tmp_path said (`logs_summary`): a CI run shows the
+    report, and the folder with the daemons' logs is gone by then."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    tmp_path = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.when == "call" and report.failed and isinstance(tmp_path, Path):
+        summary = logs_summary(tmp_path)
+        if summary:
+            report.sections.append(("logs in the test's tmp_path: warnings, then the last lines", summary))
 
 
 @pytest.fixture(autouse=True)

@@ -43,3 +43,23 @@ def shut_down(averagers: Iterable[Any], dhts: Iterable[Any]) -> None:
         averager.shutdown()
     for dht in dhts:
         dht.shutdown()
+
+
+LOG_FILES_SHOWN = 8
+WARNINGS_SHOWN = 8
+LAST_LINES_SHOWN = 2
+
+
+def logs_summary(root: Path) -> str:
+    """What the logs under `root` (a failed test's tmp_path: its daemons' <state dir>.log, nodes' logs) said: each
+    one's last warnings and errors and its last lines, bounded. CI shows a failed test's report, not its folder."""
+    parts = []
+    for path in sorted(root.rglob("*.log"))[:LOG_FILES_SHOWN]:
+        lines = path.read_text(errors="replace").splitlines()
+        warnings = [line for line in lines if " WARN " in line or " ERROR " in line or "Traceback" in line]
+        shown = [*warnings[-WARNINGS_SHOWN:], "...", *lines[-LAST_LINES_SHOWN:]] if lines else ["(empty)"]
+        parts.append(
+            f"--- {path.relative_to(root)} ({len(lines)} lines, {len(warnings)} warnings)\n"
+            + "\n".join(line[:300] for line in shown)
+        )
+    return "\n".join(parts)
