@@ -134,23 +134,22 @@ class CutShortError(ValueError):
 class CutShortPauses:
     """Donors whose last state streams ended early, and when each may be asked again (CUT_SHORT_PAUSE_S)."""
 
-    _streak: dict[PeerID, int] = field(default_factory=dict)
-    _until: dict[PeerID, float] = field(default_factory=dict)
+    _cut: dict[PeerID, tuple[int, float]] = field(default_factory=dict)
+    """Per donor: its short streams in a row, and when it may be asked again."""
 
     def cut_short(self, donor: PeerID, now: float) -> float:
         """Note a stream of `donor` that ended early; the seconds until it may be asked again."""
-        self._streak[donor] = streak = self._streak.get(donor, 0) + 1
+        streak = self._cut.get(donor, (0, 0.0))[0] + 1
         pause = min(CUT_SHORT_PAUSE_S * 2 ** (streak - 1), MAX_CUT_SHORT_PAUSE_S)
-        self._until[donor] = now + pause
+        self._cut[donor] = (streak, now + pause)
         return pause
 
     def completed(self, donor: PeerID) -> None:
         """A whole state came from `donor`: its streak ends."""
-        self._streak.pop(donor, None)
-        self._until.pop(donor, None)
+        self._cut.pop(donor, None)
 
     def paused(self, donor: PeerID, now: float) -> bool:
-        return self._until.get(donor, 0.0) > now
+        return self._cut.get(donor, (0, 0.0))[1] > now
 
 
 @dataclass(frozen=True, slots=True)
