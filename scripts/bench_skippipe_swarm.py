@@ -370,8 +370,9 @@ def _report_json(report: IterationReport, service: StageService) -> dict[str, An
         "skipped": sum(len(o.skipped) for o in report.outcomes),
         "backward_lost": sum(bool(o.backward_lost) for o in report.outcomes),
         "replicas_summed": report.replicas_summed,
-        "sources_done": report.sources_done,  # fewer than "sources": a stage stepped without a source's backwards
-        "sources": report.sources,
+        "sources_done": report.sources_done,  # fewer than "sources", not "early": a stage stepped without some
+        "sources": report.sources,  # source's backwards
+        "early": report.early,  # the node summed its share once its backwards ran, before the done messages
         "adopted_from": report.adopted_from,  # a replica whose state this node took: they had drifted apart
         "bytes_sent": service.bytes_sent,
         "microbatches": len(report.outcomes),

@@ -3,6 +3,7 @@ hop goes to another replica or is skipped, and every hostile hop is refused with
 
 from __future__ import annotations
 
+import threading
 import typing
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -245,7 +246,7 @@ def test_hostile_hops_are_refused_with_a_sentence_and_the_node_keeps_serving(swa
     assert refused.value.busy
     first = proto.StageHop(iteration=1, microbatch=0, stage=2, dtype="float32")
     caller.call(target, "backward", first, torch.ones_like(good), 20.0)
-    assert swarm.services[3].wait_backwards(1, 1, 5.0) == 1
+    assert swarm.services[3].backwards_run(1) == {(caller.peer_id, 0)}  # recorded before the answer
     answer = caller.call(target, "forward", third, good, 20.0)
     assert answer.shape == good.shape and bool(torch.isfinite(answer).all())
     assert swarm.services[3].finish_iteration(1) == 2  # microbatches 1 and 2 never came back
@@ -330,7 +331,7 @@ def test_iterations_on_every_node_step_each_stage_as_one_process_would(
     # A node that runs no iteration yet (held) keeps other sources' done messages of whatever iteration it will
     # enter at: here 100, past the 64 iterations after the one it is held at.
     swarm.services[1].hold(-1)
-    swarm.services[0].say_done(swarm.peer(1), 100, 10.0)
+    assert swarm.services[0].say_done([swarm.peer(1)], 100, 10.0) == []
     assert swarm.services[1].wait_sources(100, [swarm.peer(0)], 1.0) == {swarm.peer(0)}
 
     num_microbatches, iterations = 6, 2
@@ -381,6 +382,45 @@ def test_iterations_on_every_node_step_each_stage_as_one_process_would(
     assert all(report.adopted_from is None for node, report in enumerate(last) if node not in (1, 2))
 
 
+def test_stage_nodes_step_once_their_share_has_run_without_waiting_for_the_sources_done(
+    swarm: Swarm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The source's done messages are held back until the other nodes have stepped: each stage node sums its
+    gradient and steps once the backwards of the routes through it have run (stage 1's replicas with each other),
+    and reports, with no done message of the iteration yet, the loss of the iteration before."""
+    nodes = [
+        NodeInfo(peer_id=swarm.peer(node), stage=stage, seconds_per_microbatch=1.0, memory_microbatches=2)
+        for node, stage in enumerate(STAGE_OF_NODE)
+    ]
+    num_microbatches = 4
+    data = [tokens(seed) for seed in range(num_microbatches * 2)]
+    runners = [exact_runner(service, nodes, data, num_microbatches) for service in swarm.services]
+    before = [stage_vector(runner).clone() for runner in runners]
+    release = threading.Event()
+    say_done = swarm.services[0].say_done
+
+    def held_back(*args: typing.Any, **kwargs: typing.Any) -> list[str]:
+        assert release.wait(90), "the stage nodes did not step before the source said it was done"
+        return say_done(*args, **kwargs)
+
+    monkeypatch.setattr(swarm.services[0], "say_done", held_back)
+    reports: list[list[IterationReport]] = []
+    with ThreadPoolExecutor(max_workers=len(runners)) as pool:
+        for iteration in range(2):
+            release.clear()
+            futures = [pool.submit(runner.run_iteration, iteration) for runner in runners]
+            stages = [future.result(timeout=60) for future in futures[1:]]  # while the done message is held back
+            release.set()
+            reports.append([futures[0].result(timeout=60), *stages])
+    for iteration, of_nodes in enumerate(reports):
+        for node, report in enumerate(of_nodes[1:], start=1):
+            assert report.early and report.sources_done == 0, (iteration, node)
+            assert report.replicas_summed == (2 if STAGE_OF_NODE[node] == 1 else 1)
+            assert report.loss == (None if iteration == 0 else pytest.approx(reports[0][0].loss)), (iteration, node)
+    assert all(not torch.equal(stage_vector(runner), start) for runner, start in zip(runners, before, strict=True))
+    assert torch.equal(stage_vector(runners[1]), stage_vector(runners[2])), "stage 1's replicas summed alike"
+
+
 def test_replicas_sum_the_gradients_as_published_in_the_runs_dtype(swarm: Swarm) -> None:
     """Stage 1's two replicas exchange their gradients in bfloat16 (half of float32's bytes) and both hold the sum,
     in peer-ID order, of what each published, bit for bit; in float32 the sum is of the gradients themselves; in
@@ -425,10 +465,9 @@ def test_replicas_sum_the_gradients_as_published_in_the_runs_dtype(swarm: Swarm)
             expected += published[peer]
         sent_before = [runner.service.bytes_sent for runner in replicas]
         with ThreadPoolExecutor(max_workers=2) as pool:
-            summed = [
-                future.result(timeout=60) for future in [pool.submit(r._sum_gradients, iteration) for r in replicas]
-            ]
-        assert summed == [(2, None), (2, None)]
+            futures = [pool.submit(r._sum_gradients, iteration, None, 0.0) for r in replicas]
+            summed = [future.result(timeout=60) for future in futures]
+        assert summed == [(2, None, True), (2, None, True)]  # trained: the sum is not zero
         for runner, before in zip(replicas, sent_before, strict=True):
             got = torch.cat([parameter.grad.reshape(-1) for parameter in runner.parameters])
             assert torch.equal(got, expected), f"{iteration}, {dtype}: a replica summed other bits than published"

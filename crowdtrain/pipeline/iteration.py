@@ -6,18 +6,25 @@ the swarm's nodes, seeded by the iteration), so no message carries it. An iterat
 1. open the iteration: forwards of it are served from now on (`StageService.open_iteration`);
 2. a stage-0 node runs the routes whose source it is (`PipelineDriver`, up to `in_flight` at once), then tells
    every other node it is done with the iteration (`rpc_stage_done`);
-3. every node waits until each source of the schedule said it is done (or `done_timeout_s`; a source that does
-   not answer a ping while it is waited for is gone, and not waited for);
+3. every node waits until its share of the iteration's gradient is whole: the backwards of the routes the
+   schedule sends through it have run here (a stage-0 node: at once, its share is its own microbatches'), or
+   each source of the schedule said it is done (or `done_timeout_s`; a source that does not answer a ping while
+   it is waited for is gone, and not waited for). Done early, a node goes on to step 4 while the last
+   microbatches still run elsewhere: the replicas of a stage exchange as each finishes, not all at once after
+   the slowest source, and their step is off the iteration's critical path. A node that suspects a peer waits
+   for the done messages (its schedule may differ from the sources'); a backward that runs here after it has
+   summed its share is lost to the stage's gradient (logged: the sources' schedules differed from this node's)
+   and one of an iteration it has finished is refused (its source goes to another replica, or skips the stage);
    a peer that failed a hop, a done message or the exchange is *suspected* and left out of this node's later
-   schedules (nodes may then differ on a schedule; only the balance suffers: step 3 waits for done messages,
-   not for counts, and every source tells every node);
+   schedules (nodes may then differ on a schedule; only the balance suffers: every source tells every node);
 4. the stage's gradient: each microbatch's gradient landed on exactly one replica of each stage it visited, so the
    iteration's gradient is the *sum* of the replicas' `.grad`. Each replica publishes its own, rounded to
    `gradient_dtype` (bfloat16 by default: half of float32's bytes, and this exchange is most of what a stage node
    sends; int8 blocks: a quarter, with error feedback: what rounding left out of this node's gradient is added to
    its next one), fetches the others' (`rpc_stage_gradient`) and adds them, its own as rounded, in peer-ID order,
-   so every replica that heard from all of them holds the same bits; a replica that does not answer within
-   `exchange_timeout_s` is left out (its share of microbatches is lost for the others this iteration, and from
+   so every replica that heard from all of them holds the same bits; a replica whose gradient is not had within
+   `exchange_timeout_s` (and `done_timeout_s` more where this node was done early: the replica may still be
+   waiting for its sources) is left out (its share of microbatches is lost for the others this iteration, and from
    then on the replicas differ);
 5. clip to `max_grad_norm`, the optimizer's step, gradients zeroed, the iteration closed; an iteration that no
    source finished (every stage-0 node gone) trained nothing and takes no step (AdamW would still move the
@@ -91,7 +98,7 @@ class IterationReport:
     outcomes: tuple[MicrobatchOutcome, ...]
     """The microbatches this node drove (stage-0 nodes only)."""
     sources_done: int
-    """Sources that said they were done, of `sources`."""
+    """Sources that said they were done (by this node's step), of `sources`."""
     sources: int
     replicas_summed: int
     """Replicas of this node's stage whose gradient went into the step, this one included."""
@@ -101,11 +108,15 @@ class IterationReport:
     """Where the time went: microbatches, waiting for sources, the gradient exchange, the step."""
     loss: float | None = None
     """The mean loss of the iteration's microbatches, as the sources that said they were done (and this node, if a
-    source) reported them; None if none did."""
+    source) reported them; where none had by this node's step (it was done early), the iteration before's, as its
+    sources reported it; None if none did."""
     samples: int = 0
     """Sequences this node computed in the iteration: those it drove (a source) or ran forward (other stages)."""
     adopted_from: str | None = None
     """The replica whose state this node took after its step, its parameters having drifted from it; None."""
+    early: bool = False
+    """Whether this node summed its share of the gradient once the backwards its schedule routed through it had run
+    (a stage-0 node: once its own microbatches were done), before every source said it was done."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,44 +279,42 @@ class SkipPipeNode:
         )
         sources = sorted({route.source for route in schedule.routes})
         self.service.open_iteration(iteration)
-        outcomes: list[MicrobatchOutcome] = []
-        batches: list[torch.Tensor] = []
-        if self.driver is not None:
-            self.driver.new_iteration(self.replicas)
-            mine = [route for route in schedule.routes if route.source == self.peer_id]
-            batches = [self.batch(iteration, route.microbatch) for route in mine]
-            scale_to = len(schedule.routes)
-            outcomes = self.driver.run_iteration(
-                iteration, mine, batches, in_flight=self.in_flight, loss_scale=1.0 / scale_to
-            )
-            own_loss = sum(outcome.loss for outcome in outcomes) / len(outcomes) if outcomes else 0.0
-            for node in self.nodes:
-                if node.peer_id != self.peer_id:
-                    try:
-                        self.service.say_done(node.peer_id, iteration, self.hop_timeout_s, own_loss, len(outcomes))
-                    except HopFailedError as e:
-                        logger.info(str(e))
-                        self.suspect(node.peer_id)
-            for peer in self.driver.failed:
-                self.suspect(peer)
+        outcomes, driven = self._drive(iteration, schedule) if self.driver is not None else ([], 0)
         phases["microbatches"] = time.perf_counter() - started
         mark = time.perf_counter()
-        done = self._wait_sources(iteration, [peer for peer in sources if peer != self.peer_id])
-        sources_done = len(done) + (self.peer_id in sources)
+        share = self._share(schedule)
+        others = [peer for peer in sources if peer != self.peer_id]
+        done = self._wait_sources(iteration, others, share)
+        early = share is not None and share <= self.service.backwards_run(iteration) and not set(others) <= done
         phases["waiting for sources"] = time.perf_counter() - mark
-        losses = [(outcome.loss, 1) for outcome in outcomes] + self.service.sources_losses(iteration)
-        counted = sum(count for _, count in losses)
-        driven = sum(int(batch.shape[0]) for batch in batches)
         samples = driven if self.driver is not None else self.service.rows_served(iteration)
         mark = time.perf_counter()
+        ran = len(self.service.backwards_run(iteration))
+        # Done early, a replica may still be waiting for its sources: its gradient is waited for as long as that
+        # may take. Whether anything trained is then told by the sum (no source's done message says it).
+        trained = None if early else self.peer_id in sources or bool(done)
+        patience_s = self.done_timeout_s if early else 0.0
         if self.overlap_exchange:
-            replicas_summed, reference, trained = self._overlapped_sum(iteration, sources_done > 0)
+            replicas_summed, reference, stepping = self._overlapped_sum(iteration, trained, patience_s)
         else:
-            (replicas_summed, reference), trained = self._sum_gradients(iteration), sources_done > 0
+            replicas_summed, reference, stepping = self._sum_gradients(iteration, trained, patience_s)
         phases["gradient exchange"] = time.perf_counter() - mark
+        late = len(self.service.backwards_run(iteration)) - ran
+        if late > 0:
+            logger.warning(
+                f"{late} backward(s) of iteration {iteration} ran here after this node had summed its share of the "
+                f"gradient: their part of stage {self.service.stage}'s gradient is lost (the sources' schedules "
+                "differ from this node's)"
+            )
+        done |= self.service.wait_sources(iteration, others, 0.0)
+        sources_done = len(done) + (self.peer_id in sources)
+        losses = [(outcome.loss, 1) for outcome in outcomes] + self.service.sources_losses(iteration)
+        if not losses:  # done early, before any source's done message came: the iteration before's loss
+            losses = self.service.sources_losses(iteration - 1)
+        counted = sum(count for _, count in losses)
         mark = time.perf_counter()
         with self.service.model_lock:
-            if trained:
+            if stepping:
                 torch.nn.utils.clip_grad_norm_(self.parameters, self.max_grad_norm)
                 self.optimizer.step()  # no source done: no microbatch came, and AdamW's momentum and decay stay put
             self.optimizer.zero_grad(set_to_none=False)
@@ -330,19 +339,54 @@ class SkipPipeNode:
             loss=sum(loss * count for loss, count in losses) / counted if counted else None,
             samples=samples,
             adopted_from=adopted_from,
+            early=early,
         )
 
-    def _wait_sources(self, iteration: int, sources: list[str]) -> set[str]:
-        """Wait until every one of `sources` said it is done with `iteration`, at most `done_timeout_s`; every
-        PING_EVERY_S, the sources not done yet are pinged: one that does not answer is gone (not waited for any
-        more, and suspected), one that serves a later iteration is done (its message was lost, or this node is
-        catching up). The sources done."""
+    def _drive(self, iteration: int, schedule: Schedule) -> tuple[list[MicrobatchOutcome], int]:
+        """A stage-0 node: run the routes whose source it is, then tell every other node it is done; (the
+        microbatches' outcomes, the sequences they held)."""
+        assert self.driver is not None
+        self.driver.new_iteration(self.replicas)
+        mine = [route for route in schedule.routes if route.source == self.peer_id]
+        batches = [self.batch(iteration, route.microbatch) for route in mine]
+        scale_to = len(schedule.routes)
+        outcomes = self.driver.run_iteration(
+            iteration, mine, batches, in_flight=self.in_flight, loss_scale=1.0 / scale_to
+        )
+        own_loss = sum(outcome.loss for outcome in outcomes) / len(outcomes) if outcomes else 0.0
+        others = [node.peer_id for node in self.nodes if node.peer_id != self.peer_id]
+        for peer in self.service.say_done(others, iteration, self.hop_timeout_s, own_loss, len(outcomes)):
+            self.suspect(peer)
+        for peer in self.driver.failed:
+            self.suspect(peer)
+        return outcomes, sum(int(batch.shape[0]) for batch in batches)
+
+    def _share(self, schedule: Schedule) -> frozenset[tuple[str, int]] | None:
+        """The backwards after which this node's share of the iteration's gradient is whole: (source, microbatch)
+        of each route through it in `schedule` (none for a stage-0 node: its share is its own microbatches'). None
+        while it suspects a peer: the sources, which may not, may then route microbatches by another schedule."""
+        if self.suspected:
+            return None
+        if self.driver is not None:
+            return frozenset()
+        routes = schedule.routes
+        return frozenset((route.source, route.microbatch) for route in routes if self.peer_id in route.path[1:])
+
+    def _wait_sources(
+        self, iteration: int, sources: list[str], share: frozenset[tuple[str, int]] | None = None
+    ) -> set[str]:
+        """Wait until every one of `sources` said it is done with `iteration`, or the backwards of `share` ran here,
+        at most `done_timeout_s`; every PING_EVERY_S, the sources not done yet are pinged: one that does not answer
+        is gone (not waited for any more, and suspected), one that serves a later iteration is done (its message
+        was lost, or this node is catching up). The sources done."""
         deadline = time.monotonic() + self.done_timeout_s
         waiting = set(sources)
         done: set[str] = set()
         while waiting and (left := deadline - time.monotonic()) > 0:
-            done |= self.service.wait_sources(iteration, waiting, min(left, PING_EVERY_S))
+            done |= self.service.wait_sources(iteration, waiting, min(left, PING_EVERY_S), share)
             waiting -= done
+            if share is not None and share <= self.service.backwards_run(iteration):
+                break
             for peer in sorted(waiting):
                 serving = self.service.ping(peer, PING_TIMEOUT_S)
                 if serving is None:
@@ -354,26 +398,35 @@ class SkipPipeNode:
                     waiting.discard(peer)
         return done
 
-    def _sum_gradients(self, iteration: int) -> tuple[int, str | None]:
-        """Replace each parameter's `.grad` with the sum over the stage's replicas; (how many were summed, the
-        replica whose state to take after the step because this node's parameters drifted from its, or None)."""
+    def _sum_gradients(self, iteration: int, trained: bool | None, patience_s: float) -> tuple[int, str | None, bool]:
+        """Replace each parameter's `.grad` with the sum over the stage's replicas (each waited for `patience_s` on
+        top of `exchange_timeout_s`); (how many were summed, the replica whose state to take after the step because
+        this node's parameters drifted from its, or None, whether to step: `trained`, None: whether the sum is not
+        zero)."""
         replicas = self.replicas[self.service.stage]
         if len(replicas) == 1:
-            return 1, None
+            with self.service.model_lock:
+                alone = any(bool(_grad(parameter).any()) for parameter in self.parameters)
+            return 1, None, alone if trained is None else trained
         own, own_fingerprint = self._publish_own(iteration)
-        gathered = self._gather(iteration, own, own_fingerprint, tuple(replicas), frozenset(self.suspected), True)
-        return len(gathered.fingerprints), self._take(gathered, own_fingerprint)
+        gathered = self._gather(
+            iteration, own, own_fingerprint, tuple(replicas), frozenset(self.suspected), trained, patience_s
+        )
+        return len(gathered.fingerprints), self._take(gathered, own_fingerprint), gathered.trained
 
-    def _overlapped_sum(self, iteration: int, trained: bool) -> tuple[int, str | None, bool]:
+    def _overlapped_sum(self, iteration: int, trained: bool | None, patience_s: float) -> tuple[int, str | None, bool]:
         """With overlap_exchange: publish this iteration's gradient and start summing the replicas' in the
-        background; replace `.grad` with the replicas' sum of the iteration before. (How many replicas that sum
-        has, the replica whose state to take after the step (or None), whether to step.)"""
+        background (each waited for `patience_s` on top of `exchange_timeout_s`); replace `.grad` with the
+        replicas' sum of the iteration before. (How many replicas that sum has, the replica whose state to take
+        after the step (or None), whether to step.)"""
         replicas = tuple(self.replicas[self.service.stage])
         own, own_fingerprint = self._publish_own(iteration)
         if self._exchanger is None:
             self._exchanger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skippipe-exchange")
         suspected = frozenset(self.suspected)
-        exchange = self._exchanger.submit(self._gather, iteration, own, own_fingerprint, replicas, suspected, trained)
+        exchange = self._exchanger.submit(
+            self._gather, iteration, own, own_fingerprint, replicas, suspected, trained, patience_s
+        )
         previous, self._pending = self._pending, (iteration, exchange)
         if previous is not None and previous[0] == iteration - 1:
             # fingerprints taken before a state this node has since taken tell nothing of its parameters now
@@ -411,11 +464,13 @@ class SkipPipeNode:
         replicas: tuple[str, ...],
         suspected: frozenset[str],
         trained: bool | None,
+        patience_s: float = 0.0,
     ) -> Gathered:
         """The sum of `replicas`' gradients of `iteration`, in peer-ID order (the same bits on every replica that
-        heard from the same ones): this node's `own` (None: none of its own, as a joiner's), the others' fetched,
-        `suspected` ones left out. `trained` None: whether the sum is not zero (a joiner can't know otherwise).
-        Touches no state of this node: it may run in the background."""
+        heard from the same ones): this node's `own` (None: none of its own, as a joiner's), the others' fetched
+        (each waited for `exchange_timeout_s` and `patience_s`), `suspected` ones left out. `trained` None: whether
+        the sum is not zero (a joiner can't know otherwise). Touches no state of this node: it may run in the
+        background."""
         numel = sum(parameter.numel() for parameter in self.parameters)
         total = torch.zeros(numel)
         summed: dict[str, torch.Tensor | None] = {}
@@ -430,7 +485,7 @@ class SkipPipeNode:
             else:
                 try:
                     gradient, summed[peer] = self.service.fetch_gradient(
-                        peer, iteration, numel, self.exchange_timeout_s
+                        peer, iteration, numel, self.exchange_timeout_s + patience_s
                     )
                 except HopFailedError as e:
                     logger.warning(f"{e}; the stage's step goes on without it")

@@ -65,6 +65,10 @@ OPEN_WAIT_S = 10.0
 """How long a forward of the next iteration waits for this node to finish stepping the last."""
 GRADIENT_RETRY_S = 0.02
 """Between asks for a replica's gradient that is not published yet."""
+GRADIENT_WAIT_S = 2.0
+"""How long a request for this node's gradient of an iteration it has not published yet waits for it before it is
+answered with none (the caller asks again): a replica that is done with its share of an iteration before this one
+asks at once, and gets the gradient the moment it is published, without a stream of asks."""
 MAX_ITERATIONS_AHEAD = 64
 """Done messages are kept for at most this many iterations at once, from the open one on (the rest are dropped)."""
 MAX_DONE_MICROBATCHES = 1 << 20
@@ -242,7 +246,8 @@ class StageService(P2PService):
         """Held while the stage's layers run forward or backward: take it to step the stage's optimizer."""
         self._held: OrderedDict[tuple[str, int, int], _Held] = OrderedDict()
         self._held_lock = threading.Lock()
-        self._backwards: Counter[int] = Counter()
+        self._backwards: dict[int, set[tuple[str, int]]] = {}
+        """(source, microbatch) of each backward run here, by iteration (until it finishes)."""
         self._backwards_changed = threading.Condition(self._held_lock)
         self.bytes_received = self.bytes_sent = 0
         """Payload bytes this node sent and received: hops (as a source and as a stage), gradients and states."""
@@ -302,7 +307,7 @@ class StageService(P2PService):
             )
         grad_inputs = await asyncio.to_thread(self._backward, held, grad_outputs)
         with self._backwards_changed:
-            self._backwards[header.iteration] += 1
+            self._backwards.setdefault(header.iteration, set()).add((key[0], header.microbatch))
             self._backwards_changed.notify_all()
         for frame in encode_frames(grad_inputs, _reply_header(header), header.dtype):
             self.bytes_sent += len(frame.payload)
@@ -312,12 +317,17 @@ class StageService(P2PService):
     async def rpc_stage_done(self, request: proto.StageHop, context: P2PContext) -> proto.StageHop:
         """A source says it ran every microbatch of `request.iteration` it will: no more backwards from it."""
         with self._backwards_changed:
-            if self._keeps_done(request.iteration):
-                peer = context.remote_id.to_base58()
+            peer = context.remote_id.to_base58()
+            kept = self._keeps_done(request.iteration)
+            if kept:
                 self._done.setdefault(request.iteration, set()).add(peer)
+                self._backwards_changed.notify_all()
+            # the loss of the iteration this node just finished is kept too: a node done early steps before the
+            # sources' done messages come, and reports the loss of the iteration before (`sources_losses`)
+            just_finished = self._done_from is not None and request.iteration == self._done_from - 1
+            if kept or just_finished:
                 if math.isfinite(request.loss) and 0 < request.microbatches <= MAX_DONE_MICROBATCHES:
                     self._losses.setdefault(request.iteration, {})[peer] = (request.loss, request.microbatches)
-                self._backwards_changed.notify_all()
         return proto.StageHop(iteration=request.iteration, stage=self.stage)
 
     def _keeps_done(self, iteration: int) -> bool:
@@ -343,10 +353,14 @@ class StageService(P2PService):
         self, request: proto.StageHop, context: P2PContext
     ) -> typing.AsyncIterator[proto.StageHop]:
         """This replica's gradient of `request.iteration` (flattened, in the dtype it was published in), for the
-        stage's other replicas; a header with no shape while it is not ready (yet, or any more)."""
-        with self._held_lock:
-            published = self._gradients.get(request.iteration)
-        if request.stage != self.stage or published is None:
+        stage's other replicas, waiting up to GRADIENT_WAIT_S for it; a header with no shape while it is not ready
+        (yet, or any more)."""
+        deadline = time.monotonic() + GRADIENT_WAIT_S
+        published = self._published(request.iteration) if request.stage == self.stage else False
+        while published is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+            published = self._published(request.iteration)
+        if not published:
             yield proto.StageHop(iteration=request.iteration, stage=self.stage)
         else:
             numel, payload, fingerprint, dtype = published
@@ -356,6 +370,13 @@ class StageService(P2PService):
                 self.bytes_sent += len(frame.payload)
                 yield frame
         await linger()
+
+    def _published(self, iteration: int) -> tuple[int, bytes, torch.Tensor, str] | typing.Literal[False] | None:
+        """This node's gradient of `iteration` as published; None: not yet; False: older than those kept."""
+        with self._held_lock:
+            if iteration in self._gradients:
+                return self._gradients[iteration]
+            return False if self._gradients and iteration < next(iter(self._gradients)) else None
 
     async def rpc_stage_state(
         self, request: proto.StageHop, context: P2PContext
@@ -490,11 +511,22 @@ class StageService(P2PService):
         with self._held_lock:
             self._open, self._done_from = iteration, None
 
-    def wait_sources(self, iteration: int, sources: typing.Collection[str], timeout_s: float) -> set[str]:
-        """Wait until every one of `sources` said it is done with `iteration`, or `timeout_s`; those who did."""
+    def wait_sources(
+        self,
+        iteration: int,
+        sources: typing.Collection[str],
+        timeout_s: float,
+        backwards: typing.Collection[tuple[str, int]] | None = None,
+    ) -> set[str]:
+        """Wait until every one of `sources` said it is done with `iteration`, or the backwards of every one of
+        `backwards` ((source, microbatch); None: not these) ran here, or `timeout_s`; the sources that said so."""
         deadline = time.monotonic() + timeout_s
         with self._backwards_changed:
-            while not set(sources) <= self._done.get(iteration, set()) and (left := deadline - time.monotonic()) > 0:
+            while (
+                not set(sources) <= self._done.get(iteration, set())
+                and not (backwards is not None and set(backwards) <= self._backwards.get(iteration, set()))
+                and (left := deadline - time.monotonic()) > 0
+            ):
                 self._backwards_changed.wait(left)
             return self._done.get(iteration, set()) & set(sources)
 
@@ -517,13 +549,10 @@ class StageService(P2PService):
                 self._gradients.popitem(last=False)
         return sent
 
-    def wait_backwards(self, iteration: int, count: int, timeout_s: float) -> int:
-        """Wait until `count` backwards of `iteration` ran here, or `timeout_s`; how many ran."""
-        deadline = time.monotonic() + timeout_s
-        with self._backwards_changed:
-            while self._backwards[iteration] < count and (left := deadline - time.monotonic()) > 0:
-                self._backwards_changed.wait(left)
-            return self._backwards[iteration]
+    def backwards_run(self, iteration: int) -> set[tuple[str, int]]:
+        """(source, microbatch) of each backward of `iteration` run here (until it finishes)."""
+        with self._held_lock:
+            return set(self._backwards.get(iteration, ()))
 
     def finish_iteration(self, iteration: int) -> int:
         """Forget `iteration`'s held forwards and backward count (its step is taken); how many forwards were still
@@ -536,14 +565,15 @@ class StageService(P2PService):
                 del self._backwards[old]
             for old in [old for old in self._done if old <= iteration]:
                 del self._done[old]
-            for old in [old for old in self._losses if old <= iteration]:
+            for old in [old for old in self._losses if old < iteration]:  # its own: for late done messages
                 del self._losses[old]
             for old in [old for old in self._rows if old <= iteration]:
                 del self._rows[old]
         return len(stale)
 
     def sources_losses(self, iteration: int) -> list[tuple[float, int]]:
-        """(mean loss, microbatches) of each source that said it is done with `iteration` (until it finishes)."""
+        """(mean loss, microbatches) of each source that said it is done with `iteration` (until the next one
+        finishes)."""
         with self._held_lock:
             return list(self._losses.get(iteration, {}).values())
 
@@ -602,15 +632,24 @@ class StageService(P2PService):
         return self.get_stub(self.require_p2p(), peer_id, namespace=NAMESPACE)
 
     def say_done(
-        self, peer_id: str, iteration: int, timeout_s: float, loss: float = 0.0, microbatches: int = 0
-    ) -> None:
-        """Tell `peer_id` this source will send no more of `iteration` (and the mean `loss` of its `microbatches`);
-        HopFailedError if it could not be told."""
+        self, peers: typing.Collection[str], iteration: int, timeout_s: float, loss: float = 0.0, microbatches: int = 0
+    ) -> list[str]:
+        """Tell each of `peers`, all at once, that this source will send no more of `iteration` (and the mean `loss`
+        of its `microbatches`); the peers that could not be told (each logged)."""
         request = proto.StageHop(iteration=iteration, loss=loss, microbatches=microbatches)
-        try:
-            self.run(self._stub(peer_id).rpc_stage_done(request, timeout=timeout_s), timeout_s + 1.0)
-        except Exception as e:
-            raise HopFailedError(f"peer {peer_id[-8:]} was not told iteration {iteration} is done: {e!r}") from None
+
+        async def tell(peer_id: str) -> str | None:
+            try:
+                await asyncio.wait_for(self._stub(peer_id).rpc_stage_done(request, timeout=timeout_s), timeout_s)
+            except Exception as e:
+                logger.info(f"peer {peer_id[-8:]} was not told iteration {iteration} is done: {e!r}")
+                return peer_id
+            return None
+
+        async def tell_all() -> list[str | None]:
+            return await asyncio.gather(*(tell(peer) for peer in peers))
+
+        return [peer for peer in self.run(tell_all(), timeout_s + 1.0) if peer is not None]
 
     def ping(self, peer_id: str, timeout_s: float) -> int | None:
         """The iteration `peer_id` serves (0 before any), or None if it does not answer within `timeout_s`."""
