@@ -73,7 +73,7 @@ from typing import Any
 import hivemind
 import torch
 from bench_skippipe import Data, RemovedStages, held_out_loss, removed_stages
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blocks
@@ -216,12 +216,12 @@ def one_process(
     int8: bool = False,
     full: bool = False,
 ) -> dict[str, Any]:
-    """The same routes (the schedule over 8 stand-in node names) in one process, torch on `threads` threads;
+    """The swarm's routes (the schedule over its 8 peer IDs, `identities`) in one process, torch on `threads` threads;
     `stale`: each iteration steps on the gradient of the iteration before (none at the first), as overlap_exchange;
     `int8`: on each stage's gradient rounded to int8 blocks, the rounding's error carried to the next iteration;
     `full`: the full pipeline's routes (k = 0, every stage in order) instead of SkipPipe's."""
     torch.set_num_threads(threads)
-    nodes = topology([f"node{index}" for index in range(NUM_STAGES * REPLICAS)], seconds, args.memory, args.slowdown)
+    nodes = topology(args.peer_ids, seconds, args.memory, args.slowdown)
     staged = staged_model(run)
     optimizers = [
         torch.optim.AdamW(staged.stage_parameters(stage), lr=args.learning_rate) for stage in range(NUM_STAGES)
@@ -293,6 +293,17 @@ class Curve:
         self.held_out_loss.append(loss)
 
 
+def identities(folder: Path, count: int) -> tuple[list[Path], list[str]]:
+    """`count` private key files in `folder` and their peer IDs: node i of every swarm arm runs as peer i, and the
+    one-process arms schedule over the same peer IDs. The schedule breaks ties and orders reordered paths by peer
+    ID, so over stand-in names about half of the runs trained the swarm on other stage orders than one process
+    (the held-out loss 8% apart after 5 iterations, equal again by 10, in three runs before this)."""
+    paths = [folder / f"identity{index}.key" for index in range(count)]
+    for path in paths:
+        P2P.generate_identity(str(path))
+    return paths, [PeerID.from_identity(path.read_bytes()).to_base58() for path in paths]
+
+
 def evaluated(args: argparse.Namespace, iterations: int) -> bool:
     """Whether the held-out loss is measured after `iterations` iterations (every `--eval-every`, and the last)."""
     return iterations % args.eval_every == 0 or iterations == args.iterations
@@ -319,7 +330,8 @@ def node_main(args: argparse.Namespace) -> int:
     with TemporaryDirectory() as cache:
         data = Data(run, args.micro_batch_size, Path(cache))
         initial = json.loads((folder / "node0.json").read_text())["maddrs"] if index else []
-        dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{args.host}/tcp/0"], initial_peers=initial)
+        dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{args.host}/tcp/0"], initial_peers=initial,
+                           identity_path=args.identity, check_if_identity_free=False)  # fmt: skip
         staged = staged_model(run)
         hidden = run.model.config["hidden_size"]
         limits = HopLimits(max_batch=args.micro_batch_size, max_sequence=run.data.sequence_length, hidden_size=hidden)
@@ -424,7 +436,7 @@ def swarm_arm(
                            "--memory", str(args.memory), "--skip-ratio", str(skip_ratio), "--scheduler", scheduler,
                            "--slowdown", str(args.slowdown), "--eval-every", str(args.eval_every),
                            "--gradient-dtype", gradient_dtype, *(["--overlap"] if arm == "swarm-overlap" else []),
-                           "--learning-rate", str(args.learning_rate),
+                           "--learning-rate", str(args.learning_rate), "--identity", str(args.identities[index]),
                            "--host", hosts[index].address if hosts else "127.0.0.1"]  # fmt: skip
                 log = (folder / f"node{index}.log").open("w")
                 processes.append(groups.start(command, stdout=log, stderr=log))
@@ -588,6 +600,7 @@ def main() -> int:
     parser.add_argument("--node", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--identity", help=argparse.SUPPRESS)  # a node's private key file: its peer ID
     args = parser.parse_args()
     if args.node:
         return node_main(args)
@@ -598,6 +611,7 @@ def main() -> int:
     environment = environment_json(quick=False)
     with TemporaryDirectory() as cache:
         data = Data(run, args.micro_batch_size, Path(cache))
+        args.identities, args.peer_ids = identities(Path(cache), NUM_STAGES * REPLICAS)
         seconds = stage_seconds(run, data)
         say("seconds per microbatch by stage: " + ", ".join(f"{s:.3f}" for s in seconds))
         arms: dict[str, Any] = {}
@@ -628,7 +642,7 @@ def main() -> int:
         "arguments": {
             key: str(value) if isinstance(value, Path) else value
             for key, value in vars(args).items()
-            if key not in ("node", "folder", "index", "out", "host")
+            if key not in ("node", "folder", "index", "out", "host", "identity", "identities", "peer_ids")
         },
         "scenario": Scenario.load(args.scenario).name if args.scenario else None,
         "arms": arms,
