@@ -79,6 +79,8 @@ DEFAULT_HOLD_S = 120.0
 """A forward whose backward has not come after this long is dropped (its source died or gave up)."""
 
 T = TypeVar("T")
+_Published = tuple[int, bytes, torch.Tensor, str]
+"""A published gradient: how many values, their wire bytes, the fingerprint, the wire dtype."""
 
 
 class HopRefusedError(CrowdtrainError):
@@ -258,7 +260,7 @@ class StageService(P2PService):
         self._done: dict[int, set[str]] = {}
         self._losses: dict[int, dict[str, tuple[float, int]]] = {}
         self._rows: Counter[int] = Counter()
-        self._gradients: OrderedDict[int, tuple[int, bytes, torch.Tensor, str]] = OrderedDict()
+        self._gradients: OrderedDict[int, _Published] = OrderedDict()
         """Published gradients by iteration: (how many values, their wire bytes, fingerprint, wire dtype)."""
         self._state_source: Callable[[], tuple[int, int, torch.Tensor]] | None = None
         self._state_reads = asyncio.Semaphore(1)  # one state snapshot at a time: each copies the whole stage
@@ -356,10 +358,10 @@ class StageService(P2PService):
         stage's other replicas, waiting up to GRADIENT_WAIT_S for it; a header with no shape while it is not ready
         (yet, or any more)."""
         deadline = time.monotonic() + GRADIENT_WAIT_S
-        published = self._published(request.iteration) if request.stage == self.stage else False
+        published = self._published(request)
         while published is None and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
-            published = self._published(request.iteration)
+            published = self._published(request)
         if not published:
             yield proto.StageHop(iteration=request.iteration, stage=self.stage)
         else:
@@ -371,12 +373,15 @@ class StageService(P2PService):
                 yield frame
         await linger()
 
-    def _published(self, iteration: int) -> tuple[int, bytes, torch.Tensor, str] | typing.Literal[False] | None:
-        """This node's gradient of `iteration` as published; None: not yet; False: older than those kept."""
+    def _published(self, request: proto.StageHop) -> _Published | typing.Literal[False] | None:
+        """This node's gradient that `request` asks for, as published; None: not yet; False: none will come (of
+        another stage than this node's, or older than those kept)."""
         with self._held_lock:
-            if iteration in self._gradients:
-                return self._gradients[iteration]
-            return False if self._gradients and iteration < next(iter(self._gradients)) else None
+            if request.stage != self.stage:
+                return False
+            if request.iteration in self._gradients:
+                return self._gradients[request.iteration]
+            return False if self._gradients and request.iteration < next(iter(self._gradients)) else None
 
     async def rpc_stage_state(
         self, request: proto.StageHop, context: P2PContext
