@@ -3,6 +3,7 @@ hop goes to another replica or is skipped, and every hostile hop is refused with
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import typing
 from collections.abc import Iterator, Sequence
@@ -30,7 +31,7 @@ from crowdtrain.pipeline.iteration import (
     reference_replica,
     state_timeout_s,
 )
-from crowdtrain.pipeline.stage_service import CHUNK_BYTES, NAMESPACE
+from crowdtrain.pipeline.stage_service import CHUNK_BYTES, MAX_GRADIENT_WAITS, NAMESPACE
 from crowdtrain.planning.skippipe import NodeInfo, Route
 
 NUM_STAGES = 4
@@ -473,6 +474,34 @@ def test_replicas_sum_the_gradients_as_published_in_the_runs_dtype(swarm: Swarm)
             assert torch.equal(got, expected), f"{iteration}, {dtype}: a replica summed other bits than published"
             assert runner.service.bytes_sent - before == sizes[dtype]
     assert not torch.equal(published[swarm.peer(1)], published[swarm.peer(1)].bfloat16().float()), "float32 kept"
+
+
+def test_a_request_for_a_gradient_not_yet_published_is_held_until_it_is_and_only_a_few_are(
+    swarm: Swarm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica done early asks for its twin's gradient before it is published: the request is answered when it is,
+    not with none at once; while MAX_GRADIENT_WAITS requests are held, another is answered with none at once."""
+    service = swarm.services[1]
+    monkeypatch.setattr("crowdtrain.pipeline.stage_service.GRADIENT_WAIT_S", 60.0)
+
+    async def first_answer(iteration: int) -> proto.StageHop:
+        request = proto.StageHop(iteration=iteration, stage=1)
+        answers = service.rpc_stage_gradient(request, typing.cast(P2PContext, None))
+        try:
+            return await anext(answers)
+        finally:
+            await answers.aclose()
+
+    async def scenario() -> None:
+        held = asyncio.create_task(first_answer(7))
+        await asyncio.sleep(0)  # the request runs until it waits: nothing published yet
+        assert not held.done()
+        service.publish_gradient(7, torch.ones(10), torch.zeros(3), "float32")
+        assert list((await asyncio.wait_for(held, 10.0)).shape) == [10]
+        service._gradient_waits = MAX_GRADIENT_WAITS  # as many held as may be
+        assert not (await asyncio.wait_for(first_answer(8), 10.0)).shape, "a request past the cap is not held"
+
+    asyncio.run(scenario())
 
 
 def test_a_malformed_int8_gradient_is_refused_with_a_sentence(swarm: Swarm) -> None:

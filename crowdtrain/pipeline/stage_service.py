@@ -69,6 +69,9 @@ GRADIENT_WAIT_S = 2.0
 """How long a request for this node's gradient of an iteration it has not published yet waits for it before it is
 answered with none (the caller asks again): a replica that is done with its share of an iteration before this one
 asks at once, and gets the gradient the moment it is published, without a stream of asks."""
+MAX_GRADIENT_WAITS = 16
+"""Requests for a gradient not yet published held at once, from all peers (a stage's replicas send one each at a
+time); more are answered at once with none, so that no peer can make this node hold a crowd of them."""
 MAX_ITERATIONS_AHEAD = 64
 """Done messages are kept for at most this many iterations at once, from the open one on (the rest are dropped)."""
 MAX_DONE_MICROBATCHES = 1 << 20
@@ -264,6 +267,9 @@ class StageService(P2PService):
         """Published gradients by iteration: (how many values, their wire bytes, fingerprint, wire dtype)."""
         self._state_source: Callable[[], tuple[int, int, torch.Tensor]] | None = None
         self._state_reads = asyncio.Semaphore(1)  # one state snapshot at a time: each copies the whole stage
+        self._gradient_waits = 0
+        """Gradient requests held now (`rpc_stage_gradient`), at most MAX_GRADIENT_WAITS; only the service's loop
+        touches it."""
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -355,13 +361,18 @@ class StageService(P2PService):
         self, request: proto.StageHop, context: P2PContext
     ) -> typing.AsyncIterator[proto.StageHop]:
         """This replica's gradient of `request.iteration` (flattened, in the dtype it was published in), for the
-        stage's other replicas, waiting up to GRADIENT_WAIT_S for it; a header with no shape while it is not ready
-        (yet, or any more)."""
-        deadline = time.monotonic() + GRADIENT_WAIT_S
+        stage's other replicas, waiting up to GRADIENT_WAIT_S for it (while fewer than MAX_GRADIENT_WAITS requests
+        wait); a header with no shape while it is not ready (yet, or any more)."""
         published = self._published(request)
-        while published is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
-            published = self._published(request)
+        if published is None and self._gradient_waits < MAX_GRADIENT_WAITS:
+            self._gradient_waits += 1
+            try:
+                deadline = time.monotonic() + GRADIENT_WAIT_S
+                while published is None and time.monotonic() < deadline:
+                    await asyncio.sleep(0.005)
+                    published = self._published(request)
+            finally:
+                self._gradient_waits -= 1
         if not published:
             yield proto.StageHop(iteration=request.iteration, stage=self.stage)
         else:
