@@ -656,7 +656,7 @@ class StageService(P2PService):
 
         async def tell(peer_id: str) -> str | None:
             try:
-                await asyncio.wait_for(self._stub(peer_id).rpc_stage_done(request, timeout=timeout_s), timeout_s)
+                await self._stub(peer_id).rpc_stage_done(request, timeout=timeout_s)  # the stub bounds it
             except Exception as e:
                 logger.info(f"peer {peer_id[-8:]} was not told iteration {iteration} is done: {e!r}")
                 return peer_id
