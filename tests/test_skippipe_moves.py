@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +23,12 @@ from crowdtrain.dht.validator import make_validators
 from crowdtrain.manifest import RunManifest, load_run_file
 from crowdtrain.models import build_model, load_tokenizer
 from crowdtrain.node.identity import load_or_create_identity
+from crowdtrain.pipeline import iteration as pipeline_iteration
 from crowdtrain.pipeline import membership
+from crowdtrain.pipeline.driver import MicrobatchOutcome
+from crowdtrain.pipeline.iteration import SkipPipeNode
 from crowdtrain.pipeline.membership import membership_at
+from crowdtrain.planning.skippipe import Schedule
 from crowdtrain.testing.diloco import cpu_compute
 from crowdtrain.testing.fixtures import tiny_run_file
 from crowdtrain.testing.processes import await_condition
@@ -198,12 +203,18 @@ def test_a_swarm_whose_stage_zero_is_gone_holds_then_a_spare_founds_it_again(
 ) -> None:
     run = two_stage_run(tmp_path, "skippipe-refound")
     records_that_expire_fast(monkeypatch)
+    monkeypatch.setattr(pipeline_iteration, "SUSPICION_S", 600.0)  # a suspicion outlasts the test
     held: dict[str, list[torch.Tensor]] = {}
+    suspects: dict[str, str] = {}
     hold = SkipPipeMode._hold_without_sources
 
     def holding(mode: SkipPipeMode, iteration: int) -> None:
         # the stage's parameters each time the node holds: no step may move them while no source is left
         held.setdefault(mode.me.peer_id, []).append(torch.cat([p.detach().reshape(-1) for p in mode.runner.parameters]))
+        if mode.me.peer_id in suspects:
+            # as a replica does whose gradient did not come while the other held (seen in a CI run): that must not
+            # keep it from following the roster the other founds again from stage 0
+            mode.runner.suspect(suspects[mode.me.peer_id])
         hold(mode, iteration)
 
     monkeypatch.setattr(SkipPipeMode, "_hold_without_sources", holding)
@@ -222,6 +233,7 @@ def test_a_swarm_whose_stage_zero_is_gone_holds_then_a_spare_founds_it_again(
         nodes.remove(founder)
         founder.close()
         spare, other = sorted(nodes, key=lambda node: node.peer_id, reverse=True)
+        suspects[other.peer_id] = spare.peer_id
         await_condition(
             lambda: (
                 all(stages_in_force(node) == {spare.peer_id: 0, other.peer_id: 1} for node in nodes)
@@ -233,6 +245,7 @@ def test_a_swarm_whose_stage_zero_is_gone_holds_then_a_spare_founds_it_again(
         three_more_iterations(nodes, "driven by the new stage 0")
         assert spare.mode.runner.driver is not None, "the new stage-0 node drives microbatches"
         assert len(held.get(other.peer_id, [])) >= 2, "the stage-1 node held while no source was left"
+        assert spare.peer_id not in other.mode.runner.suspected, "suspicions start afresh with the new roster"
         first = held[other.peer_id][0]
         assert all(torch.equal(first, later) for later in held[other.peer_id]), "no step while holding"
         assert other.losses and all(math.isfinite(loss) for loss in other.losses[-3:])
@@ -265,3 +278,43 @@ def test_a_joiner_that_takes_the_lost_stage_zero_founds_the_roster_again(
             "the joiner in force on stage 0",
         )
         three_more_iterations(nodes, "driven by the joiner")
+
+
+def test_a_node_stays_declared_while_an_iteration_blocks_longer_than_a_declaration_lasts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = two_stage_run(tmp_path, "skippipe-declared")
+    records_that_expire_fast(monkeypatch)
+    armed, blocking, released = threading.Event(), threading.Event(), threading.Event()
+    drive = SkipPipeNode._drive
+
+    def slow_drive(runner: SkipPipeNode, iteration: int, schedule: Schedule) -> tuple[list[MicrobatchOutcome], int]:
+        # the source's microbatches of one iteration take longer than a declaration lasts; the stage-1 node waits
+        # for them all along (as for a slow volunteer's), in its iteration
+        if armed.is_set() and not blocking.is_set():
+            blocking.set()
+            released.wait(120)
+        return drive(runner, iteration, schedule)
+
+    monkeypatch.setattr(SkipPipeNode, "_drive", slow_drive)
+    with closing_all([]) as nodes:
+        nodes.append(start_node(run, tmp_path, "founder", []))
+        nodes.append(start_node(run, tmp_path, "second", [str(nodes[0].dht.get_visible_maddrs()[0])]))
+        founder, second = nodes
+        await_condition(lambda: all(len(stages_in_force(node)) == 2 for node in nodes), 90, "two nodes in force")
+        in_force = stages_in_force(founder)
+        armed.set()
+        await_condition(blocking.is_set, 30, "the source's slow iteration")
+        try:
+            # past a declaration's life: one renewed only between iterations has expired by now
+            time.sleep(membership.DECLARATION_TTL_S + 2.0)
+            both = {founder.peer_id, second.peer_id}
+            await_condition(
+                lambda: both <= set(founder.mode.directory.declarations(serving_only=True)),
+                membership.DECLARATION_TTL_S,
+                "both nodes' declarations, read while their iteration blocks",
+            )
+        finally:
+            released.set()
+        three_more_iterations(nodes, "after the slow one")
+        assert all(stages_in_force(node) == in_force for node in nodes), "no node left the roster"

@@ -35,6 +35,7 @@ founds the roster again (`_refound_stage_zero`), from LOOKAHEAD iterations past 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -77,6 +78,8 @@ MEMORY_SHARE = 0.25
 """The share of the device's free memory a node gives to held activations."""
 ACTIVATION_FLOATS = 24
 """Floats a decoder layer keeps per token and hidden unit for its backward (attention, MLP, norms): an estimate."""
+DECLARATION_CHECK_S = 1.0
+"""How often the declaration's thread looks whether it is due (DECLARATION_RENEW_S) for renewal."""
 WAIT_FOR_ROSTER_S = 1.0
 """A node not in the roster yet reads it again after this long (it serves its stage meanwhile)."""
 JOIN_TIMEOUT_S = 120.0
@@ -153,7 +156,13 @@ class SkipPipeMode(TrainingMode):
         self._given_up: dict[str, float] = {}
         """Peers this node found gone (a failed hop, done message, exchange or ping), until when (monotonic): as the
         leader it leaves them out of the rosters it announces, though their declarations may last a while."""
+        self._declaring = threading.Lock()
+        self._closing = threading.Event()
         self._renew_declaration()
+        # Renewed from a thread of its own: an iteration may block longer than a declaration lasts (waiting for its
+        # sources, or for a replica's gradient), and a node whose declaration expired meanwhile would be left out
+        # of the roster a spare founds again, or given up on by the leader, while it serves.
+        threading.Thread(target=self._keep_declared, name="skippipe-declaration", daemon=True).start()
         logger.info(
             f"serving SkipPipe stage {self.stage} of {self.spec.stages} "
             f"({self.me.seconds_per_microbatch * 1000:.0f} ms per microbatch measured)"
@@ -214,7 +223,11 @@ class SkipPipeMode(TrainingMode):
             return None
         if leader_of(membership, self.runner.suspected) is None:  # no stage-0 node left to drive microbatches
             newest = self.history[-1]
-            if newest.from_iteration <= iteration or leader_of(newest, self.runner.suspected) is None:
+            # Only the sources found gone count against the newest roster's: a node that moved to stage 0 to found
+            # it again may be suspected from its time on another stage (a replica's gradient that did not come
+            # while it held), and suspicions start afresh with the new membership anyway (`set_nodes`).
+            gone = self.runner.suspected & {node.peer_id for node in membership.members if node.stage == 0}
+            if newest.from_iteration <= iteration or leader_of(newest, gone) is None:
                 self._hold_without_sources(iteration)
                 return None
             logger.warning(f"iteration {iteration}: no stage-0 node was left; on to iteration "
@@ -477,9 +490,17 @@ class SkipPipeMode(TrainingMode):
         return max(seconds, 1e-3)
 
     def _renew_declaration(self) -> None:
-        due = time.monotonic() - self._declared_at >= DECLARATION_RENEW_S
-        if due and self.directory.declare(self.me, serving=True):
-            self._declared_at = time.monotonic()
+        with self._declaring:
+            due = time.monotonic() - self._declared_at >= DECLARATION_RENEW_S
+            if due and self.directory.declare(self.me, serving=True):
+                self._declared_at = time.monotonic()
+
+    def _keep_declared(self) -> None:
+        while not self._closing.wait(DECLARATION_CHECK_S):
+            try:
+                self._renew_declaration()
+            except Exception as e:  # a DHT shutting down under it; while it runs, the next look tries again
+                logger.debug(f"could not renew this node's stage declaration: {e!r}")
 
     def _describe(self, membership: Membership) -> str:
         counts = [sum(node.stage == stage for node in membership.members) for stage in range(self.spec.stages)]
@@ -512,5 +533,6 @@ class SkipPipeMode(TrainingMode):
         self.optimizer.load_state_dict(state["optimizer"])
 
     def close(self) -> None:
+        self._closing.set()
         self.runner.close()
         self.service.close()
