@@ -25,12 +25,14 @@ from crowdtrain import proto
 from crowdtrain.errors import BadInputError
 from crowdtrain.structured import FieldError, from_mapping, from_message, to_message
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped when nodes of different versions can no longer train together. 2: a reducer sends back the encoded
 average, not a delta (averaging/traffic.py). 3: a sender ends its all-reduce stream only after every average
 came back, and a reducer holds a zero-share sender's averages until all are ready, not until that end. 4: every
 step's gradient is clipped to `optimizer.max_grad_norm` (replicas that clip differently would drift apart). 5: a run
-may be invite-only (`admission`): its nodes then sign every DHT request with an access token (dht/admission.py)."""
+may be invite-only (`admission`): its nodes then sign every DHT request with an access token (dht/admission.py).
+6: SkipPipe's schedule is improved by a search against its timeline (planning/skippipe.py): every node must
+compute the same routes, and a node of version 5 would route microbatches by the greedy alone."""
 
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 MAX_MODEL_CONFIG_BYTES = 16 * 1024
@@ -425,9 +427,14 @@ class RunManifest:
         if not RUN_ID_PATTERN.fullmatch(self.run_id):
             raise ValueError(f"run_id must be 1-63 lowercase letters, digits, '.', '_' or '-', got {self.run_id!r}")
         if self.protocol_version != PROTOCOL_VERSION:
+            remedy = (
+                "run the crowdtrain release the run was started with"
+                if self.protocol_version < PROTOCOL_VERSION
+                else "upgrade crowdtrain"
+            )
             raise ValueError(
                 f"protocol_version {self.protocol_version} is not spoken by this crowdtrain "
-                f"(it speaks {PROTOCOL_VERSION}); upgrade crowdtrain"
+                f"(it speaks {PROTOCOL_VERSION}); {remedy}"
             )
         if self.target_batch_size < 1:
             raise ValueError(f"target_batch_size must be positive, got {self.target_batch_size}")

@@ -171,7 +171,10 @@ def test_run_file_that_is_not_utf8_is_bad_input(tmp_path: Path) -> None:
 def test_protocol_version_mismatch_from_bytes_is_rejected() -> None:
     message = proto.RunManifest.FromString(demo().to_bytes())
     message.protocol_version = PROTOCOL_VERSION + 1
-    with pytest.raises(ValueError, match="protocol_version"):
+    with pytest.raises(ValueError, match="protocol_version.*upgrade crowdtrain"):
+        RunManifest.from_bytes(message.SerializeToString())
+    message.protocol_version = PROTOCOL_VERSION - 1  # a run an older release started
+    with pytest.raises(ValueError, match="protocol_version.*release the run was started with"):
         RunManifest.from_bytes(message.SerializeToString())
 
 

@@ -16,13 +16,14 @@ from crowdtrain.planning.skippipe import (
     SkipPipeProblem,
     StageZeroUnavailableError,
     full_pipeline,
+    greedy,
     num_visited_stages,
     random_skipping,
     schedule_microbatches,
     simulate,
 )
 
-SCHEDULERS = (schedule_microbatches, full_pipeline, random_skipping)
+SCHEDULERS = (schedule_microbatches, greedy, full_pipeline, random_skipping)
 
 
 def node(peer_id: str, stage: int, seconds: float = 1.0, memory: int = 8) -> NodeInfo:
@@ -121,6 +122,25 @@ def test_constraints_hold_on_random_topologies() -> None:
                 check_constraints(
                     dataclasses.replace(p, skip_ratio=0.0) if baseline is full_pipeline else p, baseline(p)
                 )
+
+
+def test_the_search_keeps_each_paths_stages_and_shortens_the_greedys_makespan() -> None:
+    # Measured: reordered, 8 microbatches: greedy 8.017 s, improved 7.250 s (-9.6%); ascending, 16: 12.583 s and
+    # 11.250 s (-10.6%); the full pipeline takes 19.4 and 34.1 s.
+    for overrides, at_most in (({"reorder": True, "num_microbatches": 8}, 0.92), ({"num_microbatches": 16}, 0.92)):
+        p = problem(four_by_two(), **overrides)
+        improved, first = schedule_microbatches(p), greedy(p)
+        assert improved.makespan_s <= at_most * first.makespan_s
+        assert [set(route.stages) for route in improved.routes] == [set(route.stages) for route in first.routes]
+    rng = random.Random(7)
+    for _ in range(40):
+        p = random_problem(rng)
+        improved, first = schedule_microbatches(p), greedy(p)
+        check_constraints(p, first)
+        assert improved.makespan_s <= first.makespan_s  # a change is kept only if it shortens the makespan
+        assert sorted(stage for route in improved.routes for stage in route.stages) == sorted(
+            stage for route in first.routes for stage in route.stages
+        )
 
 
 def test_dead_replica_is_never_used_and_its_twin_takes_the_load() -> None:

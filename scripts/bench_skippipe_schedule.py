@@ -1,0 +1,123 @@
+"""Benchmark SkipPipe's scheduler in its timeline model: the greedy alone against the greedy improved by search.
+
+Pure computation, no network (`planning.skippipe`): for each swarm, iterations 0..N-1 (the seed of each), the
+modeled makespan of the full pipeline, random skipping, the greedy (least-visited stages, earliest-finishing
+replicas) and the schedule SkipPipe nodes use (the greedy, then `_improve`'s local search against the timeline),
+and the milliseconds each node spends computing the latter. Swarms: 4 stages × 2 replicas, 8 microbatches, k = 0.25,
+reorder, 2 microbatches of memory per node (bench_skippipe_swarm.py's settings):
+
+    bench        every node 1 s per microbatch but one replica of stage 3, 4× slower
+    random-<i>   each node 0.5-2× of 1 s and the links 0-50 ms one way, drawn from seed i
+
+    python scripts/bench_skippipe_schedule.py [--swarms 8] [--iterations 10]
+
+The makespans are the model's, not measured iterations: bench_skippipe_swarm.py measures those.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from crowdtrain.planning.skippipe import (
+    IMPROVE_EVALUATIONS,
+    NodeInfo,
+    SkipPipeProblem,
+    full_pipeline,
+    greedy,
+    random_skipping,
+    schedule_microbatches,
+)
+from crowdtrain.testing.bench import bench_parser, environment_json, print_table, say, write_json
+
+NUM_STAGES, REPLICAS, MICROBATCHES, SKIP_RATIO, MEMORY = 4, 2, 8, 0.25, 2
+
+
+def swarm(seed: int | None) -> tuple[tuple[NodeInfo, ...], dict[tuple[str, str], float]]:
+    """The nodes and links of `bench` (seed None) or of `random-<seed>`."""
+    rng = random.Random(seed)
+    nodes = []
+    for index in range(NUM_STAGES * REPLICAS):
+        seconds = rng.uniform(0.5, 2.0) if seed is not None else 4.0 if index == NUM_STAGES * REPLICAS - 1 else 1.0
+        nodes.append(
+            NodeInfo(
+                peer_id=f"node{index}",
+                stage=index // REPLICAS,
+                seconds_per_microbatch=seconds,
+                memory_microbatches=MEMORY,
+            )
+        )
+    peers = [node.peer_id for node in nodes]
+    links = {} if seed is None else {(a, b): rng.uniform(0, 0.05) for a in peers for b in peers if a < b}
+    return tuple(nodes), links
+
+
+def measure(name: str, seed: int | None, iterations: int) -> dict[str, Any]:
+    nodes, links = swarm(seed)
+    makespans: dict[str, list[float]] = {"full": [], "random": [], "greedy": [], "improved": []}
+    milliseconds = []
+    for iteration in range(iterations):
+        problem = SkipPipeProblem(
+            num_stages=NUM_STAGES,
+            nodes=nodes,
+            num_microbatches=MICROBATCHES,
+            skip_ratio=SKIP_RATIO,
+            reorder=True,
+            seed=iteration,
+            latency_s=links,
+        )
+        makespans["full"].append(full_pipeline(problem).makespan_s)
+        makespans["random"].append(random_skipping(problem).makespan_s)
+        makespans["greedy"].append(greedy(problem).makespan_s)
+        started = time.perf_counter()
+        makespans["improved"].append(schedule_microbatches(problem).makespan_s)
+        milliseconds.append((time.perf_counter() - started) * 1000)
+    means = {arm: statistics.fmean(values) for arm, values in makespans.items()}
+    return {
+        "swarm": name,
+        "makespan_s": means,
+        "improved_vs_greedy": means["improved"] / means["greedy"] - 1,
+        "improved_vs_full": means["improved"] / means["full"] - 1,
+        "schedule_ms": statistics.median(milliseconds),
+    }
+
+
+def main() -> int:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--swarms", type=int, default=8, help="random swarms besides `bench` (8)")
+    parser.add_argument("--iterations", type=int, default=10, help="iterations (seeds) per swarm (10)")
+    args = parser.parse_args()
+    rows = []
+    for name, seed in [("bench", None), *[(f"random-{index}", index) for index in range(args.swarms)]]:
+        say(f"{name}: {args.iterations} iterations")
+        rows.append(measure(name, seed, args.iterations))
+    print_table(
+        f"SkipPipe's scheduler in its timeline model: mean makespan in s over {args.iterations} iterations "
+        f"({NUM_STAGES} stages × {REPLICAS}, {MICROBATCHES} microbatches, k = {SKIP_RATIO}, reorder; "
+        f"search within {IMPROVE_EVALUATIONS} timelines)",
+        ["swarm", "full", "random", "greedy", "improved", "vs greedy", "vs full", "ms/schedule"],
+        [
+            [
+                row["swarm"],
+                *(row["makespan_s"][arm] for arm in ("full", "random", "greedy", "improved")),
+                f"{row['improved_vs_greedy']:+.1%}",
+                f"{row['improved_vs_full']:+.1%}",
+                f"{row['schedule_ms']:.0f}",
+            ]
+            for row in rows
+        ],
+    )
+    gains = [row["improved_vs_greedy"] for row in rows[1:]]
+    if gains:
+        print(f"random swarms: improved vs greedy {min(gains):+.1%} to {max(gains):+.1%}")
+    results = {"environment": environment_json(quick=False), "arguments": vars(args) | {"out": str(args.out)}}
+    write_json(Path(args.out) / "skippipe_schedule.json", results | {"swarms": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
