@@ -1,17 +1,18 @@
-"""Benchmark SkipPipe's scheduler in its timeline model: the greedy alone against the greedy improved by search.
+"""Benchmark SkipPipe's scheduler in its timeline model: the greedy nodes run against the greedy improved by search.
 
 Pure computation, no network (`planning.skippipe`): for each swarm, iterations 0..N-1 (the seed of each), the
-modeled makespan of the full pipeline, random skipping, the greedy (least-visited stages, earliest-finishing
-replicas) and the schedule SkipPipe nodes use (the greedy, then `_improve`'s local search against the timeline),
-and the milliseconds each node spends computing the latter. Swarms: 4 stages × 2 replicas, 8 microbatches, k = 0.25,
-reorder, 2 microbatches of memory per node (bench_skippipe_swarm.py's settings):
+modeled makespan of the full pipeline, random skipping, the greedy SkipPipe nodes schedule by (least-visited
+stages, earliest-finishing replicas: `schedule_microbatches`) and its routes improved by local search against the
+timeline (`searched`), and the milliseconds a node would spend on the latter. Swarms: 4 stages × 2 replicas, 8
+microbatches, k = 0.25, reorder, 2 microbatches of memory per node (bench_skippipe_swarm.py's settings):
 
     bench        every node 1 s per microbatch but one replica of stage 3, 4× slower
     random-<i>   each node 0.5-2× of 1 s and the links 0-50 ms one way, drawn from seed i
 
     python scripts/bench_skippipe_schedule.py [--swarms 8] [--iterations 10]
 
-The makespans are the model's, not measured iterations: bench_skippipe_swarm.py measures those.
+The makespans are the model's, not measured iterations: bench_skippipe_swarm.py measures those (its
+`swarm-searched` arm against `swarm`).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from crowdtrain.planning.skippipe import (
     NodeInfo,
     SkipPipeProblem,
     full_pipeline,
-    greedy,
     random_skipping,
     schedule_microbatches,
+    searched,
 )
 from crowdtrain.testing.bench import bench_parser, environment_json, print_table, say, write_json
 
@@ -72,9 +73,9 @@ def measure(name: str, seed: int | None, iterations: int) -> dict[str, Any]:
         )
         makespans["full"].append(full_pipeline(problem).makespan_s)
         makespans["random"].append(random_skipping(problem).makespan_s)
-        makespans["greedy"].append(greedy(problem).makespan_s)
+        makespans["greedy"].append(schedule_microbatches(problem).makespan_s)
         started = time.perf_counter()
-        makespans["improved"].append(schedule_microbatches(problem).makespan_s)
+        makespans["improved"].append(searched(problem).makespan_s)
         milliseconds.append((time.perf_counter() - started) * 1000)
     means = {arm: statistics.fmean(values) for arm, values in makespans.items()}
     return {

@@ -14,7 +14,8 @@ on loopback. Arms, one after the other, same data:
                   step; torch on one thread, and again on every core (`one-process-all-cores`): the best
                   alternative on this machine, against which the swarm's ratio is taken
     swarm         the 8 node processes, SkipPipe's scheduler (`schedule_microbatches`)
-    swarm-greedy  the same with the scheduler's greedy alone (`greedy`: no search against the timeline)
+    swarm-searched  the same with the greedy's routes improved by local search against the timeline model
+                  (`searched`; not what nodes run: in the model its iterations are shorter)
     swarm-kill    the same, with one replica of stage 2 SIGKILLed (its whole session, p2pd included) after
                   iteration `--kill-at`: its microbatches are rerouted to the other replica, then left out of the
                   schedule
@@ -89,9 +90,9 @@ from crowdtrain.planning.skippipe import (
     Schedule,
     SkipPipeProblem,
     full_pipeline,
-    greedy,
     random_skipping,
     schedule_microbatches,
+    searched,
 )
 from crowdtrain.testing.bench import (
     bench_parser,
@@ -115,14 +116,14 @@ SLOW_NODE = 7
 """The node `--slowdown` times slower than the others: stage 3's second replica."""
 SCHEDULERS: dict[str, Callable[[SkipPipeProblem], Schedule]] = {
     "skippipe": schedule_microbatches,
-    "greedy": greedy,
+    "searched": searched,
     "random": random_skipping,
     "full": full_pipeline,
 }
 STARTUP_TIMEOUT_S = 120.0
 ARMS = (
     "swarm",
-    "swarm-greedy",
+    "swarm-searched",
     "swarm-kill",
     "swarm-random",
     "swarm-full",
@@ -418,7 +419,7 @@ def swarm_arm(
     kill = arm == "swarm-kill"
     full = arm.startswith("swarm-full")
     skip_ratio = 0.0 if full else SKIP_RATIO
-    scheduler = {"swarm-random": "random", "swarm-greedy": "greedy"}.get(arm, "full" if full else "skippipe")
+    scheduler = {"swarm-random": "random", "swarm-searched": "searched"}.get(arm, "full" if full else "skippipe")
     gradient_dtype = {"swarm-float32": "float32", "swarm-int8": "int8", "swarm-full-int8": "int8"}.get(
         arm, args.gradient_dtype
     )

@@ -23,16 +23,17 @@ scheduling) gives a replica c times slower about 1/c of the share. Dead nodes (`
 a stage with no live replica is skipped by every path and named in `Schedule.missing_stages`, counting
 among the skipped ones; with no live stage-0 node nothing can be scheduled (`StageZeroUnavailableError`).
 
-The greedy balances each node's total load but not when the load comes: two microbatches that meet at one node wait
-in its queue. The schedule is then improved against the timeline below (`_improve`): sweeps over the microbatches
-in order try each hop on the stage's other replicas and, with reorder, each swap of two visited stages, and keep a
-change that shortens the makespan, within IMPROVE_EVALUATIONS timelines. On 4 stages × 2 replicas, 8 microbatches,
-with one replica 4× slow it shortens the greedy's makespan by 12%, and on 8 random heterogeneous swarms by 4-22%
-(`scripts/bench_skippipe_schedule.py`; these are the model's times). The paper's conflict-based search with A* over
-space-time paths is not built: this is a local search with the same aim (collisions resolved against a model of
-time), on the stage sets the greedy balanced. `greedy` is the schedule before the search; `full_pipeline` (k = 0,
-ascending, replicas in turn) and `random_skipping` (the same k, stages and replicas drawn at random) are the
-baselines to compare against.
+Not built: the paper's conflict-based search with A* over space-time paths, which also avoids two microbatches
+meeting at one node. The greedy balances each node's total load but not when the load comes, and leaves collisions
+to the nodes' queues, as the timeline below models them. `searched` improves its routes against that timeline
+(`_improve`): sweeps over the microbatches in order try each hop on the stage's other replicas and, with reorder,
+each swap of two visited stages, and keep a change that shortens the makespan, within IMPROVE_EVALUATIONS
+timelines; the stage sets stay the greedy's, so the visit counts stay balanced. In the model it shortens the
+greedy's makespan by 12% on 4 stages × 2 replicas with one 4× slow, and by 4-22% on random heterogeneous swarms
+(`scripts/bench_skippipe_schedule.py`); across 8 processes on 2 cores its iterations were 6% longer than the
+greedy's (each node spent 0.15 s of its iteration on the search, and the model's gain did not show; BENCHMARKS.md),
+so the nodes schedule by the greedy. `full_pipeline` (k = 0, ascending, replicas in turn) and `random_skipping`
+(the same k, stages and replicas drawn at random) are the baselines to compare against.
 
 The timeline (`simulate`): a visit's forward takes FORWARD_SHARE of c_n and its backward the rest; at stage
 0 the backward is split evenly between the head, run when the last forward comes back, and the first layers'
@@ -203,17 +204,16 @@ def num_visited_stages(num_stages: int, skip_ratio: float) -> int:
 
 
 def schedule_microbatches(problem: SkipPipeProblem) -> Schedule:
-    """SkipPipe's schedule for one iteration: least-visited stages, earliest-finishing replicas (`greedy`), then
-    each path's replicas and order improved against the timeline (`_improve`)."""
-    swarm = _live_swarm(problem)
-    routes = _greedy_routes(problem, swarm)
-    return _finish(problem, swarm, _improve(problem, swarm, routes))
-
-
-def greedy(problem: SkipPipeProblem) -> Schedule:
-    """The greedy alone (least-visited stages, earliest-finishing replicas): the schedule before `_improve`."""
+    """SkipPipe's schedule for one iteration: least-visited stages, earliest-finishing replicas."""
     swarm = _live_swarm(problem)
     return _finish(problem, swarm, _greedy_routes(problem, swarm))
+
+
+def searched(problem: SkipPipeProblem) -> Schedule:
+    """`schedule_microbatches`' routes improved by local search against the timeline (`_improve`): shorter in the
+    model, not in the measured iterations so far (see the module's doc); for benchmarks."""
+    swarm = _live_swarm(problem)
+    return _finish(problem, swarm, _improve(problem, swarm, _greedy_routes(problem, swarm)))
 
 
 def _greedy_routes(problem: SkipPipeProblem, swarm: _Swarm) -> list[Route]:
@@ -237,8 +237,8 @@ def _greedy_routes(problem: SkipPipeProblem, swarm: _Swarm) -> list[Route]:
 
 
 def _improve(problem: SkipPipeProblem, swarm: _Swarm, routes: list[Route]) -> list[Route]:
-    """Local search on the timeline's makespan: in sweeps over the microbatches in order, try each hop on each
-    other live replica of its stage and, with reorder, each swap of two visited stages; keep a change that
+    """`searched`'s local search on the timeline's makespan: in sweeps over the microbatches in order, try each hop
+    on each other live replica of its stage and, with reorder, each swap of two visited stages; keep a change that
     shortens the makespan, at most IMPROVE_EVALUATIONS timelines in all. Neither move changes which stages a
     path visits, so the visit counts stay balanced; no randomness, so every node finds the same routes."""
     best_s = simulate(problem, routes).makespan_s
