@@ -355,6 +355,11 @@ def test_a_fetcher_refuses_non_finite_mis_sized_forged_and_unowned_copies() -> N
         assert sorted(failures) == [1, 4, 5] and all(list(why) == [peer] for why in failures.values())
         assert "non-finite" in failures[1][peer] and "did not own" in failures[5][peer]
         assert "not the copy its digest names" in failures[4][peer]
+        assert fetcher.unreachable == set(), "the owner answered every fetch, refusals included"
+        owner.close()
+        first.shutdown()  # the owner is gone: its copies can't be asked for
+        failures = fetcher.fetch_all({0: [peer]}, 3, 5.0, lambda unit: base, taken.__setitem__)
+        assert list(failures) == [0] and fetcher.unreachable == {peer}
     finally:
         fetcher.close()
         owner.close()

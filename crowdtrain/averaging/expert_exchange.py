@@ -154,6 +154,9 @@ class ExpertExchange(P2PService):
         """Payload bytes this node has sent to fetchers (a stream cut short counts what was sent of it)."""
         self.asks_repeated = 0
         """Asks this node repeated after an owner's answer was cut short (each may have cost the owner a copy)."""
+        self.unreachable: set[str] = set()
+        """The owners the last `fetch_all` asked that never answered: every fetch from them failed in transport or
+        timed out (none sent a copy or a refusal)."""
 
     def publish(self, round_: int, experts: dict[int, Published]) -> None:
         """Serve `experts` (unit → its copy) as the copies at round `round_`'s end."""
@@ -229,6 +232,7 @@ class ExpertExchange(P2PService):
         (unit → owner → a sentence)."""
         deadline = time.monotonic() + timeout_s
         failures: dict[int, dict[str, str]] = {}
+        answered: set[str] = set()
 
         async def fetch_one(slots: asyncio.Semaphore, unit: int, peer_id: str, base: torch.Tensor) -> torch.Tensor:
             async with slots:
@@ -246,6 +250,8 @@ class ExpertExchange(P2PService):
             )
             copies: dict[str, torch.Tensor] = {}
             for peer_id, answer in zip(peer_ids, answers, strict=True):
+                if isinstance(answer, torch.Tensor | ExpertFetchError):
+                    answered.add(peer_id)  # a copy, or the owner's answer refused
                 if isinstance(answer, torch.Tensor):
                     copies[peer_id] = answer
                 elif isinstance(answer, Exception):
@@ -261,6 +267,7 @@ class ExpertExchange(P2PService):
             await asyncio.gather(*(fetch_unit(slots, unit, peer_ids) for unit, peer_ids in owners.items()))
 
         self.run(fetch_every_one(), timeout_s + FETCH_ALL_SLACK_S)
+        self.unreachable = {peer for why in failures.values() for peer in why} - answered
         return failures
 
     async def _fetch(self, peer: PeerID, unit: int, round_: int, held: torch.Tensor, deadline: float) -> torch.Tensor:

@@ -13,8 +13,9 @@ experts, never the others'.
 Ownership is a pure function of a list of peers and their measured compute (planning/ownership.py): balanced,
 stable when peers come and go, recomputed at each round's end. The list is the round's averaging group when the
 swarm fits in one group (`_next_owners`): every member saw the same group, so they agree, and a vanished peer's
-experts go to the others at the end of the round it missed; they go on from the copies fetched the round
-before. A fetch that fails (an owner gone mid-round, or behind) leaves that expert as this node last had it,
+experts go to the others at the end of the round it missed (its status record may outlive it by status_ttl_s: a
+peer that missed the round and answered none of its fetches counts as gone); they go on from the copies fetched
+the round before. A fetch that fails (an owner gone mid-round, or behind) leaves that expert as this node last had it,
 and says so in the log: a partial exchange is never silent. Changes are keyed by the digest of the copy they
 apply to, so nodes that briefly disagreed about owners converge to the owner's copy at the next exchange.
 
@@ -174,6 +175,10 @@ class SPESMode(DiLoCoMode):
         me = self.context.peer_id
         known = {status.peer_id for status in self._view.statuses} | {me}
         group, started = self.round_group, self.round > 0
+        if group is not None:
+            # A peer that missed the round and answered none of this round's fetches of its experts is gone (killed,
+            # or cut off): its status record may last status_ttl_s more, its experts go to the group now.
+            known -= self.exchange.unreachable - set(group)
         if group is not None and known <= set(group):
             # every member computes from the same gathered rates and capacities (status records differ between
             # readers)
