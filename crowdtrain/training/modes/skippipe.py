@@ -208,7 +208,6 @@ class SkipPipeMode(TrainingMode):
         return self.runner.last_iteration + 1
 
     def train_micro_batch(self, batch: torch.Tensor) -> float | None:
-        self._renew_declaration()
         self.history = self.directory.roster(self.history, self.iteration) or self.history
         if self.iteration is None and not self._take_place():
             time.sleep(WAIT_FOR_ROSTER_S)
