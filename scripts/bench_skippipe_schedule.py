@@ -1,9 +1,11 @@
-"""Benchmark SkipPipe's scheduler in its timeline model: the greedy nodes run against the greedy improved by search.
+"""Benchmark SkipPipe's schedulers in their timeline model: the greedy nodes run, a local search, the paper's CBS.
 
 Pure computation, no network (`planning.skippipe`): for each swarm, iterations 0..N-1 (the seed of each), the
 modeled makespan of the full pipeline, random skipping, the greedy SkipPipe nodes schedule by (least-visited
-stages, earliest-finishing replicas: `schedule_microbatches`) and its routes improved by local search against the
-timeline (`searched`), and the milliseconds a node would spend on the latter. Swarms: 4 stages × 2 replicas, 8
+stages, earliest-finishing replicas: `schedule_microbatches`), its routes improved by local search against the
+timeline (`searched`), the paper's conflict-based search with A* (`conflict_based`) and its prioritized planning
+alone (`conflict_based` with no split), and the milliseconds a node would spend on each of the last three.
+Swarms: 4 stages × 2 replicas, 8
 microbatches, k = 0.25, reorder, 2 microbatches of memory per node (bench_skippipe_swarm.py's settings):
 
     bench        every node 1 s per microbatch but one replica of stage 3, 4× slower
@@ -12,11 +14,12 @@ microbatches, k = 0.25, reorder, 2 microbatches of memory per node (bench_skippi
     python scripts/bench_skippipe_schedule.py [--swarms 8] [--iterations 10]
 
 The makespans are the model's, not measured iterations: bench_skippipe_swarm.py measures those (its
-`swarm-searched` arm against `swarm`).
+`swarm-searched`, `swarm-cbs` and `swarm-prioritized` arms against `swarm`).
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import sys
@@ -25,9 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from crowdtrain.planning.skippipe import (
+    CBS_EXPANSIONS,
     IMPROVE_EVALUATIONS,
     NodeInfo,
     SkipPipeProblem,
+    conflict_based,
     full_pipeline,
     random_skipping,
     schedule_microbatches,
@@ -57,10 +62,18 @@ def swarm(seed: int | None) -> tuple[tuple[NodeInfo, ...], dict[tuple[str, str],
     return tuple(nodes), links
 
 
+SEARCHES = {
+    "searched": searched,
+    "cbs": conflict_based,
+    "prioritized": functools.partial(conflict_based, expansions=0),
+}
+"""The schedulers that search, by column: each is timed."""
+
+
 def measure(name: str, seed: int | None, iterations: int) -> dict[str, Any]:
     nodes, links = swarm(seed)
-    makespans: dict[str, list[float]] = {"full": [], "random": [], "greedy": [], "improved": []}
-    milliseconds = []
+    makespans: dict[str, list[float]] = {arm: [] for arm in ("full", "random", "greedy", *SEARCHES)}
+    milliseconds: dict[str, list[float]] = {arm: [] for arm in SEARCHES}
     for iteration in range(iterations):
         problem = SkipPipeProblem(
             num_stages=NUM_STAGES,
@@ -74,16 +87,16 @@ def measure(name: str, seed: int | None, iterations: int) -> dict[str, Any]:
         makespans["full"].append(full_pipeline(problem).makespan_s)
         makespans["random"].append(random_skipping(problem).makespan_s)
         makespans["greedy"].append(schedule_microbatches(problem).makespan_s)
-        started = time.perf_counter()
-        makespans["improved"].append(searched(problem).makespan_s)
-        milliseconds.append((time.perf_counter() - started) * 1000)
+        for arm, scheduler in SEARCHES.items():
+            started = time.perf_counter()
+            makespans[arm].append(scheduler(problem).makespan_s)
+            milliseconds[arm].append((time.perf_counter() - started) * 1000)
     means = {arm: statistics.fmean(values) for arm, values in makespans.items()}
     return {
         "swarm": name,
         "makespan_s": means,
-        "improved_vs_greedy": means["improved"] / means["greedy"] - 1,
-        "improved_vs_full": means["improved"] / means["full"] - 1,
-        "schedule_ms": statistics.median(milliseconds),
+        "vs_greedy": {arm: means[arm] / means["greedy"] - 1 for arm in SEARCHES},
+        "schedule_ms": {arm: statistics.median(values) for arm, values in milliseconds.items()},
     }
 
 
@@ -97,24 +110,23 @@ def main() -> int:
         say(f"{name}: {args.iterations} iterations")
         rows.append(measure(name, seed, args.iterations))
     print_table(
-        f"SkipPipe's scheduler in its timeline model: mean makespan in s over {args.iterations} iterations "
-        f"({NUM_STAGES} stages × {REPLICAS}, {MICROBATCHES} microbatches, k = {SKIP_RATIO}, reorder; "
-        f"search within {IMPROVE_EVALUATIONS} timelines)",
-        ["swarm", "full", "random", "greedy", "improved", "vs greedy", "vs full", "ms/schedule"],
+        f"SkipPipe's schedulers in their timeline model: mean makespan in s over {args.iterations} iterations "
+        f"({NUM_STAGES} stages × {REPLICAS}, {MICROBATCHES} microbatches, k = {SKIP_RATIO}, reorder; local search "
+        f"within {IMPROVE_EVALUATIONS} timelines, CBS within {CBS_EXPANSIONS} splits); vs greedy, ms per schedule",
+        ["swarm", "full", "random", "greedy", *SEARCHES, *(f"{arm} vs greedy, ms" for arm in SEARCHES)],
         [
             [
                 row["swarm"],
-                *(row["makespan_s"][arm] for arm in ("full", "random", "greedy", "improved")),
-                f"{row['improved_vs_greedy']:+.1%}",
-                f"{row['improved_vs_full']:+.1%}",
-                f"{row['schedule_ms']:.0f}",
+                *(row["makespan_s"][arm] for arm in ("full", "random", "greedy", *SEARCHES)),
+                *(f"{row['vs_greedy'][arm]:+.1%}, {row['schedule_ms'][arm]:.0f}" for arm in SEARCHES),
             ]
             for row in rows
         ],
     )
-    gains = [row["improved_vs_greedy"] for row in rows[1:]]
-    if gains:
-        print(f"random swarms: improved vs greedy {min(gains):+.1%} to {max(gains):+.1%}")
+    for arm in SEARCHES:
+        gains = [row["vs_greedy"][arm] for row in rows[1:]]
+        if gains:
+            print(f"random swarms: {arm} vs greedy {min(gains):+.1%} to {max(gains):+.1%}")
     results = {"environment": environment_json(quick=False), "arguments": vars(args) | {"out": str(args.out)}}
     write_json(Path(args.out) / "skippipe_schedule.json", results | {"swarms": rows})
     return 0

@@ -16,6 +16,8 @@ on loopback. Arms, one after the other, same data:
     swarm         the 8 node processes, SkipPipe's scheduler (`schedule_microbatches`)
     swarm-searched  the same with the greedy's routes improved by local search against the timeline model
                   (`searched`; not what nodes run: in the model its iterations are shorter)
+    swarm-cbs     the same with the paper's conflict-based search and A* (`conflict_based`), and
+    swarm-prioritized  with its prioritized planning alone (no split); neither is what nodes run
     swarm-kill    the same, with one replica of stage 2 SIGKILLed (its whole session, p2pd included) after
                   iteration `--kill-at`: its microbatches are rerouted to the other replica, then left out of the
                   schedule
@@ -60,6 +62,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -89,6 +92,7 @@ from crowdtrain.planning.skippipe import (
     NodeInfo,
     Schedule,
     SkipPipeProblem,
+    conflict_based,
     full_pipeline,
     random_skipping,
     schedule_microbatches,
@@ -117,6 +121,8 @@ SLOW_NODE = 7
 SCHEDULERS: dict[str, Callable[[SkipPipeProblem], Schedule]] = {
     "skippipe": schedule_microbatches,
     "searched": searched,
+    "cbs": conflict_based,
+    "prioritized": functools.partial(conflict_based, expansions=0),
     "random": random_skipping,
     "full": full_pipeline,
 }
@@ -124,6 +130,8 @@ STARTUP_TIMEOUT_S = 120.0
 ARMS = (
     "swarm",
     "swarm-searched",
+    "swarm-cbs",
+    "swarm-prioritized",
     "swarm-kill",
     "swarm-random",
     "swarm-full",
@@ -419,7 +427,8 @@ def swarm_arm(
     kill = arm == "swarm-kill"
     full = arm.startswith("swarm-full")
     skip_ratio = 0.0 if full else SKIP_RATIO
-    scheduler = {"swarm-random": "random", "swarm-searched": "searched"}.get(arm, "full" if full else "skippipe")
+    schedulers = {"swarm-random": "random", "swarm-searched": "searched", "swarm-cbs": "cbs"}
+    scheduler = schedulers.get(arm, "prioritized" if arm == "swarm-prioritized" else "full" if full else "skippipe")
     gradient_dtype = {"swarm-float32": "float32", "swarm-int8": "int8", "swarm-full-int8": "int8"}.get(
         arm, args.gradient_dtype
     )

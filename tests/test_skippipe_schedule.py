@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
 from collections import Counter
 
 import pytest
 
+from crowdtrain.planning import skippipe
 from crowdtrain.planning.skippipe import (
     NodeInfo,
     Route,
     Schedule,
     SkipPipeProblem,
     StageZeroUnavailableError,
+    conflict_based,
     full_pipeline,
     num_visited_stages,
     random_skipping,
@@ -23,7 +26,7 @@ from crowdtrain.planning.skippipe import (
     simulate,
 )
 
-SCHEDULERS = (schedule_microbatches, searched, full_pipeline, random_skipping)
+SCHEDULERS = (schedule_microbatches, searched, conflict_based, full_pipeline, random_skipping)
 
 
 def node(peer_id: str, stage: int, seconds: float = 1.0, memory: int = 8) -> NodeInfo:
@@ -141,6 +144,90 @@ def test_the_search_keeps_each_paths_stages_and_shortens_the_greedys_makespan() 
         assert sorted(stage for route in improved.routes for stage in route.stages) == sorted(
             stage for route in first.routes for stage in route.stages
         )
+
+
+def brute_force_done_s(
+    p: SkipPipeProblem, path: tuple[str, ...], forbidden: dict[str, list[tuple[float, float]]]
+) -> float:
+    """When a microbatch along `path` ends, each op at the earliest moment it overlaps no forbidden span there."""
+    cost = {n.peer_id: n.seconds_per_microbatch for n in p.nodes}
+    third = 1.0 / 3.0
+    ops = [(path[0], third * cost[path[0]])]
+    ops += [(peer, third * cost[peer]) for peer in path[1:]]
+    ops += [(path[0], third * cost[path[0]])]
+    ops += [(peer, 2 * third * cost[peer]) for peer in reversed(path[1:])]
+    ops += [(path[0], third * cost[path[0]])]
+    end_s, previous = 0.0, None
+    for peer, duration_s in ops:
+        latency_s = 0.0
+        if previous is not None and previous != peer:
+            latency_s = p.latency_s.get((previous, peer), p.latency_s.get((peer, previous), p.default_latency_s))
+        start_s = end_s + latency_s
+        moved = True
+        while moved:
+            moved = False
+            for free_from, free_to in forbidden.get(peer, []):
+                if start_s < free_to and start_s + duration_s > free_from:
+                    start_s, moved = free_to, True
+        end_s, previous = start_s + duration_s, peer
+    return end_s
+
+
+def test_a_star_finds_the_route_that_ends_first_around_the_spans_it_must_leave_free() -> None:
+    rng = random.Random(5)
+    for _ in range(60):
+        p = random_problem(rng)
+        swarm = skippipe._live_swarm(p)
+        stages = skippipe._greedy_routes(p, swarm)[0].stages[1:]
+        peers = sorted(swarm.nodes)
+        forbidden: dict[str, list[tuple[float, float]]] = {}
+        for _ in range(rng.randint(0, 6)):
+            start_s = rng.uniform(0, 5)
+            forbidden.setdefault(rng.choice(peers), []).append((start_s, start_s + rng.uniform(0.1, 3)))
+        forbidden = {peer: sorted(spans) for peer, spans in forbidden.items()}
+        plan = skippipe._Planner(p, swarm).plan(0, stages, forbidden)
+        orders = itertools.permutations(sorted(stages)) if p.reorder else [tuple(sorted(stages))]
+        best_s = min(
+            brute_force_done_s(p, path, forbidden)
+            for order in orders
+            for path in itertools.product(*(swarm.replicas[stage] for stage in (0, *order)))
+        )
+        assert plan.done_s == pytest.approx(best_s)
+        assert plan.done_s == pytest.approx(brute_force_done_s(p, plan.route.path, forbidden))
+        assert sorted(plan.route.stages[1:]) == sorted(stages)
+
+
+@pytest.mark.parametrize("expansions", [skippipe.CBS_EXPANSIONS, 0])
+def test_the_conflict_search_leaves_no_two_ops_at_a_node_and_keeps_each_nodes_memory(expansions: int) -> None:
+    """With 0 expansions, prioritized planning alone."""
+    rng = random.Random(3)
+    for _ in range(20):
+        p = random_problem(rng)
+        swarm = skippipe._live_swarm(p)
+        greedy = skippipe._greedy_routes(p, swarm)
+        stage_sets = [route.stages[1:] for route in greedy]
+        plans = skippipe._conflict_search(skippipe._Planner(p, swarm), stage_sets, expansions)
+        assert [set(plan.route.stages) for plan in plans] == [set(route.stages) for route in greedy]
+        by_peer: dict[str, list[tuple[float, float, int]]] = {}
+        holds: dict[str, dict[int, list[float]]] = {}
+        for index, plan in enumerate(plans):
+            for peer, start_s, end_s in plan.ops:
+                by_peer.setdefault(peer, []).append((start_s, end_s, index))
+                hold = holds.setdefault(peer, {}).setdefault(index, [start_s, end_s])
+                hold[:] = [min(hold[0], start_s), max(hold[1], end_s)]
+        for peer, ops in by_peer.items():
+            ops.sort()
+            for (_, end_s, index), (start_s, _, other) in itertools.pairwise(ops):
+                assert index == other or start_s >= end_s - 1e-9, (peer, index, other)
+            events = sorted(
+                (t, change) for first, last in holds[peer].values() for t, change in ((first, 1), (last, -1))
+            )
+            held = peak = 0
+            for _, change in events:
+                held += change
+                peak = max(peak, held)
+            assert peak <= swarm.nodes[peer].memory_microbatches, peer
+        check_constraints(p, skippipe._finish(p, swarm, [plan.route for plan in plans]))
 
 
 def test_dead_replica_is_never_used_and_its_twin_takes_the_load() -> None:
