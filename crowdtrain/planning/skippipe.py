@@ -8,9 +8,9 @@ it visits only some of the stages 1..S-1, skipping a share k of them, and with `
 paper shows the model still converges when every stage is trained about equally often. Fewer hops and the
 freedom of choosing replicas let a scheduler route around slow nodes instead of waiting on them.
 
-What this module decides, for one iteration: each microbatch's source (a stage-0 node) and its path. With
-c_n the measured seconds per microbatch of node n and L_n the seconds already given to n in this iteration,
-microbatches are taken in order m = 0..M-1 and
+What this module decides, for one iteration: each microbatch's source (a stage-0 node) and its path, in two
+steps. First a greedy (`greedy`): with c_n the measured seconds per microbatch of node n and L_n the seconds
+already given to n in this iteration, microbatches are taken in order m = 0..M-1 and
 
     V = S-1 - floor(k·(S-1) + 1/2), at least 1, at most the stages present   stages a path visits
     stages(m) = the V stages visited least so far; ties by hash(seed, m, stage)
@@ -24,23 +24,28 @@ a stage with no live replica is skipped by every path and named in `Schedule.mis
 among the skipped ones; with no live stage-0 node nothing can be scheduled (`StageZeroUnavailableError`).
 
 The greedy balances each node's total load but not when the load comes, and leaves collisions to the nodes' queues,
-as the timeline below models them. Two schedulers try to do better, for the benchmarks; the nodes schedule by the
-greedy because neither has beaten it where it was measured:
+as the timeline below models them. So, second, prioritized planning (the completion step of the paper's search,
+below) routes the same stage sets again, and nodes run whichever routes the timeline ends first
+(`schedule_microbatches`). On the swarm benchmark's shape (4 stages × 2 replicas, one 4× slow, 8 microbatches,
+k = 0.25 reordered) that is 11.8% shorter than the greedy in the model, in 4-8 ms a schedule, and measured across
+8 processes iterations 9% shorter in each of two runs (BENCHMARKS.md); on random heterogeneous swarms 0-12%
+shorter in the model. The paper's method in full, and a local search, were measured too (for benchmarks):
 
-- `searched` improves the greedy's routes against the timeline (`_improve`): sweeps over the microbatches in order
-  try each hop on the stage's other replicas and, with reorder, each swap of two visited stages, and keep a change
-  that shortens the makespan, within IMPROVE_EVALUATIONS timelines; the stage sets stay the greedy's, so the visit
-  counts stay balanced. In the model it shortens the greedy's makespan by 12% on 4 stages × 2 replicas with one
-  4× slow, and by 4-22% on random heterogeneous swarms (`scripts/bench_skippipe_schedule.py`); across 8 processes
-  on 2 cores its iterations were 6% longer than the greedy's (each node spent 0.15 s of its iteration on the
-  search, and the model's gain did not show; BENCHMARKS.md).
 - `conflict_based` is the paper's method: conflict-based search (CBS) over the microbatches' space-time paths, with
   A* for each microbatch (`_Planner`, `_conflict_search`). It keeps the greedy's stage sets (the paper's first
   phase, a cap on each stage's visits, is what least-visited-first gives) and chooses each microbatch's source,
   replicas, order and op times such that no two microbatches' ops overlap at a node and no node holds more
-  microbatches' activations than its memory. In the model, with 8 microbatches the search never ends
-  conflict-free within CBS_EXPANSIONS splits; the prioritized planning that then completes it makes the
-  makespan 11% shorter to 3% longer than the greedy's, 6.5% shorter on the benchmark's shape, in 60-120 ms.
+  microbatches' activations than its memory. With 8 microbatches the search never ends conflict-free within
+  CBS_EXPANSIONS splits, and prioritized planning completes its node with the fewest conflicts; in the model that
+  is 6.5% shorter than the greedy on the benchmark's shape and 11% shorter to 3% longer on random swarms, worse
+  than prioritized planning from no split on the former, at 60-120 ms a schedule; across processes it was no
+  faster than the greedy (each node spent 0.2-0.3 s of its iteration on it).
+- `searched` improves the greedy's routes against the timeline (`_improve`): sweeps over the microbatches in order
+  try each hop on the stage's other replicas and, with reorder, each swap of two visited stages, and keep a change
+  that shortens the makespan, within IMPROVE_EVALUATIONS timelines; the stage sets stay the greedy's. In the model
+  it shortens the greedy's makespan by 12% on the benchmark's shape and by 4-22% on random swarms; across 8
+  processes on 2 cores its iterations were 6% longer than the greedy's (0.15 s of each node's iteration went to the
+  search: 55 ms alone, more with 8 processes on 2 cores).
 
 `full_pipeline` (k = 0, ascending, replicas in turn) and `random_skipping` (the same k, stages and replicas drawn at
 random) are the baselines to compare against.
@@ -224,14 +229,26 @@ def num_visited_stages(num_stages: int, skip_ratio: float) -> int:
 
 
 def schedule_microbatches(problem: SkipPipeProblem) -> Schedule:
-    """SkipPipe's schedule for one iteration: least-visited stages, earliest-finishing replicas."""
+    """SkipPipe's schedule for one iteration, the one nodes run: the greedy's routes, or those prioritized planning
+    finds for the same stage sets (`conflict_based` with no split), whichever the timeline ends first (the
+    greedy's on a tie)."""
+    swarm = _live_swarm(problem)
+    routes = _greedy_routes(problem, swarm)
+    first = _finish(problem, swarm, routes)
+    plans = _prioritized(_Planner(problem, swarm), [route.stages[1:] for route in routes])
+    planned = _finish(problem, swarm, [plan.route for plan in plans])
+    return planned if planned.makespan_s < first.makespan_s - IMPROVE_MIN_S else first
+
+
+def greedy(problem: SkipPipeProblem) -> Schedule:
+    """The greedy alone: least-visited stages, earliest-finishing replicas."""
     swarm = _live_swarm(problem)
     return _finish(problem, swarm, _greedy_routes(problem, swarm))
 
 
 def searched(problem: SkipPipeProblem) -> Schedule:
-    """`schedule_microbatches`' routes improved by local search against the timeline (`_improve`): shorter in the
-    model, not in the measured iterations so far (see the module's doc); for benchmarks."""
+    """The greedy's routes improved by local search against the timeline (`_improve`): shorter in the model, not in
+    the measured iterations so far (see the module's doc); for benchmarks."""
     swarm = _live_swarm(problem)
     return _finish(problem, swarm, _improve(problem, swarm, _greedy_routes(problem, swarm)))
 
@@ -495,13 +512,14 @@ _Entry = tuple[float, int, tuple[str, ...], tuple[int, ...], tuple[_Interval, ..
 def _conflict_search(planner: _Planner, stage_sets: Sequence[tuple[int, ...]], expansions: int) -> list[_Plan]:
     """CBS's high level: a best-first search over sets of spans each microbatch must leave free, from none.
 
-    A tree node's plans are each microbatch's A* under its spans. Its first conflict (`_conflicts`) splits it: two
-    ops of two microbatches overlapping at a node in two (either leaves the other's op free), more microbatches
-    holding activations at a node than its memory in one per holder (it comes after another leaves). Nodes go by
-    makespan, then how many conflicts they have, then the sum of the microbatches' ends; a node with none is the
-    answer. After `expansions` splits, the node with the fewest conflicts is completed by prioritized planning:
-    each microbatch in order, also leaving every earlier one's ops free (so no ops overlap; memory is then the
-    nodes' queues' to keep, as the timeline does)."""
+    A tree node's plans are each microbatch's A* under its spans. Its first conflict (`_Planner.conflicts`) splits
+    it: two ops of two microbatches overlapping at a node in two (either leaves the other's op free), more
+    microbatches holding activations at a node than its memory in one per holder (it comes after another leaves).
+    Nodes go by makespan, then how many conflicts they have, then the sum of the microbatches' ends; a node with
+    none is the answer. After `expansions` splits, the node with the fewest conflicts is completed by prioritized
+    planning under its spans (`_prioritized`)."""
+    if expansions <= 0:
+        return _prioritized(planner, stage_sets)
     count = len(stage_sets)
     none: tuple[tuple[_Interval, ...], ...] = tuple(() for _ in range(count))
     open_list: list[tuple[tuple[float, int, float], int, tuple[tuple[_Interval, ...], ...], list[_Plan]]] = []
@@ -533,11 +551,19 @@ def _conflict_search(planner: _Planner, stage_sets: Sequence[tuple[int, ...]], e
             changed = (*spans[agent], span)
             replanned = planner.plan(agent, stage_sets[agent], _forbidden(changed))
             push((*spans[:agent], changed, *spans[agent + 1 :]), [*plans[:agent], replanned, *plans[agent + 1 :]])
-    spans = fewest[2]
-    plans = []
-    for m in range(count):
-        taken = [*spans[m], *(interval for plan in plans for interval in plan.ops), *planner.full(plans)]
-        plans.append(planner.plan(m, stage_sets[m], _forbidden(taken)))
+    return _prioritized(planner, stage_sets, fewest[2])
+
+
+def _prioritized(
+    planner: _Planner, stage_sets: Sequence[tuple[int, ...]], spans: Sequence[tuple[_Interval, ...]] = ()
+) -> list[_Plan]:
+    """Prioritized planning: each microbatch in order by A*, leaving free its own `spans` (none by default), every
+    earlier microbatch's ops and, at each node, the time until the earlier ones last filled its memory. No two ops
+    overlap and no node holds more than its memory (`_Planner.full`)."""
+    plans: list[_Plan] = []
+    for m, stages in enumerate(stage_sets):
+        taken = [*(spans[m] if spans else ()), *(interval for plan in plans for interval in plan.ops)]
+        plans.append(planner.plan(m, stages, _forbidden([*taken, *planner.full(plans)])))
     return plans
 
 
