@@ -28,8 +28,8 @@ as the timeline below models them. So, second, prioritized planning (the complet
 below) routes the same stage sets again, and nodes run whichever routes the timeline ends first
 (`schedule_microbatches`). On the swarm benchmark's shape (4 stages × 2 replicas, one 4× slow, 8 microbatches,
 k = 0.25 reordered) that is 11.8% shorter than the greedy in the model, in 4-8 ms a schedule, and measured across
-8 processes iterations 9% shorter in each of two runs (BENCHMARKS.md); on random heterogeneous swarms 0-12%
-shorter in the model. The paper's method in full, and a local search, were measured too (for benchmarks):
+8 processes iterations 9% shorter in two runs, 2% longer in a third (BENCHMARKS.md); on random heterogeneous
+swarms 0-12% shorter in the model. The paper's method in full, and a local search, were measured too (for benchmarks):
 
 - `conflict_based` is the paper's method: conflict-based search (CBS) over the microbatches' space-time paths, with
   A* for each microbatch (`_Planner`, `_conflict_search`). It keeps the greedy's stage sets (the paper's first
