@@ -14,7 +14,8 @@ on loopback. Arms, one after the other, same data:
                   step; torch on one thread, and again on every core (`one-process-all-cores`): the best
                   alternative on this machine, against which the swarm's ratio is taken
     swarm         the 8 node processes, SkipPipe's scheduler (`schedule_microbatches`)
-    swarm-greedy  the same with the greedy's routes alone (`greedy`: what nodes ran before protocol 6)
+    swarm-planned the same with the better of the greedy's and prioritized planning's routes in the model
+                  (`planned`; not what nodes run)
     swarm-searched  the same with the greedy's routes improved by local search against the timeline model
                   (`searched`; not what nodes run: in the model its iterations are shorter)
     swarm-cbs     the same with the paper's conflict-based search and A* (`conflict_based`), and
@@ -95,7 +96,7 @@ from crowdtrain.planning.skippipe import (
     SkipPipeProblem,
     conflict_based,
     full_pipeline,
-    greedy,
+    planned,
     random_skipping,
     schedule_microbatches,
     searched,
@@ -122,7 +123,7 @@ SLOW_NODE = 7
 """The node `--slowdown` times slower than the others: stage 3's second replica."""
 SCHEDULERS: dict[str, Callable[[SkipPipeProblem], Schedule]] = {
     "skippipe": schedule_microbatches,
-    "greedy": greedy,
+    "planned": planned,
     "searched": searched,
     "cbs": conflict_based,
     "prioritized": functools.partial(conflict_based, expansions=0),
@@ -132,7 +133,7 @@ SCHEDULERS: dict[str, Callable[[SkipPipeProblem], Schedule]] = {
 STARTUP_TIMEOUT_S = 120.0
 ARMS = (
     "swarm",
-    "swarm-greedy",
+    "swarm-planned",
     "swarm-searched",
     "swarm-cbs",
     "swarm-prioritized",
@@ -431,7 +432,12 @@ def swarm_arm(
     kill = arm == "swarm-kill"
     full = arm.startswith("swarm-full")
     skip_ratio = 0.0 if full else SKIP_RATIO
-    schedulers = {"swarm-random": "random", "swarm-searched": "searched", "swarm-cbs": "cbs", "swarm-greedy": "greedy"}
+    schedulers = {
+        "swarm-random": "random",
+        "swarm-searched": "searched",
+        "swarm-cbs": "cbs",
+        "swarm-planned": "planned",
+    }
     scheduler = schedulers.get(arm, "prioritized" if arm == "swarm-prioritized" else "full" if full else "skippipe")
     gradient_dtype = {"swarm-float32": "float32", "swarm-int8": "int8", "swarm-full-int8": "int8"}.get(
         arm, args.gradient_dtype

@@ -8,9 +8,9 @@ it visits only some of the stages 1..S-1, skipping a share k of them, and with `
 paper shows the model still converges when every stage is trained about equally often. Fewer hops and the
 freedom of choosing replicas let a scheduler route around slow nodes instead of waiting on them.
 
-What this module decides, for one iteration: each microbatch's source (a stage-0 node) and its path, in two
-steps. First a greedy (`greedy`): with c_n the measured seconds per microbatch of node n and L_n the seconds
-already given to n in this iteration, microbatches are taken in order m = 0..M-1 and
+What this module decides, for one iteration: each microbatch's source (a stage-0 node) and its path. With
+c_n the measured seconds per microbatch of node n and L_n the seconds already given to n in this iteration,
+microbatches are taken in order m = 0..M-1 and
 
     V = S-1 - floor(k·(S-1) + 1/2), at least 1, at most the stages present   stages a path visits
     stages(m) = the V stages visited least so far; ties by hash(seed, m, stage)
@@ -24,13 +24,16 @@ a stage with no live replica is skipped by every path and named in `Schedule.mis
 among the skipped ones; with no live stage-0 node nothing can be scheduled (`StageZeroUnavailableError`).
 
 The greedy balances each node's total load but not when the load comes, and leaves collisions to the nodes' queues,
-as the timeline below models them. So, second, prioritized planning (the completion step of the paper's search,
-below) routes the same stage sets again, and nodes run whichever routes the timeline ends first
-(`schedule_microbatches`). On the swarm benchmark's shape (4 stages × 2 replicas, one 4× slow, 8 microbatches,
-k = 0.25 reordered) that is 11.8% shorter than the greedy in the model, in 4-8 ms a schedule, and measured across
-8 processes iterations 9% shorter in two runs, 2% longer in a third (BENCHMARKS.md); on random heterogeneous
-swarms 0-12% shorter in the model. The paper's method in full, and a local search, were measured too (for benchmarks):
+as the timeline below models them. Three schedulers try to do better; nodes run the greedy (`schedule_microbatches`)
+and the others are for the benchmarks:
 
+- `planned` routes the greedy's stage sets again by prioritized planning (the completion step of the paper's
+  search, below) and keeps whichever routes the timeline ends first. On the swarm benchmark's shape (4 stages × 2
+  replicas, one 4× slow, 8 microbatches, k = 0.25 reordered) that is 11.8% shorter than the greedy in the model,
+  in 4-8 ms a schedule; on random heterogeneous swarms 0-12% shorter. Across 8 processes prioritized routes made
+  iterations 9% shorter in two runs and `planned` 2% longer in a third (BENCHMARKS.md). It is not what nodes run:
+  its routes may pass no microbatch through a replica, and with it on the nodes a fresh-clone run failed the test
+  of a swarm that loses its only stage-0 node (tests/test_skippipe_moves.py), which passes with the greedy.
 - `conflict_based` is the paper's method: conflict-based search (CBS) over the microbatches' space-time paths, with
   A* for each microbatch (`_Planner`, `_conflict_search`). It keeps the greedy's stage sets (the paper's first
   phase, a cap on each stage's visits, is what least-visited-first gives) and chooses each microbatch's source,
@@ -229,21 +232,20 @@ def num_visited_stages(num_stages: int, skip_ratio: float) -> int:
 
 
 def schedule_microbatches(problem: SkipPipeProblem) -> Schedule:
-    """SkipPipe's schedule for one iteration, the one nodes run: the greedy's routes, or those prioritized planning
-    finds for the same stage sets (`conflict_based` with no split), whichever the timeline ends first (the
-    greedy's on a tie)."""
+    """SkipPipe's schedule for one iteration, the one nodes run: least-visited stages, earliest-finishing replicas."""
+    swarm = _live_swarm(problem)
+    return _finish(problem, swarm, _greedy_routes(problem, swarm))
+
+
+def planned(problem: SkipPipeProblem) -> Schedule:
+    """The greedy's routes, or those prioritized planning finds for the same stage sets (`conflict_based` with no
+    split), whichever the timeline ends first (the greedy's on a tie); for benchmarks (see the module's doc)."""
     swarm = _live_swarm(problem)
     routes = _greedy_routes(problem, swarm)
     first = _finish(problem, swarm, routes)
     plans = _prioritized(_Planner(problem, swarm), [route.stages[1:] for route in routes])
-    planned = _finish(problem, swarm, [plan.route for plan in plans])
-    return planned if planned.makespan_s < first.makespan_s - IMPROVE_MIN_S else first
-
-
-def greedy(problem: SkipPipeProblem) -> Schedule:
-    """The greedy alone: least-visited stages, earliest-finishing replicas."""
-    swarm = _live_swarm(problem)
-    return _finish(problem, swarm, _greedy_routes(problem, swarm))
+    second = _finish(problem, swarm, [plan.route for plan in plans])
+    return second if second.makespan_s < first.makespan_s - IMPROVE_MIN_S else first
 
 
 def searched(problem: SkipPipeProblem) -> Schedule:
