@@ -326,7 +326,8 @@ def conflict_based(problem: SkipPipeProblem, *, expansions: int = CBS_EXPANSIONS
     """The paper's way: conflict-based search over the microbatches' space-time paths, A* for each (`_Planner`).
 
     Each path keeps the greedy's stages, so the visit counts stay balanced; the search chooses sources, replicas,
-    the order (with reorder) and when each op runs, such that no two microbatches' ops overlap at one node."""
+    the order (with reorder) and when each op runs, such that no two microbatches' ops overlap at one node and no
+    node holds more microbatches' activations than its memory."""
     swarm = _live_swarm(problem)
     stage_sets = [route.stages[1:] for route in _greedy_routes(problem, swarm)]
     plans = _conflict_search(_Planner(problem, swarm), stage_sets, expansions)
@@ -433,6 +434,7 @@ class _Planner:
         for index, plan in enumerate(plans):
             for peer, start_s, end_s in plan.ops:
                 ops.setdefault(peer, []).append((start_s, end_s, index))
+        holds = _holds(plans)
         found: list[_Conflict] = []
         for peer in sorted(ops):
             at = sorted(ops[peer])
@@ -443,24 +445,15 @@ class _Planner:
                     if other != index:
                         branches = ((index, (peer, other_start_s, other_end_s)), (other, (peer, start_s, end_s)))
                         found.append((other_start_s, peer, branches))
-            holds: dict[int, tuple[float, float]] = {}
-            for start_s, end_s, index in at:
-                first_s, last_s = holds.get(index, (start_s, end_s))
-                holds[index] = (min(first_s, start_s), max(last_s, end_s))
-            found.extend(self._memory_conflict(peer, holds))
+            found.extend(self._memory_conflict(peer, holds[peer]))
         found.sort(key=lambda conflict: conflict[:2])
         return found
 
     def full(self, plans: Sequence[_Plan]) -> list[_Interval]:
         """At each node where these plans fill the memory at some moment, the span from 0 to the last such moment's
         end: a microbatch whose ops there leave it free holds activations there only while a slot is free."""
-        holds: dict[str, dict[int, tuple[float, float]]] = {}
-        for index, plan in enumerate(plans):
-            for peer, start_s, end_s in plan.ops:
-                first_s, last_s = holds.setdefault(peer, {}).get(index, (start_s, end_s))
-                holds[peer][index] = (min(first_s, start_s), max(last_s, end_s))
         spans = []
-        for peer, by_microbatch in sorted(holds.items()):
+        for peer, by_microbatch in sorted(_holds(plans).items()):
             events = sorted(
                 (time_s, change)
                 for first_s, last_s in by_microbatch.values()
@@ -525,13 +518,16 @@ def _conflict_search(planner: _Planner, stage_sets: Sequence[tuple[int, ...]], e
         return _prioritized(planner, stage_sets)
     count = len(stage_sets)
     none: tuple[tuple[_Interval, ...], ...] = tuple(() for _ in range(count))
-    open_list: list[tuple[tuple[float, int, float], int, tuple[tuple[_Interval, ...], ...], list[_Plan]]] = []
+    open_list: list[
+        tuple[tuple[float, int, float], int, tuple[tuple[_Interval, ...], ...], list[_Plan], list[_Conflict]]
+    ] = []
     serial = 0
 
     def push(spans: tuple[tuple[_Interval, ...], ...], plans: list[_Plan]) -> None:
         nonlocal serial
-        key = (max(plan.done_s for plan in plans), len(planner.conflicts(plans)), sum(plan.done_s for plan in plans))
-        heapq.heappush(open_list, (key, serial, spans, plans))
+        conflicts = planner.conflicts(plans)
+        key = (max(plan.done_s for plan in plans), len(conflicts), sum(plan.done_s for plan in plans))
+        heapq.heappush(open_list, (key, serial, spans, plans, conflicts))
         serial += 1
 
     push(none, [planner.plan(m, stage_sets[m], {}) for m in range(count)])
@@ -540,14 +536,13 @@ def _conflict_search(planner: _Planner, stage_sets: Sequence[tuple[int, ...]], e
     for _ in range(expansions):
         if not open_list:
             break
-        (_, conflicting, _), number, spans, plans = heapq.heappop(open_list)
+        (_, conflicting, _), number, spans, plans, conflicts = heapq.heappop(open_list)
         if not conflicting:
             return plans
         fewest = min(fewest, (conflicting, number, spans), key=lambda entry: entry[:2])
-        for agent, span in planner.conflicts(plans)[0][2]:
-            key = frozenset((index, taken) for index, spanned in enumerate(spans) for taken in spanned) | {
-                (agent, span)
-            }
+        taken_here = frozenset((index, taken) for index, spanned in enumerate(spans) for taken in spanned)
+        for agent, span in conflicts[0][2]:
+            key = taken_here | {(agent, span)}
             if key in seen:
                 continue
             seen.add(key)
@@ -568,6 +563,16 @@ def _prioritized(
         taken = [*(spans[m] if spans else ()), *(interval for plan in plans for interval in plan.ops)]
         plans.append(planner.plan(m, stages, _forbidden([*taken, *planner.full(plans)])))
     return plans
+
+
+def _holds(plans: Sequence[_Plan]) -> dict[str, dict[int, tuple[float, float]]]:
+    """By node, then by microbatch: from its first op there to its last, when it holds activations there."""
+    holds: dict[str, dict[int, tuple[float, float]]] = {}
+    for index, plan in enumerate(plans):
+        for peer, start_s, end_s in plan.ops:
+            first_s, last_s = holds.setdefault(peer, {}).get(index, (start_s, end_s))
+            holds[peer][index] = (min(first_s, start_s), max(last_s, end_s))
+    return holds
 
 
 def _forbidden(spans: Sequence[_Interval]) -> dict[str, list[tuple[float, float]]]:
