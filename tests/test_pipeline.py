@@ -8,7 +8,7 @@ import threading
 import typing
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import hivemind
 import pytest
@@ -32,7 +32,7 @@ from crowdtrain.pipeline.iteration import (
     state_timeout_s,
 )
 from crowdtrain.pipeline.stage_service import CHUNK_BYTES, MAX_GRADIENT_WAITS, NAMESPACE
-from crowdtrain.planning.skippipe import NodeInfo, Route
+from crowdtrain.planning.skippipe import NodeInfo, Route, Schedule, SkipPipeProblem, schedule_microbatches
 
 NUM_STAGES = 4
 HIDDEN = 32
@@ -420,6 +420,33 @@ def test_stage_nodes_step_once_their_share_has_run_without_waiting_for_the_sourc
             assert report.loss == (None if iteration == 0 else pytest.approx(reports[0][0].loss)), (iteration, node)
     assert all(not torch.equal(stage_vector(runner), start) for runner, start in zip(runners, before, strict=True))
     assert torch.equal(stage_vector(runners[1]), stage_vector(runners[2])), "stage 1's replicas summed alike"
+
+
+def test_a_stage_node_given_no_microbatch_finds_a_dead_source_gone(swarm: Swarm) -> None:
+    """The schedule sends every microbatch of stage 1 through node 1 and none through node 2, and the source is dead:
+    node 2, whose share is whole at once, pings the source before it steps and suspects it as the nodes that waited
+    for their microbatches do (where that source was the last of stage 0, a replica that went on alone would step
+    apart from its twins, which hold)."""
+    nodes = [
+        NodeInfo(peer_id=swarm.peer(node), stage=stage, seconds_per_microbatch=1.0, memory_microbatches=2)
+        for node, stage in enumerate(STAGE_OF_NODE)
+    ]
+
+    def all_through_node_1(problem: SkipPipeProblem) -> Schedule:
+        schedule = schedule_microbatches(problem)
+        moved = {swarm.peer(2): swarm.peer(1)}
+        routes = tuple(replace(r, path=tuple(moved.get(peer, peer) for peer in r.path)) for r in schedule.routes)
+        return replace(schedule, routes=routes)
+
+    data = [tokens(seed) for seed in range(4)]
+    runners = [exact_runner(service, nodes, data, 4) for service in swarm.services[1:]]
+    for runner in runners:
+        runner.scheduler = all_through_node_1
+    swarm.services[0].close()  # the source, gone before the iteration
+    reports = run_iterations(runners, [0])[0]
+    for node, (runner, report) in enumerate(zip(runners, reports, strict=True), start=1):
+        assert report.sources_done == 0 and not report.outcomes, node
+        assert swarm.peer(0) in runner.suspected, f"node {node} did not find the dead source gone"
 
 
 def test_replicas_sum_the_gradients_as_published_in_the_runs_dtype(swarm: Swarm) -> None:

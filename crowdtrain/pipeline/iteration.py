@@ -378,15 +378,20 @@ class SkipPipeNode:
         """Wait until every one of `sources` said it is done with `iteration`, or the backwards of `share` ran here,
         at most `done_timeout_s`; every PING_EVERY_S, the sources not done yet are pinged: one that does not answer
         is gone (not waited for any more, and suspected), one that serves a later iteration is done (its message
-        was lost, or this node is catching up). The sources done."""
+        was lost, or this node is catching up). A node of stages 1.. that the schedule gives no microbatch has its
+        share whole at once, and nothing here has shown it that its sources are alive: it pings them once first,
+        so that a dead source is suspected here too (its replicas that waited for it found it gone, and hold when
+        it was the last of stage 0: a replica that went on alone would step apart from them). The sources done."""
         deadline = time.monotonic() + self.done_timeout_s
         waiting = set(sources)
         done: set[str] = set()
+        checked = share is None or bool(share) or self.driver is not None  # evidence enough that they live
         while waiting and (left := deadline - time.monotonic()) > 0:
             done |= self.service.wait_sources(iteration, waiting, min(left, PING_EVERY_S), share)
             waiting -= done
-            if share is not None and share <= self.service.backwards_run(iteration):
+            if checked and share is not None and share <= self.service.backwards_run(iteration):
                 break
+            checked = True
             for peer in sorted(waiting):
                 serving = self.service.ping(peer, PING_TIMEOUT_S)
                 if serving is None:
