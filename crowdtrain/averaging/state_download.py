@@ -274,6 +274,7 @@ class VerifiedStateDownloadMixin:
         future: MPFuture = MPFuture()
         template = self.state_template()
         corroborate = corroborate and self.states_agree_at_epoch
+        self.last_loaded_epoch = None  # until this download loads one: a timed-out one must not report the last's
         # The averager gives up a little before this caller would: a late answer is lost, and hivemind logs the
         # caller's TimeoutError with a traceback.
         deadline_s = None if timeout is None else max(timeout - DEADLINE_MARGIN_S, 1.0)
