@@ -131,6 +131,8 @@ SCHEDULERS: dict[str, Callable[[SkipPipeProblem], Schedule]] = {
     "full": full_pipeline,
 }
 STARTUP_TIMEOUT_S = 120.0
+DIAL_TRIES = 5
+"""How often a node tries to dial each other node at the start (`_dial`)."""
 ARMS = (
     "swarm",
     "swarm-planned",
@@ -362,9 +364,7 @@ def node_main(args: argparse.Namespace) -> int:
         swarm = await_condition(lambda: _read(folder / "topology.json"), STARTUP_TIMEOUT_S, "the topology")
         for other in swarm["nodes"]:  # dial every node once, so that hops and exchanges find each other at once
             if other["peer_id"] != me["peer_id"]:
-                peer = PeerID.from_base58(other["peer_id"])
-                maddrs = [Multiaddr(m).decapsulate(Multiaddr(f"/p2p/{other['peer_id']}")) for m in other["maddrs"]]
-                service.run(service.require_p2p()._client.connect(peer, maddrs), 30.0)
+                _dial(service, other)
         peer_ids = [node["peer_id"] for node in swarm["nodes"]]
         nodes = topology(peer_ids, swarm["stage_seconds"], args.memory, args.slowdown)
         runner = SkipPipeNode(
@@ -477,7 +477,7 @@ def swarm_arm(
                 groups.kill(processes[victim])
                 say(f"killed node {victim} (stage {KILLED_STAGE}) after iteration {args.kill_at}")
             living = [index for index in range(num_nodes) if not (kill and index == victim)]
-            await_condition(lambda: all((folder / f"node{i}.finished").exists() for i in living), 3600.0, "the run")
+            _await_nodes(folder, {index: processes[index] for index in living})
             wall_s = time.monotonic() - began
             (folder / "all-finished").touch()
             for index in living:
@@ -495,6 +495,35 @@ def swarm_arm(
             groups.kill_all()
             _keep_logs(folder, args.out / "logs" / arm)
     return _swarm_json(reports, wall_s, evaluations, removed, victim if kill else None)
+
+
+def _dial(service: StageService, other: dict[str, Any]) -> None:
+    """Connect to `other` ({"peer_id", "maddrs"}) ahead of the first hop. Two nodes that dial each other at once may
+    both fail ("dial backoff": a WAN-lab run lost two nodes at the start so): tried DIAL_TRIES times; a node still
+    not reached is dialed again by the first hop or exchange that needs it."""
+    peer = PeerID.from_base58(other["peer_id"])
+    maddrs = [Multiaddr(m).decapsulate(Multiaddr(f"/p2p/{other['peer_id']}")) for m in other["maddrs"]]
+    for attempt in range(1, DIAL_TRIES + 1):
+        try:
+            service.run(service.require_p2p()._client.connect(peer, maddrs), 30.0)
+            return
+        except Exception as e:
+            say(f"could not dial {other['peer_id'][-8:]} (try {attempt} of {DIAL_TRIES}): {str(e).splitlines()[0]}")
+            time.sleep(attempt)
+
+
+def _await_nodes(folder: Path, processes: dict[int, Any]) -> None:
+    """Wait until every node of `processes` (index: process) has finished its iterations; a node that exits before
+    ends the arm with a sentence (the others would wait for it an hour)."""
+
+    def finished() -> bool:
+        for index, process in processes.items():
+            done = (folder / f"node{index}.finished").exists()
+            if not done and process.poll() is not None:
+                raise SystemExit(f"node {index} exited ({process.returncode}) before its last iteration: see its log")
+        return all((folder / f"node{index}.finished").exists() for index in processes)
+
+    await_condition(finished, 3600.0, "the run")
 
 
 def _keep_logs(folder: Path, kept: Path) -> None:
