@@ -9,7 +9,8 @@ the swarm's nodes, seeded by the iteration), so no message carries it. An iterat
 3. every node waits until its share of the iteration's gradient is whole: the backwards of the routes the
    schedule sends through it have run here (a stage-0 node: at once, its share is its own microbatches'), or
    each source of the schedule said it is done (or `done_timeout_s`; a source that does not answer a ping while
-   it is waited for is gone, and not waited for). Done early, a node goes on to step 4 while the last
+   it is waited for is gone, and not waited for; a node of stages 1.. given no microbatch pings its sources once
+   before it goes on). Done early, a node goes on to step 4 while the last
    microbatches still run elsewhere: the replicas of a stage exchange as each finishes, not all at once after
    the slowest source, and their step is off the iteration's critical path. A node that suspects a peer waits
    for the done messages (its schedule may differ from the sources'); a backward that runs here after it has

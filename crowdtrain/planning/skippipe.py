@@ -31,10 +31,10 @@ and the others are for the benchmarks:
   search, below) and keeps whichever routes the timeline ends first. On the swarm benchmark's shape (4 stages × 2
   replicas, one 4× slow, 8 microbatches, k = 0.25 reordered) that is 11.8% shorter than the greedy in the model,
   in 4-8 ms a schedule; on random heterogeneous swarms 0-12% shorter. Across 8 processes prioritized routes made
-  iterations 9% shorter in two runs and `planned` 2% longer in a third (BENCHMARKS.md). It is not what nodes run:
-  its routes may pass no microbatch through a replica, and a stage node with none in an iteration never pings a
-  source, so it does not notice a dead one (a fresh-clone run failed the test of a swarm that loses its only
-  stage-0 node that way, tests/test_skippipe_moves.py).
+  iterations 9% shorter in two runs and `planned` 2% longer in a third, and in the WAN lab 1.6% shorter
+  (BENCHMARKS.md): not what nodes run. Its routes may pass no microbatch through a replica; such a stage node did
+  not notice a dead source (a fresh-clone run failed the test of a swarm that loses its only stage-0 node that
+  way, tests/test_skippipe_moves.py) until it was made to ping its sources (`SkipPipeNode._wait_sources`).
 - `conflict_based` is the paper's method: conflict-based search (CBS) over the microbatches' space-time paths, with
   A* for each microbatch (`_Planner`, `_conflict_search`). It keeps the greedy's stage sets (the paper's first
   phase, a cap on each stage's visits, is what least-visited-first gives) and chooses each microbatch's source,
