@@ -437,8 +437,9 @@ def swarm_arm(
         "swarm-searched": "searched",
         "swarm-cbs": "cbs",
         "swarm-planned": "planned",
+        "swarm-prioritized": "prioritized",
     }
-    scheduler = schedulers.get(arm, "prioritized" if arm == "swarm-prioritized" else "full" if full else "skippipe")
+    scheduler = schedulers.get(arm, "full" if full else "skippipe")
     gradient_dtype = {"swarm-float32": "float32", "swarm-int8": "int8", "swarm-full-int8": "int8"}.get(
         arm, args.gradient_dtype
     )
@@ -509,7 +510,8 @@ def _dial(service: StageService, other: dict[str, Any]) -> None:
             return
         except Exception as e:
             say(f"could not dial {other['peer_id'][-8:]} (try {attempt} of {DIAL_TRIES}): {str(e).splitlines()[0]}")
-            time.sleep(attempt)
+            if attempt < DIAL_TRIES:
+                time.sleep(attempt)
 
 
 def _await_nodes(folder: Path, processes: dict[int, Any]) -> None:
@@ -517,11 +519,11 @@ def _await_nodes(folder: Path, processes: dict[int, Any]) -> None:
     ends the arm with a sentence (the others would wait for it an hour)."""
 
     def finished() -> bool:
-        for index, process in processes.items():
-            done = (folder / f"node{index}.finished").exists()
-            if not done and process.poll() is not None:
-                raise SystemExit(f"node {index} exited ({process.returncode}) before its last iteration: see its log")
-        return all((folder / f"node{index}.finished").exists() for index in processes)
+        running = [index for index in processes if not (folder / f"node{index}.finished").exists()]
+        for index in running:
+            if (code := processes[index].poll()) is not None:
+                raise SystemExit(f"node {index} exited ({code}) before its last iteration: see its log")
+        return not running
 
     await_condition(finished, 3600.0, "the run")
 
