@@ -3,9 +3,9 @@
 The model (the 8-layer demo LLaMA, or `--model llama-20m`: 25.4M parameters, 8 layers) is cut into 4 stages of 2
 layers; 8 node processes hold them, 2 replicas per stage, each node its own hivemind DHT and p2pd on loopback,
 torch on one thread. Every iteration, every node computes the same schedule (`planning.skippipe`, k = 0.25:
-each microbatch visits 2 of stages 1..3, reordered) over the nodes' measured costs, the two stage-0 nodes drive
-their microbatches along their routes through the other nodes (`crowdtrain.pipeline`: fp16 hidden states on the
-wire), each stage sums its gradient over its replicas (exchanged in bfloat16, `--gradient-dtype`) and steps AdamW.
+each microbatch visits 2 of stages 1..3, reordered) over the nodes' measured costs (in the WAN lab their links'
+too: `hop_seconds`), the two stage-0 nodes drive their microbatches along their routes through the other nodes
+(`crowdtrain.pipeline`: fp16 hidden states on the wire), each stage sums its gradient over its replicas (exchanged in bfloat16, `--gradient-dtype`) and steps AdamW.
 With `--scenario scripts/scenarios/skippipe.toml` every node runs in a WAN-lab host of its own (network namespaces
 with token-bucket caps: the first replica of each stage on 100 Mbit/s, the second on 25; run as root) instead of
 on loopback. Arms, one after the other, same data:
@@ -14,6 +14,8 @@ on loopback. Arms, one after the other, same data:
                   step; torch on one thread, and again on every core (`one-process-all-cores`): the best
                   alternative on this machine, against which the swarm's ratio is taken
     swarm         the 8 node processes, SkipPipe's scheduler (`schedule_microbatches`)
+    swarm-unlinked  the same with the links left out of the nodes' published costs: the greedy as it was before it
+                  weighed each node's link (the same as `swarm` on loopback)
     swarm-planned the same with the better of the greedy's and prioritized planning's routes in the model
                   (`planned`; not what nodes run)
     swarm-searched  the same with the greedy's routes improved by local search against the timeline model
@@ -130,11 +132,14 @@ SCHEDULERS: dict[str, Callable[[SkipPipeProblem], Schedule]] = {
     "random": random_skipping,
     "full": full_pipeline,
 }
+CONTENTION = NUM_STAGES * REPLICAS / (os.cpu_count() or 1)
+"""How many node processes share each of this machine's cores (8 on 2 here)."""
 STARTUP_TIMEOUT_S = 120.0
 DIAL_TRIES = 5
 """How often a node tries to dial each other node at the start (`_dial`)."""
 ARMS = (
     "swarm",
+    "swarm-unlinked",
     "swarm-planned",
     "swarm-searched",
     "swarm-cbs",
@@ -188,14 +193,31 @@ def stage_seconds(run: RunManifest, data: Data) -> list[float]:
     return seconds
 
 
-def topology(peer_ids: Sequence[str], seconds: Sequence[float], memory: int, slowdown: float) -> list[NodeInfo]:
+def topology(
+    peer_ids: Sequence[str], seconds: Sequence[float], memory: int, slowdown: float, hop_s: Sequence[float] = ()
+) -> list[NodeInfo]:
     """The nodes in index order, stage = index // REPLICAS, at their stage's measured cost; SLOW_NODE `slowdown`
-    times slower (as it would publish its own measurement)."""
+    times slower (as it would publish its own measurement); `hop_s`: each node's seconds per hop (`hop_seconds`),
+    none: not measured. With link costs, the compute is what a node gets of this machine when all 8 compute
+    (`CONTENTION` times the measurement alone): the greedy weighs it against the links' seconds."""
+    contention = CONTENTION if any(hop_s) else 1.0
     return [
         NodeInfo(peer_id=peer, stage=index // REPLICAS, memory_microbatches=memory,
-                 seconds_per_microbatch=seconds[index // REPLICAS] * (slowdown if index == SLOW_NODE else 1.0))
+                 seconds_per_microbatch=seconds[index // REPLICAS] * contention
+                 * (slowdown if index == SLOW_NODE else 1.0),
+                 seconds_per_hop=hop_s[index] if hop_s else 0.0)
         for index, peer in enumerate(peer_ids)
     ]  # fmt: skip
+
+
+def hop_seconds(args: argparse.Namespace, run: RunManifest) -> list[float]:
+    """Each node's seconds to send or receive one microbatch's fp16 hidden states at the slower of its host's caps in
+    `--scenario` (a node's measured links, as it would publish them); zeros on loopback."""
+    if not args.scenario:
+        return [0.0] * (NUM_STAGES * REPLICAS)
+    payload_bits = 8 * 2 * args.micro_batch_size * run.data.sequence_length * int(run.model.config["hidden_size"])
+    hosts = [spec for spec in Scenario.load(args.scenario).hosts for _ in range(spec.count)]
+    return [payload_bits / (min(host.upload_mbps, host.download_mbps) * 1e6) for host in hosts]
 
 
 class SlowStageService(StageService):
@@ -241,7 +263,7 @@ def one_process(
     `int8`: on each stage's gradient rounded to int8 blocks, the rounding's error carried to the next iteration;
     `full`: the full pipeline's routes (k = 0, every stage in order) instead of SkipPipe's."""
     torch.set_num_threads(threads)
-    nodes = topology(args.peer_ids, seconds, args.memory, args.slowdown)
+    nodes = topology(args.peer_ids, seconds, args.memory, args.slowdown, args.hop_s)
     staged = staged_model(run)
     optimizers = [
         torch.optim.AdamW(staged.stage_parameters(stage), lr=args.learning_rate) for stage in range(NUM_STAGES)
@@ -366,7 +388,7 @@ def node_main(args: argparse.Namespace) -> int:
             if other["peer_id"] != me["peer_id"]:
                 _dial(service, other)
         peer_ids = [node["peer_id"] for node in swarm["nodes"]]
-        nodes = topology(peer_ids, swarm["stage_seconds"], args.memory, args.slowdown)
+        nodes = topology(peer_ids, swarm["stage_seconds"], args.memory, args.slowdown, swarm["hop_seconds"])
         runner = SkipPipeNode(
             service=service, nodes=nodes, num_microbatches=args.microbatches, skip_ratio=args.skip_ratio,
             reorder=args.skip_ratio > 0, scheduler=SCHEDULERS[args.scheduler],
@@ -471,7 +493,10 @@ def swarm_arm(
                 await_condition(lambda i=index: _read(folder / f"node{i}.json"), STARTUP_TIMEOUT_S, f"node {index}")
                 for index in range(num_nodes)
             ]
-            _write_atomically(folder / "topology.json", {"nodes": peers, "stage_seconds": list(seconds)})
+            hop_s = [] if arm == "swarm-unlinked" else args.hop_s
+            _write_atomically(
+                folder / "topology.json", {"nodes": peers, "stage_seconds": list(seconds), "hop_seconds": hop_s}
+            )
             began = time.monotonic()
             if kill:
                 await_condition(lambda: len(_lines(folder / "node0.jsonl")) >= args.kill_at, 1800.0, "the kill")
@@ -669,6 +694,9 @@ def main() -> int:
         args.identities, args.peer_ids = identities(Path(cache), NUM_STAGES * REPLICAS)
         seconds = stage_seconds(run, data)
         say("seconds per microbatch by stage: " + ", ".join(f"{s:.3f}" for s in seconds))
+        args.hop_s = hop_seconds(args, run)
+        if any(args.hop_s):
+            say("seconds per hop by node: " + ", ".join(f"{s:.3f}" for s in args.hop_s))
         arms: dict[str, Any] = {}
         for threads in (1, os.cpu_count() or 1):  # the baselines every ratio is taken against
             arm = "one-process" if threads == 1 else "one-process-all-cores"
@@ -694,6 +722,7 @@ def main() -> int:
         "environment": {**environment, "load_average_at_end": os.getloadavg()},
         "model": f"{args.model} ({parameters / 1e6:.1f}M parameters, 8 layers)",
         "stage_seconds_per_microbatch": seconds,
+        "seconds_per_hop": args.hop_s,
         "arguments": {
             key: str(value) if isinstance(value, Path) else value
             for key, value in vars(args).items()

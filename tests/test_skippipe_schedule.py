@@ -113,6 +113,27 @@ def test_slow_replica_gets_fewer_microbatches_and_the_iteration_is_shorter() -> 
     assert drawn.makespan_s < full.makespan_s
 
 
+def test_a_source_behind_a_slower_link_starts_fewer_microbatches() -> None:
+    # The WAN lab's shape: equal compute, the second replica of each stage behind a link 4 times slower. Hops return
+    # to the source, so a source moves 2V payloads each way per microbatch (V = 2 here), the others 2 a visit.
+    def links(fast_s: float, slow_s: float) -> tuple[NodeInfo, ...]:
+        return tuple(
+            dataclasses.replace(n, seconds_per_hop=fast_s if n.peer_id.endswith("a") else slow_s)
+            for n in four_by_two(slow_factor=1.0)
+        )
+
+    unmeasured = schedule_microbatches(problem(links(0.0, 0.0), num_microbatches=8))
+    assert unmeasured.microbatches_per_node["s0a"] == unmeasured.microbatches_per_node["s0b"] == 4
+    p = problem(links(0.05, 0.2), num_microbatches=8)
+    scheduled = schedule_microbatches(p)
+    # a source's microbatch costs 1 + 4·0.05 = 1.2 s at s0a and 1 + 4·0.2 = 1.8 s at s0b: 5 against 3
+    assert (scheduled.microbatches_per_node["s0a"], scheduled.microbatches_per_node["s0b"]) == (5, 3)
+    visits = Counter(peer for route in scheduled.routes for peer in route.path[1:])
+    assert all(visits[f"s{stage}a"] >= visits[f"s{stage}b"] for stage in (1, 2, 3)), visits
+    assert sum(visits[f"s{stage}a"] for stage in (1, 2, 3)) > sum(visits[f"s{stage}b"] for stage in (1, 2, 3))
+    check_constraints(p, scheduled)
+
+
 def test_constraints_hold_on_random_topologies() -> None:
     rng = random.Random(2025)
     for case in range(200):
@@ -341,6 +362,13 @@ def test_timeline_of_one_microbatch_by_hand() -> None:
     assert timeline.peak_microbatches == {"a": 1, "b": 1}
 
 
+def test_a_hop_takes_the_transfer_over_the_slower_link() -> None:
+    nodes = (node("a", 0, 3.0), dataclasses.replace(node("b", 1, 3.0), seconds_per_hop=0.5))
+    p = SkipPipeProblem(num_stages=2, nodes=nodes, num_microbatches=1, default_latency_s=0.1)
+    # the by-hand timeline above with each of its 4 hops 0.5 s longer (b's link is the slower of the two)
+    assert schedule_microbatches(p).makespan_s == pytest.approx(6.4 + 4 * 0.5)
+
+
 def test_a_full_memory_holds_the_next_microbatch_back() -> None:
     nodes = (node("a", 0, 3.0, memory=1), node("b", 1, 3.0, memory=4))
     p = SkipPipeProblem(num_stages=2, nodes=nodes, num_microbatches=3, default_latency_s=0.1)
@@ -384,7 +412,14 @@ def test_bad_problems_are_refused(overrides: dict[str, object]) -> None:
 
 
 @pytest.mark.parametrize(
-    "fields", [{"seconds_per_microbatch": 0.0}, {"seconds_per_microbatch": math.inf}, {"memory_microbatches": 0}]
+    "fields",
+    [
+        {"seconds_per_microbatch": 0.0},
+        {"seconds_per_microbatch": math.inf},
+        {"memory_microbatches": 0},
+        {"seconds_per_hop": -1.0},
+        {"seconds_per_hop": math.nan},
+    ],
 )
 def test_bad_nodes_are_refused(fields: dict[str, object]) -> None:
     settings: dict[str, object] = {"peer_id": "x", "stage": 0, "seconds_per_microbatch": 1.0, "memory_microbatches": 1}

@@ -9,13 +9,20 @@ paper shows the model still converges when every stage is trained about equally 
 freedom of choosing replicas let a scheduler route around slow nodes instead of waiting on them.
 
 What this module decides, for one iteration: each microbatch's source (a stage-0 node) and its path. With
-c_n the measured seconds per microbatch of node n and L_n the seconds already given to n in this iteration,
+c_n the measured seconds per microbatch of node n, h_n the seconds its link takes to move one microbatch's hidden
+states (`seconds_per_hop`, 0 where not measured) and L_n the seconds already given to n in this iteration,
 microbatches are taken in order m = 0..M-1 and
 
     V = S-1 - floor(k·(S-1) + 1/2), at least 1, at most the stages present   stages a path visits
     stages(m) = the V stages visited least so far; ties by hash(seed, m, stage)
-    node(m, s) = argmin_n over the live replicas of s of (L_n + c_n); ties by peer ID   then L_n += c_n
+    w_n = c_n + 2V·h_n for a stage-0 node, c_n + 2·h_n for the others        one visit's cost
+    node(m, s) = argmin_n over the live replicas of s of (L_n + w_n); ties by peer ID   then L_n += w_n
     order(m)   = ascending stages, or, with reorder, by L_n before m (the node free first goes first)
+
+The link term is there because hops are source-routed (`pipeline.driver`): every hop of a microbatch leaves and
+comes back through its source's link, so a source behind a 25 Mbit/s home link moves 2V payloads each way per
+microbatch, a node of stages 1.. two. Without it the greedy split the microbatches evenly between a stage's replicas
+of equal compute, and in the WAN lab the source on the slower link finished its half 1.7 s after the other.
 
 Taking the least-visited stages keeps every stage's visit count within one of every other's (the counts
 are c or c+1 before a step and c+1 or c+2 after one). Choosing the replica with the earliest finish (list
@@ -57,8 +64,10 @@ random) are the baselines to compare against.
 The timeline (`simulate`): a visit's forward takes FORWARD_SHARE of c_n and its backward the rest; at stage
 0 the backward is split evenly between the head, run when the last forward comes back, and the first layers'
 backward at the very end. A microbatch's ops run in the order forward along the path, head, backward along
-the path in reverse, each hop between two nodes taking its latency. A node runs one op at a time, never
-idles while an op is ready, and picks backwards first (they free memory), then heads, forwards, and new
+the path in reverse, each hop between two nodes taking its latency and the transfer over the slower of their
+links (max(h_a, h_b); the timeline hops from node to node, not through the source, and a link carries any
+number of transfers at once, so it sees less of a slow link than the greedy's load does). A node runs one op at a
+time, never idles while an op is ready, and picks backwards first (they free memory), then heads, forwards, and new
 microbatches, lowest microbatch first. A source starts its microbatches in order, each only when every node
 on its path has a free slot of its `memory_microbatches`; the slot is held until the backward there ends.
 Reserving the whole path up front cannot deadlock, even when reordered paths cross. The makespan is when
@@ -117,12 +126,17 @@ class NodeInfo:
     """Forward and backward of one microbatch on its stage, in seconds (> 0)."""
     memory_microbatches: int
     """How many microbatches' activations it can hold at once (>= 1)."""
+    seconds_per_hop: float = 0.0
+    """Seconds its link takes to send or to receive one microbatch's hidden states (or their gradient), at the
+    slower of its measured upload and download (>= 0); 0: not measured, only latencies count."""
 
     def __post_init__(self) -> None:
         if not self.peer_id:
             raise ValueError("peer_id must be a non-empty string")
         if not math.isfinite(self.seconds_per_microbatch) or self.seconds_per_microbatch <= 0:
             raise ValueError(f"seconds_per_microbatch of {self.peer_id} must be finite and > 0")
+        if not math.isfinite(self.seconds_per_hop) or self.seconds_per_hop < 0:
+            raise ValueError(f"seconds_per_hop of {self.peer_id} must be finite and >= 0")
         if self.memory_microbatches < 1:
             raise ValueError(f"memory_microbatches of {self.peer_id} must be >= 1, got {self.memory_microbatches}")
 
@@ -264,9 +278,9 @@ def _greedy_routes(problem: SkipPipeProblem, swarm: _Swarm) -> list[Route]:
         stages = sorted(visits, key=lambda stage: (visits[stage], _tie(problem.seed, microbatch, stage), stage))
         hops = []  # (L_n before this microbatch, stage, node)
         for stage in [0, *sorted(stages[: swarm.num_visited])]:
-            node = min(swarm.replicas[stage], key=lambda peer: (load_s[peer] + _cost(swarm, peer), peer))
+            node = min(swarm.replicas[stage], key=lambda peer: (load_s[peer] + _visit_s(swarm, peer), peer))
             hops.append((load_s[node], stage, node))
-            load_s[node] += _cost(swarm, node)
+            load_s[node] += _visit_s(swarm, node)
         source, visited = hops[0], hops[1:]
         if problem.reorder:
             visited.sort()
@@ -394,7 +408,7 @@ class _Planner:
         for stage in remaining if self.problem.reorder else remaining[:1]:
             rest = tuple(other for other in remaining if other != stage)
             for peer in self.swarm.replicas[stage]:
-                ready_s = previous_end_s + _latency_s(self.problem, previous, peer)
+                ready_s = previous_end_s + _hop_s(self.problem, self.swarm.nodes, previous, peer)
                 step = self._op(forbidden, peer, ready_s, FORWARD_SHARE * _cost(self.swarm, peer))
                 visited = (*path, peer)
                 bound = (
@@ -422,7 +436,7 @@ class _Planner:
             (source, share),
         ]:
             previous, _, previous_end_s = planned[-1]
-            ready_s = previous_end_s + _latency_s(self.problem, previous, peer)
+            ready_s = previous_end_s + _hop_s(self.problem, self.swarm.nodes, previous, peer)
             planned.append(self._op(forbidden, peer, ready_s, duration_s))
         return (planned[-1][2], 0, path, order, tuple(planned), ())
 
@@ -640,6 +654,15 @@ def _cost(swarm: _Swarm, peer: str) -> float:
     return swarm.nodes[peer].seconds_per_microbatch
 
 
+def _visit_s(swarm: _Swarm, peer: str) -> float:
+    """What one visit costs `peer` in the greedy's load: its compute and its link's transfers. Hops are source-routed
+    (each returns to the source), so a node of stages 1.. receives and sends two payloads a visit (the hidden states
+    forward, their gradient back), and a source 2V of each: every hop of the microbatch passes its link."""
+    node = swarm.nodes[peer]
+    transfers = 2 * swarm.num_visited if node.stage == 0 else 2
+    return node.seconds_per_microbatch + transfers * node.seconds_per_hop
+
+
 def _tie(seed: int, microbatch: int, stage: int) -> int:
     digest = hashlib.blake2b(f"skippipe:{seed}:{microbatch}:{stage}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
@@ -766,17 +789,19 @@ class _Timeline:
         self.step[index] += 1
         if self.step[index] < len(self.ops[index]):
             following = self.ops[index][self.step[index]].node
-            self.ready_s[index] = end_s + _latency_s(self.problem, op.node, following)
+            self.ready_s[index] = end_s + _hop_s(self.problem, self.nodes, op.node, following)
             self.pending[following].add(index)
             touched.add(following)
         return touched
 
 
-def _latency_s(problem: SkipPipeProblem, sender: str, receiver: str) -> float:
+def _hop_s(problem: SkipPipeProblem, nodes: Mapping[str, NodeInfo], sender: str, receiver: str) -> float:
+    """A hop's time in the timeline: the pair's latency and the payload's transfer over the slower of their links."""
     if sender == receiver:
         return 0.0
     measured = problem.latency_s.get((sender, receiver), problem.latency_s.get((receiver, sender)))
-    return problem.default_latency_s if measured is None else measured
+    transfer_s = max(nodes[sender].seconds_per_hop, nodes[receiver].seconds_per_hop)
+    return (problem.default_latency_s if measured is None else measured) + transfer_s
 
 
 def _peak(events: list[tuple[float, int]]) -> int:
