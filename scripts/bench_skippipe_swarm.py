@@ -5,7 +5,8 @@ layers; 8 node processes hold them, 2 replicas per stage, each node its own hive
 torch on one thread. Every iteration, every node computes the same schedule (`planning.skippipe`, k = 0.25:
 each microbatch visits 2 of stages 1..3, reordered) over the nodes' measured costs (in the WAN lab their links'
 too: `hop_seconds`), the two stage-0 nodes drive their microbatches along their routes through the other nodes
-(`crowdtrain.pipeline`: fp16 hidden states on the wire), each stage sums its gradient over its replicas (exchanged in bfloat16, `--gradient-dtype`) and steps AdamW.
+(`crowdtrain.pipeline`: fp16 hidden states on the wire), each stage sums its gradient over its replicas
+(exchanged in bfloat16, `--gradient-dtype`) and steps AdamW.
 With `--scenario scripts/scenarios/skippipe.toml` every node runs in a WAN-lab host of its own (network namespaces
 with token-bucket caps: the first replica of each stage on 100 Mbit/s, the second on 25; run as root) instead of
 on loopback. Arms, one after the other, same data:
@@ -102,6 +103,7 @@ from crowdtrain.planning.skippipe import (
     random_skipping,
     schedule_microbatches,
     searched,
+    seconds_per_hop,
 )
 from crowdtrain.testing.bench import (
     bench_parser,
@@ -215,9 +217,9 @@ def hop_seconds(args: argparse.Namespace, run: RunManifest) -> list[float]:
     `--scenario` (a node's measured links, as it would publish them); zeros on loopback."""
     if not args.scenario:
         return [0.0] * (NUM_STAGES * REPLICAS)
-    payload_bits = 8 * 2 * args.micro_batch_size * run.data.sequence_length * int(run.model.config["hidden_size"])
+    payload_bytes = 2 * args.micro_batch_size * run.data.sequence_length * int(run.model.config["hidden_size"])
     hosts = [spec for spec in Scenario.load(args.scenario).hosts for _ in range(spec.count)]
-    return [payload_bits / (min(host.upload_mbps, host.download_mbps) * 1e6) for host in hosts]
+    return [seconds_per_hop(payload_bytes, host.upload_mbps, host.download_mbps) for host in hosts]
 
 
 class SlowStageService(StageService):

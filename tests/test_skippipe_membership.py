@@ -131,8 +131,14 @@ def test_records_are_checked_before_use() -> None:
     bad_seconds = proto.SkipPipeMember(peer_id=me, stage=0, seconds_per_microbatch=float("nan"), memory_microbatches=2)
     with pytest.raises(RecordError, match="seconds_per_microbatch"):
         parse_declaration(marker, bad_seconds.SerializeToString(), num_stages=2)
+    for hop_s, reason in ((float("nan"), "a hop"), (1e9, "a hop"), (-1.0, "seconds_per_hop")):
+        bad_link = proto.SkipPipeMember(
+            peer_id=me, stage=0, seconds_per_microbatch=0.5, memory_microbatches=2, seconds_per_hop=hop_s
+        )
+        with pytest.raises(RecordError, match=reason):
+            parse_declaration(marker, bad_link.SerializeToString(), num_stages=2)
 
-    a, b = node("a", 0), node("b", 1)
+    a, b = node("a", 0), dataclasses.replace(node("b", 1), seconds_per_hop=0.25)
     good = [Membership(0, (a,)), Membership(3, (a, b))]
     assert parse_roster(marker, encode_roster(good), num_stages=2) == good
     for history, reason in (

@@ -426,3 +426,12 @@ def test_bad_nodes_are_refused(fields: dict[str, object]) -> None:
     settings.update(fields)
     with pytest.raises(ValueError):
         NodeInfo(**settings)  # type: ignore[arg-type]
+
+
+def test_a_nodes_seconds_per_hop_comes_from_its_slower_link() -> None:
+    # 4 rows x 128 tokens x 512 wide in fp16: 524288 bytes, 4.19 Mbit
+    assert skippipe.seconds_per_hop(524288, 100.0, 25.0) == pytest.approx(0.16777216)
+    assert skippipe.seconds_per_hop(524288, 25.0, 100.0) == pytest.approx(0.16777216)
+    assert skippipe.seconds_per_hop(524288, None, 25.0) == 0.0  # not measured: latencies only
+    assert skippipe.seconds_per_hop(524288, 100.0, 0.0) == 0.0
+    assert skippipe.seconds_per_hop(10**12, 0.001, 0.001) == skippipe.MAX_SECONDS_PER_HOP

@@ -54,6 +54,12 @@ def test_nodes_take_stages_a_joiner_enters_at_one_iteration_everywhere_and_the_s
     # ahead, and both begin running with two nodes at the same iteration
     await_condition(lambda: iterations_with(founder, 2) and iterations_with(second, 2), 120, "an iteration of two")
     assert (stage_of(founder), stage_of(second)) == (0, 1)
+    # the second declared its link as its probes (against the founder, before training) measured it; the founder,
+    # alone when it probed, has none measured and counts latencies only
+    assert "its link not measured" in founder.log()
+    assert re.search(
+        r"serving SkipPipe stage 1 of 2 \(\d+ ms per microbatch measured, its link [\d.]+ ms a hop", second.log()
+    )
     assert iterations_with(founder, 2)[0] == iterations_with(second, 2)[0]
 
     third = start_daemon(tmp_path / "node2", initial_peers=[founder.address], env=ENV).await_ready()

@@ -254,6 +254,8 @@ class Daemon:
             data_cache_dir=state / "data-cache",
             client_mode=roles.is_client,
             auxiliary=roles.running_auxiliary,
+            upload_mbps=roles.own.upload_mbps,
+            download_mbps=roles.own.download_mbps,
             show_bar=self.config.log_format == "text" and sys.stderr.isatty(),
             num_threads=self.config.num_threads,
             device=self.device,

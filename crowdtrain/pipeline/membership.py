@@ -1,7 +1,8 @@
 """Who serves which stage of a SkipPipe run, and which nodes each iteration counts: signed records in the DHT.
 
 Declarations. A node serves one stage; it says so in a signed `SkipPipeMember` record (its stage, its measured
-seconds per microbatch on that stage, how many microbatches it holds at once) under the run's stages key, subkey
+seconds per microbatch on that stage, how many microbatches it holds at once, its link's seconds per hop from the
+bandwidth its probes measured before training, up to MAX_SECONDS_PER_HOP) under the run's stages key, subkey
 its owner marker, renewed while it runs and expiring `DECLARATION_TTL_S` after its last renewal. A joiner takes a
 stage by the rule the DMoE hosts use, fewest replicas first, here weighted by compute: the stage with the fewest
 declared replicas, ties to the one with the least compute (the sum of its replicas' microbatches per second),
@@ -35,7 +36,7 @@ from crowdtrain import proto
 from crowdtrain.dht import keys
 from crowdtrain.dht.records import RecordError, check_roster, check_stage_declaration, peer_id_of_owner
 from crowdtrain.dht.registry import read_dictionary, store_signed
-from crowdtrain.planning.skippipe import NodeInfo
+from crowdtrain.planning.skippipe import MAX_SECONDS_PER_HOP, NodeInfo
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ def member_proto(node: NodeInfo, serving: bool = False) -> proto.SkipPipeMember:
         seconds_per_microbatch=node.seconds_per_microbatch,
         memory_microbatches=node.memory_microbatches,
         serving=serving,
+        seconds_per_hop=node.seconds_per_hop if node.seconds_per_hop > 0 else None,
     )
 
 
@@ -96,12 +98,17 @@ def node_info(member: proto.SkipPipeMember, num_stages: int) -> NodeInfo:
         raise RecordError(f"a SkipPipe member serves stage {member.stage} of a run of {num_stages}")
     if not member.memory_microbatches <= 4096:
         raise RecordError(f"a SkipPipe member holds {member.memory_microbatches} microbatches, over 4096")
+    if not member.seconds_per_hop <= MAX_SECONDS_PER_HOP:  # NaN fails here too
+        raise RecordError(
+            f"a SkipPipe member's link takes {member.seconds_per_hop} s a hop, over {MAX_SECONDS_PER_HOP}"
+        )
     try:
         return NodeInfo(
             peer_id=member.peer_id,
             stage=member.stage,
             seconds_per_microbatch=member.seconds_per_microbatch,
             memory_microbatches=member.memory_microbatches,
+            seconds_per_hop=member.seconds_per_hop,
         )
     except ValueError as e:
         raise RecordError(str(e)) from None

@@ -90,6 +90,8 @@ from dataclasses import dataclass, field
 
 DEFAULT_LATENCY_S = 0.05
 """The one-way latency between two nodes with no measured one, in seconds."""
+MAX_SECONDS_PER_HOP = 600.0
+"""Cap on a node's link seconds per hop (a node that slow gets no microbatch anyway)."""
 FORWARD_SHARE = 1.0 / 3.0
 """The forward's share of a microbatch's compute at a node; the backward costs about twice as much."""
 
@@ -238,6 +240,14 @@ class _Swarm:
     replicas: dict[int, tuple[str, ...]]  # stage -> peer IDs; only stages with a live replica
     missing_stages: tuple[int, ...]
     num_visited: int
+
+
+def seconds_per_hop(payload_bytes: int, upload_mbps: float | None, download_mbps: float | None) -> float:
+    """A node's `NodeInfo.seconds_per_hop`: `payload_bytes` (one microbatch's hidden states on the wire) at the slower
+    of its upload and download, at most MAX_SECONDS_PER_HOP; 0 where either is not measured (None or not > 0)."""
+    if upload_mbps is None or download_mbps is None or not (upload_mbps > 0 and download_mbps > 0):
+        return 0.0
+    return min(8 * payload_bytes / (min(upload_mbps, download_mbps) * 1e6), MAX_SECONDS_PER_HOP)
 
 
 def num_visited_stages(num_stages: int, skip_ratio: float) -> int:

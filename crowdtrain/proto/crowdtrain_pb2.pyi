@@ -524,18 +524,20 @@ class StageHop(_message.Message):
     def __init__(self, iteration: _Optional[int] = ..., microbatch: _Optional[int] = ..., stage: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., payload: _Optional[bytes] = ..., optimizer_steps: _Optional[int] = ..., loss: _Optional[float] = ..., microbatches: _Optional[int] = ..., fingerprint: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SkipPipeMember(_message.Message):
-    __slots__ = ("peer_id", "stage", "seconds_per_microbatch", "memory_microbatches", "serving")
+    __slots__ = ("peer_id", "stage", "seconds_per_microbatch", "memory_microbatches", "serving", "seconds_per_hop")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     SECONDS_PER_MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     MEMORY_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PER_HOP_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     stage: int
     seconds_per_microbatch: float
     memory_microbatches: int
     serving: bool
-    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., seconds_per_microbatch: _Optional[float] = ..., memory_microbatches: _Optional[int] = ..., serving: _Optional[bool] = ...) -> None: ...
+    seconds_per_hop: float
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., seconds_per_microbatch: _Optional[float] = ..., memory_microbatches: _Optional[int] = ..., serving: _Optional[bool] = ..., seconds_per_hop: _Optional[float] = ...) -> None: ...
 
 class SkipPipeMembership(_message.Message):
     __slots__ = ("from_iteration", "members")

@@ -89,6 +89,10 @@ class TrainerOptions:
     """The torch device the model trains on: cpu or cuda:N."""
     auxiliary: bool = False
     """True when the plan makes this node an aggregator that computes nothing: it only helps average."""
+    upload_mbps: float | None = None
+    """This node's measured upload before training, Mbit/s (None: not measured), for the modes that weigh links."""
+    download_mbps: float | None = None
+    """This node's measured download before training, Mbit/s (None: not measured)."""
 
 
 class Trainer:
@@ -211,6 +215,8 @@ class Trainer:
             micro_batch_size=options.micro_batch_size,
             client_mode=options.client_mode,
             auxiliary=options.auxiliary,
+            upload_mbps=options.upload_mbps,
+            download_mbps=options.download_mbps,
             swarm=self._read_swarm(),
             partial_counter=new_partial_counter(),
             sampler=sampler,

@@ -59,6 +59,10 @@ class ModeContext:
     """The swarm as the node found it at start."""
     partial_counter: Synchronized
     """Counts averaging rounds rejected as partial; shared with the averager processes."""
+    upload_mbps: float | None = None
+    """This node's measured upload (its link probes before training), Mbit/s; None: not measured."""
+    download_mbps: float | None = None
+    """This node's measured download, Mbit/s; None: not measured."""
     sampler: WindowSampler | None = None
     """The node's training data, for a mode that draws more than the loop's micro-batch per call (skippipe);
     None for an auxiliary peer."""

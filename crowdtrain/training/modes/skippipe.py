@@ -1,7 +1,9 @@
 """`skippipe`: the model's layers cut into stages on different nodes; microbatches skip and reorder stages.
 
 A node takes one stage (`pipeline.membership.choose_stage`: fewest replicas first, weighted by compute), declares
-it in the DHT, and serves that stage's layers to the stage-0 nodes (`pipeline.StageService`). The run goes in
+it in the DHT with its measured compute and link (`_seconds_per_hop`: its bandwidth as the probes before training
+found it; the scheduler weighs both; a node re-probes every `bandwidth_probe_interval_s`, but its declaration keeps
+the first measurement), and serves that stage's layers to the stage-0 nodes (`pipeline.StageService`). The run goes in
 iterations, the same numbers on every node: each call of `train_micro_batch` runs one iteration on this node
 (`pipeline.SkipPipeNode`): a stage-0 node drives its microbatches along the schedule's paths (the loop's
 micro-batch is its first, the node's own data the rest), every node waits for the sources to be done, the stage's
@@ -63,8 +65,8 @@ from crowdtrain.pipeline.membership import (
     spare_for_empty_stage,
     stage_zero_gone,
 )
-from crowdtrain.pipeline.stage_service import MAX_ITERATIONS_AHEAD
-from crowdtrain.planning.skippipe import NodeInfo
+from crowdtrain.pipeline.stage_service import MAX_ITERATIONS_AHEAD, WIRE_DTYPES
+from crowdtrain.planning.skippipe import NodeInfo, seconds_per_hop
 from crowdtrain.training.modes.base import ModeContext, SwarmView, TrainingMode
 from crowdtrain.training.progress import Progress
 
@@ -163,9 +165,14 @@ class SkipPipeMode(TrainingMode):
         # sources, or for a replica's gradient), and a node whose declaration expired meanwhile would be left out
         # of the roster a spare founds again, or given up on by the leader, while it serves.
         threading.Thread(target=self._keep_declared, name="skippipe-declaration", daemon=True).start()
+        link = (
+            f"its link {self.me.seconds_per_hop * 1000:.1f} ms a hop"
+            if self.me.seconds_per_hop > 0
+            else "its link not measured"
+        )
         logger.info(
             f"serving SkipPipe stage {self.stage} of {self.spec.stages} "
-            f"({self.me.seconds_per_microbatch * 1000:.0f} ms per microbatch measured)"
+            f"({self.me.seconds_per_microbatch * 1000:.0f} ms per microbatch measured, {link})"
         )
 
     @property
@@ -471,7 +478,17 @@ class SkipPipeMode(TrainingMode):
             stage=stage,
             seconds_per_microbatch=self._measure_stage(stage),
             memory_microbatches=self._memory_microbatches(stage),
+            seconds_per_hop=self._seconds_per_hop(),
         )
+
+    def _seconds_per_hop(self) -> float:
+        """Seconds this node's link takes to send or receive one microbatch's hidden states in the run's wire dtype,
+        at the slower of its measured upload and download (probed before training); 0 where either is not measured
+        (the scheduler then counts latencies only)."""
+        config, data = self.context.manifest.model.config, self.context.manifest.data
+        values = self.context.micro_batch_size * data.sequence_length * int(config["hidden_size"])
+        payload_bytes = values * WIRE_DTYPES[self.spec.wire_dtype].itemsize
+        return seconds_per_hop(payload_bytes, self.context.upload_mbps, self.context.download_mbps)
 
     def _measure_stage(self, stage: int) -> float:
         """Seconds of one forward and backward of `stage` on a microbatch of this node's size (one warm-up)."""
