@@ -318,9 +318,10 @@ class SkipPipeSpec:
     values with a float32 scale each: a quarter of float32's bytes; what rounding leaves out of a replica's gradient
     is added to its next one). Not float16: a gradient's small values would underflow without a scale."""
     overlap_exchange: bool = False
-    """Whether the replicas' gradient exchange runs during the next iteration instead of between the two: each
-    iteration then steps on the replicas' summed gradient of the iteration before (one iteration stale), and the
-    exchange leaves the iteration's critical path (on home links it was a third of a SkipPipe iteration)."""
+    """Whether the replicas' gradient exchange runs during the next iteration instead of between the two, leaving
+    the iteration's critical path (on home links it was a third of a SkipPipe iteration). The replicas' true state
+    still takes every iteration's exact sum, one iteration later; meanwhile each replica computes on that state
+    stepped by its own share of the gradient (a look-ahead, crowdtrain/pipeline/iteration.py)."""
 
     def __post_init__(self) -> None:
         if not 2 <= self.stages <= MAX_SKIPPIPE_STAGES:

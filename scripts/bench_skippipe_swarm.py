@@ -32,10 +32,14 @@ on loopback. Arms, one after the other, same data:
     one-process-full  the full pipeline's routes in one process (every core): what `swarm-full` must train like
                   (a standard pipeline is gradient accumulation over the microbatches through every layer)
     swarm-float32 `swarm` with the replicas' gradients exchanged in float32 (twice the bytes)
-    swarm-overlap `swarm` with the exchange overlapped (`overlap_exchange`): each iteration steps on the replicas'
-                  gradient of the iteration before, exchanged while this one ran
-    one-process-stale  one process (every core) stepping, as swarm-overlap does, on the iteration before's
-                  gradient: what the stale step alone does to the loss, without any network
+    swarm-overlap `swarm` with the exchange overlapped (`overlap_exchange`): the replicas' sum of each iteration
+                  is exchanged during the next, the true state steps on it at that one's end, and each node
+                  computes on a look-ahead (the true state stepped on its own gradient); `swarm-full-overlap` the
+                  full pipeline so
+    one-process-eager  one process (every core) doing what swarm-overlap does: each replica's look-ahead, the
+                  true state stepping on the iteration before's sum; the overlap's effect on the loss, no network
+    one-process-stale  one process (every core) stepping on the iteration before's gradient, as overlap_exchange
+                  did before the look-ahead: what the stale step alone does to the loss
     swarm-int8, swarm-full-int8  `swarm` and `swarm-full` with the replicas' gradients exchanged as int8 blocks
                   with error feedback (a quarter of float32's bytes)
     one-process-int8  one process (every core) stepping on each stage's gradient rounded to int8 blocks with
@@ -65,7 +69,9 @@ node. The swarm's ratio is taken against the faster of the two one-process arms.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
@@ -151,7 +157,9 @@ ARMS = (
     "swarm-full",
     "swarm-float32",
     "swarm-overlap",
+    "swarm-full-overlap",
     "one-process-stale",
+    "one-process-eager",
     "swarm-int8",
     "swarm-full-int8",
     "one-process-int8",
@@ -259,6 +267,7 @@ def one_process(
     stale: bool = False,
     int8: bool = False,
     full: bool = False,
+    eager: bool = False,
 ) -> dict[str, Any]:
     """The swarm's routes (the schedule over its 8 peer IDs, `identities`) in one process, torch on `threads` threads;
     `stale`: each iteration steps on the gradient of the iteration before (none at the first), as overlap_exchange;
@@ -274,6 +283,8 @@ def one_process(
     unsent: list[torch.Tensor | None] = [None] * NUM_STAGES
     iteration_s, losses, curve = [], [], Curve()
     curve.add(0, 0.0, held_out_loss(staged, data, staged.full_path))
+    if eager:
+        return _one_process_eager(args, data, nodes, staged, optimizers, curve, threads)
     for iteration in range(args.iterations):
         began = time.perf_counter()
         problem = _problem(args, nodes, iteration, skip_ratio=0.0 if full else SKIP_RATIO)
@@ -305,6 +316,132 @@ def one_process(
     )
     torch.set_num_threads(1)
     return {**result, "torch_threads": threads}
+
+
+def _one_process_eager(
+    args: argparse.Namespace,
+    data: Data,
+    nodes: Sequence[NodeInfo],
+    staged: StagedModel,
+    optimizers: Sequence[torch.optim.Optimizer],
+    curve: Curve,
+    threads: int,
+) -> dict[str, Any]:
+    """`one_process` with overlap_exchange as the nodes do it: each microbatch's stage runs on the look-ahead of the
+    replica its route took there (the true state stepped on that replica's own gradient of the iteration before,
+    scaled to the stage's microbatches over its own), and at the end of each iteration the true state steps on the
+    replicas' sum of the iteration before. Evaluated on the true state with the pending sum's step taken."""
+    index_of = {node.peer_id: index for index, node in enumerate(nodes)}
+    params = [staged.stage_parameters(stage) for stage in range(NUM_STAGES)]
+    ahead: dict[tuple[int, int], list[torch.Tensor]] = {}  # (stage, replica) -> the parameters it computes on
+    pending: list[list[torch.Tensor]] | None = None
+    iteration_s, losses = [], []
+    for iteration in range(args.iterations):
+        began = time.perf_counter()
+        true = [[p.detach().clone() for p in params[stage]] for stage in range(NUM_STAGES)]
+        schedule = schedule_microbatches(_problem(args, nodes, iteration))
+        routes = [
+            (
+                route.microbatch,
+                [(s, index_of[peer] % REPLICAS) for s, peer in zip(route.stages, route.path, strict=True)],
+            )
+            for route in schedule.routes
+        ]
+        grads, counts, iteration_losses = _replicas_gradients(staged, data, iteration, routes, ahead, true)
+        ahead = {}
+        for stage, optimizer in enumerate(optimizers):
+            _copy_into(params[stage], true[stage])
+            if pending is not None:
+                _step_on(optimizer, params[stage], pending[stage])
+            mine = {replica: (g, counts[(stage, replica)]) for (at, replica), g in grads.items() if at == stage}
+            for replica, looked in _look_aheads(optimizer, params[stage], mine).items():
+                ahead[(stage, replica)] = looked
+        pending = [
+            [sum(parts) for parts in zip(*[g for (at, _), g in grads.items() if at == stage], strict=True)]
+            or [torch.zeros_like(p) for p in params[stage]]
+            for stage in range(NUM_STAGES)
+        ]
+        iteration_s.append(time.perf_counter() - began)
+        losses.append(statistics.fmean(iteration_losses))
+        if evaluated(args, iteration + 1):
+            copied, copied_optimizers = copy.deepcopy((staged, optimizers))
+            for stage, optimizer in enumerate(copied_optimizers):
+                _step_on(optimizer, copied.stage_parameters(stage), [g.clone() for g in pending[stage]])
+            curve.add(iteration + 1, sum(iteration_s), held_out_loss(copied, data, copied.full_path))
+    for stage, optimizer in enumerate(optimizers):  # the last sum's step: the state the replicas end with
+        _step_on(optimizer, params[stage], pending[stage] if pending else [torch.zeros_like(p) for p in params[stage]])
+    result = {"iteration_s": iteration_s, "train_loss": losses, "held_out_loss": curve.held_out_loss[-1]}
+    result.update(
+        curve=dataclasses.asdict(curve), removed=[dataclasses.asdict(r) for r in removed_stages(staged, data)]
+    )
+    torch.set_num_threads(1)
+    return {**result, "torch_threads": threads}
+
+
+def _replicas_gradients(
+    staged: StagedModel,
+    data: Data,
+    iteration: int,
+    routes: Sequence[tuple[int, list[tuple[int, int]]]],
+    ahead: dict[tuple[int, int], list[torch.Tensor]],
+    true: list[list[torch.Tensor]],
+) -> tuple[dict[tuple[int, int], list[torch.Tensor]], collections.Counter[tuple[int, int]], list[float]]:
+    """Each microbatch (`routes`: microbatch, [(stage, replica)]) through the look-aheads of the replicas its route
+    takes (`ahead`, else the `true` state): (each (stage, replica)'s gradient, its microbatches, the losses)."""
+    grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+    counts: collections.Counter[tuple[int, int]] = collections.Counter()
+    losses = []
+    for microbatch, visited in routes:
+        for stage, replica in visited:
+            _copy_into(staged.stage_parameters(stage), ahead.get((stage, replica), true[stage]))
+            counts[(stage, replica)] += 1
+        loss = staged.loss(data.batch(iteration, microbatch), [stage for stage, _ in visited])
+        (loss / len(routes)).backward()
+        losses.append(float(loss.detach()))
+        for stage, replica in visited:
+            parameters = staged.stage_parameters(stage)
+            mine = grads.setdefault((stage, replica), [torch.zeros_like(p) for p in parameters])
+            for total, p in zip(mine, parameters, strict=True):
+                if p.grad is not None:
+                    total += p.grad
+                p.grad = None
+    return grads, counts, losses
+
+
+def _look_aheads(
+    optimizer: torch.optim.Optimizer,
+    parameters: Sequence[torch.nn.Parameter],
+    own: dict[int, tuple[list[torch.Tensor], int]],
+) -> dict[int, list[torch.Tensor]]:
+    """Each replica's look-ahead from the stage's true state (its parameters now): a step on its own gradient times
+    the stage's microbatches over its own (`own`: replica -> (gradient, microbatches)), AdamW's state kept."""
+    true = [p.detach().clone() for p in parameters]
+    visits = sum(count for _, count in own.values())
+    ahead = {}
+    for replica, (gradient, count) in own.items():
+        kept = copy.deepcopy(optimizer.state_dict())
+        _step_on(optimizer, parameters, [g * (visits / count) for g in gradient])
+        ahead[replica] = [p.detach().clone() for p in parameters]
+        optimizer.load_state_dict(kept)
+        _copy_into(parameters, true)
+    return ahead
+
+
+def _copy_into(parameters: Sequence[torch.nn.Parameter], values: Sequence[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for parameter, value in zip(parameters, values, strict=True):
+            parameter.copy_(value)
+
+
+def _step_on(
+    optimizer: torch.optim.Optimizer, parameters: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor]
+) -> None:
+    """Clip `grads` to 1 as the nodes do, and step."""
+    for parameter, gradient in zip(parameters, grads, strict=True):
+        parameter.grad = gradient
+    torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
 
 
 def round_to_int8(staged: StagedModel, unsent: list[torch.Tensor | None]) -> None:
@@ -484,7 +621,7 @@ def swarm_arm(
                            str(args.microbatches), "--micro-batch-size", str(args.micro_batch_size),
                            "--memory", str(args.memory), "--skip-ratio", str(skip_ratio), "--scheduler", scheduler,
                            "--slowdown", str(args.slowdown), "--eval-every", str(args.eval_every),
-                           "--gradient-dtype", gradient_dtype, *(["--overlap"] if arm == "swarm-overlap" else []),
+                           "--gradient-dtype", gradient_dtype, *(["--overlap"] if arm.endswith("overlap") else []),
                            "--learning-rate", str(args.learning_rate), "--identity", str(args.identities[index]),
                            "--host", hosts[index].address if hosts else "127.0.0.1"]  # fmt: skip
                 log = (folder / f"node{index}.log").open("w")
@@ -714,6 +851,7 @@ def main() -> int:
                     seconds,
                     os.cpu_count() or 1,
                     stale=arm.endswith("stale"),
+                    eager=arm.endswith("eager"),
                     int8=arm.endswith("int8"),
                     full=arm.endswith("full"),
                 )

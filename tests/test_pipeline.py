@@ -4,6 +4,7 @@ hop goes to another replica or is skipped, and every hostile hop is refused with
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 import typing
 from collections.abc import Iterator, Sequence
@@ -591,39 +592,79 @@ def assert_a_joiner_steps_as_the_replica_it_joined(
         joiner_dht.shutdown()
 
 
-def one_process_stepping_a_stale_gradient(
+def one_process_looking_ahead(
     reports: dict[int, list[IterationReport]], data: list[torch.Tensor], num_microbatches: int
-) -> StagedModel:
-    """The model after one process runs the source's routes of each iteration and steps each stage, at the end of
-    iteration t, on its accumulated gradient of iteration t - 1 (overlap_exchange)."""
+) -> tuple[StagedModel, dict[tuple[int, str], list[torch.Tensor]]]:
+    """One process running the source's routes of each iteration with overlap_exchange: each microbatch's stage
+    runs on the parameters of the node its route took there (that node's look-ahead, or the true state); at the end
+    of iteration t each stage's true state steps on the summed gradient of t - 1, and each node's look-ahead is the
+    true state stepped on its own gradient of t, times the stage's microbatches over its own, AdamW's moments kept
+    as they were. (The true model, the look-ahead of each (stage, node) that has one.)"""
     reference = StagedModel(model(), NUM_STAGES)
-    optimizers = {stage: torch.optim.AdamW(reference.stage_parameters(stage), lr=1e-2) for stage in range(NUM_STAGES)}
+    params = {stage: reference.stage_parameters(stage) for stage in range(NUM_STAGES)}
+    optimizers = {stage: torch.optim.AdamW(params[stage], lr=1e-2) for stage in range(NUM_STAGES)}
+    true = {stage: [p.detach().clone() for p in params[stage]] for stage in params}
+    ahead: dict[tuple[int, str], list[torch.Tensor]] = {}
     previous: dict[int, list[torch.Tensor]] = {}
     for iteration in sorted(reports):
-        for outcome in reports[iteration][0].outcomes:
+        outcomes = reports[iteration][0].outcomes
+        grads: dict[tuple[int, str], list[torch.Tensor]] = {}
+        for outcome in outcomes:
             assert not (outcome.skipped or outcome.backward_lost or outcome.rerouted)
+            nodes = list(zip(outcome.stages, outcome.peers, strict=True))
+            for stage, peer in nodes:
+                load(params[stage], ahead.get((stage, peer), true[stage]))
             batch = data[iteration * num_microbatches + outcome.microbatch]
             (reference.loss(batch, outcome.stages) / num_microbatches).backward()
-        current = {stage: [grad_of(p) for p in reference.stage_parameters(stage)] for stage in optimizers}
+            for stage, peer in nodes:
+                mine = grads.setdefault((stage, peer), [torch.zeros_like(p) for p in params[stage]])
+                for total, p in zip(mine, params[stage], strict=True):
+                    total += grad_of(p)
+                    p.grad = None
+        ahead = {}
         for stage, optimizer in optimizers.items():
-            optimizer.zero_grad()
-            for parameter, gradient in zip(reference.stage_parameters(stage), previous.get(stage, []), strict=False):
-                parameter.grad = gradient
-            if previous:
-                torch.nn.utils.clip_grad_norm_(reference.stage_parameters(stage), 1.0)
-                optimizer.step()
-                optimizer.zero_grad()
-        previous = current
-    return reference
+            load(params[stage], true[stage])
+            if stage in previous:
+                adamw_step(optimizer, params[stage], previous[stage])
+            true[stage] = [p.detach().clone() for p in params[stage]]
+            mine = {peer: gradient for (at, peer), gradient in grads.items() if at == stage}
+            counts = {peer: sum(peer in outcome.peers for outcome in outcomes) for peer in mine}
+            for peer, gradient in mine.items():
+                kept = copy.deepcopy(optimizer.state_dict())
+                adamw_step(optimizer, params[stage], [g * (sum(counts.values()) / counts[peer]) for g in gradient])
+                ahead[(stage, peer)] = [p.detach().clone() for p in params[stage]]
+                optimizer.load_state_dict(kept)
+                load(params[stage], true[stage])
+            if mine:
+                previous[stage] = [sum(parts) for parts in zip(*mine.values(), strict=True)]
+    return reference, ahead
 
 
-def test_an_overlapped_exchange_steps_each_stage_on_the_iteration_before_and_a_joiner_steps_in_step(
+def load(parameters: Sequence[torch.nn.Parameter], values: Sequence[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for parameter, value in zip(parameters, values, strict=True):
+            parameter.copy_(value)
+
+
+def adamw_step(
+    optimizer: torch.optim.Optimizer, parameters: Sequence[torch.nn.Parameter], grads: list[torch.Tensor]
+) -> None:
+    for parameter, gradient in zip(parameters, grads, strict=True):
+        parameter.grad = gradient
+    torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_an_overlapped_exchange_steps_the_true_state_on_the_sum_before_and_computes_on_a_look_ahead(
     swarm: Swarm,
 ) -> None:
-    """With overlap_exchange, each iteration's step is on the replicas' summed gradient of the iteration before
-    (none at the first): every node's stage ends where one process ends that steps on its previous iteration's
-    accumulated gradient; stage 1's replicas hold the same bits; and a replica that joins after iteration 2 steps
-    on the others' sum of iteration 2 at its first iteration, so that all three hold the same bits after it."""
+    """With overlap_exchange, each iteration's step of a stage's true state is on the replicas' summed gradient of
+    the iteration before (none at the first), and each node computes on its look-ahead: every node's true state and
+    the parameters it computes on end where one process ends that does the same; stage 1's replicas hold the same
+    true state, bit for bit, though they compute on different look-aheads (their fingerprints are of the true
+    state: no drift repair); a replica that joins after iteration 2 computes on the true state it downloaded and
+    steps on the others' sum of iteration 2 at its first iteration, so that all three hold the same bits after it."""
     nodes = [
         NodeInfo(peer_id=swarm.peer(node), stage=stage, seconds_per_microbatch=1.0, memory_microbatches=2)
         for node, stage in enumerate(STAGE_OF_NODE)
@@ -652,19 +693,21 @@ def test_an_overlapped_exchange_steps_each_stage_on_the_iteration_before_and_a_j
         reports.update(run_iterations([*runners, joiner], [iterations - 1]))
         assert reports[iterations - 1][-1].replicas_summed == 2, "the joiner's first step: the others' sum of 2"
         assert all(report.adopted_from is None for reports_of in reports.values() for report in reports_of)
-        replicas = [stage_vector(r) for r in (runners[1], runners[2], joiner)]
+        replicas = [r._state()[2] for r in (runners[1], runners[2], joiner)]
         assert torch.equal(replicas[0], replicas[1]) and torch.equal(replicas[0], replicas[2])
+        assert not torch.equal(stage_vector(runners[1]), stage_vector(runners[2])), "each computes on its own"
     finally:
         for each in runners:
             each.close()
         joiner_service.close()
         joiner_dht.shutdown()
-    reference = one_process_stepping_a_stale_gradient(reports, data, num_microbatches)
-    for service in swarm.services:
-        for mine, theirs in zip(
-            service.staged.stage_parameters(service.stage), reference.stage_parameters(service.stage), strict=True
-        ):
-            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
+    reference, ahead = one_process_looking_ahead(reports, data, num_microbatches)
+    for runner in [*runners, joiner]:
+        stage, peer = runner.service.stage, runner.peer_id
+        truth = torch.cat([p.detach().reshape(-1) for p in reference.stage_parameters(stage)])
+        torch.testing.assert_close(runner._state()[2][: truth.numel()], truth, atol=1e-5, rtol=1e-4)
+        computes_on = torch.cat([p.reshape(-1) for p in ahead.get((stage, peer), reference.stage_parameters(stage))])
+        torch.testing.assert_close(stage_vector(runner), computes_on.detach(), atol=1e-5, rtol=1e-4)
 
 
 def test_a_stage_state_download_is_given_the_time_a_slow_home_uplink_takes() -> None:

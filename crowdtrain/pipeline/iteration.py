@@ -31,10 +31,16 @@ the swarm's nodes, seeded by the iteration), so no message carries it. An iterat
    source finished (every stage-0 node gone) trained nothing and takes no step (AdamW would still move the
    parameters on its momentum and weight decay);
    with `overlap_exchange`, steps 4 and 5 part: the node publishes its gradient of iteration t and fetches the
-   others' in the background while iteration t + 1 runs, and iteration t's step is taken on the replicas' sum
-   of iteration t - 1 (one iteration stale; none at the first iteration). A joiner, holding the state of the
-   iteration before its first, fetches the other replicas' gradients of that iteration for its first step, so it
-   steps as they do;
+   others' in the background while iteration t + 1 runs. The stage's *true* state (parameters and AdamW's
+   moments, bit-identical on every replica) takes the replicas' exact sum of iteration t - 1 at the end of
+   iteration t (none at the first). The node does not compute on that state but on a look-ahead of it
+   (`_look_ahead`, the "eager" update of overlapped DiLoCo): the true state stepped by this node's own gradient
+   of iteration t, scaled to the iteration's microbatches (its estimate of the sum still in flight), AdamW's
+   moments left as they were. Stepping on the iteration before's sum alone (the stale step this mode took before)
+   trained 8-19% worse in 20 iterations of llama-20m; the look-ahead computes each gradient near where the exact
+   step will have moved the state. A joiner, holding the true state of the iteration before its first, fetches
+   the other replicas' gradients of that iteration for its first step, so it steps as they do. The state a
+   replica serves (a joiner's download, drift repair) and the fingerprint it sends are the true state's;
 6. drift: each gradient carries a fingerprint of its replica's parameters before the step (`fingerprint`: the
    parameters at MAX_FINGERPRINT fixed positions). A replica whose fingerprint differs by more than
    DRIFT_TOLERANCE (relative; the last bits of different hardware differ by far less, a missed gradient by far
@@ -178,6 +184,12 @@ class SkipPipeNode:
         """The last iteration after whose step this node took a replica's state (drift repair)."""
         self._unsent: torch.Tensor | None = None
         """With int8 gradients: what rounding left out of the gradient this node last published (error feedback)."""
+        self._true: tuple[int, torch.Tensor] | None = None
+        """With overlap_exchange, after the first iteration: the stage's true state (AdamW's steps, parameters then
+        moments), the same on every replica, which the parameters this node computes on look ahead of."""
+        self._own: torch.Tensor | None = None
+        """With overlap_exchange: this node's gradient of the iteration as it published it (flat), for its
+        look-ahead."""
         self.service.set_state_source(self._state)
         self.peer_id = self.service.peer_id
         self.replicas = _replicas(self.nodes)
@@ -233,26 +245,42 @@ class SkipPipeNode:
 
     def _load_state(self, header: proto.StageHop, values: torch.Tensor) -> None:
         """Make `values` (parameters, first moments, second moments) this node's stage state, of `header`'s
-        iteration and optimizer steps."""
+        iteration and optimizer steps (with overlap_exchange its true state too: no look-ahead until its next step)."""
+        with self.service.model_lock:
+            self._set_state(header.optimizer_steps, values)
+            if self.overlap_exchange:
+                self._true = (header.optimizer_steps, values.clone())
+        self.last_iteration = header.iteration
+
+    def _set_state(self, steps: int, values: torch.Tensor, parameters: bool = True) -> None:
+        """Make `values` (parameters, first moments, second moments) the stage's parameters (unless `parameters` is
+        False) and AdamW's state after `steps` steps; the caller holds the model lock."""
         numel = sum(parameter.numel() for parameter in self.parameters)
         params, exp_avg, exp_avg_sq = values.split(numel)
-        with self.service.model_lock, torch.no_grad():
+        with torch.no_grad():
             offset = 0
             for parameter in self.parameters:
                 count = parameter.numel()
-                parameter.copy_(params[offset : offset + count].view_as(parameter))
+                if parameters:
+                    parameter.copy_(params[offset : offset + count].view_as(parameter))
                 self.optimizer.state[parameter] = {
-                    "step": torch.tensor(float(header.optimizer_steps)),
+                    "step": torch.tensor(float(steps)),
                     "exp_avg": exp_avg[offset : offset + count].view_as(parameter).to(parameter.device, copy=True),
                     "exp_avg_sq": exp_avg_sq[offset : offset + count]
                     .view_as(parameter)
                     .to(parameter.device, copy=True),
                 }
                 offset += count
-        self.last_iteration = header.iteration
 
     def _state(self) -> tuple[int, int, torch.Tensor]:
-        """(the last finished iteration, AdamW's steps, parameters then first then second moments), float32."""
+        """(the last finished iteration, AdamW's steps, parameters then first then second moments), float32: with
+        overlap_exchange the true state, not the look-ahead the node computes on."""
+        if self._true is not None:
+            return self.last_iteration, self._true[0], self._true[1].clone()
+        return self.last_iteration, *self._live_state()
+
+    def _live_state(self) -> tuple[int, torch.Tensor]:
+        """(AdamW's steps, the stage's parameters then first then second moments as they are now), float32."""
         parts: list[list[torch.Tensor]] = [[], [], []]
         steps = 0
         for parameter in self.parameters:
@@ -261,7 +289,7 @@ class SkipPipeNode:
             parts[0].append(parameter.detach().reshape(-1).cpu())
             for index, key in ((1, "exp_avg"), (2, "exp_avg_sq")):
                 parts[index].append(state[key].reshape(-1).cpu() if key in state else torch.zeros(parameter.numel()))
-        return self.last_iteration, steps, torch.cat([torch.cat(part) for part in parts]).float()
+        return steps, torch.cat([torch.cat(part) for part in parts]).float()
 
     def run_iteration(self, iteration: int) -> IterationReport:
         started = time.perf_counter()
@@ -315,9 +343,15 @@ class SkipPipeNode:
         counted = sum(count for _, count in losses)
         mark = time.perf_counter()
         with self.service.model_lock:
+            if self._true is not None:  # overlap_exchange: back to the true state the look-ahead started from
+                self._set_state(*self._true)
             if stepping:
                 torch.nn.utils.clip_grad_norm_(self.parameters, self.max_grad_norm)
                 self.optimizer.step()  # no source done: no microbatch came, and AdamW's momentum and decay stay put
+            if self.overlap_exchange:  # own: the microbatches of the stage's gradient whose part this node holds
+                own = sum(0 not in o.backward_lost for o in outcomes) if self.driver is not None else ran
+                visits = sum(self.service.stage in route.stages for route in schedule.routes)
+                self._look_ahead(visits / own if own else 0.0)
             self.optimizer.zero_grad(set_to_none=False)
             self.last_iteration = iteration
         phases["step"] = time.perf_counter() - mark
@@ -427,6 +461,7 @@ class SkipPipeNode:
         after the step (or None), whether to step.)"""
         replicas = tuple(self.replicas[self.service.stage])
         own, own_fingerprint = self._publish_own(iteration)
+        self._own = own
         if self._exchanger is None:
             self._exchanger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skippipe-exchange")
         suspected = frozenset(self.suspected)
@@ -447,6 +482,33 @@ class SkipPipeNode:
         reference = self._take(gathered, gathered.fingerprints.get(self.peer_id) if fingerprint_then else None)
         return len(gathered.fingerprints), reference, gathered.trained
 
+    def _true_parameters(self) -> list[torch.Tensor]:
+        """The stage's parameters of its true state (with overlap_exchange; the parameters otherwise)."""
+        if self._true is None:
+            return [parameter.detach() for parameter in self.parameters]
+        sizes = [parameter.numel() for parameter in self.parameters]
+        flat = self._true[1][: sum(sizes)]
+        return [part.view_as(p) for part, p in zip(flat.split(sizes), self.parameters, strict=True)]
+
+    def _look_ahead(self, scale: float) -> None:
+        """With overlap_exchange, right after the true step: keep the true state, then step the parameters (not
+        AdamW's state) on this node's own gradient times `scale` (the microbatches that visit the stage over those
+        this node holds the gradient of: its estimate of the replicas' sum, whose exchange runs during the next
+        iteration); 0:
+        none to estimate with, the parameters stay the true ones. The caller holds the model lock."""
+        self._true = self._live_state()
+        own, self._own = self._own, None
+        if own is None or scale <= 0:
+            return
+        offset = 0
+        for parameter in self.parameters:
+            count = parameter.numel()
+            _grad(parameter).copy_(own[offset : offset + count].view_as(parameter)).mul_(scale)
+            offset += count
+        torch.nn.utils.clip_grad_norm_(self.parameters, self.max_grad_norm)
+        self.optimizer.step()
+        self._set_state(*self._true, parameters=False)
+
     def _publish_own(self, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This replica's gradient of `iteration` (flattened, rounded to gradient_dtype: every replica sums what
         each one published, so this node's own term is its gradient as the others receive it) and the fingerprint
@@ -455,7 +517,7 @@ class SkipPipeNode:
         zero, and without it a parameter whose gradient stays that small would never move."""
         with self.service.model_lock:
             own = torch.cat([_grad(p).reshape(-1) for p in self.parameters])
-            own_fingerprint = fingerprint(self.parameters, self._positions)
+            own_fingerprint = fingerprint(self._true_parameters(), self._positions)
         if self.gradient_dtype == "int8" and self._unsent is not None:
             own += self._unsent
         sent = self.service.publish_gradient(iteration, own, own_fingerprint, self.gradient_dtype)
