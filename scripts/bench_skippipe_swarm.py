@@ -25,7 +25,7 @@ on loopback. Arms, one after the other, same data:
     swarm-prioritized  with its prioritized planning alone (no split); neither is what nodes run
     swarm-kill    the same, with one replica of stage 2 SIGKILLed (its whole session, p2pd included) after
                   iteration `--kill-at`: its microbatches are rerouted to the other replica, then left out of the
-                  schedule
+                  schedule; `swarm-kill-overlap` so with `overlap_exchange`
     swarm-random  the same k and reordering, stages and replicas drawn at random (`random_skipping`)
     swarm-full    the 8 node processes as a standard pipeline (`full_pipeline`): k = 0, every microbatch through
                   every stage in order, each stage's replicas in turn
@@ -153,6 +153,7 @@ ARMS = (
     "swarm-cbs",
     "swarm-prioritized",
     "swarm-kill",
+    "swarm-kill-overlap",
     "swarm-random",
     "swarm-full",
     "swarm-float32",
@@ -590,7 +591,7 @@ def swarm_arm(
     args: argparse.Namespace, run: RunManifest, data: Data, seconds: Sequence[float], arm: str
 ) -> dict[str, Any]:
     """One swarm arm (`ARMS`), on loopback or, with `--scenario`, each node in a WAN-lab host of its own."""
-    kill = arm == "swarm-kill"
+    kill = arm.startswith("swarm-kill")
     full = arm.startswith("swarm-full")
     skip_ratio = 0.0 if full else SKIP_RATIO
     schedulers = {

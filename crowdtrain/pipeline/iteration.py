@@ -35,7 +35,7 @@ the swarm's nodes, seeded by the iteration), so no message carries it. An iterat
    moments, bit-identical on every replica) takes the replicas' exact sum of iteration t - 1 at the end of
    iteration t (none at the first). The node does not compute on that state but on a look-ahead of it
    (`_look_ahead`, the "eager" update of overlapped DiLoCo): the true state stepped by this node's own gradient
-   of iteration t, scaled to the iteration's microbatches (its estimate of the sum still in flight), AdamW's
+   of iteration t times the stage's microbatches over its own (its estimate of the sum still in flight), AdamW's
    moments left as they were. Stepping on the iteration before's sum alone (the stale step this mode took before)
    trained 8-19% worse in 20 iterations of llama-20m; the look-ahead computes each gradient near where the exact
    step will have moved the state. A joiner, holding the true state of the iteration before its first, fetches
@@ -494,8 +494,7 @@ class SkipPipeNode:
         """With overlap_exchange, right after the true step: keep the true state, then step the parameters (not
         AdamW's state) on this node's own gradient times `scale` (the microbatches that visit the stage over those
         this node holds the gradient of: its estimate of the replicas' sum, whose exchange runs during the next
-        iteration); 0:
-        none to estimate with, the parameters stay the true ones. The caller holds the model lock."""
+        iteration); 0: none to estimate with, the parameters stay the true ones. The caller holds the model lock."""
         self._true = self._live_state()
         own, self._own = self._own, None
         if own is None or scale <= 0:
