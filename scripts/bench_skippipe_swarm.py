@@ -69,9 +69,7 @@ node. The swarm's ratio is taken against the faster of the two one-process arms.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
-import copy
 import dataclasses
 import functools
 import json
@@ -120,6 +118,7 @@ from crowdtrain.testing.bench import (
     say_plotted,
     write_json,
 )
+from crowdtrain.testing.look_ahead import LookAheadReference
 from crowdtrain.testing.processes import ProcessGroups, await_condition
 from crowdtrain.testing.wanlab import Lab, Scenario
 
@@ -328,121 +327,30 @@ def _one_process_eager(
     curve: Curve,
     threads: int,
 ) -> dict[str, Any]:
-    """`one_process` with overlap_exchange as the nodes do it: each microbatch's stage runs on the look-ahead of the
-    replica its route took there (the true state stepped on that replica's own gradient of the iteration before,
-    scaled to the stage's microbatches over its own), and at the end of each iteration the true state steps on the
-    replicas' sum of the iteration before. Evaluated on the true state with the pending sum's step taken."""
+    """`one_process` with overlap_exchange as the nodes do it (`LookAheadReference`): each microbatch's stage runs on
+    the look-ahead of the replica its route took there, and the true state steps on the replicas' sum one iteration
+    late; evaluated on the true state with the pending sum's step taken, as the nodes will hold it."""
     index_of = {node.peer_id: index for index, node in enumerate(nodes)}
-    params = [staged.stage_parameters(stage) for stage in range(NUM_STAGES)]
-    ahead: dict[tuple[int, int], list[torch.Tensor]] = {}  # (stage, replica) -> the parameters it computes on
-    pending: list[list[torch.Tensor]] | None = None
+    reference = LookAheadReference(staged, optimizers)
     iteration_s, losses = [], []
     for iteration in range(args.iterations):
         began = time.perf_counter()
-        true = [[p.detach().clone() for p in params[stage]] for stage in range(NUM_STAGES)]
-        schedule = schedule_microbatches(_problem(args, nodes, iteration))
-        routes = [
-            (
-                route.microbatch,
-                [(s, index_of[peer] % REPLICAS) for s, peer in zip(route.stages, route.path, strict=True)],
-            )
-            for route in schedule.routes
-        ]
-        grads, counts, iteration_losses = _replicas_gradients(staged, data, iteration, routes, ahead, true)
-        ahead = {}
-        for stage, optimizer in enumerate(optimizers):
-            _copy_into(params[stage], true[stage])
-            if pending is not None:
-                _step_on(optimizer, params[stage], pending[stage])
-            mine = {replica: (g, counts[(stage, replica)]) for (at, replica), g in grads.items() if at == stage}
-            for replica, looked in _look_aheads(optimizer, params[stage], mine).items():
-                ahead[(stage, replica)] = looked
-        pending = [
-            [sum(parts) for parts in zip(*[g for (at, _), g in grads.items() if at == stage], strict=True)]
-            or [torch.zeros_like(p) for p in params[stage]]
-            for stage in range(NUM_STAGES)
-        ]
+        routes = schedule_microbatches(_problem(args, nodes, iteration)).routes
+        microbatches = [
+            (data.batch(iteration, route.microbatch),
+             [(stage, index_of[peer] % REPLICAS) for stage, peer in zip(route.stages, route.path, strict=True)])
+            for route in routes
+        ]  # fmt: skip
+        losses.append(statistics.fmean(reference.iteration(microbatches, scale=1.0 / len(routes))))
         iteration_s.append(time.perf_counter() - began)
-        losses.append(statistics.fmean(iteration_losses))
         if evaluated(args, iteration + 1):
-            copied, copied_optimizers = copy.deepcopy((staged, optimizers))
-            for stage, optimizer in enumerate(copied_optimizers):
-                _step_on(optimizer, copied.stage_parameters(stage), [g.clone() for g in pending[stage]])
-            curve.add(iteration + 1, sum(iteration_s), held_out_loss(copied, data, copied.full_path))
-    for stage, optimizer in enumerate(optimizers):  # the last sum's step: the state the replicas end with
-        _step_on(optimizer, params[stage], pending[stage] if pending else [torch.zeros_like(p) for p in params[stage]])
+            stepped = reference.stepped()
+            curve.add(iteration + 1, sum(iteration_s), held_out_loss(stepped, data, stepped.full_path))
+    final = reference.stepped()  # the state the replicas end with
     result = {"iteration_s": iteration_s, "train_loss": losses, "held_out_loss": curve.held_out_loss[-1]}
-    result.update(
-        curve=dataclasses.asdict(curve), removed=[dataclasses.asdict(r) for r in removed_stages(staged, data)]
-    )
+    result.update(curve=dataclasses.asdict(curve), removed=[dataclasses.asdict(r) for r in removed_stages(final, data)])
     torch.set_num_threads(1)
     return {**result, "torch_threads": threads}
-
-
-def _replicas_gradients(
-    staged: StagedModel,
-    data: Data,
-    iteration: int,
-    routes: Sequence[tuple[int, list[tuple[int, int]]]],
-    ahead: dict[tuple[int, int], list[torch.Tensor]],
-    true: list[list[torch.Tensor]],
-) -> tuple[dict[tuple[int, int], list[torch.Tensor]], collections.Counter[tuple[int, int]], list[float]]:
-    """Each microbatch (`routes`: microbatch, [(stage, replica)]) through the look-aheads of the replicas its route
-    takes (`ahead`, else the `true` state): (each (stage, replica)'s gradient, its microbatches, the losses)."""
-    grads: dict[tuple[int, int], list[torch.Tensor]] = {}
-    counts: collections.Counter[tuple[int, int]] = collections.Counter()
-    losses = []
-    for microbatch, visited in routes:
-        for stage, replica in visited:
-            _copy_into(staged.stage_parameters(stage), ahead.get((stage, replica), true[stage]))
-            counts[(stage, replica)] += 1
-        loss = staged.loss(data.batch(iteration, microbatch), [stage for stage, _ in visited])
-        (loss / len(routes)).backward()
-        losses.append(float(loss.detach()))
-        for stage, replica in visited:
-            parameters = staged.stage_parameters(stage)
-            mine = grads.setdefault((stage, replica), [torch.zeros_like(p) for p in parameters])
-            for total, p in zip(mine, parameters, strict=True):
-                if p.grad is not None:
-                    total += p.grad
-                p.grad = None
-    return grads, counts, losses
-
-
-def _look_aheads(
-    optimizer: torch.optim.Optimizer,
-    parameters: Sequence[torch.nn.Parameter],
-    own: dict[int, tuple[list[torch.Tensor], int]],
-) -> dict[int, list[torch.Tensor]]:
-    """Each replica's look-ahead from the stage's true state (its parameters now): a step on its own gradient times
-    the stage's microbatches over its own (`own`: replica -> (gradient, microbatches)), AdamW's state kept."""
-    true = [p.detach().clone() for p in parameters]
-    visits = sum(count for _, count in own.values())
-    ahead = {}
-    for replica, (gradient, count) in own.items():
-        kept = copy.deepcopy(optimizer.state_dict())
-        _step_on(optimizer, parameters, [g * (visits / count) for g in gradient])
-        ahead[replica] = [p.detach().clone() for p in parameters]
-        optimizer.load_state_dict(kept)
-        _copy_into(parameters, true)
-    return ahead
-
-
-def _copy_into(parameters: Sequence[torch.nn.Parameter], values: Sequence[torch.Tensor]) -> None:
-    with torch.no_grad():
-        for parameter, value in zip(parameters, values, strict=True):
-            parameter.copy_(value)
-
-
-def _step_on(
-    optimizer: torch.optim.Optimizer, parameters: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor]
-) -> None:
-    """Clip `grads` to 1 as the nodes do, and step."""
-    for parameter, gradient in zip(parameters, grads, strict=True):
-        parameter.grad = gradient
-    torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-    optimizer.step()
-    optimizer.zero_grad()
 
 
 def round_to_int8(staged: StagedModel, unsent: list[torch.Tensor | None]) -> None:

@@ -4,7 +4,6 @@ hop goes to another replica or is skipped, and every hostile hop is refused with
 from __future__ import annotations
 
 import asyncio
-import copy
 import threading
 import typing
 from collections.abc import Iterator, Sequence
@@ -34,6 +33,7 @@ from crowdtrain.pipeline.iteration import (
 )
 from crowdtrain.pipeline.stage_service import CHUNK_BYTES, MAX_GRADIENT_WAITS, NAMESPACE
 from crowdtrain.planning.skippipe import NodeInfo, Route, Schedule, SkipPipeProblem, schedule_microbatches
+from crowdtrain.testing.look_ahead import LookAheadReference
 
 NUM_STAGES = 4
 HIDDEN = 32
@@ -594,66 +594,20 @@ def assert_a_joiner_steps_as_the_replica_it_joined(
 
 def one_process_looking_ahead(
     reports: dict[int, list[IterationReport]], data: list[torch.Tensor], num_microbatches: int
-) -> tuple[StagedModel, dict[tuple[int, str], list[torch.Tensor]]]:
-    """One process running the source's routes of each iteration with overlap_exchange: each microbatch's stage
-    runs on the parameters of the node its route took there (that node's look-ahead, or the true state); at the end
-    of iteration t each stage's true state steps on the summed gradient of t - 1, and each node's look-ahead is the
-    true state stepped on its own gradient of t, times the stage's microbatches over its own, AdamW's moments kept
-    as they were. (The true model, the look-ahead of each (stage, node) that has one.)"""
+) -> LookAheadReference:
+    """One process running the source's routes of each iteration with overlap_exchange (`LookAheadReference`), each
+    microbatch's stage on the parameters of the node its route took there."""
     reference = StagedModel(model(), NUM_STAGES)
-    params = {stage: reference.stage_parameters(stage) for stage in range(NUM_STAGES)}
-    optimizers = {stage: torch.optim.AdamW(params[stage], lr=1e-2) for stage in range(NUM_STAGES)}
-    true = {stage: [p.detach().clone() for p in params[stage]] for stage in params}
-    ahead: dict[tuple[int, str], list[torch.Tensor]] = {}
-    previous: dict[int, list[torch.Tensor]] = {}
+    optimizers = [torch.optim.AdamW(reference.stage_parameters(stage), lr=1e-2) for stage in range(NUM_STAGES)]
+    looking = LookAheadReference(reference, optimizers)
     for iteration in sorted(reports):
-        outcomes = reports[iteration][0].outcomes
-        grads: dict[tuple[int, str], list[torch.Tensor]] = {}
-        for outcome in outcomes:
+        microbatches = []
+        for outcome in reports[iteration][0].outcomes:
             assert not (outcome.skipped or outcome.backward_lost or outcome.rerouted)
-            nodes = list(zip(outcome.stages, outcome.peers, strict=True))
-            for stage, peer in nodes:
-                load(params[stage], ahead.get((stage, peer), true[stage]))
             batch = data[iteration * num_microbatches + outcome.microbatch]
-            (reference.loss(batch, outcome.stages) / num_microbatches).backward()
-            for stage, peer in nodes:
-                mine = grads.setdefault((stage, peer), [torch.zeros_like(p) for p in params[stage]])
-                for total, p in zip(mine, params[stage], strict=True):
-                    total += grad_of(p)
-                    p.grad = None
-        ahead = {}
-        for stage, optimizer in optimizers.items():
-            load(params[stage], true[stage])
-            if stage in previous:
-                adamw_step(optimizer, params[stage], previous[stage])
-            true[stage] = [p.detach().clone() for p in params[stage]]
-            mine = {peer: gradient for (at, peer), gradient in grads.items() if at == stage}
-            counts = {peer: sum(peer in outcome.peers for outcome in outcomes) for peer in mine}
-            for peer, gradient in mine.items():
-                kept = copy.deepcopy(optimizer.state_dict())
-                adamw_step(optimizer, params[stage], [g * (sum(counts.values()) / counts[peer]) for g in gradient])
-                ahead[(stage, peer)] = [p.detach().clone() for p in params[stage]]
-                optimizer.load_state_dict(kept)
-                load(params[stage], true[stage])
-            if mine:
-                previous[stage] = [sum(parts) for parts in zip(*mine.values(), strict=True)]
-    return reference, ahead
-
-
-def load(parameters: Sequence[torch.nn.Parameter], values: Sequence[torch.Tensor]) -> None:
-    with torch.no_grad():
-        for parameter, value in zip(parameters, values, strict=True):
-            parameter.copy_(value)
-
-
-def adamw_step(
-    optimizer: torch.optim.Optimizer, parameters: Sequence[torch.nn.Parameter], grads: list[torch.Tensor]
-) -> None:
-    for parameter, gradient in zip(parameters, grads, strict=True):
-        parameter.grad = gradient
-    torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-    optimizer.step()
-    optimizer.zero_grad()
+            microbatches.append((batch, list(zip(outcome.stages, outcome.peers, strict=True))))
+        looking.iteration(microbatches, scale=1.0 / num_microbatches)
+    return looking
 
 
 def test_an_overlapped_exchange_steps_the_true_state_on_the_sum_before_and_computes_on_a_look_ahead(
@@ -701,13 +655,14 @@ def test_an_overlapped_exchange_steps_the_true_state_on_the_sum_before_and_compu
             each.close()
         joiner_service.close()
         joiner_dht.shutdown()
-    reference, ahead = one_process_looking_ahead(reports, data, num_microbatches)
+    reference = one_process_looking_ahead(reports, data, num_microbatches)
     for runner in [*runners, joiner]:
         stage, peer = runner.service.stage, runner.peer_id
-        truth = torch.cat([p.detach().reshape(-1) for p in reference.stage_parameters(stage)])
+        true = reference.staged.stage_parameters(stage)
+        truth = torch.cat([p.detach().reshape(-1) for p in true])
         torch.testing.assert_close(runner._state()[2][: truth.numel()], truth, atol=1e-5, rtol=1e-4)
-        computes_on = torch.cat([p.reshape(-1) for p in ahead.get((stage, peer), reference.stage_parameters(stage))])
-        torch.testing.assert_close(stage_vector(runner), computes_on.detach(), atol=1e-5, rtol=1e-4)
+        computes_on = torch.cat([p.detach().reshape(-1) for p in reference.ahead.get((stage, peer), true)])
+        torch.testing.assert_close(stage_vector(runner), computes_on, atol=1e-5, rtol=1e-4)
 
 
 def test_a_stage_state_download_is_given_the_time_a_slow_home_uplink_takes() -> None:
