@@ -62,8 +62,13 @@ On this 2-core machine 8 processes (and their 8 p2pd) share two cores, so the sw
 measure the protocol's overhead under contention, not a pipeline's speed-up: that needs a core (or a machine) per
 node. The swarm's ratio is taken against the faster of the two one-process arms.
 
+With `--draws N` the swarm arms run N times, each with new identities (the first with the one-process arms): a
+node's peer ID decides ties in the schedule, the order of a reordered path and which replicas the full pipeline
+pairs, so one draw's ratio between two arms is one sample (two runs of `swarm-overlap` against `swarm-full` gave
+-42.8% and -24.5%); the table at the end gives each draw's seconds per iteration and the median ratio.
+
     python scripts/bench_skippipe_swarm.py [--model demo|llama-20m] [--iterations 30] [--kill-at 10]
-        [--scenario scripts/scenarios/skippipe.toml] [--arms ...]
+        [--scenario scripts/scenarios/skippipe.toml] [--arms ...] [--draws 1]
 """
 
 from __future__ import annotations
@@ -388,6 +393,7 @@ def identities(folder: Path, count: int) -> tuple[list[Path], list[str]]:
     one-process arms schedule over the same peer IDs. The schedule breaks ties and orders reordered paths by peer
     ID, so over stand-in names about half of the runs trained the swarm on other stage orders than one process
     (the held-out loss 8% apart after 5 iterations, equal again by 10, in three runs before this)."""
+    folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"identity{index}.key" for index in range(count)]
     for path in paths:
         P2P.generate_identity(str(path))
@@ -567,7 +573,7 @@ def swarm_arm(
             removed = removed_stages(staged, data)
         finally:
             groups.kill_all()
-            _keep_logs(folder, args.out / "logs" / arm)
+            _keep_logs(folder, args.out / "logs" / (f"draw{args.draw}" if args.draw else "") / arm)
     return _swarm_json(reports, wall_s, evaluations, removed, victim if kill else None)
 
 
@@ -695,6 +701,60 @@ def show(args: argparse.Namespace, results: dict[str, Any]) -> None:
                         [[node, *phases.values()] for node, phases in result["phase_s"].items()])  # fmt: skip
 
 
+def _more_draws(
+    args: argparse.Namespace, run: RunManifest, data: Data, seconds: Sequence[float], cache: Path
+) -> list[dict[str, Any]]:
+    """The swarm arms again with new identities, `--draws` - 1 times: each draw's `_draw_summary`."""
+    draws = []
+    for draw in range(1, args.draws):
+        args.draw = draw
+        args.identities, args.peer_ids = identities(cache / f"draw{draw}", NUM_STAGES * REPLICAS)
+        again = {}
+        for arm in (arm for arm in args.arms if arm.startswith("swarm")):
+            say(f"arm {arm}, identity draw {draw + 1} of {args.draws}")
+            again[arm] = swarm_arm(args, run, data, seconds, arm)
+        draws.append(_draw_summary(args.peer_ids, again))
+    return draws
+
+
+def _draw_summary(peer_ids: Sequence[str], arms: dict[str, Any]) -> dict[str, Any]:
+    """One identity draw's swarm arms: median seconds per iteration (after the first two), wall time, held-out loss."""
+    return {
+        "peer_ids": list(peer_ids),
+        "arms": {
+            arm: {
+                "s_per_iteration": statistics.median(result["iteration_s"][2:]),
+                "wall_s": result["wall_s"],
+                "held_out_loss": result["held_out_loss"],
+            }
+            for arm, result in arms.items()
+            if arm.startswith("swarm")
+        },
+    }
+
+
+def show_draws(results: dict[str, Any]) -> None:
+    """Seconds per iteration of every swarm arm in each identity draw, and the first arm's against the others'."""
+    draws = results["draws"]
+    names = list(draws[0]["arms"])
+    first, others = names[0], names[1:]
+    rows = []
+    for index, draw in enumerate(draws):
+        seconds = {arm: draw["arms"][arm]["s_per_iteration"] for arm in names}
+        rows.append([index + 1, *(seconds[arm] for arm in names),
+                     *(f"{seconds[first] / seconds[arm] - 1:+.1%}" for arm in others)])  # fmt: skip
+    ratios = {arm: [d["arms"][first]["s_per_iteration"] / d["arms"][arm]["s_per_iteration"] - 1 for d in draws]
+              for arm in others}  # fmt: skip
+    rows.append(["median", *(statistics.median(d["arms"][arm]["s_per_iteration"] for d in draws) for arm in names),
+                 *(f"{statistics.median(ratios[arm]):+.1%}" for arm in others)])  # fmt: skip
+    print_table(
+        f"seconds per iteration (median after the first two) over {len(draws)} draws of the 8 nodes' identities "
+        "(each draw: other peer IDs, so other routes and pairings)",
+        ["draw", *names, *(f"{first} vs {arm}" for arm in others)],
+        rows,
+    )
+
+
 def main() -> int:
     parser = bench_parser(__doc__)
     parser.add_argument("--model", choices=("demo", "llama-20m"), default="demo")
@@ -723,6 +783,13 @@ def main() -> int:
     parser.add_argument(
         "--learning-rate", type=float, default=LEARNING_RATE, help=f"AdamW's (default {LEARNING_RATE:g})"
     )
+    parser.add_argument(
+        "--draws",
+        type=int,
+        default=1,
+        help="run the swarm arms again with this many draws of the nodes' identities in all (1): each draw has "
+        "other peer IDs, so other routes and pairings; prints each draw's iteration times and the first arm's ratio",
+    )
     parser.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)  # a node's overlap_exchange
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)  # a node's address
     parser.add_argument("--node", action="store_true", help=argparse.SUPPRESS)
@@ -734,6 +801,9 @@ def main() -> int:
         return node_main(args)
     if args.iterations < 3:
         parser.error("--iterations must be at least 3: the median iteration leaves out the first two")
+    if args.draws < 1:
+        parser.error("--draws must be at least 1")
+    args.draw = 0
     torch.set_num_threads(1)
     run = bench_run(args.model)
     environment = environment_json(quick=False)
@@ -766,6 +836,7 @@ def main() -> int:
                 )
             else:
                 arms[arm] = swarm_arm(args, run, data, seconds, arm)
+        draws = [_draw_summary(args.peer_ids, arms), *_more_draws(args, run, data, seconds, Path(cache))]
     parameters = sum(p.numel() for p in staged_model(run).model.parameters())
     results = {
         "environment": {**environment, "load_average_at_end": os.getloadavg()},
@@ -775,12 +846,15 @@ def main() -> int:
         "arguments": {
             key: str(value) if isinstance(value, Path) else value
             for key, value in vars(args).items()
-            if key not in ("node", "folder", "index", "out", "host", "identity", "identities", "peer_ids")
+            if key not in ("node", "folder", "index", "out", "host", "identity", "identities", "peer_ids", "draw")
         },
         "scenario": Scenario.load(args.scenario).name if args.scenario else None,
         "arms": arms,
+        "draws": draws,
     }
     show(args, results)
+    if args.draws > 1:
+        show_draws(results)
     write_json(args.out / "skippipe_swarm.json", results)
     say_plotted(args.out, "skippipe_swarm", plot_results, results)
     return 0
