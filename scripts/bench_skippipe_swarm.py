@@ -34,8 +34,10 @@ on loopback. Arms, one after the other, same data:
     swarm-float32 `swarm` with the replicas' gradients exchanged in float32 (twice the bytes)
     swarm-overlap `swarm` with the exchange overlapped (`overlap_exchange`): the replicas' sum of each iteration
                   is exchanged during the next, the true state steps on it at that one's end, and each node
-                  computes on a look-ahead (the true state stepped on its own gradient); `swarm-full-overlap` the
-                  full pipeline so
+                  computes on a look-ahead (the true state stepped on its own gradient); in the WAN lab the
+                  exchange is paced to half of each node's link (`BACKGROUND_SHARE`); `swarm-overlap-unpaced` the
+                  same with no node's link known (the exchange at full speed); `swarm-full-overlap` the full
+                  pipeline so
     one-process-eager  one process (every core) doing what swarm-overlap does: each replica's look-ahead, the
                   true state stepping on the iteration before's sum; the overlap's effect on the loss, no network
     one-process-stale  one process (every core) stepping on the iteration before's gradient, as overlap_exchange
@@ -102,6 +104,7 @@ from crowdtrain.models.stages import StagedModel
 from crowdtrain.node.logs import setup_logging
 from crowdtrain.pipeline import HopLimits, StageService
 from crowdtrain.pipeline.iteration import IterationReport, SkipPipeNode
+from crowdtrain.planning.plan import BYTES_PER_MEGABIT
 from crowdtrain.planning.skippipe import (
     NodeInfo,
     Schedule,
@@ -162,6 +165,7 @@ ARMS = (
     "swarm-full",
     "swarm-float32",
     "swarm-overlap",
+    "swarm-overlap-unpaced",
     "swarm-full-overlap",
     "one-process-stale",
     "one-process-eager",
@@ -449,6 +453,8 @@ def node_main(args: argparse.Namespace) -> int:
             optimizer=torch.optim.AdamW(staged.stage_parameters(stage), lr=args.learning_rate), batch=data.batch,
             in_flight=args.memory, hop_timeout_s=60.0, done_timeout_s=300.0, exchange_timeout_s=60.0,
             gradient_dtype=args.gradient_dtype, overlap_exchange=args.overlap,
+            upload_bytes_per_s=args.upload_mbps and args.upload_mbps * BYTES_PER_MEGABIT,
+            download_bytes_per_s=args.download_mbps and args.download_mbps * BYTES_PER_MEGABIT,
         )  # fmt: skip
         with (folder / f"node{index}.jsonl").open("a") as log:
             for iteration in range(args.iterations):
@@ -536,9 +542,11 @@ def swarm_arm(
                            str(args.microbatches), "--micro-batch-size", str(args.micro_batch_size),
                            "--memory", str(args.memory), "--skip-ratio", str(skip_ratio), "--scheduler", scheduler,
                            "--slowdown", str(args.slowdown), "--eval-every", str(args.eval_every),
-                           "--gradient-dtype", gradient_dtype, *(["--overlap"] if arm.endswith("overlap") else []),
+                           "--gradient-dtype", gradient_dtype, *(["--overlap"] if "overlap" in arm else []),
                            "--learning-rate", str(args.learning_rate), "--identity", str(args.identities[index]),
-                           "--host", hosts[index].address if hosts else "127.0.0.1"]  # fmt: skip
+                           "--host", hosts[index].address if hosts else "127.0.0.1",
+                           *(["--upload-mbps", str(hosts[index].upload_mbps), "--download-mbps",
+                              str(hosts[index].download_mbps)] if hosts and "unpaced" not in arm else [])]  # fmt: skip
                 log = (folder / f"node{index}.log").open("w")
                 processes.append(groups.start(command, stdout=log, stderr=log))
                 if index == 0:
@@ -792,6 +800,8 @@ def main() -> int:
     )
     parser.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)  # a node's overlap_exchange
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)  # a node's address
+    parser.add_argument("--upload-mbps", type=float, help=argparse.SUPPRESS)  # a node's link, in the WAN lab
+    parser.add_argument("--download-mbps", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--node", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
@@ -846,7 +856,20 @@ def main() -> int:
         "arguments": {
             key: str(value) if isinstance(value, Path) else value
             for key, value in vars(args).items()
-            if key not in ("node", "folder", "index", "out", "host", "identity", "identities", "peer_ids", "draw")
+            if key
+            not in (
+                "node",
+                "folder",
+                "index",
+                "out",
+                "host",
+                "identity",
+                "identities",
+                "peer_ids",
+                "draw",
+                "upload_mbps",
+                "download_mbps",
+            )
         },
         "scenario": Scenario.load(args.scenario).name if args.scenario else None,
         "arms": arms,

@@ -4,7 +4,9 @@ hop goes to another replica or is skipped, and every hostile hop is refused with
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
+import time
 import typing
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -31,7 +33,14 @@ from crowdtrain.pipeline.iteration import (
     reference_replica,
     state_timeout_s,
 )
-from crowdtrain.pipeline.stage_service import CHUNK_BYTES, MAX_GRADIENT_WAITS, NAMESPACE
+from crowdtrain.pipeline.stage_service import (
+    CHUNK_BYTES,
+    MAX_GRADIENT_WAITS,
+    MAX_PACED_S,
+    NAMESPACE,
+    PACED_CHUNK_BYTES,
+    paced_rate,
+)
 from crowdtrain.planning.skippipe import NodeInfo, Route, Schedule, SkipPipeProblem, schedule_microbatches
 from crowdtrain.testing.look_ahead import LookAheadReference
 
@@ -296,9 +305,11 @@ def exact_runner(
     data: list[torch.Tensor],
     num_microbatches: int,
     overlap: bool = False,
+    link_bytes_per_s: float | None = None,
 ) -> SkipPipeNode:
     """A node of `data`'s iterations whose hops and exchange are float32, one microbatch in flight: its steps can be
-    compared with one process's."""
+    compared with one process's. `link_bytes_per_s`: its measured upload and download (paces an overlapped
+    exchange)."""
     return SkipPipeNode(
         service=service,
         nodes=nodes,
@@ -312,6 +323,8 @@ def exact_runner(
         in_flight=1,
         done_timeout_s=60.0,
         overlap_exchange=overlap,
+        upload_bytes_per_s=link_bytes_per_s,
+        download_bytes_per_s=link_bytes_per_s,
     )
 
 
@@ -532,6 +545,37 @@ def test_a_request_for_a_gradient_not_yet_published_is_held_until_it_is_and_only
     asyncio.run(scenario())
 
 
+def test_a_background_gradient_request_is_answered_paced_and_the_same(swarm: Swarm) -> None:
+    """A replica's request for a gradient in the background (overlap_exchange) names the most it may take of its
+    download: the answer comes in PACED_CHUNK_BYTES frames no faster than that, or than the answering node's own
+    share of its upload, whichever is slower, and holds the same values as one at full speed."""
+    fetcher, answerer = swarm.services[1], swarm.services[2]  # stage 1's replicas
+    numel = 100_000  # 400 KB of float32
+    gradient = torch.randn(numel)
+    answerer.publish_gradient(3, gradient, torch.zeros(4), "float32")
+    fast, _ = fetcher.fetch_gradient(answerer.peer_id, 3, numel, 10.0)
+    for asked, own in ((1_000_000.0, None), (math.inf, 1_000_000.0), (4_000_000.0, 1_000_000.0)):
+        answerer.background_bytes_per_s = own
+        began = time.monotonic()
+        paced_answer, _ = fetcher.fetch_gradient(answerer.peer_id, 3, numel, 10.0, max_bytes_per_s=asked)
+        took = time.monotonic() - began
+        assert torch.equal(paced_answer, fast) and torch.equal(fast, gradient)
+        assert took >= (4 * numel - PACED_CHUNK_BYTES) / 1_000_000.0, f"{asked}, {own}: not paced ({took:.3f} s)"
+
+
+def test_a_paced_rate_is_the_slower_share_and_ends_an_answer_in_bounded_time() -> None:
+    """`paced_rate`: a foreground request (0, negative, NaN) is not paced; a background one at the slower of the
+    caller's cap and this node's share, not paced where neither is measured, and never slower than what ends the
+    answer within MAX_PACED_S (a caller asking for a byte per second holds no stream open for days)."""
+    size = 10_000_000
+    assert paced_rate(0.0, 1e6, size) is None and paced_rate(-1.0, 1e6, size) is None
+    assert paced_rate(math.nan, 1e6, size) is None
+    assert paced_rate(math.inf, None, size) is None
+    assert paced_rate(2e6, None, size) == 2e6 and paced_rate(math.inf, 3e6, size) == 3e6
+    assert paced_rate(2e6, 3e6, size) == 2e6 and paced_rate(3e6, 2e6, size) == 2e6
+    assert paced_rate(1.0, None, size) == size / MAX_PACED_S == paced_rate(math.inf, 1.0, size)
+
+
 def test_a_malformed_int8_gradient_is_refused_with_a_sentence(swarm: Swarm) -> None:
     """A replica's int8 gradient is checked before it is summed: its exact bytes, scales finite and not negative,
     values within ±127, and every decoded value finite; the fetching replica gets a sentence, not a tensor."""
@@ -618,14 +662,19 @@ def test_an_overlapped_exchange_steps_the_true_state_on_the_sum_before_and_compu
     the parameters it computes on end where one process ends that does the same; stage 1's replicas hold the same
     true state, bit for bit, though they compute on different look-aheads (their fingerprints are of the true
     state: no drift repair); a replica that joins after iteration 2 computes on the true state it downloaded and
-    steps on the others' sum of iteration 2 at its first iteration, so that all three hold the same bits after it."""
+    steps on the others' sum of iteration 2 at its first iteration, so that all three hold the same bits after it.
+    Stage 1's first replica has a measured link: the exchange in the background is paced, and sums the same."""
     nodes = [
         NodeInfo(peer_id=swarm.peer(node), stage=stage, seconds_per_microbatch=1.0, memory_microbatches=2)
         for node, stage in enumerate(STAGE_OF_NODE)
     ]
     num_microbatches, iterations = 4, 4
     data = [tokens(seed) for seed in range(num_microbatches * iterations)]
-    runners = [exact_runner(service, nodes, data, num_microbatches, overlap=True) for service in swarm.services]
+    runners = [
+        exact_runner(service, nodes, data, num_microbatches, overlap=True, link_bytes_per_s=500_000.0 * (index == 1))
+        for index, service in enumerate(swarm.services)
+    ]
+    assert runners[1].service.background_bytes_per_s == 250_000.0 and runners[2].service.background_bytes_per_s is None
     joiner_dht = hivemind.DHT(
         start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=swarm.dhts[0].get_visible_maddrs()
     )

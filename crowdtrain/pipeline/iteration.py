@@ -40,7 +40,9 @@ the swarm's nodes, seeded by the iteration), so no message carries it. An iterat
    trained 8-19% worse in 20 iterations of llama-20m; the look-ahead computes each gradient near where the exact
    step will have moved the state. A joiner, holding the true state of the iteration before its first, fetches
    the other replicas' gradients of that iteration for its first step, so it steps as they do. The state a
-   replica serves (a joiner's download, drift repair) and the fingerprint it sends are the true state's;
+   replica serves (a joiner's download, drift repair) and the fingerprint it sends are the true state's. The
+   exchange in the background is paced to BACKGROUND_SHARE of the links where they are measured: sent at a
+   link's full speed it filled the queue in front of that link, and the hops behind it waited the whole queue;
 6. drift: each gradient carries a fingerprint of its replica's parameters before the step (`fingerprint`: the
    parameters at MAX_FINGERPRINT fixed positions). A replica whose fingerprint differs by more than
    DRIFT_TOLERANCE (relative; the last bits of different hardware differ by far less, a missed gradient by far
@@ -65,6 +67,7 @@ The caller passes the nodes, the same list on every node (`set_nodes` between it
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -95,6 +98,10 @@ An AdamW step moves each parameter by about the learning rate (1e-4 to 1e-3 of a
 so a missed gradient shows as ~1e-2); rounding differences between devices stay near 1e-7 per step."""
 SUSPICION_S = 60.0
 """How long a suspected peer is left out of this node's schedules and gradient sums."""
+BACKGROUND_SHARE = 0.5
+"""With overlap_exchange: the share of a link the background exchange of the replicas' gradients may take (paced by
+the answering node at the slower of its upload's and the caller's download's share, `stage_service.paced`), so that
+the pipeline's hops, which share those links meanwhile, never wait behind a queue it filled."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -162,6 +169,10 @@ class SkipPipeNode:
     exchange_timeout_s: float = 30.0
     overlap_exchange: bool = False
     """Exchange the stage's gradient during the next iteration and step on the one before (`SkipPipeSpec`)."""
+    upload_bytes_per_s: float | None = None
+    download_bytes_per_s: float | None = None
+    """This node's measured link (None: not measured): with overlap_exchange the background exchange is paced to
+    BACKGROUND_SHARE of it."""
     scheduler: Callable[[SkipPipeProblem], Schedule] = schedule_microbatches
     """SkipPipe's scheduler, or a baseline of `planning.skippipe` (`full_pipeline`, `random_skipping`)."""
     parameters: list[torch.nn.Parameter] = field(init=False)
@@ -194,6 +205,8 @@ class SkipPipeNode:
         """With overlap_exchange: this node's gradient of the iteration as it published it (flat), for its
         look-ahead."""
         self.service.set_state_source(self._state)
+        if self.overlap_exchange and self.upload_bytes_per_s:
+            self.service.background_bytes_per_s = BACKGROUND_SHARE * self.upload_bytes_per_s
         self.peer_id = self.service.peer_id
         self.replicas = _replicas(self.nodes)
         self.driver = (
@@ -508,8 +521,9 @@ class SkipPipeNode:
         if self._exchanger is None:
             self._exchanger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skippipe-exchange")
         suspected = frozenset(self.suspected)
+        background = BACKGROUND_SHARE * self.download_bytes_per_s if self.download_bytes_per_s else math.inf
         exchange = self._exchanger.submit(
-            self._gather, iteration, own, own_fingerprint, replicas, suspected, trained, patience_s
+            self._gather, iteration, own, own_fingerprint, replicas, suspected, trained, patience_s, background
         )
         previous, self._pending = self._pending, (iteration, exchange)
         if previous is not None and previous[0] == iteration - 1:
@@ -573,12 +587,13 @@ class SkipPipeNode:
         suspected: frozenset[str],
         trained: bool | None,
         patience_s: float = 0.0,
+        max_bytes_per_s: float = 0.0,
     ) -> Gathered:
         """The sum of `replicas`' gradients of `iteration`, in peer-ID order (the same bits on every replica that
         heard from the same ones): this node's `own` (None: none of its own, as a joiner's), the others' fetched
-        (each waited for `exchange_timeout_s` and `patience_s`), `suspected` ones left out. `trained` None: whether
-        the sum is not zero (a joiner can't know otherwise). Touches no state of this node: it may run in the
-        background."""
+        (each waited for `exchange_timeout_s` and `patience_s`; `max_bytes_per_s` > 0: in the background, paced,
+        `StageService.fetch_gradient`), `suspected` ones left out. `trained` None: whether the sum is not zero (a
+        joiner can't know otherwise). Touches no state of this node: it may run in the background."""
         numel = sum(parameter.numel() for parameter in self.parameters)
         total = torch.zeros(numel)
         summed: dict[str, torch.Tensor | None] = {}
@@ -593,7 +608,7 @@ class SkipPipeNode:
             else:
                 try:
                     gradient, summed[peer] = self.service.fetch_gradient(
-                        peer, iteration, numel, self.exchange_timeout_s + patience_s
+                        peer, iteration, numel, self.exchange_timeout_s + patience_s, max_bytes_per_s
                     )
                 except HopFailedError as e:
                     logger.warning(f"{e}; the stage's step goes on without it")

@@ -80,6 +80,12 @@ MAX_FINGERPRINT = 1024
 """The most values of a replica's parameter fingerprint (`pipeline.iteration.fingerprint`) a gradient carries."""
 DEFAULT_HOLD_S = 120.0
 """A forward whose backward has not come after this long is dropped (its source died or gave up)."""
+PACED_CHUNK_BYTES = 64 << 10
+"""Payload bytes per frame of a paced answer (a background exchange's): at most this much is queued ahead of the
+pipeline's hops on a link at a time."""
+MAX_PACED_S = 20.0
+"""A paced answer is sent at least this fast: whatever rate a caller asks for (or this node's share allows), it ends
+within this long where the link allows, inside a SkipPipe node's default exchange timeout (30 s)."""
 
 T = TypeVar("T")
 _Published = tuple[int, bytes, torch.Tensor, str]
@@ -152,17 +158,42 @@ def encode_frames(tensor: torch.Tensor, header: proto.StageHop, dtype: str) -> I
 
 
 def payload_frames(
-    payload: bytes, shape: typing.Sequence[int], header: proto.StageHop, dtype: str
+    payload: bytes, shape: typing.Sequence[int], header: proto.StageHop, dtype: str, chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[proto.StageHop]:
     """The stream of a tensor of `shape` whose values `payload` carries in `dtype`: `header` with the shape and
-    dtype, then the payload in `CHUNK_BYTES` chunks."""
+    dtype, then the payload in `chunk_bytes` chunks."""
     first = proto.StageHop()
     first.CopyFrom(header)
     first.shape[:] = list(shape)
     first.dtype = dtype
     yield first
-    for offset in range(0, len(payload), CHUNK_BYTES):
-        yield proto.StageHop(payload=payload[offset : offset + CHUNK_BYTES])
+    for offset in range(0, len(payload), chunk_bytes):
+        yield proto.StageHop(payload=payload[offset : offset + chunk_bytes])
+
+
+def paced_rate(asked: float, own: float | None, size: int) -> float | None:
+    """Bytes per second to send a background answer of `size` bytes at: the slower of the caller's cap `asked`
+    (infinity: its link not measured) and this node's own share of its upload `own` (None: not measured), but at
+    least what ends it within MAX_PACED_S; None: not paced (a foreground request: `asked` 0, or not a number, or
+    neither side measured)."""
+    if not asked > 0:  # 0, negative or NaN: a foreground request
+        return None
+    rate = min(asked, own if own is not None and own > 0 else math.inf)
+    return None if math.isinf(rate) else max(rate, size / MAX_PACED_S)
+
+
+async def paced(frames: Iterator[proto.StageHop], bytes_per_s: float | None) -> AsyncIterator[proto.StageHop]:
+    """`frames` as they may go: all at once (`bytes_per_s` None), or each one's payload no sooner than the payload
+    before it takes at `bytes_per_s`. A background transfer sent at a link's full speed fills the queue in front of
+    that link (the home router's, here the WAN lab's 400 ms of tbf), and every hop of the pipeline behind it waits
+    the whole queue: a 512 KB hop over a 25 Mbit/s link took 0.18 s alone, 0.91 s beside a bulk TCP transfer, and
+    0.20-0.37 s beside one paced at half the link in 64 KB writes (raw TCP in the WAN lab)."""
+    began, sent = time.monotonic(), 0
+    for frame in frames:
+        if bytes_per_s is not None and (wait := began + sent / bytes_per_s - time.monotonic()) > 0:
+            await asyncio.sleep(wait)
+        sent += len(frame.payload)
+        yield frame
 
 
 async def decode_frames(
@@ -270,6 +301,9 @@ class StageService(P2PService):
         self._gradient_waits = 0
         """Gradient requests held now (`rpc_stage_gradient`), at most MAX_GRADIENT_WAITS; only the service's loop
         touches it."""
+        self.background_bytes_per_s: float | None = None
+        """The share of this node's upload a background exchange's answer may take (`paced_rate`); None: not
+        measured (only the caller's cap paces it)."""
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -362,7 +396,8 @@ class StageService(P2PService):
     ) -> typing.AsyncIterator[proto.StageHop]:
         """This replica's gradient of `request.iteration` (flattened, in the dtype it was published in), for the
         stage's other replicas, waiting up to GRADIENT_WAIT_S for it (while fewer than MAX_GRADIENT_WAITS requests
-        wait); a header with no shape while it is not ready (yet, or any more)."""
+        wait); a header with no shape while it is not ready (yet, or any more). A background request
+        (`max_bytes_per_s`) is answered paced (`paced_rate`, `paced`)."""
         published = self._published(request)
         if published is None and self._gradient_waits < MAX_GRADIENT_WAITS:
             self._gradient_waits += 1
@@ -379,7 +414,9 @@ class StageService(P2PService):
             numel, payload, fingerprint, dtype = published
             header = _reply_header(request)
             header.fingerprint[:] = fingerprint.tolist()
-            for frame in payload_frames(payload, [numel], header, dtype):
+            rate = paced_rate(request.max_bytes_per_s, self.background_bytes_per_s, len(payload))
+            chunk_bytes = CHUNK_BYTES if rate is None else PACED_CHUNK_BYTES
+            async for frame in paced(payload_frames(payload, [numel], header, dtype, chunk_bytes), rate):
                 self.bytes_sent += len(frame.payload)
                 yield frame
         await linger()
@@ -677,13 +714,14 @@ class StageService(P2PService):
         return int(answer.iteration)
 
     def fetch_gradient(
-        self, peer_id: str, iteration: int, num_values: int, timeout_s: float
+        self, peer_id: str, iteration: int, num_values: int, timeout_s: float, max_bytes_per_s: float = 0.0
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`peer_id`'s gradient of `iteration` for this node's stage, `num_values` values (float32, whatever wire
         dtype they came in), and the fingerprint of its parameters before the step (None unless it sent one of
         MAX_FINGERPRINT finite values or fewer); waits up to `timeout_s` for it to be published; HopFailedError if
-        it is not had."""
-        request = proto.StageHop(iteration=iteration, stage=self.stage)
+        it is not had. `max_bytes_per_s` > 0: a background exchange, to be sent paced at most this fast (infinity:
+        at the answering node's own share of its upload)."""
+        request = proto.StageHop(iteration=iteration, stage=self.stage, max_bytes_per_s=max_bytes_per_s)
         what = f"gradient of iteration {iteration}"
         header, gradient = self._fetch_flat(peer_id, "gradient", request, num_values, timeout_s, what)
         fingerprint = torch.tensor(list(header.fingerprint[:MAX_FINGERPRINT]), dtype=torch.float32)

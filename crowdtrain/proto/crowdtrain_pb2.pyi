@@ -500,7 +500,7 @@ class StateDigest(_message.Message):
     def __init__(self, served: _Optional[bool] = ..., epoch: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSketch, _Mapping]]] = ...) -> None: ...
 
 class StageHop(_message.Message):
-    __slots__ = ("iteration", "microbatch", "stage", "shape", "dtype", "payload", "optimizer_steps", "loss", "microbatches", "fingerprint")
+    __slots__ = ("iteration", "microbatch", "stage", "shape", "dtype", "payload", "optimizer_steps", "loss", "microbatches", "fingerprint", "max_bytes_per_s")
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -511,6 +511,7 @@ class StageHop(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     microbatch: int
     stage: int
@@ -521,7 +522,8 @@ class StageHop(_message.Message):
     loss: float
     microbatches: int
     fingerprint: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, iteration: _Optional[int] = ..., microbatch: _Optional[int] = ..., stage: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., payload: _Optional[bytes] = ..., optimizer_steps: _Optional[int] = ..., loss: _Optional[float] = ..., microbatches: _Optional[int] = ..., fingerprint: _Optional[_Iterable[float]] = ...) -> None: ...
+    max_bytes_per_s: float
+    def __init__(self, iteration: _Optional[int] = ..., microbatch: _Optional[int] = ..., stage: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., payload: _Optional[bytes] = ..., optimizer_steps: _Optional[int] = ..., loss: _Optional[float] = ..., microbatches: _Optional[int] = ..., fingerprint: _Optional[_Iterable[float]] = ..., max_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class SkipPipeMember(_message.Message):
     __slots__ = ("peer_id", "stage", "seconds_per_microbatch", "memory_microbatches", "serving", "seconds_per_hop")

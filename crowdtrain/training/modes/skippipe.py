@@ -66,6 +66,7 @@ from crowdtrain.pipeline.membership import (
     stage_zero_gone,
 )
 from crowdtrain.pipeline.stage_service import MAX_ITERATIONS_AHEAD, WIRE_DTYPES
+from crowdtrain.planning.plan import BYTES_PER_MEGABIT
 from crowdtrain.planning.skippipe import NodeInfo, seconds_per_hop
 from crowdtrain.training.modes.base import ModeContext, SwarmView, TrainingMode
 from crowdtrain.training.progress import Progress
@@ -204,6 +205,8 @@ class SkipPipeMode(TrainingMode):
             wire_dtype=self.spec.wire_dtype,
             gradient_dtype=self.spec.gradient_dtype,
             overlap_exchange=self.spec.overlap_exchange,
+            upload_bytes_per_s=_bytes_per_s(self.context.upload_mbps),
+            download_bytes_per_s=_bytes_per_s(self.context.download_mbps),
         )
 
     @property
@@ -552,3 +555,8 @@ class SkipPipeMode(TrainingMode):
         self._closing.set()
         self.runner.close()
         self.service.close()
+
+
+def _bytes_per_s(mbps: float | None) -> float | None:
+    """A link's measured megabits per second in bytes per second; None where not measured."""
+    return mbps * BYTES_PER_MEGABIT if mbps else None
