@@ -122,15 +122,16 @@ def closing_all(nodes: list[Node]) -> Iterator[list[Node]]:
             node.close()
 
 
-def two_stage_run(tmp_path: Path, name: str) -> RunManifest:
+def two_stage_run(tmp_path: Path, name: str, overlap: bool = False) -> RunManifest:
     """The tiny LM in two SkipPipe stages, every microbatch through both; one thread per process's torch."""
     run_file = tmp_path / "run.toml"
+    sections = '[skippipe]\nstages = 2\nskip_ratio = 0.0\nmicrobatches = 4\nwire_dtype = "float32"\n'
     run_file.write_text(
         tiny_run_file(
             name,
             64,
             averaging='mode = "skippipe"',
-            sections='[skippipe]\nstages = 2\nskip_ratio = 0.0\nmicrobatches = 4\nwire_dtype = "float32"\n',
+            sections=sections + ("overlap_exchange = true\n" if overlap else ""),
         )
     )
     torch.set_num_threads(1)
@@ -318,3 +319,32 @@ def test_a_node_stays_declared_while_an_iteration_blocks_longer_than_a_declarati
             released.set()
         three_more_iterations(nodes, "after the slow one")
         assert all(stages_in_force(node) == in_force for node in nodes), "no node left the roster"
+
+
+def test_an_overlapped_node_checkpoints_its_stage_s_true_state_not_the_look_ahead_it_computes_on(
+    tmp_path: Path,
+) -> None:
+    """With overlap_exchange a node computes on a look-ahead of its stage's true state; what its checkpoint keeps of
+    the model is the true parameters (those its AdamW moments go with and its replicas hold), the rest as it is."""
+    run = two_stage_run(tmp_path, "skippipe-overlap-checkpoint", overlap=True)
+    with closing_all([]) as nodes:
+        nodes.append(start_node(run, tmp_path, "founder", []))
+        nodes.append(start_node(run, tmp_path, "second", [str(nodes[0].dht.get_visible_maddrs()[0])]))
+        three_more_iterations(nodes, "with the exchange overlapped")
+        for node in nodes:
+            node.stop.set()
+            assert node.thread is not None
+            node.thread.join(timeout=60)
+            mode = node.mode
+            live = mode.staged.model.state_dict()
+            kept = mode.checkpoint_model_state(live)
+            true = {
+                parameter.data_ptr(): value
+                for parameter, value in zip(mode.runner.parameters, mode.runner.true_parameters(), strict=True)
+            }
+            stage_keys = [key for key, tensor in live.items() if tensor.data_ptr() in true]  # tied ones too
+            assert set(kept) == set(live) and stage_keys
+            for key in stage_keys:
+                assert torch.equal(kept[key], true[live[key].data_ptr()])
+            assert any(not torch.equal(kept[key], live[key]) for key in stage_keys), "no look-ahead to leave out"
+            assert all(kept[key] is live[key] for key in set(live) - set(stage_keys))

@@ -539,8 +539,9 @@ class SkipPipeNode:
         reference = self._take(gathered, gathered.fingerprints.get(self.peer_id) if fingerprint_then else None)
         return len(gathered.fingerprints), reference, gathered.trained
 
-    def _true_parameters(self) -> list[torch.Tensor]:
-        """The stage's parameters of its true state (with overlap_exchange; the parameters otherwise)."""
+    def true_parameters(self) -> list[torch.Tensor]:
+        """The stage's parameters of its true state: the state its replicas agree on and its AdamW moments go with
+        (with overlap_exchange the node computes on a look-ahead of them; the parameters otherwise)."""
         if self._true is None:
             return [parameter.detach() for parameter in self.parameters]
         return self._true[1][: len(self.parameters)]
@@ -571,7 +572,7 @@ class SkipPipeNode:
         zero, and without it a parameter whose gradient stays that small would never move."""
         with self.service.model_lock:
             own = torch.cat([_grad(p).reshape(-1) for p in self.parameters])
-            own_fingerprint = fingerprint(self._true_parameters(), self._positions)
+            own_fingerprint = fingerprint(self.true_parameters(), self._positions)
         if self.gradient_dtype == "int8" and self._unsent is not None:
             own += self._unsent
         sent = self.service.publish_gradient(iteration, own, own_fingerprint, self.gradient_dtype)

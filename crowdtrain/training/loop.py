@@ -362,7 +362,7 @@ class Trainer:
         if writer.busy:
             logger.debug(f"checkpoint of epoch {mode.epoch} skipped: the last one is still being written")
             return
-        writer.submit(take_snapshot(mode.epoch, model.state_dict(), mode.state_dict()))
+        writer.submit(take_snapshot(mode.epoch, mode.checkpoint_model_state(model.state_dict()), mode.state_dict()))
         schedule.restart()
 
     def _final_checkpoint(self, model: torch.nn.Module, mode: TrainingMode) -> None:
@@ -372,7 +372,7 @@ class Trainer:
             return
         final = None
         if mode.epoch > 0:
-            final = take_snapshot(mode.epoch, model.state_dict(), mode.state_dict())
+            final = take_snapshot(mode.epoch, mode.checkpoint_model_state(model.state_dict()), mode.state_dict())
         writer.close(final, timeout_s=FINAL_CHECKPOINT_TIMEOUT_S)
 
 

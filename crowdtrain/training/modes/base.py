@@ -125,6 +125,11 @@ class TrainingMode(abc.ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state_dict()` output read from a checkpoint."""
 
+    def checkpoint_model_state(self, model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's tensors a checkpoint keeps, from its `state_dict()`: as they are, unless this mode computes
+        on parameters that are not the state its optimizer's moments go with (SkipPipe's overlapped look-ahead)."""
+        return model_state
+
     @abc.abstractmethod
     def close(self) -> None:
         """Leave the swarm's synchronisation (bounded) and stop background work."""

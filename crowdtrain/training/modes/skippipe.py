@@ -543,6 +543,19 @@ class SkipPipeMode(TrainingMode):
     def state_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "iteration": self.runner.last_iteration, "optimizer": self.optimizer.state_dict()}
 
+    def checkpoint_model_state(self, model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The stage's true parameters in place of the look-ahead this node computes on (overlap_exchange): what its
+        AdamW moments go with and its replicas hold, so that a node resumed from the checkpoint starts there."""
+        true = {
+            parameter.data_ptr(): value
+            for parameter, value in zip(self.runner.parameters, self.runner.true_parameters(), strict=True)
+            if parameter.numel()
+        }
+        return {
+            key: true.get(tensor.data_ptr(), tensor) if tensor.numel() else tensor
+            for key, tensor in model_state.items()
+        }
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("stage") != self.stage:
             logger.info(
