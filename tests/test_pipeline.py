@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import threading
 import time
 import typing
@@ -23,6 +24,7 @@ from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blo
 from crowdtrain.models.stages import StagedModel
 from crowdtrain.pipeline import HopFailedError, HopLimits, HopRefusedError, PipelineDriver, StageService
 from crowdtrain.pipeline.iteration import (
+    BACKGROUND_NICE,
     STATE_PARTS,
     STATE_TIMEOUT_FLOOR_S,
     IterationReport,
@@ -30,6 +32,7 @@ from crowdtrain.pipeline.iteration import (
     drifted,
     fingerprint,
     fingerprint_positions,
+    lower_priority,
     reference_replica,
     state_timeout_s,
 )
@@ -561,6 +564,17 @@ def test_a_background_gradient_request_is_answered_paced_and_the_same(swarm: Swa
         took = time.monotonic() - began
         assert torch.equal(paced_answer, fast) and torch.equal(fast, gradient)
         assert took >= (4 * numel - PACED_CHUNK_BYTES) / 1_000_000.0, f"{asked}, {own}: not paced ({took:.3f} s)"
+
+
+def test_the_background_exchange_runs_at_a_lower_priority_than_the_node() -> None:
+    """The overlapped exchange's thread (`lower_priority`, its pool's initializer) runs BACKGROUND_NICE nice values
+    lower than the node's other threads, so that its encoding, decoding and summing wait for the cores the pipeline
+    leaves idle; the thread that started it keeps its own."""
+    node_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with ThreadPoolExecutor(max_workers=1, initializer=lower_priority) as pool:
+        exchange_nice = pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+    assert exchange_nice == min(node_nice + BACKGROUND_NICE, 19)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == node_nice
 
 
 def test_a_paced_rate_is_the_slower_share_and_ends_an_answer_in_bounded_time() -> None:

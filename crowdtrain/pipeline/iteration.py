@@ -41,8 +41,10 @@ the swarm's nodes, seeded by the iteration), so no message carries it. An iterat
    step will have moved the state. A joiner, holding the true state of the iteration before its first, fetches
    the other replicas' gradients of that iteration for its first step, so it steps as they do. The state a
    replica serves (a joiner's download, drift repair) and the fingerprint it sends are the true state's. The
-   exchange in the background is paced to BACKGROUND_SHARE of the links where they are measured: sent at a
-   link's full speed it filled the queue in front of that link, and the hops behind it waited the whole queue;
+   exchange in the background is paced to BACKGROUND_SHARE of the links where they are measured (sent at a
+   link's full speed it filled the queue in front of that link, and the hops behind it waited the whole queue),
+   and its thread, which encodes this node's gradient and decodes and sums the others', runs BACKGROUND_NICE
+   lower than the rest of the node, so that it takes the cores the pipeline leaves idle;
 6. drift: each gradient carries a fingerprint of its replica's parameters before the step (`fingerprint`: the
    parameters at MAX_FINGERPRINT fixed positions). A replica whose fingerprint differs by more than
    DRIFT_TOLERANCE (relative; the last bits of different hardware differ by far less, a missed gradient by far
@@ -68,6 +70,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -98,6 +103,10 @@ An AdamW step moves each parameter by about the learning rate (1e-4 to 1e-3 of a
 so a missed gradient shows as ~1e-2); rounding differences between devices stay near 1e-7 per step."""
 SUSPICION_S = 60.0
 """How long a suspected peer is left out of this node's schedules and gradient sums."""
+BACKGROUND_NICE = 10
+"""With overlap_exchange: how much lower (in nice values) the thread of the background exchange runs than the rest
+of the node. Its work (encoding this node's gradient, decoding and summing the others', 6.3M values each for a
+llama-20m stage) waits for the cores the pipeline leaves idle instead of delaying the microbatches' compute."""
 BACKGROUND_SHARE = 0.5
 """With overlap_exchange: the share of a link the background exchange of the replicas' gradients may take (paced by
 the answering node at the slower of its upload's and the caller's download's share, `stage_service.paced`), so that
@@ -202,8 +211,8 @@ class SkipPipeNode:
         llama-20m stage's 76 MB taken anew twice per iteration cost a stage node 14% of its CPU, most of it the
         fresh memory's page faults."""
         self._own: torch.Tensor | None = None
-        """With overlap_exchange: this node's gradient of the iteration as it published it (flat), for its
-        look-ahead."""
+        """With overlap_exchange: this node's gradient of the iteration (flat, as computed: the published one is
+        rounded to gradient_dtype in the background), for its look-ahead."""
         self.service.set_state_source(self._state)
         if self.overlap_exchange and self.upload_bytes_per_s:
             self.service.background_bytes_per_s = BACKGROUND_SHARE * self.upload_bytes_per_s
@@ -516,14 +525,24 @@ class SkipPipeNode:
         replicas' sum of the iteration before. (How many replicas that sum has, the replica whose state to take
         after the step (or None), whether to step.)"""
         replicas = tuple(self.replicas[self.service.stage])
-        own, own_fingerprint = self._publish_own(iteration)
-        self._own = own
+        own, own_fingerprint = self._own_gradient()
+        self._own = own  # the look-ahead's estimate of the replicas' sum: this node's gradient as it is
         if self._exchanger is None:
-            self._exchanger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skippipe-exchange")
+            self._exchanger = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="skippipe-exchange", initializer=lower_priority
+            )
         suspected = frozenset(self.suspected)
         background = BACKGROUND_SHARE * self.download_bytes_per_s if self.download_bytes_per_s else math.inf
         exchange = self._exchanger.submit(
-            self._gather, iteration, own, own_fingerprint, replicas, suspected, trained, patience_s, background
+            self._publish_and_gather,
+            iteration,
+            own,
+            own_fingerprint,
+            replicas,
+            suspected,
+            trained,
+            patience_s,
+            background,
         )
         previous, self._pending = self._pending, (iteration, exchange)
         if previous is not None and previous[0] == iteration - 1:
@@ -565,19 +584,44 @@ class SkipPipeNode:
         self._restore_true(parameters=False)
 
     def _publish_own(self, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This replica's gradient of `iteration` (flattened, rounded to gradient_dtype: every replica sums what
-        each one published, so this node's own term is its gradient as the others receive it) and the fingerprint
-        of its parameters, published for the other replicas. In int8 the rounding's error is carried to the next
-        iteration's gradient (error feedback): int8 blocks round a value under 1/254 of its block's largest to
-        zero, and without it a parameter whose gradient stays that small would never move."""
+        """This replica's gradient of `iteration` as published for the other replicas (`_publish`) and the
+        fingerprint of its parameters."""
+        own, own_fingerprint = self._own_gradient()
+        return self._publish(iteration, own, own_fingerprint), own_fingerprint
+
+    def _own_gradient(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This replica's gradient of the iteration (flattened, a copy) and the fingerprint of its (true)
+        parameters."""
         with self.service.model_lock:
             own = torch.cat([_grad(p).reshape(-1) for p in self.parameters])
-            own_fingerprint = fingerprint(self.true_parameters(), self._positions)
+            return own, fingerprint(self.true_parameters(), self._positions)
+
+    def _publish(self, iteration: int, own: torch.Tensor, own_fingerprint: torch.Tensor) -> torch.Tensor:
+        """Publish `own` as this replica's gradient of `iteration`, with its fingerprint; what the others receive
+        (rounded to gradient_dtype: every replica sums what each one published, so this node's own term is that).
+        In int8 the rounding's error is carried to the next iteration's gradient (error feedback): int8 blocks
+        round a value under 1/254 of its block's largest to zero, and without it a parameter whose gradient stays
+        that small would never move. Touches nothing but the error carried: it may run in the background."""
         if self.gradient_dtype == "int8" and self._unsent is not None:
-            own += self._unsent
+            own = own + self._unsent
         sent = self.service.publish_gradient(iteration, own, own_fingerprint, self.gradient_dtype)
         self._unsent = own - sent if self.gradient_dtype == "int8" else None
-        return sent, own_fingerprint
+        return sent
+
+    def _publish_and_gather(
+        self,
+        iteration: int,
+        own: torch.Tensor,
+        own_fingerprint: torch.Tensor,
+        replicas: tuple[str, ...],
+        suspected: frozenset[str],
+        trained: bool | None,
+        patience_s: float,
+        max_bytes_per_s: float,
+    ) -> Gathered:
+        """With overlap_exchange, in the background: `_publish` then `_gather`."""
+        sent = self._publish(iteration, own, own_fingerprint)
+        return self._gather(iteration, sent, own_fingerprint, replicas, suspected, trained, patience_s, max_bytes_per_s)
 
     def _gather(
         self,
@@ -715,6 +759,18 @@ def drifted(mine: torch.Tensor, theirs: torch.Tensor) -> bool:
         return False
     scale = float(mine.norm())
     return float((mine - theirs).norm()) > DRIFT_TOLERANCE * max(scale, 1e-12)
+
+
+def lower_priority() -> None:
+    """Run the calling thread BACKGROUND_NICE lower than the rest of the node (Linux: a thread's own nice value;
+    elsewhere nothing)."""
+    if sys.platform != "linux":
+        return
+    thread = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + BACKGROUND_NICE)
+    except OSError as e:
+        logger.debug(f"the background exchange runs at the node's priority: {e}")
 
 
 def _replicas(nodes: Sequence[NodeInfo]) -> dict[int, list[str]]:

@@ -209,6 +209,26 @@ async def decode_frames(
     `expected_stage` and its wire dtype against `dtypes` before any value is read; raises `error(sentence)`. With
     `to_end` (a request: the caller ends its stream) a frame past the shape's bytes is refused; without it (an
     answer: the answering node lingers until the caller closes) reading stops at the shape's bytes."""
+    header, shape, received = await receive_frames(
+        frames, check_shape, error, expected_stage, to_end=to_end, dtypes=dtypes
+    )
+    try:
+        return header, wire_values(received, shape, header.dtype)
+    except ValueError as e:
+        raise error(str(e)) from None
+
+
+async def receive_frames(
+    frames: AsyncIterator[proto.StageHop],
+    check_shape: Callable[[typing.Sequence[int]], tuple[int, ...]],
+    error: Callable[[str], Exception],
+    expected_stage: int | None = None,
+    *,
+    to_end: bool = True,
+    dtypes: typing.Collection[str] = WIRE_DTYPES,
+) -> tuple[proto.StageHop, tuple[int, ...], bytearray]:
+    """`decode_frames` but for the values: the header, its checked shape and the payload's bytes (exactly the
+    shape's in the header's dtype), for `wire_values` to read where the caller likes (off the service's loop)."""
     header = await anext(frames, None)
     if header is None:
         raise error("the stream ended before its header")
@@ -223,10 +243,7 @@ async def decode_frames(
             break
     if len(received) != size:
         raise error(f"the stream ended after {len(received)} of its {size} bytes")
-    try:
-        return header, wire_values(received, shape, header.dtype)
-    except ValueError as e:
-        raise error(str(e)) from None
+    return header, shape, received
 
 
 def _checked_shape(
@@ -745,11 +762,15 @@ class StageService(P2PService):
         deadline = time.monotonic() + timeout_s
         try:
             fetching = self._fetch(PeerID.from_base58(peer_id), call, request, num_values, deadline, where, what)
-            return self.run(fetching, timeout_s + 1.0)
+            reply, payload = self.run(fetching, timeout_s + 1.0)
         except HopFailedError:
             raise
         except Exception as e:
             raise HopFailedError(f"{where} did not send its {what}: {e!r}") from None
+        try:  # in the calling thread: a stage's gradient (millions of values) decoded on the loop held up every hop
+            return reply, wire_values(payload, [num_values], reply.dtype)
+        except ValueError as e:
+            raise HopFailedError(f"{where}: {e}") from None
 
     async def _fetch(
         self,
@@ -760,8 +781,9 @@ class StageService(P2PService):
         deadline: float,
         where: str,
         what: str,
-    ) -> tuple[proto.StageHop, torch.Tensor]:
-        """One float32 vector of `num_values` from `rpc_stage_<call>`, asking again while the peer has none yet."""
+    ) -> tuple[proto.StageHop, bytearray]:
+        """The header and the bytes of one vector of `num_values` from `rpc_stage_<call>` (in the header's dtype,
+        not decoded), asking again while the peer has none yet."""
 
         def flat(shape: typing.Sequence[int]) -> tuple[int, ...]:
             if list(shape) != [num_values]:
@@ -776,15 +798,15 @@ class StageService(P2PService):
                 if header is not None and header.shape:
                     if header.stage != request.stage:
                         raise HopFailedError(f"{where} sent stage {header.stage}'s {what}, not stage {request.stage}'s")
-                    reply, values = await decode_frames(
+                    reply, _, payload = await receive_frames(
                         _prepend(header, answers),
                         flat,
                         lambda reason: HopFailedError(f"{where}: {reason}"),
                         to_end=False,
                         dtypes=GRADIENT_DTYPES if call == "gradient" else ("float32",),
                     )
-                    self.bytes_received += wire_size(values.shape, reply.dtype)
-                    return reply, values
+                    self.bytes_received += len(payload)
+                    return reply, payload
             finally:
                 await answers.aclose()
             if time.monotonic() + GRADIENT_RETRY_S > deadline:
