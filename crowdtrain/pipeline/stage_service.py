@@ -196,28 +196,6 @@ async def paced(frames: Iterator[proto.StageHop], bytes_per_s: float | None) -> 
         yield frame
 
 
-async def decode_frames(
-    frames: AsyncIterator[proto.StageHop],
-    check_shape: Callable[[typing.Sequence[int]], tuple[int, ...]],
-    error: Callable[[str], Exception],
-    expected_stage: int | None = None,
-    *,
-    to_end: bool = True,
-    dtypes: typing.Collection[str] = WIRE_DTYPES,
-) -> tuple[proto.StageHop, torch.Tensor]:
-    """The header and the float32 tensor a stream carries, checked as the module says, the header's stage against
-    `expected_stage` and its wire dtype against `dtypes` before any value is read; raises `error(sentence)`. With
-    `to_end` (a request: the caller ends its stream) a frame past the shape's bytes is refused; without it (an
-    answer: the answering node lingers until the caller closes) reading stops at the shape's bytes."""
-    header, shape, received = await receive_frames(
-        frames, check_shape, error, expected_stage, to_end=to_end, dtypes=dtypes
-    )
-    try:
-        return header, wire_values(received, shape, header.dtype)
-    except ValueError as e:
-        raise error(str(e)) from None
-
-
 async def receive_frames(
     frames: AsyncIterator[proto.StageHop],
     check_shape: Callable[[typing.Sequence[int]], tuple[int, ...]],
@@ -227,8 +205,12 @@ async def receive_frames(
     to_end: bool = True,
     dtypes: typing.Collection[str] = WIRE_DTYPES,
 ) -> tuple[proto.StageHop, tuple[int, ...], bytearray]:
-    """`decode_frames` but for the values: the header, its checked shape and the payload's bytes (exactly the
-    shape's in the header's dtype), for `wire_values` to read where the caller likes (off the service's loop)."""
+    """The header a stream carries, its shape and the payload's bytes (exactly the shape's in the header's dtype),
+    checked as the module says, the header's stage against `expected_stage` and its wire dtype against `dtypes`
+    before any value is read; raises `error(sentence)`. With `to_end` (a request: the caller ends its stream) a
+    frame past the shape's bytes is refused; without it (an answer: the answering node lingers until the caller
+    closes) reading stops at the shape's bytes. The values are read by `stream_values`, where the caller likes (a
+    stage's gradient off the service's loop)."""
     header = await anext(frames, None)
     if header is None:
         raise error("the stream ended before its header")
@@ -246,6 +228,16 @@ async def receive_frames(
     return header, shape, received
 
 
+def stream_values(
+    header: proto.StageHop, shape: typing.Sequence[int], payload: bytearray, error: Callable[[str], Exception]
+) -> torch.Tensor:
+    """The float32 tensor `receive_frames`' payload carries; raises `error(sentence)` if it is malformed."""
+    try:
+        return wire_values(payload, shape, header.dtype)
+    except ValueError as e:
+        raise error(str(e)) from None
+
+
 def _checked_shape(
     header: proto.StageHop,
     check_shape: Callable[[typing.Sequence[int]], tuple[int, ...]],
@@ -253,7 +245,7 @@ def _checked_shape(
     expected_stage: int | None,
     dtypes: typing.Collection[str],
 ) -> tuple[int, ...]:
-    """The shape a header announces, once its stage, wire dtype and shape passed `decode_frames`' checks."""
+    """The shape a header announces, once its stage, wire dtype and shape passed `receive_frames`' checks."""
     if expected_stage is not None and header.stage != expected_stage:
         raise error(f"this node serves stage {expected_stage}, not {header.stage}")
     if header.dtype not in dtypes:
@@ -530,7 +522,7 @@ class StageService(P2PService):
     async def _receive(
         self, requests: AsyncIterator[proto.StageHop], call: str, context: P2PContext, *, wait_open: bool = False
     ) -> tuple[proto.StageHop, torch.Tensor]:
-        """The hop a caller sends, checked (`decode_frames`) against the stage this node serves. With `wait_open`
+        """The hop a caller sends, checked (`receive_frames`) against the stage this node serves. With `wait_open`
         (a forward) the header's iteration is waited for first (`_wait_open`): a node that moves to another stage
         at that iteration serves it from then on, so a forward sent by a node already there is not refused for
         its stage (a CI run: the leader dropped a moving node that refused one, and the stage went unserved)."""
@@ -544,7 +536,10 @@ class StageService(P2PService):
             if first is not None and wait_open:
                 await self._wait_open(first.iteration, context)
             frames = _prepend(first, requests) if first is not None else requests
-            header, tensor = await decode_frames(frames, self.limits.check_shape, refused, expected_stage=self.stage)
+            header, shape, payload = await receive_frames(
+                frames, self.limits.check_shape, refused, expected_stage=self.stage
+            )
+            tensor = stream_values(header, shape, payload, refused)
         except HopRefusedError:
             await drain(requests)  # so that the refusal reaches the caller
             raise
@@ -684,9 +679,12 @@ class StageService(P2PService):
 
         answers = await getattr(self._stub(peer), f"rpc_stage_{call}")(frames())
         try:
-            reply, answer = await decode_frames(
-                answers, self.limits.check_shape, lambda reason: HopFailedError(f"{where}: {reason}"), to_end=False
-            )
+
+            def failed(reason: str) -> HopFailedError:
+                return HopFailedError(f"{where}: {reason}")
+
+            reply, shape, payload = await receive_frames(answers, self.limits.check_shape, failed, to_end=False)
+            answer = stream_values(reply, shape, payload, failed)
         finally:
             await answers.aclose()
         self.bytes_received += answer.numel() * WIRE_DTYPES[reply.dtype].itemsize
@@ -767,10 +765,8 @@ class StageService(P2PService):
             raise
         except Exception as e:
             raise HopFailedError(f"{where} did not send its {what}: {e!r}") from None
-        try:  # in the calling thread: a stage's gradient (millions of values) decoded on the loop held up every hop
-            return reply, wire_values(payload, [num_values], reply.dtype)
-        except ValueError as e:
-            raise HopFailedError(f"{where}: {e}") from None
+        # in the calling thread: a stage's gradient (millions of values) decoded on the loop held up every hop
+        return reply, stream_values(reply, [num_values], payload, lambda reason: HopFailedError(f"{where}: {reason}"))
 
     async def _fetch(
         self,
