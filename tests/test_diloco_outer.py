@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from crowdtrain.averaging import pseudo_gradients
 from crowdtrain.averaging.error_feedback import keep_top_k_
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, demo
 from crowdtrain.testing.diloco import diloco_peers
@@ -222,17 +223,38 @@ def test_a_topk_peers_checkpoint_restores_its_round_outer_momentum_and_residual(
         assert restarted.tracker.local_progress.epoch == 1, "it reports the round it resumed at"
 
 
-def test_a_group_of_peers_at_different_rounds_skips_its_all_reduce_and_quarantines_nobody() -> None:
-    """Four peers meet in one group, one of them a round ahead with a pseudo-gradient 100x the others' (it covers
-    more inner steps). Such a round is never applied, so nothing is sent for it, and the reducers' norm check must
-    not drop and quarantine an honest peer for it: it used to, keeping a late joiner out of its groups for 10 min."""
+def test_peers_at_different_rounds_never_meet_and_the_others_average_without_the_one_ahead() -> None:
+    """Four peers end a round at once, one of them a round ahead. Under one matchmaking key for every round they met
+    and nobody applied the group (two peers one round apart stayed so for 16 rounds in a CI run); keyed by round,
+    the three of round 0 average together and the one ahead ends its round alone."""
     start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
     with diloco_peers(manifest(4, "none"), 4, [start]) as modes:
         generator = torch.Generator().manual_seed(7)
         pseudo_gradients = [torch.randn(3, 4, generator=generator) for _ in modes]
-        pseudo_gradients[3] *= 100
         modes[3].round = 1
         run_one_outer_round(modes, start, pseudo_gradients, [8, 8, 8, 8])
+        assert [mode.num_local_rounds for mode in modes] == [0, 0, 0, 1], "round 0 averaged without the one ahead"
+        mean = sum(pseudo_gradients[:3]) / 3
+        assert_every_peer_stepped_to(modes[:3], start - OUTER_LR * (1 + OUTER_MOMENTUM) * mean, 1e-6)
+        assert modes[3].round == 2 and modes[3].context.traffic.sent_bytes.value == 0
+        assert [mode.averager.excluded_peers() for mode in modes] == [{}] * 4, "an honest peer was quarantined"
+
+
+def test_a_group_whose_members_gathered_different_rounds_skips_its_all_reduce_and_quarantines_nobody(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer can still join another round's key (it lies about its round, or runs other code): here every peer's
+    averager looks for its group under round 0's key while one gathers round 1, with a pseudo-gradient 100x the
+    others'. Such a round is never applied, so nothing is sent for it, and the reducers' norm check must not drop
+    and quarantine an honest peer for it: it used to, keeping a late joiner out of its groups for 10 min."""
+    monkeypatch.setattr(pseudo_gradients, "_step_round", lambda serializer, step: 0)  # before the averagers fork
+    start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    with diloco_peers(manifest(4, "none"), 4, [start]) as modes:
+        generator = torch.Generator().manual_seed(7)
+        deltas = [torch.randn(3, 4, generator=generator) for _ in modes]
+        deltas[3] *= 100
+        modes[3].round = 1
+        run_one_outer_round(modes, start, deltas, [8, 8, 8, 8])
         assert [mode.num_local_rounds for mode in modes] == [1, 1, 1, 1], "a round of mixed rounds is not applied"
         assert [mode.averager.excluded_peers() for mode in modes] == [{}] * 4, "an honest peer was quarantined"
         assert [mode.context.traffic.sent_bytes.value for mode in modes] == [0] * 4, "the skipped all-reduce sent"
@@ -315,3 +337,32 @@ def test_with_overlap_a_peer_that_notices_the_rounds_end_late_joins_its_all_redu
             list(pool.map(lambda mode: mode._finish_round_in_flight(wait=True), modes))
         expected = start - OUTER_LR * (1 + OUTER_MOMENTUM) * (pseudo_gradients[0] + pseudo_gradients[1]) / 2
         assert_every_peer_stepped_to(modes, expected, 1e-6)
+
+
+def test_a_round_in_flight_the_swarm_has_moved_two_rounds_past_is_given_up_not_waited_out(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Groups are keyed by round, so a peer whose round the swarm has left behind (a joiner that took a state as
+    the others' round closed) finds nobody: waiting out the averaging timeout stalled it 15 s per round in a CI
+    log. Once a peer trains two rounds past it, every group of that round has closed: the round is given up at
+    once, unaveraged, and the peer takes the swarm's state next; it ends none of its own meanwhile."""
+    start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    run = manifest(2, "none", overlap=True)
+    run = dataclasses.replace(run, averaging=dataclasses.replace(run.averaging, timeout_s=120.0))
+    with diloco_peers(run, 2, [start]) as modes:
+        behind, ahead = modes
+        ahead.round = 1
+        end_of_round(modes, start, [torch.ones(3, 4), torch.ones(3, 4)], [8, 8])  # the other trains in round 1
+        behind._outer_round()  # round 0's all-reduce starts in the background: nobody else is in round 0
+        assert behind._in_flight is not None and behind._in_flight.round == 0
+        ahead.tracker.report_local_progress(2, 8)  # the other trains in round 2: round 1's all-reduce has begun
+        await_condition(lambda: behind.tracker.global_epoch == 2, 30, "the swarm to be seen at round 2")
+        with caplog.at_level("WARNING", logger="crowdtrain.training.modes.diloco"):
+            behind._finish_round_in_flight(wait=True)
+        assert "outer round 0 found no group before the swarm moved on to round 2" in caplog.text
+        assert behind.round == 1 and behind.num_local_rounds == 1 and behind.diverged, "unaveraged: take a state"
+        assert behind._behind_the_swarm(), "its next micro-batch downloads the swarm's state"
+        # with the swarm two rounds past the one it trains in, it ends no round of its own until it took a state
+        ahead.tracker.report_local_progress(3, 8)
+        await_condition(lambda: behind.tracker.global_epoch == 3, 30, "the swarm to be seen at round 3")
+        assert behind.tracker.ready_to_update_epoch and behind._left_behind()

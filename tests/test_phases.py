@@ -101,6 +101,7 @@ class FakeRound:
     poll_s: float = 1.0
     began_allreduce: bool = False
     polls: list[float] = field(default_factory=list)
+    cancelled: bool = False
 
     @property
     def stage(self) -> AveragingStage:
@@ -118,6 +119,10 @@ class FakeRound:
         if self.stages:
             raise TimeoutError
         return None
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
 
 
 def test_the_wait_for_a_round_splits_by_the_stage_the_averager_reports() -> None:
@@ -160,3 +165,16 @@ def test_a_rounds_compute_utilisation_and_bytes_reach_the_status_message() -> No
     assert message.round_bytes_sent == 1234 and message.compute_utilisation == pytest.approx(0.9)
     progress.complete_round(compute_s=12.0, wall_s=10.0, bytes_sent=0)  # clocks of two threads: never over 1
     assert progress.compute_utilisation == 1.0
+
+
+def test_a_round_still_looking_for_its_group_is_cancelled_once_the_caller_gives_up_and_not_while_reducing() -> None:
+    clock = FakeClock()
+    phases = PhaseAccumulator(clock)
+    looking, running = AveragingStage.LOOKING_FOR_GROUP, AveragingStage.RUNNING_ALLREDUCE
+    control = FakeRound(clock, [looking] * 100)
+    assert not wait_for_round(control, phases, timeout_s=60.0, give_up=lambda: clock() >= 103.0)
+    assert control.cancelled and len(control.polls) == 3 and phases.complete_step().matchmaking_s == 3.0
+    # a round already reducing with its group is waited for: the give-up is about finding one
+    control = FakeRound(clock, [looking, running, running, running])
+    assert wait_for_round(control, phases, timeout_s=60.0, give_up=lambda: clock() >= 104.0)
+    assert not control.cancelled and control.done()

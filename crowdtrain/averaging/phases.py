@@ -152,16 +152,26 @@ class RoundControl(Protocol):
 
     def exception(self, timeout: float | None = None) -> BaseException | None: ...
 
+    def cancel(self) -> bool: ...
+
 
 def wait_for_round(
-    control: RoundControl, phases: PhaseAccumulator, timeout_s: float, poll_s: float = ROUND_POLL_S
-) -> None:
+    control: RoundControl,
+    phases: PhaseAccumulator,
+    timeout_s: float,
+    give_up: Callable[[], bool] | None = None,
+    poll_s: float = ROUND_POLL_S,
+) -> bool:
     """Wait until an averaging round is done or `timeout_s` passed, counting each poll interval to matchmaking
     or all-reduce by the stage the averager process reports at its end; a retry's new matchmaking counts as
-    matchmaking again."""
+    matchmaking again. `give_up`: asked at each poll while the round looks for its group; once it says so, the
+    round is cancelled and False returned (else True)."""
     deadline = phases.clock() + timeout_s
     previous = phases.clock()
     while not control.done() and previous < deadline:
+        if give_up is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP and give_up():
+            control.cancel()
+            return False
         try:
             control.exception(timeout=poll_s)
         except (TimeoutError, CancelledError):
@@ -171,3 +181,4 @@ def wait_for_round(
         in_allreduce = running or (control.done() and control.began_allreduce)
         phases.add(Phase.ALLREDUCE if in_allreduce else Phase.MATCHMAKING, now - previous)
         previous = now
+    return True

@@ -14,7 +14,9 @@ from multiprocessing.sharedctypes import Synchronized
 from typing import Any
 
 import torch
+from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.key_manager import GroupKey, GroupKeyManager
 from hivemind.compression import CompressionInfo
 
 from crowdtrain.averaging.exact import ExactRoundsMixin
@@ -51,11 +53,20 @@ class PseudoGradientAverager(
         self._outer_state, self._template = outer_state, template
         super().__init__(averaged_tensors, **kwargs)
 
+    async def _step(self, *, step: StepControl, **kwargs: Any) -> Any:
+        # Runs in the averager's process: the round's matchmaking looks for peers under a key of its round.
+        keys = self._matchmaking.group_key_manager
+        if not isinstance(keys, RoundKeyManager):
+            keys = self._matchmaking.group_key_manager = RoundKeyManager.replacing(keys)
+        keys.round = _step_round(self.serializer, step)
+        return await super()._step(step=step, **kwargs)
+
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         # A group whose members are at different outer rounds is never applied (DiLoCoMode._round_gathered), so
         # its all-reduce is skipped: no bytes for nothing, and no honest member dropped and quarantined by the
         # reducers' norm check for a pseudo-gradient of another round's length. Every member holds the same
-        # gathered data (the leader sends it to all), so every member skips the same all-reduce.
+        # gathered data (the leader sends it to all), so every member skips the same all-reduce. Honest peers
+        # never meet another round's (RoundKeyManager); one that lies about its round in the key can still.
         gathered = _members_gathered(self.serializer, group_info)
         if gathered is not None and len({gathered_round(value) for value in gathered.values()}) > 1:
             return gathered
@@ -83,6 +94,36 @@ def gathered_round(value: Any) -> int | None:
     if isinstance(value, list | tuple) and 2 <= len(value) <= MAX_GATHERED:
         value = value[0]
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class RoundKeyManager(GroupKeyManager):
+    """hivemind's group keys with the outer round in them: `{prefix}_r{round}.0b{bits}`.
+
+    Under one key for every round, peers one round apart met whenever they ended a round at the same moment (the
+    swarm's progress ends everyone's round at once), their group mixed rounds and nobody applied it; both went on
+    alone and one round apart, round after round (a CI log of test_diloco: 16 rounds in a row, until one peer jumped).
+    Keyed by round, such peers find no group, each ends its round alone, and the one behind takes the other's
+    state; the peers of one round never wait for a peer of another. Donors are still found under the prefix."""
+
+    round: int | None = None
+
+    @classmethod
+    def replacing(cls, keys: GroupKeyManager) -> RoundKeyManager:
+        """A round-keyed manager with `keys`' DHT, prefix, Moshpit bits and group size."""
+        return cls(keys.dht, keys.prefix, keys.group_bits, keys.target_group_size)
+
+    @property
+    def current_key(self) -> GroupKey:
+        tag = "" if self.round is None else f"_r{self.round}"
+        return f"{self.prefix}{tag}.0b{self.group_bits}"
+
+
+def _step_round(serializer: Any, step: StepControl) -> int | None:
+    """The round a step gathers (`gathered_round` of its user data, as hivemind's `step` packed it), or None."""
+    try:
+        return gathered_round(serializer.loads(serializer.loads(step.data_for_gather)[2]))
+    except Exception:
+        return None
 
 
 def _members_gathered(serializer: Any, group_info: GroupInfo) -> dict[Any, Any] | None:

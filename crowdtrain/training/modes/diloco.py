@@ -43,6 +43,7 @@ weight is the samples of that round, the same share of each peer's span as its r
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -136,6 +137,7 @@ class DiLoCoMode(TrainingMode):
         self._catching_up_until = 0.0  # while later: the last state taken was one round behind the swarm's
         self._catch_up_round: int | None = None  # the round of the first such state
         self._catch_up_tries = 0
+        self._said_left_behind = False
         self._lock = threading.Lock()  # the outer state, between the training thread and a joiner's request
         with torch.no_grad():
             self.global_parameters = [parameter.detach().clone().float() for parameter in self.parameters]
@@ -260,7 +262,7 @@ class DiLoCoMode(TrainingMode):
         self.samples += self.context.micro_batch_size
         self.inner_steps += 1
         self.tracker.report_local_progress(self.training_round, self.samples)
-        if self.tracker.ready_to_update_epoch and not self._catching_up():
+        if self.tracker.ready_to_update_epoch and not self._catching_up() and not self._left_behind():
             self._outer_round()
         return loss
 
@@ -372,9 +374,17 @@ class DiLoCoMode(TrainingMode):
         flight = self._in_flight
         assert flight is not None, "no round in flight"
         timeout = self.context.manifest.averaging.timeout_s
-        if wait and not flight.control.done():
-            wait_for_round(flight.control, self.context.phases, timeout)
-        gathered = self._round_gathered(flight.control, flight.round, timeout)
+        gathered: dict[Any, Any] | None = None
+        passed = functools.partial(self._passed_by_the_swarm, flight.round)
+        if (
+            wait
+            and not flight.control.done()
+            and not wait_for_round(flight.control, self.context.phases, timeout, passed)
+        ):
+            logger.warning(f"outer round {flight.round} found no group before the swarm moved on to round "
+                           f"{self.tracker.global_epoch}: not averaged")  # fmt: skip
+        else:
+            gathered = self._round_gathered(flight.control, flight.round, timeout)
         averaged = gathered is not None
         if gathered is not None:
             self._note_round(gathered, time.monotonic() - flight.started)
@@ -532,6 +542,24 @@ class DiLoCoMode(TrainingMode):
                 start.grad = None
             self.round += 1
 
+    def _passed_by_the_swarm(self, round_: int) -> bool:
+        """Whether a peer of the swarm trains two rounds past `round_`: it has started averaging round_ + 1, and with
+        at most one round in flight per peer, every group of round_ has closed (groups are keyed by round,
+        RoundKeyManager). A liar's claim counts until a download finds no state that backs it
+        (`_load_state_from_peers`)."""
+        return self.tracker.global_epoch >= round_ + 2
+
+    def _left_behind(self) -> bool:
+        """Whether the swarm has passed the round this node trains in (`_passed_by_the_swarm`): then ending it would
+        average with nobody, and counting rounds up alone would bring this node to the swarm's round with a θ₀ that
+        is not the swarm's. It trains on in its round instead, and takes the swarm's state when it can."""
+        left_behind = self._passed_by_the_swarm(self.training_round)
+        if left_behind and not self._said_left_behind:
+            logger.warning(f"the swarm is at outer round {self.tracker.global_epoch}, this node at "
+                           f"{self.training_round}: it trains on until it takes the swarm's state")  # fmt: skip
+        self._said_left_behind = left_behind
+        return left_behind
+
     def _swarm_inner_step(self) -> int:
         """The swarm's inner step, counted in global batches over all rounds: the learning-rate schedule's step."""
         return self.training_round * self.batches_per_round + min(
@@ -576,6 +604,7 @@ class DiLoCoMode(TrainingMode):
         self._sync_not_before = time.monotonic() + (CATCH_UP_RETRY_S if self._catching_up() else SYNC_RETRY_S)
         if self._in_flight is not None:  # applied first, so that a failed download leaves a consistent state
             self._finish_round_in_flight(wait=True)
+        claimed_at_start = self.tracker.global_epoch
         with self.context.phases.measure(Phase.STATE_DOWNLOAD):
             loaded = self.averager.load_state_from_peers(
                 timeout=LOAD_STATE_TIMEOUT_S,
@@ -605,6 +634,11 @@ class DiLoCoMode(TrainingMode):
         self.averager.state_sharing_priority = self._priority()
         self.diverged = False
         logger.info(f"took the swarm's state of outer round {self.round}")
+        # The swarm's newest state still short of the round some peer claims: the claim is not backed, and rounds
+        # more than one past this node's are ignored for a while (averaging/progress_bounds.py); else a liar's round
+        # would hold every node `_left_behind`. An honest donor's newest round may still be in flight (it serves
+        # the one before), so the state counts as one round later than it is.
+        self.tracker.distrust_unbacked_epochs(self.round + 1, self.round + 1, claimed_at_start=claimed_at_start)
         self._note_catch_up()
         return True
 
