@@ -36,8 +36,9 @@ on loopback. Arms, one after the other, same data:
                   is exchanged during the next, the true state steps on it at that one's end, and each node
                   computes on a look-ahead (the true state stepped on its own gradient); in the WAN lab the
                   exchange is paced to half of each node's link (`BACKGROUND_SHARE`); `swarm-overlap-unpaced` the
-                  same with no node's link known (the exchange at full speed); `swarm-full-overlap` the full
-                  pipeline so
+                  same with no node's link known (the exchange at full speed); `swarm-overlap-unshared` the
+                  same with the schedule costing hops at the whole link, not at what the exchange leaves
+                  (`SkipPipeProblem.background_share`); `swarm-full-overlap` the full pipeline so
     one-process-eager  one process (every core) doing what swarm-overlap does: each replica's look-ahead, the
                   true state stepping on the iteration before's sum; the overlap's effect on the loss, no network
     one-process-stale  one process (every core) stepping on the iteration before's gradient, as overlap_exchange
@@ -166,6 +167,7 @@ ARMS = (
     "swarm-float32",
     "swarm-overlap",
     "swarm-overlap-unpaced",
+    "swarm-overlap-unshared",
     "swarm-full-overlap",
     "one-process-stale",
     "one-process-eager",
@@ -453,6 +455,7 @@ def node_main(args: argparse.Namespace) -> int:
             optimizer=torch.optim.AdamW(staged.stage_parameters(stage), lr=args.learning_rate), batch=data.batch,
             in_flight=args.memory, hop_timeout_s=60.0, done_timeout_s=300.0, exchange_timeout_s=60.0,
             gradient_dtype=args.gradient_dtype, overlap_exchange=args.overlap,
+            schedule_around_exchange=not args.unshared,
             upload_bytes_per_s=args.upload_mbps and args.upload_mbps * BYTES_PER_MEGABIT,
             download_bytes_per_s=args.download_mbps and args.download_mbps * BYTES_PER_MEGABIT,
         )  # fmt: skip
@@ -543,6 +546,7 @@ def swarm_arm(
                            "--memory", str(args.memory), "--skip-ratio", str(skip_ratio), "--scheduler", scheduler,
                            "--slowdown", str(args.slowdown), "--eval-every", str(args.eval_every),
                            "--gradient-dtype", gradient_dtype, *(["--overlap"] if "overlap" in arm else []),
+                           *(["--unshared"] if "unshared" in arm else []),
                            "--learning-rate", str(args.learning_rate), "--identity", str(args.identities[index]),
                            "--host", hosts[index].address if hosts else "127.0.0.1",
                            *(["--upload-mbps", str(hosts[index].upload_mbps), "--download-mbps",
@@ -799,6 +803,7 @@ def main() -> int:
         "other peer IDs, so other routes and pairings; prints each draw's iteration times and the first arm's ratio",
     )
     parser.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)  # a node's overlap_exchange
+    parser.add_argument("--unshared", action="store_true", help=argparse.SUPPRESS)  # not schedule_around_exchange
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)  # a node's address
     parser.add_argument("--upload-mbps", type=float, help=argparse.SUPPRESS)  # a node's link, in the WAN lab
     parser.add_argument("--download-mbps", type=float, help=argparse.SUPPRESS)

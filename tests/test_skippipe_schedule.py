@@ -134,6 +134,31 @@ def test_a_source_behind_a_slower_link_starts_fewer_microbatches() -> None:
     check_constraints(p, scheduled)
 
 
+def test_with_the_exchange_in_the_background_hops_cost_the_link_it_leaves_and_the_slow_links_get_less() -> None:
+    # Each stage's replicas exchange their gradient at b = 1/2 of the slower link while the iteration runs: the
+    # replica behind it keeps half its link for hops, the one on a link four times faster 7/8 of its own.
+    nodes = tuple(
+        dataclasses.replace(n, seconds_per_hop=0.05 if n.peer_id.endswith("a") else 0.2)
+        for n in four_by_two(slow_factor=1.0)
+    )
+    shared = problem(nodes, num_microbatches=8, background_share=0.5)
+    foreground = skippipe.foreground_nodes(shared)
+    assert foreground["s0b"].seconds_per_hop == pytest.approx(0.4)
+    assert foreground["s0a"].seconds_per_hop == pytest.approx(1 / (20 - 2.5))
+    assert skippipe.foreground_nodes(problem(nodes))["s0b"].seconds_per_hop == 0.2, "no exchange: the whole link"
+    alone = problem(nodes, num_microbatches=8, background_share=0.5, exclude=frozenset({"s1a"}))
+    assert skippipe.foreground_nodes(alone)["s1b"].seconds_per_hop == 0.2, "a lone replica exchanges nothing"
+    # a source's microbatch: 1 + 4·0.057 = 1.23 s at s0a, 1 + 4·0.4 = 2.6 s at s0b (1.8 s on the whole link)
+    before, after = schedule_microbatches(problem(nodes, num_microbatches=8)), schedule_microbatches(shared)
+    assert (before.microbatches_per_node["s0a"], before.microbatches_per_node["s0b"]) == (5, 3)
+    assert (after.microbatches_per_node["s0a"], after.microbatches_per_node["s0b"]) == (6, 2)
+    visits = Counter(peer for route in after.routes for peer in route.path[1:])
+    assert sum(visits[f"s{stage}b"] for stage in (1, 2, 3)) < sum(
+        count for peer, count in Counter(p for r in before.routes for p in r.path[1:]).items() if peer.endswith("b")
+    )
+    check_constraints(shared, after)
+
+
 def test_constraints_hold_on_random_topologies() -> None:
     rng = random.Random(2025)
     for case in range(200):
@@ -399,6 +424,8 @@ def test_simulate_times_any_routes() -> None:
         {"num_microbatches": 0},
         {"skip_ratio": 1.0},
         {"skip_ratio": math.nan},
+        {"background_share": 1.0},
+        {"background_share": -0.1},
         {"default_latency_s": -0.1},
         {"latency_s": {("s0a", "s1a"): math.inf}},
         {"nodes": (node("x", 0), node("x", 1))},

@@ -182,6 +182,9 @@ class SkipPipeNode:
     download_bytes_per_s: float | None = None
     """This node's measured link (None: not measured): with overlap_exchange the background exchange is paced to
     BACKGROUND_SHARE of it."""
+    schedule_around_exchange: bool = True
+    """With overlap_exchange: the schedule costs each hop at the link the background exchange leaves
+    (`SkipPipeProblem.background_share`); every node of a run must set it alike (they compute the same schedule)."""
     scheduler: Callable[[SkipPipeProblem], Schedule] = schedule_microbatches
     """SkipPipe's scheduler, or a baseline of `planning.skippipe` (`full_pipeline`, `random_skipping`)."""
     parameters: list[torch.nn.Parameter] = field(init=False)
@@ -369,6 +372,7 @@ class SkipPipeNode:
                 reorder=self.reorder,
                 seed=iteration,
                 exclude=frozenset(self.suspected),
+                background_share=BACKGROUND_SHARE if self.overlap_exchange and self.schedule_around_exchange else 0.0,
             )
         )
         sources = sorted({route.source for route in schedule.routes})
