@@ -25,14 +25,16 @@ from crowdtrain import proto
 from crowdtrain.errors import BadInputError
 from crowdtrain.structured import FieldError, from_mapping, from_message, to_message
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Bumped when nodes of different versions can no longer train together. 2: a reducer sends back the encoded
 average, not a delta (averaging/traffic.py). 3: a sender ends its all-reduce stream only after every average
 came back, and a reducer holds a zero-share sender's averages until all are ready, not until that end. 4: every
 step's gradient is clipped to `optimizer.max_grad_norm` (replicas that clip differently would drift apart). 5: a run
 may be invite-only (`admission`): its nodes then sign every DHT request with an access token (dht/admission.py). 6:
 SkipPipe's schedule weighs each node's published link (`SkipPipeMember.seconds_per_hop`, planning/skippipe.py), and
-with `overlap_exchange` a replica computes on a look-ahead and serves and fingerprints its true state."""
+with `overlap_exchange` a replica computes on a look-ahead and serves and fingerprints its true state. 7: DiLoCo
+groups are keyed by outer round (averaging/pseudo_gradients.py), and with `overlap_exchange` SkipPipe's schedule
+costs hops at the link the background exchange leaves (`SkipPipeProblem.background_share`)."""
 
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 MAX_MODEL_CONFIG_BYTES = 16 * 1024
