@@ -23,7 +23,10 @@ The link term is there because hops are source-routed (`pipeline.driver`): every
 comes back through its source's link, so a source behind a 25 Mbit/s home link moves 2V payloads each way per
 microbatch, a node of stages 1.. two. Without it the greedy split the microbatches evenly between a stage's replicas
 of equal compute, and in the WAN lab the source on the 25 Mbit/s link finished its half 2 s after the one on 100;
-with it that source takes 3 of 8, both finish together, and iterations were 6.6% shorter (BENCHMARKS.md).
+with it that source takes 3 of 8, both finish together, and iterations were 6.6% shorter (BENCHMARKS.md). With the
+replicas' gradient exchange running during the iteration (`background_share`), h_n is the seconds per hop on what
+the exchange leaves of the link (`foreground_nodes`): there the slow source takes 2 of 8, and overlapped iterations
+were 7-14% shorter.
 
 Taking the least-visited stages keeps every stage's visit count within one of every other's (the counts
 are c or c+1 before a step and c+1 or c+2 after one). Choosing the replica with the earliest finish (list
