@@ -552,7 +552,8 @@ class DiLoCoMode(TrainingMode):
     def _left_behind(self) -> bool:
         """Whether the swarm has passed the round this node trains in (`_passed_by_the_swarm`): then ending it would
         average with nobody, and counting rounds up alone would bring this node to the swarm's round with a θ₀ that
-        is not the swarm's. It trains on in its round instead, and takes the swarm's state when it can."""
+        is not the swarm's. It trains on in its round instead, and takes the swarm's state at its next download
+        (or, if none comes, joins the swarm's round with its own: `_load_state_from_peers`)."""
         left_behind = self._passed_by_the_swarm(self.training_round)
         if left_behind and not self._said_left_behind:
             logger.warning(f"the swarm is at outer round {self.tracker.global_epoch}, this node at "
@@ -615,6 +616,16 @@ class DiLoCoMode(TrainingMode):
             )
         if loaded is None:
             self.diverged = False  # nobody to take a state from: go on with this one
+            if self._passed_by_the_swarm(self.round):
+                # Left behind and no state came (on a home link a whole state can take longer than the download's
+                # timeout while the swarm trains): join the swarm's round with this node's own θ₀ rather than wait
+                # for a download that may never fit, as a node that counted its rounds up alone did before.
+                logger.warning(f"no peer's state came; this node joins the swarm's outer round "
+                               f"{self.tracker.global_epoch} with its own")  # fmt: skip
+                with self.tracker.pause_updates():
+                    self.round, self.samples = self.tracker.global_epoch, 0
+                    self.tracker.update_epoch(self.round)
+                self.averager.state_sharing_priority = self._priority()
             return False
         metadata, tensors = loaded
         count = len(self.global_parameters)
