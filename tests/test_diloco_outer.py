@@ -366,3 +366,19 @@ def test_a_round_in_flight_the_swarm_has_moved_two_rounds_past_is_given_up_not_w
         ahead.tracker.report_local_progress(3, 8)
         await_condition(lambda: behind.tracker.global_epoch == 3, 30, "the swarm to be seen at round 3")
         assert behind.tracker.ready_to_update_epoch and behind._left_behind()
+
+
+def test_a_node_left_behind_that_gets_no_state_joins_the_swarms_round_with_its_own() -> None:
+    """On a home link a whole state can take longer than the download's timeout while the swarm trains (the WAN
+    lab's streaming arm): a node two rounds behind whose download brings nothing must not wait out of every round
+    for one that may never fit; it moves to the swarm's round with its own θ₀ and averages from there."""
+    start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    with diloco_peers(manifest(2, "none"), 2, [start]) as modes:
+        behind, ahead = modes
+        ahead.tracker.report_local_progress(3, 8)
+        await_condition(lambda: behind.tracker.global_epoch == 3, 30, "the swarm to be seen at round 3")
+        assert behind._left_behind() and behind._behind_the_swarm()
+        behind.averager.load_state_from_peers = lambda **kwargs: None  # type: ignore[method-assign]  # timed out
+        assert not behind._load_state_from_peers()
+        assert behind.round == 3 and behind.training_round == 3 and not behind._left_behind()
+        assert torch.equal(behind.global_parameters[0], start), "its own θ₀: nothing came to replace it"
