@@ -29,6 +29,9 @@ on loopback. Arms, one after the other, same data:
     swarm-random  the same k and reordering, stages and replicas drawn at random (`random_skipping`)
     swarm-full    the 8 node processes as a standard pipeline (`full_pipeline`): k = 0, every microbatch through
                   every stage in order, each stage's replicas in turn
+    swarm-full-greedy-overlap  the full pipeline with SkipPipe's greedy choosing each hop's replica by cost
+                  (`schedule_microbatches` at k = 0), overlapped: the strongest full pipeline here, which
+                  sends fewer microbatches through the slow node than a round-robin one
     one-process-full  the full pipeline's routes in one process (every core): what `swarm-full` must train like
                   (a standard pipeline is gradient accumulation over the microbatches through every layer)
     swarm-float32 `swarm` with the replicas' gradients exchanged in float32 (twice the bytes)
@@ -48,9 +51,10 @@ on loopback. Arms, one after the other, same data:
     one-process-int8  one process (every core) stepping on each stage's gradient rounded to int8 blocks with
                   error feedback, as one replica per stage would send it: the rounding alone, without any network
 
-Node 7 (stage 3's second replica) is `--slowdown` times slower (default 4): after each of its forwards and
-backwards it sleeps (slowdown - 1) times the compute, busy for anything else, and the schedule knows its cost (as
-from its published measurement). A sleeping node takes no core here, as a slow remote node would take none.
+Node 7 (stage 3's second replica) is `--slowdown` times slower (default 4): whatever it computes under its model
+lock (forwards, backwards, its step) is followed by a sleep of (slowdown - 1) times the compute, busy for anything
+else (`SlowDevice`), and the schedule knows its cost (as from its published measurement). A sleeping node takes no
+core here, as a slow remote node would take none.
 
 Reported per arm: seconds per iteration (median after the first two), training samples per second, the mean
 training loss of the last iterations, the held-out loss along the full path every `--eval-every` iterations
@@ -63,7 +67,11 @@ and each swarm arm's node logs and iteration reports to logs/<arm>/.
 
 On this 2-core machine 8 processes (and their 8 p2pd) share two cores, so the swarm's seconds per iteration
 measure the protocol's overhead under contention, not a pipeline's speed-up: that needs a core (or a machine) per
-node. The swarm's ratio is taken against the faster of the two one-process arms.
+node. The swarm's ratio is taken against the faster of the two one-process arms. `--device-slowdown F` reads the
+schedules as on machines of their own: every node's compute is followed by a sleep of F - 1 times it (node 7's by
+F x slowdown - 1), so at F = 6 the eight nodes' compute needs a third of the cores at most and they stop slowing
+each other down, and the arms differ in how their schedules use the devices, not in how much of the two cores
+they take. Its seconds are those of slower devices, not of this machine.
 
 With `--draws N` the swarm arms run N times, each with new identities (the first with the one-process arms): a
 node's peer ID decides ties in the schedule, the order of a reordered path and which replicas the full pipeline
@@ -169,6 +177,7 @@ ARMS = (
     "swarm-overlap-unpaced",
     "swarm-overlap-unshared",
     "swarm-full-overlap",
+    "swarm-full-greedy-overlap",
     "one-process-stale",
     "one-process-eager",
     "swarm-int8",
@@ -215,16 +224,23 @@ def stage_seconds(run: RunManifest, data: Data) -> list[float]:
 
 
 def topology(
-    peer_ids: Sequence[str], seconds: Sequence[float], memory: int, slowdown: float, hop_s: Sequence[float] = ()
+    peer_ids: Sequence[str],
+    seconds: Sequence[float],
+    memory: int,
+    slowdown: float,
+    hop_s: Sequence[float] = (),
+    device: float = 1.0,
 ) -> list[NodeInfo]:
     """The nodes in index order, stage = index // REPLICAS, at their stage's measured cost; SLOW_NODE `slowdown`
     times slower (as it would publish its own measurement); `hop_s`: each node's seconds per hop (`hop_seconds`),
     none: not measured. With link costs, the compute is what a node gets of this machine when all 8 compute
-    (`CONTENTION` times the measurement alone): the greedy weighs it against the links' seconds."""
+    (`CONTENTION` times the measurement alone): the greedy weighs it against the links' seconds. With `device`
+    (`--device-slowdown`) every node is that many times slower than a core alone, or CONTENTION times where that
+    is more (a device slower than its share of the cores is not slowed further by the sharing)."""
     contention = CONTENTION if any(hop_s) else 1.0
     return [
         NodeInfo(peer_id=peer, stage=index // REPLICAS, memory_microbatches=memory,
-                 seconds_per_microbatch=seconds[index // REPLICAS] * contention
+                 seconds_per_microbatch=seconds[index // REPLICAS] * max(contention, device)
                  * (slowdown if index == SLOW_NODE else 1.0),
                  seconds_per_hop=hop_s[index] if hop_s else 0.0)
         for index, peer in enumerate(peer_ids)
@@ -241,29 +257,30 @@ def hop_seconds(args: argparse.Namespace, run: RunManifest) -> list[float]:
     return [seconds_per_hop(payload_bytes, host.upload_mbps, host.download_mbps) for host in hosts]
 
 
-class SlowStageService(StageService):
-    """A node `slowdown` times slower than this machine: each forward and backward is followed by a sleep of
-    (slowdown - 1) times its compute, during which the node runs nothing else (as a slower device would)."""
+class SlowDevice:
+    """A node's model lock (`StageService.model_lock`, held around all of its compute: the stage's forwards and
+    backwards, its step) that holds on `factor` times as long as the compute under it took: a device that much
+    slower than this machine, busy for anything else meanwhile. Its sleep takes no core here, as a slow remote
+    device would take none."""
 
-    slowdown = 1.0
+    def __init__(self, factor: float) -> None:
+        self.factor, self._lock, self._began = factor, threading.Lock(), 0.0
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._busy = threading.Lock()
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self._began = time.perf_counter()
 
-    def _forward(self, key: tuple[str, int, int], inputs: torch.Tensor) -> torch.Tensor:
-        with self._busy:
-            began = time.perf_counter()
-            outputs = super()._forward(key, inputs)
-            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - began))
-            return outputs
+    def __exit__(self, *exc: object) -> None:
+        try:
+            time.sleep((self.factor - 1.0) * (time.perf_counter() - self._began))
+        finally:
+            self._lock.release()
 
-    def _backward(self, held: Any, grad_outputs: torch.Tensor) -> torch.Tensor:
-        with self._busy:
-            began = time.perf_counter()
-            grad_inputs = super()._backward(held, grad_outputs)
-            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - began))
-            return grad_inputs
+
+def device_factor(args: argparse.Namespace, index: int) -> float:
+    """How many times slower than this machine node `index` computes: `--device-slowdown`, and SLOW_NODE
+    `--slowdown` times that."""
+    return args.device_slowdown * (args.slowdown if index == SLOW_NODE else 1.0)
 
 
 # ----- one process -----
@@ -285,7 +302,7 @@ def one_process(
     `int8`: on each stage's gradient rounded to int8 blocks, the rounding's error carried to the next iteration;
     `full`: the full pipeline's routes (k = 0, every stage in order) instead of SkipPipe's."""
     torch.set_num_threads(threads)
-    nodes = topology(args.peer_ids, seconds, args.memory, args.slowdown, args.hop_s)
+    nodes = topology(args.peer_ids, seconds, args.memory, args.slowdown, args.hop_s, args.device_slowdown)
     staged = staged_model(run)
     optimizers = [
         torch.optim.AdamW(staged.stage_parameters(stage), lr=args.learning_rate) for stage in range(NUM_STAGES)
@@ -437,9 +454,9 @@ def node_main(args: argparse.Namespace) -> int:
         staged = staged_model(run)
         hidden = run.model.config["hidden_size"]
         limits = HopLimits(max_batch=args.micro_batch_size, max_sequence=run.data.sequence_length, hidden_size=hidden)
-        kind = SlowStageService if index == SLOW_NODE and args.slowdown > 1.0 else StageService
-        SlowStageService.slowdown = args.slowdown
-        service = kind(dht, staged, stage, limits, memory_microbatches=args.memory)
+        service = StageService(dht, staged, stage, limits, memory_microbatches=args.memory)
+        if device_factor(args, index) > 1.0:
+            service.model_lock = SlowDevice(device_factor(args, index))  # type: ignore[assignment]
         service.start()
         me = {"peer_id": service.peer_id, "maddrs": [str(m) for m in dht.get_visible_maddrs()]}
         _write_atomically(folder / f"node{index}.json", me)
@@ -448,7 +465,9 @@ def node_main(args: argparse.Namespace) -> int:
             if other["peer_id"] != me["peer_id"]:
                 _dial(service, other)
         peer_ids = [node["peer_id"] for node in swarm["nodes"]]
-        nodes = topology(peer_ids, swarm["stage_seconds"], args.memory, args.slowdown, swarm["hop_seconds"])
+        nodes = topology(
+            peer_ids, swarm["stage_seconds"], args.memory, args.slowdown, swarm["hop_seconds"], args.device_slowdown
+        )
         runner = SkipPipeNode(
             service=service, nodes=nodes, num_microbatches=args.microbatches, skip_ratio=args.skip_ratio,
             reorder=args.skip_ratio > 0, scheduler=SCHEDULERS[args.scheduler],
@@ -523,6 +542,7 @@ def swarm_arm(
         "swarm-cbs": "cbs",
         "swarm-planned": "planned",
         "swarm-prioritized": "prioritized",
+        "swarm-full-greedy-overlap": "skippipe",
     }
     scheduler = schedulers.get(arm, "full" if full else "skippipe")
     gradient_dtype = {"swarm-float32": "float32", "swarm-int8": "int8", "swarm-full-int8": "int8"}.get(
@@ -544,7 +564,8 @@ def swarm_arm(
                            "--model", args.model, "--iterations", str(args.iterations), "--microbatches",
                            str(args.microbatches), "--micro-batch-size", str(args.micro_batch_size),
                            "--memory", str(args.memory), "--skip-ratio", str(skip_ratio), "--scheduler", scheduler,
-                           "--slowdown", str(args.slowdown), "--eval-every", str(args.eval_every),
+                           "--slowdown", str(args.slowdown), "--device-slowdown", str(args.device_slowdown),
+                           "--eval-every", str(args.eval_every),
                            "--gradient-dtype", gradient_dtype, *(["--overlap"] if "overlap" in arm else []),
                            *(["--unshared"] if "unshared" in arm else []),
                            "--learning-rate", str(args.learning_rate), "--identity", str(args.identities[index]),
@@ -777,6 +798,14 @@ def main() -> int:
     parser.add_argument("--kill-at", type=int, default=10, help="swarm-kill: iterations before the kill")
     parser.add_argument("--skip-ratio", type=float, default=SKIP_RATIO, help=argparse.SUPPRESS)  # a node's k
     parser.add_argument("--slowdown", type=float, default=4.0, help=f"how much slower node {SLOW_NODE} is (4)")
+    parser.add_argument(
+        "--device-slowdown",
+        type=float,
+        default=1.0,
+        help="every node computes as a device this many times slower than one core here (1: as fast; the 8 share "
+        "the cores); at 4 or more the sleeping devices leave this machine's cores idle enough that the nodes no "
+        "longer slow each other, as nodes on machines of their own would not",
+    )
     parser.add_argument("--scheduler", choices=SCHEDULERS, default="skippipe", help=argparse.SUPPRESS)
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS),
                         help="the swarm arms (the one-process arms always run)")  # fmt: skip
