@@ -172,6 +172,9 @@ class SkipPipeNode:
     gradient_dtype: str = "bfloat16"
     """How this node publishes its stage's gradient to the other replicas (`SkipPipeSpec.gradient_dtype`)."""
     in_flight: int = 2
+    """How many of its microbatches a stage-0 node runs at once: the daemon's is its `memory_microbatches`, as the
+    schedule's timeline counts it (a source holds each microbatch's activations until its backward). In the WAN
+    lab's benchmark SkipPipe took 7.1-7.3 s an iteration with 2 in flight (and 2 held per node), 6.5-6.6 s with 4."""
     max_grad_norm: float = 1.0
     hop_timeout_s: float = 30.0
     done_timeout_s: float = 120.0

@@ -204,6 +204,7 @@ class SkipPipeMode(TrainingMode):
             batch=self._batch,
             wire_dtype=self.spec.wire_dtype,
             gradient_dtype=self.spec.gradient_dtype,
+            in_flight=self.me.memory_microbatches,
             overlap_exchange=self.spec.overlap_exchange,
             upload_bytes_per_s=_bytes_per_s(self.context.upload_mbps),
             download_bytes_per_s=_bytes_per_s(self.context.download_mbps),
