@@ -122,8 +122,18 @@ def closing_all(nodes: list[Node]) -> Iterator[list[Node]]:
             node.close()
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One thread for this process's torch while its nodes train, then as many as before: left at one, it made a
+    later test in the same process (test_diloco_outer's four peers, int8) fail about every other run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def two_stage_run(tmp_path: Path, name: str, overlap: bool = False) -> RunManifest:
-    """The tiny LM in two SkipPipe stages, every microbatch through both; one thread per process's torch."""
+    """The tiny LM in two SkipPipe stages, every microbatch through both."""
     run_file = tmp_path / "run.toml"
     sections = '[skippipe]\nstages = 2\nskip_ratio = 0.0\nmicrobatches = 4\nwire_dtype = "float32"\n'
     run_file.write_text(
@@ -134,7 +144,6 @@ def two_stage_run(tmp_path: Path, name: str, overlap: bool = False) -> RunManife
             sections=sections + ("overlap_exchange = true\n" if overlap else ""),
         )
     )
-    torch.set_num_threads(1)
     return load_run_file(str(run_file))
 
 
@@ -197,6 +206,8 @@ def test_a_stage_that_loses_its_last_node_takes_a_spare_one_at_one_iteration_eve
         for node in nodes:
             assert node.losses and all(math.isfinite(loss) for loss in node.losses)
         assert mover.mode.runner.driver is None, "a stage-1 node drives no microbatches"
+        for node in nodes:  # a source runs as many microbatches at once as the schedule counts on its memory
+            assert node.mode.runner.in_flight == node.mode.me.memory_microbatches > 2
 
 
 def test_a_swarm_whose_stage_zero_is_gone_holds_then_a_spare_founds_it_again(
