@@ -622,10 +622,7 @@ class DiLoCoMode(TrainingMode):
                 # for a download that may never fit, as a node that counted its rounds up alone did before.
                 logger.warning(f"no peer's state came; this node joins the swarm's outer round "
                                f"{self.tracker.global_epoch} with its own")  # fmt: skip
-                with self.tracker.pause_updates():
-                    self.round, self.samples = self.tracker.global_epoch, 0
-                    self.tracker.update_epoch(self.round)
-                self.averager.state_sharing_priority = self._priority()
+                self._enter_round(self.tracker.global_epoch)
             return False
         metadata, tensors = loaded
         count = len(self.global_parameters)
@@ -639,10 +636,7 @@ class DiLoCoMode(TrainingMode):
             if self.feedback is not None:
                 self.feedback.reset()  # kept back from the trajectory this peer leaves for the swarm's
         self._take_round_batches(metadata.get("inner_steps"))
-        with self.tracker.pause_updates():
-            self.samples = 0
-            self.tracker.update_epoch(self.round)
-        self.averager.state_sharing_priority = self._priority()
+        self._enter_round(self.round)
         self.diverged = False
         logger.info(f"took the swarm's state of outer round {self.round}")
         # The swarm's newest state still short of the round some peer claims: the claim is not backed, and rounds
@@ -652,6 +646,14 @@ class DiLoCoMode(TrainingMode):
         self.tracker.distrust_unbacked_epochs(self.round + 1, self.round + 1, claimed_at_start=claimed_at_start)
         self._note_catch_up()
         return True
+
+    def _enter_round(self, outer_round: int) -> None:
+        """Make `outer_round` this node's round from its start: no samples of it yet, the progress tracker at it,
+        and the state this node serves ranked by it."""
+        with self.tracker.pause_updates():
+            self.round, self.samples = outer_round, 0
+            self.tracker.update_epoch(outer_round)
+        self.averager.state_sharing_priority = self._priority()
 
     def _note_catch_up(self) -> None:
         """After a download: wait for the donors' next round when the swarm's all-reduce of this one already runs
