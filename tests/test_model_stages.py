@@ -59,15 +59,30 @@ def test_stage_counts_outside_one_to_the_layers_are_refused(num_stages: int) -> 
         stage_layers(8, num_stages)
 
 
+@pytest.mark.parametrize("sizes", [[1, 2, 2, 3], [5, 1, 1, 1]])
+def test_stages_can_be_cut_unevenly(sizes: list[int]) -> None:
+    stages = stage_layers(8, 4, sizes)
+    assert [len(stage) for stage in stages] == sizes
+    assert [layer for stage in stages for layer in stage] == list(range(8))
+
+
+@pytest.mark.parametrize("sizes", [[1, 2, 2], [0, 3, 3, 2], [1, 2, 2, 2], [2, 2, 2, 3]])
+def test_a_cut_that_misses_a_layer_or_a_stage_is_refused(sizes: list[int]) -> None:
+    with pytest.raises(ValueError, match="must give each of the 4 stages at least one of the 8 layers, all of them"):
+        stage_layers(8, 4, sizes)
+
+
 @pytest.mark.parametrize("build", [llama, olmoe], ids=["llama", "olmoe"])
-def test_the_full_path_computes_the_model_itself(build: object) -> None:
+@pytest.mark.parametrize(("num_stages", "sizes"), [(4, None), (3, [1, 2, 1])], ids=["even", "uneven"])
+def test_the_full_path_computes_the_model_itself(build: object, num_stages: int, sizes: list[int] | None) -> None:
     model = build()  # type: ignore[operator]
-    staged = StagedModel(model, num_stages=4)
+    staged = StagedModel(model, num_stages=num_stages, sizes=sizes)
     batch = tokens()
     with torch.no_grad():
         expected = model(input_ids=batch, labels=batch)
-        loss, logits = staged.loss(batch, staged.full_path), staged.logits(batch, [0, 1, 2, 3])
-    assert staged.full_path == (0, 1, 2, 3)
+        loss, logits = staged.loss(batch, staged.full_path), staged.logits(batch, list(range(num_stages)))
+    assert staged.full_path == tuple(range(num_stages))
+    assert [len(stage) for stage in staged.stages] == (sizes or [1, 1, 1, 1])
     assert float(loss) == pytest.approx(float(expected.loss), abs=1e-5)
     torch.testing.assert_close(logits, expected.logits, atol=1e-5, rtol=0)
 

@@ -32,16 +32,23 @@ _REQUIRED_PARTS = ("model.layers", "model.embed_tokens", "model.norm", "model.ro
 """The attributes of a transformers decoder LM (LlamaForCausalLM, OlmoeForCausalLM) that stages are cut from."""
 
 
-def stage_layers(num_layers: int, num_stages: int) -> list[range]:
+def stage_layers(num_layers: int, num_stages: int, sizes: Sequence[int] | None = None) -> list[range]:
     """The decoder layers of each stage: consecutive, every layer once, sizes differing by at most one.
 
     Stage 0 gets the first layers and, when the layers don't divide evenly, one of the smaller shares, because it
-    also runs the embeddings and the head.
+    also runs the embeddings and the head. `sizes`: each stage's number of layers instead (at least 1 each, all
+    of the layers), e.g. a lighter stage 0, which every microbatch visits while it skips some of the others.
     """
     if not 1 <= num_stages <= num_layers:
         raise ValueError(f"num_stages must be between 1 and the {num_layers} layers, got {num_stages}")
-    base, extra = divmod(num_layers, num_stages)
-    sizes = [base + (1 if stage >= num_stages - extra else 0) for stage in range(num_stages)]
+    if sizes is None:
+        base, extra = divmod(num_layers, num_stages)
+        sizes = [base + (1 if stage >= num_stages - extra else 0) for stage in range(num_stages)]
+    elif len(sizes) != num_stages or min(sizes) < 1 or sum(sizes) != num_layers:
+        raise ValueError(
+            f"stage sizes {list(sizes)} must give each of the {num_stages} stages at least one of the "
+            f"{num_layers} layers, all of them"
+        )
     starts = [sum(sizes[:stage]) for stage in range(num_stages)]
     return [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
 
@@ -79,10 +86,10 @@ class StagedModel:
     It holds the model's own modules, not copies: training along paths trains the model.
     """
 
-    def __init__(self, model: torch.nn.Module, num_stages: int) -> None:
+    def __init__(self, model: torch.nn.Module, num_stages: int, sizes: Sequence[int] | None = None) -> None:
         _check_decoder_lm(model)
         self.model: Any = cast(Any, model)
-        self.stages = tuple(stage_layers(len(self.model.model.layers), num_stages))
+        self.stages = tuple(stage_layers(len(self.model.model.layers), num_stages, sizes))
         """The decoder layers of each stage, by stage."""
 
     @property
