@@ -198,13 +198,14 @@ def bench_run(model: str) -> RunManifest:
     return dataclasses.replace(base, run_id="bench-skippipe-swarm", model=spec)
 
 
-def staged_model(run: RunManifest) -> StagedModel:
-    return StagedModel(build_model(run.model, ByteTokenizer().vocab_size, seed=0), NUM_STAGES)
+def staged_model(run: RunManifest, sizes: Sequence[int] | None = None) -> StagedModel:
+    """The run's model in NUM_STAGES stages; `sizes`: each stage's layers (`--stage-layers`), else even."""
+    return StagedModel(build_model(run.model, ByteTokenizer().vocab_size, seed=0), NUM_STAGES, sizes)
 
 
-def stage_seconds(run: RunManifest, data: Data) -> list[float]:
+def stage_seconds(run: RunManifest, data: Data, sizes: Sequence[int] | None = None) -> list[float]:
     """Median seconds of one microbatch's forward and backward over each stage (stage 0 with embeddings and head)."""
-    staged = staged_model(run)
+    staged = staged_model(run, sizes)
     batch = data.batch(0, 0)
     seconds = []
     for stage in range(NUM_STAGES):
@@ -303,7 +304,7 @@ def one_process(
     `full`: the full pipeline's routes (k = 0, every stage in order) instead of SkipPipe's."""
     torch.set_num_threads(threads)
     nodes = topology(args.peer_ids, seconds, args.memory, args.slowdown, args.hop_s, args.device_slowdown)
-    staged = staged_model(run)
+    staged = staged_model(run, args.stage_layers)
     optimizers = [
         torch.optim.AdamW(staged.stage_parameters(stage), lr=args.learning_rate) for stage in range(NUM_STAGES)
     ]
@@ -451,7 +452,7 @@ def node_main(args: argparse.Namespace) -> int:
         initial = json.loads((folder / "node0.json").read_text())["maddrs"] if index else []
         dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{args.host}/tcp/0"], initial_peers=initial,
                            identity_path=args.identity, check_if_identity_free=False)  # fmt: skip
-        staged = staged_model(run)
+        staged = staged_model(run, args.stage_layers)
         hidden = run.model.config["hidden_size"]
         limits = HopLimits(max_batch=args.micro_batch_size, max_sequence=run.data.sequence_length, hidden_size=hidden)
         service = StageService(dht, staged, stage, limits, memory_microbatches=args.memory)
@@ -565,6 +566,7 @@ def swarm_arm(
                            str(args.microbatches), "--micro-batch-size", str(args.micro_batch_size),
                            "--memory", str(args.memory), "--skip-ratio", str(skip_ratio), "--scheduler", scheduler,
                            "--slowdown", str(args.slowdown), "--device-slowdown", str(args.device_slowdown),
+                           *(["--stage-layers", *map(str, args.stage_layers)] if args.stage_layers else []),
                            "--eval-every", str(args.eval_every),
                            "--gradient-dtype", gradient_dtype, *(["--overlap"] if "overlap" in arm else []),
                            *(["--unshared"] if "unshared" in arm else []),
@@ -596,7 +598,7 @@ def swarm_arm(
             for index in living:
                 processes[index].wait(timeout=60)
             reports = {index: _lines(folder / f"node{index}.jsonl") for index in living}
-            staged = staged_model(run)
+            staged = staged_model(run, args.stage_layers)
             evaluations = {0: held_out_loss(staged, data, staged.full_path)}
             for iterations in range(1, args.iterations + 1):
                 if evaluated(args, iterations):  # the snapshots of each stage's first replica (never the victim)
@@ -799,6 +801,13 @@ def main() -> int:
     parser.add_argument("--skip-ratio", type=float, default=SKIP_RATIO, help=argparse.SUPPRESS)  # a node's k
     parser.add_argument("--slowdown", type=float, default=4.0, help=f"how much slower node {SLOW_NODE} is (4)")
     parser.add_argument(
+        "--stage-layers",
+        type=int,
+        nargs=NUM_STAGES,
+        metavar="L",
+        help="each stage's number of the 8 layers (default 2 2 2 2): e.g. 1 2 2 3, a lighter stage 0",
+    )
+    parser.add_argument(
         "--device-slowdown",
         type=float,
         default=1.0,
@@ -854,7 +863,7 @@ def main() -> int:
     with TemporaryDirectory() as cache:
         data = Data(run, args.micro_batch_size, Path(cache))
         args.identities, args.peer_ids = identities(Path(cache), NUM_STAGES * REPLICAS)
-        seconds = stage_seconds(run, data)
+        seconds = stage_seconds(run, data, args.stage_layers)
         say("seconds per microbatch by stage: " + ", ".join(f"{s:.3f}" for s in seconds))
         args.hop_s = hop_seconds(args, run)
         if any(args.hop_s):
