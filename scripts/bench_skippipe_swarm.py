@@ -69,9 +69,10 @@ On this 2-core machine 8 processes (and their 8 p2pd) share two cores, so the sw
 measure the protocol's overhead under contention, not a pipeline's speed-up: that needs a core (or a machine) per
 node. The swarm's ratio is taken against the faster of the two one-process arms. `--device-slowdown F` reads the
 schedules as on machines of their own: every node's compute is followed by a sleep of F - 1 times it (node 7's by
-F x slowdown - 1), so at F = 6 the eight nodes' compute needs a third of the cores at most and they stop slowing
-each other down, and the arms differ in how their schedules use the devices, not in how much of the two cores
-they take. Its seconds are those of slower devices, not of this machine.
+F x slowdown - 1), so at F = 4 the eight nodes' compute fills the two cores only while all eight compute at once
+(they were 36-52% busy in the WAN lab), they mostly stop slowing each other down, and the arms differ in how their
+schedules use the devices, not in how much of the two cores they take. Its seconds are those of slower devices,
+not of this machine.
 
 With `--draws N` the swarm arms run N times, each with new identities (the first with the one-process arms): a
 node's peer ID decides ties in the schedule, the order of a reordered path and which replicas the full pipeline
