@@ -128,6 +128,15 @@ def test_the_prober_asks_reachable_peers_other_than_itself() -> None:
     assert prober.measured
 
 
+def test_the_prober_counts_a_link_measured_only_once_both_directions_are() -> None:
+    statuses = [peer("me"), peer("a")]
+    service = FakeService(Report(upload_mbps=10.0, download_mbps=None, reachable=True))
+    prober = LinkProber(service, make_roles(statuses=statuses), lambda: statuses, "me", [])
+    assert prober.probe_once() and not prober.measured, "a refused download probe is asked again soon"
+    service.report = Report(upload_mbps=None, download_mbps=20.0, reachable=True)
+    assert prober.probe_once() and prober.measured, "each direction keeps what an earlier round measured"
+
+
 def test_the_prober_with_nobody_to_ask_measures_nothing() -> None:
     roles = make_roles()
     service = FakeService(Report(upload_mbps=10.0, download_mbps=20.0, reachable=True))

@@ -70,6 +70,17 @@ def test_measure_without_peers_reports_nothing_measured(pair: Pair) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_direction_whose_probes_timed_nothing_says_so(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def one_chunk(*args: object) -> BandwidthSample:  # the whole stream read at once, or cut after a chunk
+        return BandwidthSample(measured_bytes=0, duration_s=0.0, truncated=True)
+
+    monkeypatch.setattr(pair.client, "_download", one_chunk)
+    report = pair.client.measure({pair.server.peer_id: pair.server_addresses}, pair.client_addresses, timeout_s=20)
+    assert report.upload_mbps is not None and report.download_mbps is None
+    assert [failure for failure in report.failures if "download probe" in failure and "timed nothing" in failure]
+
+
+@pytest.mark.timeout(60)
 def test_a_second_probe_inside_the_interval_is_refused(pair: Pair) -> None:
     original = pair.server.limiter
     pair.server.limiter = ProbeLimiter(ProbeLimits(min_interval_s=60))

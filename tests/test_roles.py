@@ -43,12 +43,14 @@ def test_measured_links_an_undialable_client_and_an_auxiliary_aggregator(tmp_pat
             return None
         # The founder serves one bandwidth probe per direction at a time: a joiner whose first round came while
         # the other's ran was refused and measures in a later round.
-        if any(peers[joiner]["upload_mbps"] is None for joiner in (hidden.peer_id, helper.peer_id)):
+        # A joiner retries a direction it could not measure within 30 s (roles.NO_PEERS_RETRY_S).
+        joiners = (peers[hidden.peer_id], peers[helper.peer_id])
+        if any(joiner[link] is None for joiner in joiners for link in ("upload_mbps", "download_mbps")):
             return None
         return peers
 
     peers = await_condition(
-        settled, 120, "all three peers published, the hidden one's reachability and both joiners' links measured", 1
+        settled, 120, "all three peers published, the hidden one's reachability and both joiners' links both ways", 1
     )
     hidden_status, helper_status = peers[hidden.peer_id], peers[helper.peer_id]
     # nobody could open a connection to the announced address: a client that trains but never aggregates

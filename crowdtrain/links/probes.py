@@ -336,7 +336,7 @@ class ProbeService(P2PService):
     async def _adaptive(self, peer: PeerID, direction: str, deadline: float, failures: list[str]) -> float | None:
         """Probe with growing sizes until a probe takes TARGET_PROBE_S or hits the cap; the last rate."""
         probe = self._upload if direction == "upload" else self._download
-        size, rate = INITIAL_PROBE_BYTES, None
+        size, rate, last = INITIAL_PROBE_BYTES, None, None
         for _ in range(MAX_PROBES_PER_DIRECTION):
             if remaining_s(deadline) <= 0:
                 break
@@ -348,11 +348,18 @@ class ProbeService(P2PService):
             if isinstance(outcome, proto.ProbeRefusal):
                 failures.append(f"peer {short_peer(peer.to_base58())} refused the {direction} probe: {outcome.reason}")
                 break
+            last = outcome
             rate = outcome.mbps if outcome.mbps is not None else rate
             if outcome.duration_s >= TARGET_PROBE_S or outcome.truncated or size >= self.limits.max_probe_bytes:
                 break
             growth = 8.0 if outcome.duration_s <= 0 else min(8.0, max(2.0, 1.5 * TARGET_PROBE_S / outcome.duration_s))
             size = min(self.limits.max_probe_bytes, int(size * growth))
+        if rate is None and last is not None:  # said, so that a link left unmeasured has a why in the log
+            cut = ", cut short" if last.truncated else ""
+            failures.append(
+                f"the {direction} probe with peer {short_peer(peer.to_base58())} timed nothing "
+                f"({last.measured_bytes} bytes timed in {last.duration_s:.6f} s{cut})"
+            )
         return rate
 
     async def _together(

@@ -178,7 +178,6 @@ class LinkProber:
     ):
         self.service, self.roles, self.list_statuses = service, roles, list_statuses
         self.peer_id, self.own_multiaddrs, self.timeout_s = peer_id, tuple(own_multiaddrs), timeout_s
-        self.measured = False
         self.peers_asked = 0
         """How many peers the last round asked (at most MAX_PROBED_PEERS)."""
 
@@ -204,8 +203,15 @@ class LinkProber:
                 "peers could not dial this node on its announced addresses: it trains as a client and never "
                 "aggregates; run `crowdtrain check` for how to open a port"
             )
-        self.measured = self.measured or report.upload_mbps is not None
         return True
+
+    @property
+    def measured(self) -> bool:
+        """Whether both directions of this node's link have been measured, in this round or an earlier one: a
+        direction a busy or failing peer left unmeasured is asked again within NO_PEERS_RETRY_S, not at the
+        next interval."""
+        own = self.roles.own
+        return own.upload_mbps is not None and own.download_mbps is not None
 
     def more_peers_to_ask(self) -> bool:
         """True when a round now would ask more peers than the last one did: the swarm grew since, and a link
