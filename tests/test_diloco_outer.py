@@ -375,6 +375,7 @@ def test_a_node_left_behind_that_gets_no_state_joins_the_swarms_round_with_its_o
     start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
     with diloco_peers(manifest(2, "none"), 2, [start]) as modes:
         behind, ahead = modes
+        behind.round = 1  # it averaged with the swarm before: its θ₀ is of the swarm's lineage
         ahead.tracker.report_local_progress(3, 8)
         await_condition(lambda: behind.tracker.global_epoch == 3, 30, "the swarm to be seen at round 3")
         assert behind._left_behind() and behind._behind_the_swarm()
@@ -382,3 +383,24 @@ def test_a_node_left_behind_that_gets_no_state_joins_the_swarms_round_with_its_o
         assert not behind._load_state_from_peers()
         assert behind.round == 3 and behind.training_round == 3 and not behind._left_behind()
         assert torch.equal(behind.global_parameters[0], start), "its own θ₀: nothing came to replace it"
+
+
+def test_a_joiner_that_gets_no_state_keeps_the_initial_weights_out_of_the_swarms_rounds(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A joiner at round 0 holds the run's initial weights: when no donor's state comes (two donors that differ for
+    a round refuse each other's corroboration), joining the swarm's round with them would average a fresh model's
+    pseudo-gradients into the swarm's and keep its θ₀ off the swarm's for good (a CI log). It asks again later."""
+    start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    with diloco_peers(manifest(2, "none"), 2, [start]) as modes:
+        joiner, ahead = modes
+        ahead.tracker.report_local_progress(3, 8)
+        await_condition(lambda: joiner.tracker.global_epoch == 3, 30, "the swarm to be seen at round 3")
+        joiner.averager.load_state_from_peers = lambda **kwargs: None  # type: ignore[method-assign]  # refused
+        with caplog.at_level("WARNING", logger="crowdtrain.training.modes.diloco"):
+            assert not joiner._load_state_from_peers()
+        assert "waits for the swarm's state of outer round 3" in caplog.text
+        assert joiner.round == 0 and joiner._left_behind(), "it ends no round with the initial weights"
+        assert not joiner._behind_the_swarm(), "not at once: a download per micro-batch would be all it does"
+        joiner._sync_not_before = 0.0  # SYNC_RETRY_S later
+        assert joiner._behind_the_swarm(), "it asks for the swarm's state again"

@@ -138,6 +138,7 @@ class DiLoCoMode(TrainingMode):
         self._catch_up_round: int | None = None  # the round of the first such state
         self._catch_up_tries = 0
         self._said_left_behind = False
+        self._said_waiting_for_state = False
         self._lock = threading.Lock()  # the outer state, between the training thread and a joiner's request
         with torch.no_grad():
             self.global_parameters = [parameter.detach().clone().float() for parameter in self.parameters]
@@ -616,7 +617,16 @@ class DiLoCoMode(TrainingMode):
             )
         if loaded is None:
             self.diverged = False  # nobody to take a state from: go on with this one
-            if self._passed_by_the_swarm(self.round):
+            if self._passed_by_the_swarm(self.round) and self.round == 0:
+                # Still at round 0, this node holds the run's initial weights. Joining the swarm's round with them
+                # would average a fresh model's pseudo-gradients into the swarm's, and every averaged Δ after would
+                # land on θ₀ that is not the swarm's (a CI log: a joiner whose two donors differed for one round,
+                # each refused uncorroborated). It keeps asking, every SYNC_RETRY_S, and ends no round meanwhile.
+                if not self._said_waiting_for_state:
+                    logger.warning(f"no peer's state came; this node holds the run's initial weights and waits "
+                                   f"for the swarm's state of outer round {self.tracker.global_epoch}")  # fmt: skip
+                self._said_waiting_for_state = True
+            elif self._passed_by_the_swarm(self.round):
                 # Left behind and no state came (on a home link a whole state can take longer than the download's
                 # timeout while the swarm trains): join the swarm's round with this node's own θ₀ rather than wait
                 # for a download that may never fit, as a node that counted its rounds up alone did before.
