@@ -1,4 +1,4 @@
-"""Forked processes never free what their parent owns in shared memory.
+"""Forked processes never free what their parent owns in shared memory, and make their own torch thread pool.
 
 hivemind starts its DHT, averagers and expert handlers as forked processes, and shares tensors (averaged tensors,
 MPFuture states) through torch's `file_system` strategy, which hivemind sets at import: each shared storage keeps a
@@ -26,6 +26,15 @@ counts down to zero again, fails to unlink the file and aborts the parent: `coul
 file`, a daemon (or the test process) gone with "Fatal Python error: Aborted" and no Python frame to blame
 (tests/test_forking.py reproduces it). So the child also keeps the inherited buffer referenced for its lifetime:
 it costs nothing (the pages are mapped anyway) and leaves the file to the parent.
+
+Third, torch's thread pool. A child inherits the parent's pool object but not its threads; torch marks it at the
+fork and replaces it at the next call that asks for it, which every thread's first parallel op makes once
+`torch.set_num_threads` was called in the parent (the daemon's throughput probe and `--num-threads` call it). That
+replacement is not thread-safe: two threads of a child making their first parallel op at once can see no pool, and
+the op raises "pool INTERNAL ASSERT FAILED ... Invalid thread pool!". An averager's all-reduce compresses its parts
+in such threads: the part was lost, the round "received 0.0% results" and found no group on retry (test_diloco_outer
+after any test that had set the thread count, about every other run; 12 of 40 children in a two-line repro). So the
+child replaces the pool at once, in its only thread, before any other starts.
 """
 
 from __future__ import annotations
@@ -52,6 +61,9 @@ def _after_fork_in_child() -> None:
     mpfuture = sys.modules.get("hivemind.utils.mpfuture")  # never imported here: only if the parent had it
     if mpfuture is not None and mpfuture.SharedBytes._buffer is not None:
         _kept_from_parent.append(mpfuture.SharedBytes._buffer)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(torch.get_num_threads())  # a new pool now, while this is the child's only thread
 
 
 def install() -> None:

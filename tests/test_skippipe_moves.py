@@ -124,8 +124,9 @@ def closing_all(nodes: list[Node]) -> Iterator[list[Node]]:
 
 @pytest.fixture(autouse=True)
 def one_torch_thread() -> Iterator[None]:
-    """One thread for this process's torch while its nodes train, then as many as before: left at one, it made a
-    later test in the same process (test_diloco_outer's four peers, int8) fail about every other run."""
+    """One thread for this process's torch while its nodes train, then as many as before, so that later tests in the
+    process don't run on one. (The failures once blamed on it, test_diloco_outer's after these, were torch's thread
+    pool in forked averagers, which any set_num_threads exposed: crowdtrain/forking.py.)"""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
