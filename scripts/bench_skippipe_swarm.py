@@ -96,6 +96,7 @@ import statistics
 import sys
 import threading
 import time
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from tempfile import TemporaryDirectory
@@ -104,9 +105,10 @@ from typing import Any
 import hivemind
 import torch
 from bench_skippipe import Data, RemovedStages, held_out_loss, removed_stages
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from crowdtrain import proto
 from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blocks
 from crowdtrain.manifest import ModelSpec, RunManifest, demo, llama_20m
 from crowdtrain.models import ByteTokenizer, build_model
@@ -263,20 +265,123 @@ class SlowDevice:
     """A node's model lock (`StageService.model_lock`, held around all of its compute: the stage's forwards and
     backwards, its step) that holds on `factor` times as long as the compute under it took: a device that much
     slower than this machine, busy for anything else meanwhile. Its sleep takes no core here, as a slow remote
-    device would take none."""
+    device would take none. Every node's lock is one (factor 1: no sleep), so that it keeps when each hold was asked
+    for, began and ended (`spans`, time.monotonic(); the last one of each thread in `last`) for the hop trace."""
 
     def __init__(self, factor: float) -> None:
         self.factor, self._lock, self._began = factor, threading.Lock(), 0.0
+        self.spans: list[tuple[float, float, float]] = []
+        self._thread = threading.local()
 
     def __enter__(self) -> None:
+        asked = time.monotonic()
         self._lock.acquire()
         self._began = time.perf_counter()
+        self._thread.asked, self._thread.acquired = asked, time.monotonic()
 
     def __exit__(self, *exc: object) -> None:
         try:
-            time.sleep((self.factor - 1.0) * (time.perf_counter() - self._began))
+            if self.factor > 1.0:
+                time.sleep((self.factor - 1.0) * (time.perf_counter() - self._began))
         finally:
+            self._thread.last = (self._thread.asked, self._thread.acquired, time.monotonic())
+            self.spans.append(self._thread.last)
             self._lock.release()
+
+    def last(self) -> tuple[float, float, float]:
+        """This thread's last hold: asked for, began, ended."""
+        return typing.cast(tuple[float, float, float], self._thread.last)
+
+
+class TracedStageService(StageService):
+    """A StageService that keeps when each hop it sent or served reached each point, time.monotonic() (one clock for
+    all nodes of this machine, the WAN lab's namespaces included), for `hop_trace`. Served hops: the stream opened,
+    its payload in, a memory slot taken (forwards), the model lock asked for, taken and let go, the last answer
+    frame handed on; sent hops: the call's start and end (answer decoded)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hops: list[dict[str, Any]] = []
+        self._pending: dict[tuple[str, int, int, str], dict[str, Any]] = {}
+        self._backward_keys: dict[int, tuple[str, int, int, str]] = {}
+
+    def call(
+        self, peer_id: str, call: str, header: proto.StageHop, tensor: torch.Tensor, timeout_s: float
+    ) -> torch.Tensor:
+        began, ok = time.monotonic(), False
+        try:
+            answer = super().call(peer_id, call, header, tensor, timeout_s)
+            ok = True
+            return answer
+        finally:
+            self.hops.append({"side": "sent", "call": call, "iteration": header.iteration, "microbatch":
+                              header.microbatch, "stage": header.stage, "peer": peer_id, "began": began,
+                              "ended": time.monotonic(), "ok": ok})  # fmt: skip
+
+    async def _receive(
+        self, requests: typing.AsyncIterator[proto.StageHop], call: str, context: P2PContext, *, wait_open: bool = False
+    ) -> tuple[proto.StageHop, torch.Tensor]:
+        opened = time.monotonic()
+        header, tensor = await super()._receive(requests, call, context, wait_open=wait_open)
+        key = (context.remote_id.to_base58(), header.iteration, header.microbatch, call)
+        self._pending[key] = {"side": "served", "call": call, "iteration": header.iteration, "microbatch":
+                              header.microbatch, "stage": header.stage, "source": key[0], "opened": opened,
+                              "received": time.monotonic()}  # fmt: skip
+        if call == "backward" and (held := self._held.get(key[:3])) is not None:
+            self._backward_keys[id(held)] = key
+        return header, tensor
+
+    async def _reserve(self, key: tuple[str, int, int], context: P2PContext) -> None:
+        await super()._reserve(key, context)
+        if (hop := self._pending.get((*key, "forward"))) is not None:
+            hop["reserved"] = time.monotonic()
+
+    def _forward(self, key: tuple[str, int, int], inputs: torch.Tensor) -> torch.Tensor:
+        outputs = super()._forward(key, inputs)
+        self._locked((*key, "forward"))
+        return outputs
+
+    def _backward(self, held: Any, grad_outputs: torch.Tensor) -> torch.Tensor:
+        grad_inputs = super()._backward(held, grad_outputs)
+        if (key := self._backward_keys.pop(id(held), None)) is not None:
+            self._locked(key)
+        return grad_inputs
+
+    def _locked(self, key: tuple[str, int, int, str]) -> None:
+        if (hop := self._pending.get(key)) is not None:
+            hop["asked"], hop["acquired"], hop["computed"] = typing.cast(SlowDevice, self.model_lock).last()
+
+    async def rpc_stage_forward(
+        self, requests: typing.AsyncIterator[proto.StageHop], context: P2PContext
+    ) -> typing.AsyncIterator[proto.StageHop]:
+        async for frame in self._answered(super().rpc_stage_forward(requests, context), context, "forward"):
+            yield frame
+
+    async def rpc_stage_backward(
+        self, requests: typing.AsyncIterator[proto.StageHop], context: P2PContext
+    ) -> typing.AsyncIterator[proto.StageHop]:
+        async for frame in self._answered(super().rpc_stage_backward(requests, context), context, "backward"):
+            yield frame
+
+    async def _answered(
+        self, frames: typing.AsyncIterator[proto.StageHop], context: P2PContext, call: str
+    ) -> typing.AsyncIterator[proto.StageHop]:
+        hop: dict[str, Any] = {}  # kept at the first frame: the caller closes the stream once it has the answer
+        async for frame in frames:
+            if not hop and (found := self._pending.pop((context.remote_id.to_base58(), frame.iteration,
+                                                        frame.microbatch, call), None)) is not None:  # fmt: skip
+                hop = found
+                self.hops.append(hop)
+            hop["replied"] = time.monotonic()
+            yield frame
+            hop["replied"] = time.monotonic()
+
+    def drain(self) -> dict[str, Any]:
+        """The hops and lock holds kept since the last drain."""
+        lock = typing.cast(SlowDevice, self.model_lock)
+        hops, self.hops = self.hops, []
+        spans, lock.spans = lock.spans, []
+        return {"hops": hops, "device": spans}
 
 
 def device_factor(args: argparse.Namespace, index: int) -> float:
@@ -456,9 +561,8 @@ def node_main(args: argparse.Namespace) -> int:
         staged = staged_model(run, args.stage_layers)
         hidden = run.model.config["hidden_size"]
         limits = HopLimits(max_batch=args.micro_batch_size, max_sequence=run.data.sequence_length, hidden_size=hidden)
-        service = StageService(dht, staged, stage, limits, memory_microbatches=args.memory)
-        if device_factor(args, index) > 1.0:
-            service.model_lock = SlowDevice(device_factor(args, index))  # type: ignore[assignment]
+        service = TracedStageService(dht, staged, stage, limits, memory_microbatches=args.memory)
+        service.model_lock = SlowDevice(device_factor(args, index))  # type: ignore[assignment]
         service.start()
         me = {"peer_id": service.peer_id, "maddrs": [str(m) for m in dht.get_visible_maddrs()]}
         _write_atomically(folder / f"node{index}.json", me)
@@ -486,7 +590,7 @@ def node_main(args: argparse.Namespace) -> int:
                 if index % REPLICAS == 0 and evaluated(args, iteration + 1):  # the first replica of each stage
                     parameters = [p.detach().clone() for p in staged.stage_parameters(stage)]
                     torch.save(parameters, folder / f"snapshot{iteration + 1}-stage{stage}.pt")
-                log.write(json.dumps(_report_json(report, service)) + "\n")
+                log.write(json.dumps({**_report_json(report, service), **service.drain()}) + "\n")
                 log.flush()
         (folder / f"node{index}.finished").touch()
         # stay until every node finished: a node that left early would fail the others' last gradient fetches
@@ -610,7 +714,10 @@ def swarm_arm(
         finally:
             groups.kill_all()
             _keep_logs(folder, args.out / "logs" / (f"draw{args.draw}" if args.draw else "") / arm)
-    return _swarm_json(reports, wall_s, evaluations, removed, victim if kill else None)
+    return {
+        **_swarm_json(reports, wall_s, evaluations, removed, victim if kill else None),
+        "hop_trace": hop_trace(reports, [peer["peer_id"] for peer in peers]),
+    }
 
 
 def _dial(service: StageService, other: dict[str, Any]) -> None:
@@ -702,6 +809,60 @@ def _swarm_json(
     }
 
 
+HOP_STEPS = ("request", "slot", "to lock", "lock wait", "device", "answer", "whole hop")
+"""A traced hop's steps, in order: the source's call to the payload in at the node (stream set-up, encoding,
+the link); waiting for a memory slot (forwards); to the lock (the thread hand-off); waiting for the node's device
+(other hops' compute, its step); the compute itself (on an emulated device, its sleep too); the answer back to
+the source, decoded; and the whole call."""
+
+
+def hop_trace(reports: dict[int, list[dict[str, Any]]], peer_ids: Sequence[str]) -> dict[str, Any]:
+    """Where the hops' seconds went, after the first two iterations, from the nodes' traces (TracedStageService):
+    per call (forward, backward), the mean seconds of each of HOP_STEPS over the hops both sides traced; per node,
+    the mean device seconds per forward and per backward it served and the share of its iterations its device was
+    held (a source's includes its own stage-0 compute)."""
+    index_of = {peer: index for index, peer in enumerate(peer_ids)}
+    served: dict[tuple[Any, ...], tuple[int, dict[str, Any]]] = {}
+    for index, lines in reports.items():
+        for line in lines[2:]:
+            for hop in line.get("hops", []):
+                if hop["side"] == "served" and "computed" in hop:
+                    key = (index_of.get(hop["source"]), hop["iteration"], hop["microbatch"], hop["stage"], hop["call"])
+                    served[key] = (index, hop)
+    calls = ("forward", "backward")
+    steps: dict[str, dict[str, list[float]]] = {call: {step: [] for step in HOP_STEPS} for call in calls}
+    device: dict[int, dict[str, list[float]]] = {index: {call: [] for call in calls} for index in reports}
+    for index, lines in reports.items():
+        for line in lines[2:]:
+            for hop in line.get("hops", []):
+                key = (index, hop["iteration"], hop["microbatch"], hop["stage"], hop["call"])
+                if hop["side"] != "sent" or not hop["ok"] or key not in served:
+                    continue
+                node, at = served[key]
+                reserved = at.get("reserved", at["received"])
+                for step, seconds in zip(HOP_STEPS, (
+                    at["received"] - hop["began"], reserved - at["received"], at["asked"] - reserved,
+                    at["acquired"] - at["asked"], at["computed"] - at["acquired"], hop["ended"] - at["computed"],
+                    hop["ended"] - hop["began"],
+                ), strict=True):  # fmt: skip
+                    steps[hop["call"]][step].append(seconds)
+                device[node][hop["call"]].append(at["computed"] - at["acquired"])
+    held = {
+        index: statistics.fmean(
+            sum(ended - began for _, began, ended in line.get("device", [])) / line["seconds"] for line in lines[2:]
+        )
+        for index, lines in reports.items()
+        if lines[2:]
+    }
+    return {
+        "hops": {call: {step: statistics.fmean(values) if values else None for step, values in by_step.items()}
+                 | {"count": len(by_step["whole hop"])} for call, by_step in steps.items()},
+        "nodes": {index: {"forward_s": statistics.fmean(d["forward"]) if d["forward"] else None,
+                          "backward_s": statistics.fmean(d["backward"]) if d["backward"] else None,
+                          "device_held": held.get(index)} for index, d in device.items()},
+    }  # fmt: skip
+
+
 def show(args: argparse.Namespace, results: dict[str, Any]) -> None:
     rows = []
     samples = args.microbatches * args.micro_batch_size
@@ -735,6 +896,15 @@ def show(args: argparse.Namespace, results: dict[str, Any]) -> None:
             print_table(f"{arm}: mean seconds per iteration by phase, per node (stage = node // {REPLICAS})",
                         ["node", *next(iter(result["phase_s"].values()))],
                         [[node, *phases.values()] for node, phases in result["phase_s"].items()])  # fmt: skip
+        if "hop_trace" in result:
+            trace = result["hop_trace"]
+            print_table(f"{arm}: mean seconds of a hop, step by step (HOP_STEPS)", ["call", "hops", *HOP_STEPS],
+                        [[call, steps["count"], *(steps[step] for step in HOP_STEPS)]
+                         for call, steps in trace["hops"].items()])  # fmt: skip
+            print_table(f"{arm}: each node's device: mean seconds per hop served, share of its iterations held",
+                        ["node", "forward s", "backward s", "held"],
+                        [[node, n["forward_s"], n["backward_s"], n["device_held"]]
+                         for node, n in trace["nodes"].items()])  # fmt: skip
 
 
 def _more_draws(
