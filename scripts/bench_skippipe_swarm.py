@@ -115,7 +115,7 @@ from crowdtrain.models import ByteTokenizer, build_model
 from crowdtrain.models.stages import StagedModel
 from crowdtrain.node.logs import setup_logging
 from crowdtrain.pipeline import HopLimits, StageService
-from crowdtrain.pipeline.iteration import IterationReport, SkipPipeNode
+from crowdtrain.pipeline.iteration import BACKGROUND_SHARE, IterationReport, SkipPipeNode
 from crowdtrain.planning.plan import BYTES_PER_MEGABIT
 from crowdtrain.planning.skippipe import (
     NodeInfo,
@@ -304,6 +304,7 @@ class TracedStageService(StageService):
         self.hops: list[dict[str, Any]] = []
         self._pending: dict[tuple[str, int, int, str], dict[str, Any]] = {}
         self._backward_keys: dict[int, tuple[str, int, int, str]] = {}
+        self._open_waits: dict[int, float] = {}  # by id(context): how long a forward waited for its iteration
 
     def call(
         self, peer_id: str, call: str, header: proto.StageHop, tensor: torch.Tensor, timeout_s: float
@@ -321,15 +322,27 @@ class TracedStageService(StageService):
     async def _receive(
         self, requests: typing.AsyncIterator[proto.StageHop], call: str, context: P2PContext, *, wait_open: bool = False
     ) -> tuple[proto.StageHop, torch.Tensor]:
-        opened = time.monotonic()
-        header, tensor = await super()._receive(requests, call, context, wait_open=wait_open)
+        opened, arrived = time.monotonic(), [0.0]
+
+        async def timed() -> typing.AsyncIterator[proto.StageHop]:
+            async for frame in requests:
+                arrived[0] = arrived[0] or time.monotonic()
+                yield frame
+
+        header, tensor = await super()._receive(timed(), call, context, wait_open=wait_open)
         key = (context.remote_id.to_base58(), header.iteration, header.microbatch, call)
         self._pending[key] = {"side": "served", "call": call, "iteration": header.iteration, "microbatch":
                               header.microbatch, "stage": header.stage, "source": key[0], "opened": opened,
+                              "header": arrived[0], "open_wait": self._open_waits.pop(id(context), 0.0),
                               "received": time.monotonic()}  # fmt: skip
         if call == "backward" and (held := self._held.get(key[:3])) is not None:
             self._backward_keys[id(held)] = key
         return header, tensor
+
+    async def _wait_open(self, iteration: int, context: P2PContext) -> None:
+        began = time.monotonic()
+        await super()._wait_open(iteration, context)
+        self._open_waits[id(context)] = time.monotonic() - began
 
     async def _reserve(self, key: tuple[str, int, int], context: P2PContext) -> None:
         await super()._reserve(key, context)
@@ -714,9 +727,18 @@ def swarm_arm(
         finally:
             groups.kill_all()
             _keep_logs(folder, args.out / "logs" / (f"draw{args.draw}" if args.draw else "") / arm)
+    peer_ids = [peer["peer_id"] for peer in peers]
+    nodes = topology(peer_ids, seconds, args.memory, args.slowdown, hop_s, args.device_slowdown)
+    share = BACKGROUND_SHARE if "overlap" in arm and "unshared" not in arm else 0.0
     return {
         **_swarm_json(reports, wall_s, evaluations, removed, victim if kill else None),
-        "hop_trace": hop_trace(reports, [peer["peer_id"] for peer in peers]),
+        "hop_trace": hop_trace(reports, peer_ids),
+        "model_s": [  # what every node's schedule expected of each iteration (no node suspected)
+            SCHEDULERS[scheduler](
+                dataclasses.replace(_problem(args, nodes, iteration, skip_ratio), background_share=share)
+            ).makespan_s
+            for iteration in range(args.iterations)
+        ],
     }
 
 
@@ -896,6 +918,10 @@ def show(args: argparse.Namespace, results: dict[str, Any]) -> None:
             print_table(f"{arm}: mean seconds per iteration by phase, per node (stage = node // {REPLICAS})",
                         ["node", *next(iter(result["phase_s"].values()))],
                         [[node, *phases.values()] for node, phases in result["phase_s"].items()])  # fmt: skip
+        if "model_s" in result:
+            measured, model = statistics.median(result["iteration_s"][2:]), statistics.median(result["model_s"][2:])
+            say(f"{arm}: {measured:.2f} s per iteration against the timeline model's {model:.2f} s "
+                f"({measured / model:.2f}x; medians after the first two)")  # fmt: skip
         if "hop_trace" in result:
             trace = result["hop_trace"]
             print_table(f"{arm}: mean seconds of a hop, step by step (HOP_STEPS)", ["call", "hops", *HOP_STEPS],
