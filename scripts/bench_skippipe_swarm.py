@@ -61,9 +61,13 @@ training loss of the last iterations, the held-out loss along the full path ever
 against samples and against training seconds (for a swarm, the first replica of each stage put together: it is
 never the killed one), the trained model's held-out perplexity with 1 and 2 of stages 1..3 removed (25% and 50%
 of the stages; the mean over the paths), and for the swarms: rerouted and skipped hops, lost backwards, bytes
-sent per iteration by the stage nodes, and where the time went (per node: microbatches, waiting for sources,
-gradient exchange, step). Writes skippipe_swarm.json and skippipe_swarm.png (the curves and the perplexities),
-and each swarm arm's node logs and iteration reports to logs/<arm>/.
+sent per iteration by the stage nodes, where the time went (per node: microbatches, waiting for sources,
+gradient exchange, step), the timeline model's makespan for the arm's own schedules beside the measured one, and
+from every node's trace of its hops (`TracedStageService`) where a hop's seconds went (`HOP_STEPS`) and how long
+each node's device was held. `--cost-scale C` multiplies the compute costs the nodes publish and schedule by (the
+trace found the devices 1.3-1.4x slower in the swarm than measured alone). Writes skippipe_swarm.json and
+skippipe_swarm.png (the curves and the perplexities), and each swarm arm's node logs and iteration reports to
+logs/<arm>/.
 
 On this 2-core machine 8 processes (and their 8 p2pd) share two cores, so the swarm's seconds per iteration
 measure the protocol's overhead under contention, not a pipeline's speed-up: that needs a core (or a machine) per
