@@ -24,7 +24,7 @@ from crowdtrain.manifest import DiLoCoSpec, RunManifest, demo
 from crowdtrain.testing.diloco import diloco_peers
 from crowdtrain.testing.processes import await_condition
 from crowdtrain.training.checkpoint import load_checkpoint, write_checkpoint
-from crowdtrain.training.modes.diloco import DiLoCoMode
+from crowdtrain.training.modes.diloco import START_DIGEST_BYTES, DiLoCoMode, _gathered_digest, _tiebreak
 from crowdtrain.training.progress import Progress
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
@@ -404,3 +404,30 @@ def test_a_joiner_that_gets_no_state_keeps_the_initial_weights_out_of_the_swarms
         assert not joiner._behind_the_swarm(), "not at once: a download per micro-batch would be all it does"
         joiner._sync_not_before = 0.0  # SYNC_RETRY_S later
         assert joiner._behind_the_swarm(), "it asks for the swarm's state again"
+
+
+def test_peers_whose_global_parameters_differ_after_an_averaged_round_resync_to_the_higher_ranked() -> None:
+    """Two peers that each stepped a round alone in the same round (neither saw the other yet) then averaged every
+    round, each applying the same Δ to its own θ₀: their states never agreed again, and a joiner could corroborate
+    neither (a CI log of test_diloco). Each round now gathers a digest of its θ₀; the lower-ranked of two that differ
+    takes a state (corroborated), the other keeps its own."""
+    start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    with diloco_peers(manifest(2, "none"), 2, [start]) as modes:
+        run_one_outer_round(modes, start, [torch.ones(3, 4), torch.ones(3, 4)], [8, 8])
+        assert not any(mode._resync for mode in modes), "peers in step hold the same bits"
+        lower, higher = sorted(modes, key=lambda mode: _tiebreak(mode.context.peer_id))
+        with torch.no_grad():
+            lower.global_parameters[0].add_(0.25)  # a round it stepped apart
+        run_one_outer_round(modes, start, [torch.ones(3, 4), torch.ones(3, 4)], [8, 8])
+        assert all(mode.round == 2 and mode.num_local_rounds == 0 for mode in modes), "the round was averaged"
+        assert not torch.equal(lower.global_parameters[0], higher.global_parameters[0]), "the same Δ on each θ₀"
+        assert lower._resync and lower._behind_the_swarm(), "the lower-ranked one takes a state next"
+        assert not higher._resync and not higher._behind_the_swarm()
+
+
+@pytest.mark.parametrize(
+    "value", [3, [3, None], [3, None, b"x"], [3, None, "0" * START_DIGEST_BYTES], [3, None, 7], list(range(9))]
+)
+def test_a_gathered_value_without_a_well_formed_digest_has_none(value: object) -> None:
+    assert _gathered_digest(value) is None
+    assert _gathered_digest([3, None, bytes(START_DIGEST_BYTES)]) == bytes(START_DIGEST_BYTES)

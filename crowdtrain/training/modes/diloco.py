@@ -139,6 +139,9 @@ class DiLoCoMode(TrainingMode):
         self._catch_up_tries = 0
         self._said_left_behind = False
         self._said_waiting_for_state = False
+        self._resync = False
+        """This peer's θ₀ differed from a higher-ranked member's in its last averaged round: take a state, corroborated
+        (a member lying about its digest must not make honest peers take its state unchecked)."""
         self._lock = threading.Lock()  # the outer state, between the training thread and a joiner's request
         with torch.no_grad():
             self.global_parameters = [parameter.detach().clone().float() for parameter in self.parameters]
@@ -487,8 +490,33 @@ class DiLoCoMode(TrainingMode):
     # adaptive H
 
     def _gather(self) -> Any:
-        """What this peer's round gathers: its round, and with adaptive H the H it proposes."""
-        return [self.round, self._proposal] if self.adaptive else self.round
+        """What this peer's round gathers: its round, the H it proposes (adaptive H; else None) and a digest of the
+        round's θ₀ (`_check_lineage`)."""
+        return [self.round, self._proposal if self.adaptive else None, self._start_digest()]
+
+    def _start_digest(self) -> bytes:
+        """A digest of the round's θ₀, the global parameters: peers in step hold the same bits."""
+        digest = hashlib.blake2b(digest_size=START_DIGEST_BYTES)
+        with self._lock, torch.no_grad():
+            for start in self.global_parameters:
+                digest.update(start.detach().cpu().contiguous().numpy().tobytes())
+        return digest.digest()
+
+    def _check_lineage(self) -> None:
+        """After an averaged round: when this peer's θ₀ differed from that of a member ranked above it, take a state
+        next (`_resync`). Two peers that each stepped a round alone in the same round (neither saw the other yet)
+        averaged every round after and applied the same Δ to different θ₀: their states never agreed again, and a
+        joiner could never corroborate either one (a CI log of test_diloco: 36 rounds of refusals)."""
+        digests = {peer: _gathered_digest(value) for peer, value in self.round_gathered.items()}
+        mine = digests.get(self.context.peer_id)
+        if mine is None:
+            return
+        rank = _tiebreak(self.context.peer_id)
+        above = [peer for peer, digest in digests.items() if digest not in (None, mine) and _tiebreak(peer) > rank]
+        if above:
+            logger.warning(f"this node's global parameters differ from those of {len(above)} peer(s) of its last "
+                           "averaged round ranked above it (each stepped a round apart): it takes a state")  # fmt: skip
+            self._resync = True
 
     def _note_round(self, gathered: dict[Any, Any], allreduce_s: float) -> None:
         """After an averaged round: its group (`round_group`), the H the group agreed on (from the next round on)
@@ -496,6 +524,7 @@ class DiLoCoMode(TrainingMode):
         global batch."""
         self.round_gathered = {_base58(peer): value for peer, value in gathered.items()}
         self.round_group = sorted(self.round_gathered)
+        self._check_lineage()
         if not self.adaptive:
             return
         low, high = self.spec.inner_steps_range
@@ -583,7 +612,7 @@ class DiLoCoMode(TrainingMode):
     def _behind_the_swarm(self) -> bool:
         if time.monotonic() < self._sync_not_before:
             return False
-        if self.diverged and self.tracker.global_progress.num_peers > 1:
+        if (self.diverged or self._resync) and self.tracker.global_progress.num_peers > 1:
             return True
         behind = self.tracker.global_epoch - self.training_round
         if behind == 1 and self.samples > 0 and not self._catching_up():
@@ -596,8 +625,7 @@ class DiLoCoMode(TrainingMode):
     def _priority(self) -> float:
         """What this peer declares as a state donor: its round, then a tiebreak every peer computes alike, so peers
         whose round failed together all take the same one's state (each asks only donors ranked above itself)."""
-        tiebreak = int.from_bytes(hashlib.blake2b(self.context.peer_id.encode(), digest_size=4).digest(), "big")
-        return self.round + tiebreak / 2**33
+        return self.round + _tiebreak(self.context.peer_id)
 
     def _load_state_from_peers(self) -> bool:
         """Take the swarm's global parameters, outer momentum and round; inner optimizer state stays this peer's.
@@ -607,6 +635,7 @@ class DiLoCoMode(TrainingMode):
         if self._in_flight is not None:  # applied first, so that a failed download leaves a consistent state
             self._finish_round_in_flight(wait=True)
         claimed_at_start = self.tracker.global_epoch
+        self._resync = False  # asked again after the next averaged round, if its θ₀ still differs
         with self.context.phases.measure(Phase.STATE_DOWNLOAD):
             loaded = self.averager.load_state_from_peers(
                 timeout=LOAD_STATE_TIMEOUT_S,
@@ -700,6 +729,20 @@ class DiLoCoMode(TrainingMode):
         specs = parameter_specs(self.global_parameters) * 2  # the global parameters, then their outer momenta
         ceiling = epoch_ceiling(self.context.manifest.created_at, time.time())
         return StateTemplate(tuple(specs), ceiling, epoch_floor=self.round)
+
+
+START_DIGEST_BYTES = 16
+
+
+def _tiebreak(peer_id: str) -> float:
+    """In [0, 0.5): ranks peers of one round alike on every peer (`_priority`)."""
+    return int.from_bytes(hashlib.blake2b(peer_id.encode(), digest_size=4).digest(), "big") / 2**33
+
+
+def _gathered_digest(value: Any) -> bytes | None:
+    """The θ₀ digest a peer gathered (`_gather`); None without one (an older peer, SPES) or when malformed."""
+    digest = value[2] if isinstance(value, list | tuple) and 3 <= len(value) <= MAX_GATHERED else None
+    return digest if isinstance(digest, bytes) and len(digest) == START_DIGEST_BYTES else None
 
 
 def _base58(peer: Any) -> str:
