@@ -210,6 +210,38 @@ def test_a_backward_that_fails_is_recomputed_on_another_replica(swarm: Swarm) ->
     assert_grads(node_grads(swarm.services[2]), expected[1], 1e-6)
     assert_grads(node_grads(swarm.services[0]), expected[0], 1e-6)  # stage 0 got its gradient after all
     assert swarm.services[1].held_microbatches == 1  # the failed node's forward waits out its hold time
+    # a visit counts on the device's clock once its backward ran: the failed node's forward alone does not
+    assert swarm.services[1].device.median(at_least=1) is None
+    assert swarm.services[2].device.median(at_least=1) is not None
+
+
+class SlowHolds:
+    """A model lock every hold of which lasts `seconds` longer, as a device that finishes after its caller returned
+    (a GPU's queue) would."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.lock = seconds, threading.Lock()
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        time.sleep(self.seconds)  # the device busy, not a wait for anything
+        self.lock.release()
+
+
+def test_each_node_clocks_its_device_per_microbatch_it_computes(swarm: Swarm) -> None:
+    for node in (0, 3):
+        swarm.services[node].model_lock = SlowHolds(0.1)  # type: ignore[assignment]
+    outcome = swarm.driver().run_microbatch(1, swarm.route((0, 1, 3, 4)), tokens())
+    assert outcome.backward_lost == ()
+    source, slow, fast = (swarm.services[node].device.median(at_least=1) for node in (0, 3, 4))
+    assert source is not None and source >= 0.3  # its three holds: stage 0's forward, the head and loss, the backward
+    assert slow is not None and slow >= 0.2  # a visit: its forward and its backward
+    assert fast is not None and fast < slow
+    assert swarm.services[2].device.median(at_least=1) is None  # off the path
+    swarm.services[3].set_stage(2, memory_microbatches=2)  # another stage is another cost: the samples go
+    assert swarm.services[3].device.median(at_least=1) is None
 
 
 def hop(stage: int, shape: Sequence[int], dtype: str = "float32", iteration: int = 1) -> proto.StageHop:

@@ -16,6 +16,7 @@ from crowdtrain.manifest import SkipPipeSpec, demo, skippipe_demo
 from crowdtrain.pipeline.membership import (
     Membership,
     choose_stage,
+    cost_changes,
     encode_roster,
     leader_of,
     membership_at,
@@ -82,9 +83,16 @@ def test_the_next_membership_keeps_live_members_adds_declared_ones_and_drops_the
     declared = {n.peer_id: n for n in (a, c, d)}  # b's declaration expired
     assert next_members(current, declared, given_up=()) == (a, c, d)
     assert next_members(current, declared, given_up={c.peer_id}) == (a, d)
-    # a member keeps the costs it joined with (every node schedules with the same numbers)
-    slower = {**declared, a.peer_id: dataclasses.replace(a, seconds_per_microbatch=9.0)}
-    assert next_members(current, slower, given_up=())[0].seconds_per_microbatch == 1.0
+    # a member keeps the cost it is scheduled at through small swings of its declaration, and takes the declared
+    # one past COST_DRIFT (its device found slower or faster): the roster carries it to every node alike
+    swing = {**declared, a.peer_id: dataclasses.replace(a, seconds_per_microbatch=1.15)}
+    assert next_members(current, swing, given_up=())[0].seconds_per_microbatch == 1.0
+    slower = {**declared, a.peer_id: dataclasses.replace(a, seconds_per_microbatch=1.4, memory_microbatches=9)}
+    followed = next_members(current, slower, given_up=())[0]
+    assert followed.seconds_per_microbatch == 1.4 and followed.memory_microbatches == a.memory_microbatches
+    assert cost_changes(current, next_members(current, slower, ())) == [f"{a.peer_id[-8:]} 1000 -> 1400 ms"]
+    faster = {**declared, a.peer_id: dataclasses.replace(a, seconds_per_microbatch=0.7)}
+    assert next_members(current, faster, given_up=())[0].seconds_per_microbatch == 0.7
 
 
 def test_a_swarm_whose_stage_zero_is_gone_follows_the_roster_a_node_founds_again() -> None:

@@ -4,6 +4,7 @@ stage_service  StageService: the forward and backward hops a node serves for its
                bounded and checked (proto.StageHop)
 driver         PipelineDriver: a stage-0 node runs its microbatches along their routes and back, rerouting a
                failed hop to another replica of its stage or skipping the stage
+device_clock   DeviceClock: the seconds a node's device takes per microbatch it computes, which it declares
 """
 
 from crowdtrain.pipeline.driver import MicrobatchOutcome, PipelineDriver

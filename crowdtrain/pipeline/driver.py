@@ -5,7 +5,8 @@ stage 0's first layers, then sends the hidden states to the node scheduled for p
 p_2, and so on (`StageService.call`, source-routed: each hop returns to the source). The last answer goes through
 the head and the loss here; the loss's gradient then goes back along the same nodes in reverse, each answering
 the gradient of what it was sent, and finally through stage 0's layers and the embeddings here. Every node's
-parameters collect their share of the iteration's gradient in `.grad`.
+parameters collect their share of the iteration's gradient in `.grad`. The source's three holds of its model
+lock for a microbatch whose backward came back whole count as one sample of its `DeviceClock`.
 
 Failures within the iteration, as SkipPipe's paper leaves them out and a volunteer swarm needs them:
 - a forward hop that fails (refused, busy, timed out, unreachable, malformed answer) goes to the stage's other
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from crowdtrain import proto
+from crowdtrain.pipeline.device_clock import timed
 from crowdtrain.pipeline.stage_service import WIRE_DTYPES, HopFailedError, StageService
 from crowdtrain.planning.skippipe import Route
 
@@ -122,7 +124,8 @@ class PipelineDriver:
         gradients of every stage it ran, times `loss_scale`, are added to their nodes' `.grad`."""
         started = time.perf_counter()
         staged, lock = self.service.staged, self.service.model_lock
-        with lock:
+        spent: list[float] = []  # the device's holds for this microbatch (`DeviceClock`)
+        with timed(lock, spent):
             first = staged.run_stage(0, staged.embed(input_ids)).hidden_states
         hops: list[_Hop] = []
         skipped: list[int] = []
@@ -142,7 +145,7 @@ class PipelineDriver:
             else:
                 skipped.append(stage)
         last = hidden.requires_grad_(True) if hops else first
-        with lock:
+        with timed(lock, spent):
             loss = staged.head_loss(last, input_ids)
             (loss * loss_scale).backward()
         lost: list[int] = []
@@ -160,8 +163,10 @@ class PipelineDriver:
         else:
             if hops:
                 assert grad is not None
-                with lock:
+                with timed(lock, spent):
                     first.backward(grad.to(first.device))
+        if not lost:  # a microbatch whose backward stopped short held the device for only part of its cost
+            self.service.device.record(sum(spent))
         return MicrobatchOutcome(
             microbatch=route.microbatch,
             loss=float(loss.detach()),

@@ -236,10 +236,13 @@ class SkipPipeNode:
         )
 
     def set_nodes(self, nodes: Sequence[NodeInfo]) -> None:
-        """Run the next iterations with `nodes` (the same list on every node); suspicions start afresh."""
+        """Run the next iterations with `nodes` (the same list on every node); suspicions start afresh when the
+        nodes changed, and stay where only their costs did (`membership.follow_cost`)."""
+        same_peers = {node.peer_id for node in nodes} == {node.peer_id for node in self.nodes}
         self.nodes = tuple(nodes)
         self.replicas = _replicas(self.nodes)
-        self.suspected, self._suspected_at = set(), {}
+        if not same_peers:
+            self.suspected, self._suspected_at = set(), {}
 
     def suspect(self, peer_id: str) -> None:
         """Leave `peer_id` out of this node's schedules and gradient sums for SUSPICION_S."""

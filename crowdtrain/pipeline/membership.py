@@ -1,12 +1,12 @@
 """Who serves which stage of a SkipPipe run, and which nodes each iteration counts: signed records in the DHT.
 
-Declarations. A node serves one stage; it says so in a signed `SkipPipeMember` record (its stage, its measured
-seconds per microbatch on that stage, how many microbatches it holds at once, its link's seconds per hop from the
-bandwidth its probes measured before training, up to MAX_SECONDS_PER_HOP) under the run's stages key, subkey
-its owner marker, renewed while it runs and expiring `DECLARATION_TTL_S` after its last renewal. A joiner takes a
-stage by the rule the DMoE hosts use, fewest replicas first, here weighted by compute: the stage with the fewest
-declared replicas, ties to the one with the least compute (the sum of its replicas' microbatches per second),
-then the lowest stage (`choose_stage`).
+Declarations. A node serves one stage; it says so in a signed `SkipPipeMember` record (its stage, its measured seconds
+per microbatch on that stage (declared again when its device drifts from it, `pipeline.device_clock`), how many
+microbatches it holds at once, its link's seconds per hop from the bandwidth its probes measured before training, up to
+MAX_SECONDS_PER_HOP) under the run's stages key, subkey its owner marker, renewed while it runs and expiring
+`DECLARATION_TTL_S` after its last renewal. A joiner takes a stage by the rule the DMoE hosts use, fewest replicas
+first, here weighted by compute: the stage with the fewest declared replicas, ties to the one with the least compute
+(the sum of its replicas' microbatches per second), then the lowest stage (`choose_stage`).
 
 Rosters. Every node of an iteration computes its schedule from the same list of nodes (`planning.skippipe`: a
 pure function), so the list must be the same on every node, and a node that joins or leaves must be added or
@@ -26,6 +26,7 @@ a roster must have a valid declaration to be scheduled, but a leader may leave h
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from crowdtrain import proto
 from crowdtrain.dht import keys
 from crowdtrain.dht.records import RecordError, check_roster, check_stage_declaration, peer_id_of_owner
 from crowdtrain.dht.registry import read_dictionary, store_signed
+from crowdtrain.pipeline.device_clock import drifted
 from crowdtrain.planning.skippipe import MAX_SECONDS_PER_HOP, NodeInfo
 
 logger = logging.getLogger(__name__)
@@ -240,13 +242,37 @@ def next_members(
     current: Membership | None, declared: Mapping[str, NodeInfo], given_up: Collection[str]
 ) -> tuple[NodeInfo, ...]:
     """The nodes of the next membership: the current members whose declaration is still live and who were not
-    given up on (as they declared themselves when they joined: a schedule's costs stay put), then every other
-    declared node; at most MAX_MEMBERS, members first."""
+    given up on, then every other declared node; at most MAX_MEMBERS, members first. A member keeps the cost it is
+    scheduled at until its declaration's differs by more than COST_DRIFT (`follow_cost`)."""
     kept = [node for node in (current.members if current else ()) if node.peer_id in declared]
-    kept = [node for node in kept if node.peer_id not in given_up and declared[node.peer_id].stage == node.stage]
+    kept = [
+        follow_cost(node, declared[node.peer_id])
+        for node in kept
+        if node.peer_id not in given_up and declared[node.peer_id].stage == node.stage
+    ]
     present = {node.peer_id for node in kept}
     joining = [node for peer, node in sorted(declared.items()) if peer not in present and peer not in given_up]
     return tuple(sorted([*kept, *joining][:MAX_MEMBERS], key=_peer))
+
+
+def follow_cost(member: NodeInfo, declaration: NodeInfo) -> NodeInfo:
+    """`member` as the next membership schedules it: at its declaration's seconds per microbatch where they differ
+    from the scheduled ones by more than COST_DRIFT (the node found its device slower or faster than it said,
+    `pipeline.device_clock`), else unchanged (a roster is announced only when the members change; every small
+    swing would announce one)."""
+    if not drifted(member.seconds_per_microbatch, declaration.seconds_per_microbatch):
+        return member
+    return dataclasses.replace(member, seconds_per_microbatch=declaration.seconds_per_microbatch)
+
+
+def cost_changes(before: Membership, after: Iterable[NodeInfo]) -> list[str]:
+    """For a log line: the members of `after` whose seconds per microbatch differ from `before`'s."""
+    old = {node.peer_id: node.seconds_per_microbatch for node in before.members}
+    return [
+        f"{node.peer_id[-8:]} {old[node.peer_id] * 1000:.0f} -> {node.seconds_per_microbatch * 1000:.0f} ms"
+        for node in after
+        if node.peer_id in old and old[node.peer_id] != node.seconds_per_microbatch
+    ]
 
 
 def _peer(node: NodeInfo) -> str:

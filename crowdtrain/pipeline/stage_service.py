@@ -45,6 +45,7 @@ from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blo
 from crowdtrain.dht.service import P2PService, drain, linger
 from crowdtrain.errors import CrowdtrainError
 from crowdtrain.models.stages import StagedModel
+from crowdtrain.pipeline.device_clock import DeviceClock, timed
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +266,8 @@ class _Held:
     inputs: torch.Tensor
     outputs: torch.Tensor
     since: float
+    forward_s: float = 0.0
+    """Seconds the forward held the device (`DeviceClock`)."""
 
 
 class StageService(P2PService):
@@ -289,6 +292,9 @@ class StageService(P2PService):
         self.memory_microbatches, self.hold_s, self.slot_wait_s = memory_microbatches, hold_s, slot_wait_s
         self.model_lock = threading.Lock()
         """Held while the stage's layers run forward or backward: take it to step the stage's optimizer."""
+        self.device = DeviceClock()
+        """Seconds the model lock was held per visit served (a forward and its backward) or, on a stage-0 node, per
+        microbatch driven (`PipelineDriver`)."""
         self._held: OrderedDict[tuple[str, int, int], _Held] = OrderedDict()
         self._held_lock = threading.Lock()
         self._backwards: dict[int, set[tuple[str, int]]] = {}
@@ -483,18 +489,21 @@ class StageService(P2PService):
     def _forward(self, key: tuple[str, int, int], inputs: torch.Tensor) -> torch.Tensor:
         with self._held_lock:
             self._rows[key[1]] += inputs.shape[0]
-        with self.model_lock:
+        spent: list[float] = []
+        with timed(self.model_lock, spent):
             inputs.requires_grad_(True)
             outputs = self.staged.run_stage(self.stage, self.staged.activations(inputs)).hidden_states
         with self._held_lock:
             held = self._held.get(key)
             if held is not None:  # still reserved (not expired meanwhile)
-                held.inputs, held.outputs = inputs, outputs
+                held.inputs, held.outputs, held.forward_s = inputs, outputs, spent[0]
         return outputs.detach()
 
     def _backward(self, held: _Held, grad_outputs: torch.Tensor) -> torch.Tensor:
-        with self.model_lock:
+        spent = [held.forward_s]
+        with timed(self.model_lock, spent):
             torch.autograd.backward(held.outputs, grad_outputs.to(held.outputs.device))
+        self.device.record(sum(spent))
         assert held.inputs.grad is not None
         return held.inputs.grad
 
@@ -559,6 +568,7 @@ class StageService(P2PService):
         with self.model_lock, self._held_lock:
             self.stage, self.memory_microbatches = stage, memory_microbatches
             self._held.clear()
+            self.device.clear()
             self._gradients.clear()
 
     def open_iteration(self, iteration: int) -> None:

@@ -1,15 +1,20 @@
 """`skippipe`: the model's layers cut into stages on different nodes; microbatches skip and reorder stages.
 
-A node takes one stage (`pipeline.membership.choose_stage`: fewest replicas first, weighted by compute), declares
-it in the DHT with its measured compute and link (`_seconds_per_hop`: its bandwidth as the probes before training
-found it; the scheduler weighs both; a node re-probes every `bandwidth_probe_interval_s`, but its declaration keeps
-the first measurement), and serves that stage's layers to the stage-0 nodes (`pipeline.StageService`). The run goes in
+A node takes one stage (`pipeline.membership.choose_stage`: fewest replicas first, weighted by compute), declares it in
+the DHT with its measured compute and link (`_seconds_per_hop`: its bandwidth as the probes before training found it;
+the scheduler weighs both; a node re-probes every `bandwidth_probe_interval_s`, but its declaration keeps the first
+measurement of its link), and serves that stage's layers to the stage-0 nodes (`pipeline.StageService`). The run goes in
 iterations, the same numbers on every node: each call of `train_micro_batch` runs one iteration on this node
-(`pipeline.SkipPipeNode`): a stage-0 node drives its microbatches along the schedule's paths (the loop's
-micro-batch is its first, the node's own data the rest), every node waits for the sources to be done, the stage's
-replicas sum their gradients, and each stage steps its AdamW. Which nodes an iteration counts comes from the
-roster the stage-0 leader announces two iterations ahead (`pipeline.membership`); a node not in it yet (a joiner)
-keeps serving and declaring, and takes its stage's state from a replica just before its first iteration.
+(`pipeline.SkipPipeNode`): a stage-0 node drives its microbatches along the schedule's paths (the loop's micro-batch is
+its first, the node's own data the rest), every node waits for the sources to be done, the stage's replicas sum their
+gradients, and each stage steps its AdamW. Which nodes an iteration counts comes from the roster the stage-0 leader
+announces two iterations ahead (`pipeline.membership`); a node not in it yet (a joiner) keeps serving and declaring, and
+takes its stage's state from a replica just before its first iteration.
+
+Its compute is measured once at start (`_measure_stage`), then followed: a node whose device took more than
+COST_DRIFT more or less per microbatch lately than it declared (`pipeline.device_clock`: the holds of its model
+lock, per visit it served or microbatch it drove) declares the new figure (`_follow_device`), and the leader's next
+roster schedules it so (`membership.follow_cost`), on every node from one iteration on.
 
 The micro-batch size is the node's (`--micro-batch-size`), the iteration's number of microbatches the run's
 (`skippipe.microbatches`); `target_batch_size` and the averaging settings are not used. A loss the loop
@@ -36,6 +41,7 @@ founds the roster again (`_refound_stage_zero`), from LOOKAHEAD iterations past 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -49,6 +55,7 @@ from crowdtrain.manifest import skippipe_spec
 from crowdtrain.models.device import available_memory_bytes
 from crowdtrain.models.stages import StagedModel
 from crowdtrain.pipeline import HopFailedError, HopLimits, StageService
+from crowdtrain.pipeline.device_clock import FOLLOW_EVERY_S
 from crowdtrain.pipeline.iteration import IterationReport, SkipPipeNode
 from crowdtrain.pipeline.membership import (
     DECLARATION_RENEW_S,
@@ -58,6 +65,7 @@ from crowdtrain.pipeline.membership import (
     Membership,
     StageDirectory,
     choose_stage,
+    cost_changes,
     leader_of,
     membership_at,
     next_members,
@@ -146,6 +154,8 @@ class SkipPipeMode(TrainingMode):
         """The next iteration this node runs; None while it is not in the roster."""
         self.last_report: IterationReport | None = None
         self._declared_at = -float("inf")
+        self._followed_at = -float("inf")
+        """When this node last declared its cost again (`_follow_device`, monotonic)."""
         self._published_at = -float("inf")
         """When this node last wrote the roster (monotonic), as its leader."""
         self._missing: dict[str, int] = {}
@@ -257,6 +267,7 @@ class SkipPipeMode(TrainingMode):
         self._first_batch, self._holding = batch, False
         report = self.runner.run_iteration(iteration)
         self.last_report, self.iteration = report, iteration + 1
+        self._follow_device()
         return report.loss
 
     def samples_of_last_call(self, micro_batch_size: int) -> int:
@@ -344,7 +355,32 @@ class SkipPipeMode(TrainingMode):
         announced = Membership(iteration + LOOKAHEAD, members)
         if self.directory.publish_roster([*self.history, announced]):
             self.history, self._published_at = [*self.history, announced], time.monotonic()
-            logger.info(f"announced {len(members)} SkipPipe nodes from iteration {announced.from_iteration}")
+            costs = cost_changes(newest, members)
+            logger.info(
+                f"announced {len(members)} SkipPipe nodes from iteration {announced.from_iteration}"
+                + (f" (seconds per microbatch: {', '.join(costs)})" if costs else "")
+            )
+
+    def _follow_device(self) -> None:
+        """Declare this node's cost again when its device's median over the microbatches it computed lately
+        (`StageService.device`) differs from the declared one by more than COST_DRIFT: the leader's next roster
+        schedules it at the new one (`follow_cost`). At most every FOLLOW_EVERY_S; not while it moves (its samples
+        are of the stage it leaves)."""
+        now = time.monotonic()
+        if now - self._followed_at < FOLLOW_EVERY_S or self.me.stage != self.stage:
+            return
+        measured = self.service.device.to_declare(self.me.seconds_per_microbatch)
+        if measured is None:
+            return
+        declared = self.me.seconds_per_microbatch
+        self.me = dataclasses.replace(self.me, seconds_per_microbatch=measured)
+        self.service.device.clear()  # the next figure from the microbatches of the schedules at the new one
+        self._declared_at, self._followed_at = -float("inf"), now
+        self._renew_declaration()
+        logger.info(
+            f"stage {self.stage}: the device took {measured * 1000:.0f} ms per microbatch lately, "
+            f"{declared * 1000:.0f} ms declared; declared again"
+        )
 
     def _offer_to_move(self) -> None:
         """When a stage has had no node for REBALANCE_AFTER_S and this node is the one to spare
@@ -495,15 +531,22 @@ class SkipPipeMode(TrainingMode):
         return seconds_per_hop(payload_bytes, self.context.upload_mbps, self.context.download_mbps)
 
     def _measure_stage(self, stage: int) -> float:
-        """Seconds of one forward and backward of `stage` on a microbatch of this node's size (one warm-up)."""
-        config = self.context.manifest.model.config
-        shape = (self.context.micro_batch_size, self.context.manifest.data.sequence_length, int(config["hidden_size"]))
+        """Seconds of one forward and backward of `stage` on a microbatch of this node's size (one warm-up); stage 0
+        with the embeddings, the head and the loss, as a source runs it. Only a start: a running node declares
+        what its device takes (`_follow_device`)."""
+        config, data = self.context.manifest.model.config, self.context.manifest.data
+        shape = (self.context.micro_batch_size, data.sequence_length, int(config["hidden_size"]))
         seconds = 0.0
         for _ in range(2):
-            hidden = torch.randn(shape, device=self.staged.device, requires_grad=True)
             started = time.perf_counter()
-            out = self.staged.run_stage(stage, self.staged.activations(hidden)).hidden_states
-            out.sum().backward()
+            if stage == 0:
+                vocab = self.staged.model.get_input_embeddings().num_embeddings
+                tokens = torch.randint(vocab, shape[:2], device=self.staged.device)
+                hidden = self.staged.run_stage(0, self.staged.embed(tokens)).hidden_states
+                self.staged.head_loss(hidden, tokens).backward()
+            else:
+                hidden = torch.randn(shape, device=self.staged.device, requires_grad=True)
+                self.staged.run_stage(stage, self.staged.activations(hidden)).hidden_states.sum().backward()
             seconds = time.perf_counter() - started
         for parameter in self.staged.stage_parameters(stage):
             parameter.grad = None
