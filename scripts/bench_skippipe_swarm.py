@@ -120,6 +120,7 @@ from crowdtrain.models.stages import StagedModel
 from crowdtrain.node.logs import setup_logging
 from crowdtrain.pipeline import HopLimits, StageService
 from crowdtrain.pipeline.iteration import BACKGROUND_SHARE, IterationReport, SkipPipeNode
+from crowdtrain.pipeline.membership import follow_cost
 from crowdtrain.planning.plan import BYTES_PER_MEGABIT
 from crowdtrain.planning.skippipe import (
     NodeInfo,
@@ -603,6 +604,8 @@ def node_main(args: argparse.Namespace) -> int:
         )  # fmt: skip
         with (folder / f"node{index}.jsonl").open("a") as log:
             for iteration in range(args.iterations):
+                if args.follow_device and iteration == args.follow_device:
+                    runner.set_nodes(_follow_devices(folder, index, service, nodes))
                 report = runner.run_iteration(iteration)
                 if index % REPLICAS == 0 and evaluated(args, iteration + 1):  # the first replica of each stage
                     parameters = [p.detach().clone() for p in staged.stage_parameters(stage)]
@@ -615,6 +618,31 @@ def node_main(args: argparse.Namespace) -> int:
         service.close()
         dht.shutdown()
     return 0
+
+
+def _follow_devices(folder: Path, index: int, service: StageService, nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
+    """`--follow-device`: what a running swarm's roster does (`membership.follow_cost`), between two iterations
+    at once on every node: publish this node's device seconds per microbatch so far (`StageService.device`), wait
+    for every node's, and schedule each at its own where it drifted from the published cost."""
+    _write_atomically(folder / f"device{index}.json", service.device.median(at_least=1))
+    followed = _followed(folder, nodes, STARTUP_TIMEOUT_S)
+    assert followed is not None
+    return followed
+
+
+def _followed(folder: Path, nodes: Sequence[NodeInfo], timeout_s: float) -> list[NodeInfo] | None:
+    """`nodes` at the device seconds every node published (`_follow_devices`) where drifted, waiting up to
+    `timeout_s` for them; None (with no wait) where a node published none."""
+    paths = [folder / f"device{index}.json" for index in range(len(nodes))]
+    if timeout_s:
+        await_condition(lambda: all(path.exists() for path in paths), timeout_s, "every node's device seconds")
+    elif not all(path.exists() for path in paths):
+        return None
+    seconds = [_read(path) for path in paths]  # null: a node that timed no microbatch keeps its published cost
+    return [
+        follow_cost(node, dataclasses.replace(node, seconds_per_microbatch=device)) if device else node
+        for node, device in zip(nodes, seconds, strict=True)
+    ]
 
 
 def _report_json(report: IterationReport, service: StageService) -> dict[str, Any]:
@@ -689,7 +717,7 @@ def swarm_arm(
                            "--memory", str(args.memory), "--skip-ratio", str(skip_ratio), "--scheduler", scheduler,
                            "--slowdown", str(args.slowdown), "--device-slowdown", str(args.device_slowdown),
                            *(["--stage-layers", *map(str, args.stage_layers)] if args.stage_layers else []),
-                           "--eval-every", str(args.eval_every),
+                           "--eval-every", str(args.eval_every), "--follow-device", str(args.follow_device),
                            "--gradient-dtype", gradient_dtype, *(["--overlap"] if "overlap" in arm else []),
                            *(["--unshared"] if "unshared" in arm else []),
                            "--learning-rate", str(args.learning_rate), "--identity", str(args.identities[index]),
@@ -728,21 +756,31 @@ def swarm_arm(
                         _load(staged, stage, folder / f"snapshot{iterations}-stage{stage}.pt")
                     evaluations[iterations] = held_out_loss(staged, data, staged.full_path)
             removed = removed_stages(staged, data)
+            published = topology([peer["peer_id"] for peer in peers], seconds, args.memory, args.slowdown, hop_s,
+                                 args.device_slowdown)  # fmt: skip
+            followed = _followed(folder, published, 0.0) if args.follow_device else None
         finally:
             groups.kill_all()
             _keep_logs(folder, args.out / "logs" / (f"draw{args.draw}" if args.draw else "") / arm)
-    peer_ids = [peer["peer_id"] for peer in peers]
-    nodes = topology(peer_ids, seconds, args.memory, args.slowdown, hop_s, args.device_slowdown)
+    peer_ids = [node.peer_id for node in published]
     share = BACKGROUND_SHARE if "overlap" in arm and "unshared" not in arm else 0.0
+
+    def scheduled(iteration: int) -> list[NodeInfo]:
+        return followed if followed is not None and iteration >= args.follow_device else published
+
     return {
         **_swarm_json(reports, wall_s, evaluations, removed, victim if kill else None),
         "hop_trace": hop_trace(reports, peer_ids),
         "model_s": [  # what every node's schedule expected of each iteration (no node suspected)
             SCHEDULERS[scheduler](
-                dataclasses.replace(_problem(args, nodes, iteration, skip_ratio), background_share=share)
+                dataclasses.replace(_problem(args, scheduled(iteration), iteration, skip_ratio), background_share=share)
             ).makespan_s
             for iteration in range(args.iterations)
         ],
+        "seconds_per_microbatch": {  # as published at the start, and as scheduled after `--follow-device`
+            "published": [node.seconds_per_microbatch for node in published],
+            "followed": [node.seconds_per_microbatch for node in followed or published],
+        },
     }
 
 
@@ -922,6 +960,12 @@ def show(args: argparse.Namespace, results: dict[str, Any]) -> None:
             print_table(f"{arm}: mean seconds per iteration by phase, per node (stage = node // {REPLICAS})",
                         ["node", *next(iter(result["phase_s"].values()))],
                         [[node, *phases.values()] for node, phases in result["phase_s"].items()])  # fmt: skip
+        if "seconds_per_microbatch" in result and args.follow_device:
+            costs = result["seconds_per_microbatch"]
+            say(
+                f"{arm}: seconds per microbatch by node, published -> scheduled after iteration {args.follow_device}: "
+                + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in zip(costs["published"], costs["followed"], strict=True))
+            )
         if "model_s" in result:
             measured, model = statistics.median(result["iteration_s"][2:]), statistics.median(result["model_s"][2:])
             say(f"{arm}: {measured:.2f} s per iteration against the timeline model's {model:.2f} s "
@@ -991,6 +1035,18 @@ def show_draws(results: dict[str, Any]) -> None:
     )
 
 
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A sentence and exit 2 for arguments the arms can't run with."""
+    if args.iterations < 3:
+        parser.error("--iterations must be at least 3: the median iteration leaves out the first two")
+    if args.draws < 1:
+        parser.error("--draws must be at least 1")
+    if args.follow_device and not 0 < args.follow_device < args.iterations:
+        parser.error("--follow-device must be between 1 and --iterations - 1 (0: off)")
+    if args.follow_device > args.kill_at and any(arm.startswith("swarm-kill") for arm in args.arms):
+        parser.error("--follow-device must be at most --kill-at: every node publishes its device's seconds then")
+
+
 def main() -> int:
     parser = bench_parser(__doc__)
     parser.add_argument("--model", choices=("demo", "llama-20m"), default="demo")
@@ -1022,6 +1078,15 @@ def main() -> int:
         default=1.0,
         help="multiply the compute cost every node publishes (its stage's seconds measured alone) by this: the hop "
         "trace found the devices of the WAN lab's nodes 1.3-1.4x slower than that, all eight computing at once",
+    )
+    parser.add_argument(
+        "--follow-device",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after N iterations every node schedules every other at the seconds per microbatch its device took "
+        "(StageService.device) where they differ from the published by more than COST_DRIFT, as a running swarm's "
+        "roster does (0: the published costs throughout)",
     )
     parser.add_argument("--scheduler", choices=SCHEDULERS, default="skippipe", help=argparse.SUPPRESS)
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS),
@@ -1060,10 +1125,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.node:
         return node_main(args)
-    if args.iterations < 3:
-        parser.error("--iterations must be at least 3: the median iteration leaves out the first two")
-    if args.draws < 1:
-        parser.error("--draws must be at least 1")
+    _check(parser, args)
     args.draw = 0
     torch.set_num_threads(1)
     run = bench_run(args.model)
