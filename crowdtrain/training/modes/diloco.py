@@ -646,22 +646,8 @@ class DiLoCoMode(TrainingMode):
             )
         if loaded is None:
             self.diverged = False  # nobody to take a state from: go on with this one
-            if self._passed_by_the_swarm(self.round) and self.round == 0:
-                # Still at round 0, this node holds the run's initial weights. Joining the swarm's round with them
-                # would average a fresh model's pseudo-gradients into the swarm's, and every averaged Δ after would
-                # land on θ₀ that is not the swarm's (a CI log: a joiner whose two donors differed for one round,
-                # each refused uncorroborated). It keeps asking, every SYNC_RETRY_S, and ends no round meanwhile.
-                if not self._said_waiting_for_state:
-                    logger.warning(f"no peer's state came; this node holds the run's initial weights and waits "
-                                   f"for the swarm's state of outer round {self.tracker.global_epoch}")  # fmt: skip
-                self._said_waiting_for_state = True
-            elif self._passed_by_the_swarm(self.round):
-                # Left behind and no state came (on a home link a whole state can take longer than the download's
-                # timeout while the swarm trains): join the swarm's round with this node's own θ₀ rather than wait
-                # for a download that may never fit, as a node that counted its rounds up alone did before.
-                logger.warning(f"no peer's state came; this node joins the swarm's outer round "
-                               f"{self.tracker.global_epoch} with its own")  # fmt: skip
-                self._enter_round(self.tracker.global_epoch)
+            if self._passed_by_the_swarm(self.round):
+                self._left_without_state()
             return False
         metadata, tensors = loaded
         count = len(self.global_parameters)
@@ -685,6 +671,25 @@ class DiLoCoMode(TrainingMode):
         self.tracker.distrust_unbacked_epochs(self.round + 1, self.round + 1, claimed_at_start=claimed_at_start)
         self._note_catch_up()
         return True
+
+    def _left_without_state(self) -> None:
+        """The swarm passed this node's round and no peer's state came."""
+        if self.round == 0:
+            # Still at round 0, this node holds the run's initial weights. Joining the swarm's round with them would
+            # average a fresh model's pseudo-gradients into the swarm's, and every averaged Δ after would land on θ₀
+            # that is not the swarm's (a CI log: a joiner whose two donors differed for one round, each refused
+            # uncorroborated). It keeps asking, every SYNC_RETRY_S, and ends no round meanwhile.
+            if not self._said_waiting_for_state:
+                logger.warning(f"no peer's state came; this node holds the run's initial weights and waits for the "
+                               f"swarm's state of outer round {self.tracker.global_epoch}")  # fmt: skip
+            self._said_waiting_for_state = True
+            return
+        # Left behind (on a home link a whole state can take longer than the download's timeout while the swarm
+        # trains): join the swarm's round with this node's own θ₀, of the swarm's lineage, rather than wait for a
+        # download that may never fit, as a node that counted its rounds up alone did before.
+        logger.warning(f"no peer's state came; this node joins the swarm's outer round {self.tracker.global_epoch} "
+                       "with its own")  # fmt: skip
+        self._enter_round(self.tracker.global_epoch)
 
     def _enter_round(self, outer_round: int) -> None:
         """Make `outer_round` this node's round from its start: no samples of it yet, the progress tracker at it,
