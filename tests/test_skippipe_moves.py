@@ -22,6 +22,7 @@ from crowdtrain.dht.swarm import SupervisedDHT, SwarmOptions, join_swarm
 from crowdtrain.dht.validator import make_validators
 from crowdtrain.manifest import RunManifest, load_run_file
 from crowdtrain.models import build_model, load_tokenizer
+from crowdtrain.models.stages import Activations, StagedModel
 from crowdtrain.node.identity import load_or_create_identity
 from crowdtrain.pipeline import iteration as pipeline_iteration
 from crowdtrain.pipeline import membership
@@ -39,6 +40,7 @@ from crowdtrain.training.modes.skippipe import SkipPipeMode
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 MICRO_BATCH = 4
+SLOWER_BY_S = 0.05
 
 
 @dataclass
@@ -170,6 +172,13 @@ def stages_in_force(node: Node) -> dict[str, int]:
     mode = node.mode
     membership = membership_at(mode.history, mode.iteration) if mode.iteration is not None else None
     return {member.peer_id: member.stage for member in membership.members} if membership else {}
+
+
+def costs_in_force(node: Node) -> dict[str, float]:
+    """The seconds per microbatch each node is scheduled at in the membership `node` runs its current iteration with."""
+    mode = node.mode
+    membership = membership_at(mode.history, mode.iteration) if mode.iteration is not None else None
+    return {member.peer_id: member.seconds_per_microbatch for member in membership.members} if membership else {}
 
 
 def test_a_stage_that_loses_its_last_node_takes_a_spare_one_at_one_iteration_everywhere(
@@ -331,6 +340,38 @@ def test_a_node_stays_declared_while_an_iteration_blocks_longer_than_a_declarati
             released.set()
         three_more_iterations(nodes, "after the slow one")
         assert all(stages_in_force(node) == in_force for node in nodes), "no node left the roster"
+
+
+def test_a_node_whose_device_turns_slow_is_scheduled_at_its_new_cost_on_every_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = two_stage_run(tmp_path, "skippipe-follow")
+    monkeypatch.setattr(skippipe, "FOLLOW_EVERY_S", 1.0)  # a daemon declares again at most once a minute
+    slow, run_stage = threading.Event(), StagedModel.run_stage
+
+    def slow_stage_one(staged: StagedModel, stage: int, activations: Activations) -> Activations:
+        if stage == 1 and slow.is_set():
+            time.sleep(SLOWER_BY_S)  # under the model lock: the device busy, as a throttled laptop's would be
+        return run_stage(staged, stage, activations)
+
+    monkeypatch.setattr(StagedModel, "run_stage", slow_stage_one)
+    with closing_all([]) as nodes:
+        nodes.append(start_node(run, tmp_path, "founder", []))
+        nodes.append(start_node(run, tmp_path, "second", [str(nodes[0].dht.get_visible_maddrs()[0])]))
+        founder, second = nodes
+        await_condition(lambda: all(len(stages_in_force(node)) == 2 for node in nodes), 90, "two nodes in force")
+        slow.set()
+
+        # the second node declares its device's new cost, the leader's roster carries it, and both nodes schedule
+        # it from one iteration on
+        await_condition(
+            lambda: all(costs_in_force(node).get(second.peer_id, 0.0) >= SLOWER_BY_S for node in nodes),
+            90,
+            "the slow node's cost in force",
+        )
+        assert second.mode.me.seconds_per_microbatch >= SLOWER_BY_S
+        assert all(stages_in_force(node) == {founder.peer_id: 0, second.peer_id: 1} for node in nodes)
+        three_more_iterations(nodes, "at the new cost")
 
 
 def test_an_overlapped_node_checkpoints_its_stage_s_true_state_not_the_look_ahead_it_computes_on(
