@@ -115,6 +115,15 @@ def start_node(run: RunManifest, tmp_path: Path, name: str, initial_peers: list[
     return node
 
 
+def start_pair(run: RunManifest, tmp_path: Path, nodes: list[Node]) -> tuple[Node, Node]:
+    """A founder (stage 0) and a second node (stage 1), added to `nodes` (which the caller closes), once both run in
+    the membership in force."""
+    nodes.append(start_node(run, tmp_path, "founder", []))
+    nodes.append(start_node(run, tmp_path, "second", [str(nodes[0].dht.get_visible_maddrs()[0])]))
+    await_condition(lambda: all(len(stages_in_force(node)) == 2 for node in nodes), 90, "two nodes in force")
+    return nodes[0], nodes[1]
+
+
 @contextlib.contextmanager
 def closing_all(nodes: list[Node]) -> Iterator[list[Node]]:
     try:
@@ -280,11 +289,7 @@ def test_a_joiner_that_takes_the_lost_stage_zero_founds_the_roster_again(
     records_that_expire_fast(monkeypatch)
     monkeypatch.setattr(skippipe, "spare_for_empty_stage", lambda *args: None)  # only the joiner may take stage 0
     with closing_all([]) as nodes:
-        nodes.append(start_node(run, tmp_path, "founder", []))
-        address = [str(nodes[0].dht.get_visible_maddrs()[0])]
-        nodes.append(start_node(run, tmp_path, "second", address))
-        founder, second = nodes
-        await_condition(lambda: all(len(stages_in_force(node)) == 2 for node in nodes), 90, "two nodes in force")
+        founder, second = start_pair(run, tmp_path, nodes)
         nodes.remove(founder)
         founder.close()
         await_condition(lambda: second.mode._holding, 60, "the stage-1 node to hold")
@@ -320,10 +325,7 @@ def test_a_node_stays_declared_while_an_iteration_blocks_longer_than_a_declarati
 
     monkeypatch.setattr(SkipPipeNode, "_drive", slow_drive)
     with closing_all([]) as nodes:
-        nodes.append(start_node(run, tmp_path, "founder", []))
-        nodes.append(start_node(run, tmp_path, "second", [str(nodes[0].dht.get_visible_maddrs()[0])]))
-        founder, second = nodes
-        await_condition(lambda: all(len(stages_in_force(node)) == 2 for node in nodes), 90, "two nodes in force")
+        founder, second = start_pair(run, tmp_path, nodes)
         in_force = stages_in_force(founder)
         armed.set()
         await_condition(blocking.is_set, 30, "the source's slow iteration")
@@ -356,10 +358,7 @@ def test_a_node_whose_device_turns_slow_is_scheduled_at_its_new_cost_on_every_no
 
     monkeypatch.setattr(StagedModel, "run_stage", slow_stage_one)
     with closing_all([]) as nodes:
-        nodes.append(start_node(run, tmp_path, "founder", []))
-        nodes.append(start_node(run, tmp_path, "second", [str(nodes[0].dht.get_visible_maddrs()[0])]))
-        founder, second = nodes
-        await_condition(lambda: all(len(stages_in_force(node)) == 2 for node in nodes), 90, "two nodes in force")
+        founder, second = start_pair(run, tmp_path, nodes)
         slow.set()
 
         # the second node declares its device's new cost, the leader's roster carries it, and both nodes schedule
@@ -381,8 +380,7 @@ def test_an_overlapped_node_checkpoints_its_stage_s_true_state_not_the_look_ahea
     the model is the true parameters (those its AdamW moments go with and its replicas hold), the rest as it is."""
     run = two_stage_run(tmp_path, "skippipe-overlap-checkpoint", overlap=True)
     with closing_all([]) as nodes:
-        nodes.append(start_node(run, tmp_path, "founder", []))
-        nodes.append(start_node(run, tmp_path, "second", [str(nodes[0].dht.get_visible_maddrs()[0])]))
+        start_pair(run, tmp_path, nodes)
         three_more_iterations(nodes, "with the exchange overlapped")
         for node in nodes:
             node.stop.set()
