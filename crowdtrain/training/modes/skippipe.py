@@ -541,9 +541,7 @@ class SkipPipeMode(TrainingMode):
             started = time.perf_counter()
             if stage == 0:
                 vocab = self.staged.model.get_input_embeddings().num_embeddings
-                tokens = torch.randint(vocab, shape[:2], device=self.staged.device)
-                hidden = self.staged.run_stage(0, self.staged.embed(tokens)).hidden_states
-                self.staged.head_loss(hidden, tokens).backward()
+                self.staged.loss(torch.randint(vocab, shape[:2], device=self.staged.device), (0,)).backward()
             else:
                 hidden = torch.randn(shape, device=self.staged.device, requires_grad=True)
                 self.staged.run_stage(stage, self.staged.activations(hidden)).hidden_states.sum().backward()
