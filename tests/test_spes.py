@@ -30,6 +30,7 @@ from crowdtrain.models.owned_experts import unit_experts
 from crowdtrain.testing.diloco import loopback_dhts, spes_peer, spes_peers
 from crowdtrain.testing.processes import await_condition
 from crowdtrain.training.modes.base import SwarmView
+from crowdtrain.training.modes.diloco import START_DIGEST_BYTES, _tiebreak
 from crowdtrain.training.modes.spes import SPESMode
 from crowdtrain.training.progress import Progress
 
@@ -218,12 +219,12 @@ def test_a_round_whose_group_held_part_of_the_swarm_leaves_ownership_to_the_stat
         train(modes, steps=1, seed=11)  # the trackers see the peers that train
         await_condition(lambda: mode.tracker.global_progress.num_peers >= 3, 60, "the tracker to see the others")
         mode.round = 1
-        mode.round_gathered = {peer: [1, 1, 1.0, -1] for peer in ids}
+        mode.round_gathered = {peer: [1, None, bytes(START_DIGEST_BYTES), 1.0, -1] for peer in ids}
         mode.round_group = sorted(ids)
         assert {owner for owners in mode._next_owners() for owner in owners} == set(ids), "the whole swarm's group"
         # two groups met in this round (peers too far apart): this one's members must not share every expert
         mode.round_group = sorted(ids[:2])
-        mode.round_gathered = {peer: [1, 1, 1.0, -1] for peer in ids[:2]}
+        mode.round_gathered = {peer: [1, None, bytes(START_DIGEST_BYTES), 1.0, -1] for peer in ids[:2]}
         assert mode._next_owners() == mode._assign_from_statuses(sorted(ids))
         assert {owner for owners in mode._next_owners() for owner in owners} == set(ids)
 
@@ -239,6 +240,30 @@ def test_nodes_that_disagreed_about_owners_hold_the_owners_copies_after_the_next
         train(modes, steps=2, seed=7)
         outer_round(modes)
         # a copy made from another base is never patched with a change: the whole copy came, checked by digest
+        assert_every_node_holds_the_owners_copies(modes)
+
+
+def test_nodes_whose_dense_parameters_differ_after_an_averaged_round_resync_to_the_higher_ranked() -> None:
+    """Two nodes that each stepped a round alone (neither saw the other yet) apply the same averaged Δ to different
+    θ₀ ever after, and a joiner can corroborate neither's state: a CI log of test_spes_swarm, a joiner refused for four
+    minutes. SPES's rounds gather the dense θ₀'s digest as DiLoCo's do; the lower-ranked node takes a state."""
+    with spes_peers(manifest("lineage"), 2) as modes:
+        train(modes, steps=1, seed=12)
+        outer_round(modes)
+        assert not any(mode._resync for mode in modes), "nodes in step hold the same bits"
+        lower, higher = sorted(modes, key=lambda mode: _tiebreak(mode.context.peer_id))
+        with torch.no_grad():
+            lower.global_parameters[0].add_(0.25)  # a round it stepped apart
+        train(modes, steps=1, seed=13)
+        outer_round(modes)
+        assert all(mode.round == 2 and mode.num_local_rounds == 0 for mode in modes), "the round was averaged"
+        assert lower._resync and not higher._resync
+        await_condition(lambda: lower._behind_the_swarm() and lower._load_state_from_peers(), 60, "the state above")
+        for mine, theirs in zip(lower.global_parameters, higher.global_parameters, strict=True):
+            assert torch.equal(mine, theirs), "the higher-ranked node's θ₀"
+        train(modes, steps=1, seed=14)
+        outer_round(modes)
+        assert not any(mode._resync for mode in modes), "in step again"
         assert_every_node_holds_the_owners_copies(modes)
 
 

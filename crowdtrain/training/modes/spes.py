@@ -200,24 +200,24 @@ class SPESMode(DiLoCoMode):
         return assign_owners(rates, self.num_units, self.spes.replicas, caps)
 
     def _gather(self) -> Any:
-        """This node's round, its proposed H, its samples/s in the round and how many experts it can train (-1:
-        not known), for every member to see alike."""
+        """DiLoCo's round, proposed H and θ₀ digest (the dense parameters': the lineage check), then this node's
+        samples/s in the round and how many experts it can train (-1: not known), for every member to see alike."""
         elapsed = time.monotonic() - self._round_started_at
         self._capacity = capacity = self._unit_capacity()
         rate = float(self.samples) / elapsed if elapsed > 0 else 0.0
-        return [self.round, self._proposal, rate, -1 if capacity is None else capacity]
+        return [*super()._gather(), rate, -1 if capacity is None else capacity]
 
     def _gathered_rate(self, peer: str) -> float:
         """The samples/s `peer` gathered in the last averaged round; 0 (counted as the median) if not a number."""
         value = self.round_gathered.get(peer)
-        rate = value[2] if isinstance(value, list | tuple) and len(value) >= 3 else None
+        rate = value[3] if isinstance(value, list | tuple) and len(value) >= 4 else None
         return float(rate) if isinstance(rate, int | float) and not isinstance(rate, bool) else 0.0
 
     def _gathered_capacity(self, peer: str) -> int | None:
         """How many experts `peer` said it can train in the last averaged round; None (no cap) if it did not say
         or said something else than an integer in 0..num_units."""
         value = self.round_gathered.get(peer)
-        capacity = value[3] if isinstance(value, list | tuple) and len(value) >= 4 else None
+        capacity = value[4] if isinstance(value, list | tuple) and len(value) >= 5 else None
         valid = isinstance(capacity, int) and not isinstance(capacity, bool) and 0 <= capacity <= self.num_units
         return capacity if valid else None
 
@@ -341,8 +341,11 @@ class SPESMode(DiLoCoMode):
     # joining
 
     def _load_state_from_peers(self) -> bool:
+        held = self.round
         if not super()._load_state_from_peers():
             return False
+        if self.round == held > 0:
+            return True  # the dense state of its own round (a resync): its experts are that round's, as exchanged
         # The experts come from the owners of the swarm without this node: they trained the round it took.
         others = [status.peer_id for status in self._view.statuses if status.peer_id != self.context.peer_id]
         if others:
