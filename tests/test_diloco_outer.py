@@ -12,6 +12,7 @@ checkpoint gives a restarted peer its round, outer momentum and residual back.
 from __future__ import annotations
 
 import dataclasses
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,7 +25,14 @@ from crowdtrain.manifest import DiLoCoSpec, RunManifest, demo
 from crowdtrain.testing.diloco import diloco_peers
 from crowdtrain.testing.processes import await_condition
 from crowdtrain.training.checkpoint import load_checkpoint, write_checkpoint
-from crowdtrain.training.modes.diloco import START_DIGEST_BYTES, DiLoCoMode, _gathered_digest, _tiebreak
+from crowdtrain.training.modes.diloco import (
+    MAX_RESYNC_TRIES,
+    RESYNC_RETRY_S,
+    START_DIGEST_BYTES,
+    DiLoCoMode,
+    _gathered_digest,
+    _tiebreak,
+)
 from crowdtrain.training.progress import Progress
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
@@ -423,6 +431,26 @@ def test_peers_whose_global_parameters_differ_after_an_averaged_round_resync_to_
         assert not torch.equal(lower.global_parameters[0], higher.global_parameters[0]), "the same Δ on each θ₀"
         assert lower._resync and lower._behind_the_swarm(), "the lower-ranked one takes a state next"
         assert not higher._resync and not higher._behind_the_swarm()
+        # It asks at once; the peer above may not have declared the round yet (a CI log: SYNC_RETRY_S later the two
+        # had averaged eight rounds apart). A try that finds no state is made again RESYNC_RETRY_S later, a few times.
+        real_load = lower.averager.load_state_from_peers
+        lower.averager.load_state_from_peers = lambda **kwargs: None  # type: ignore[method-assign]  # none above
+        for _ in range(MAX_RESYNC_TRIES):
+            assert not lower._load_state_from_peers()
+            assert lower._resync and not lower._behind_the_swarm(), "not at once"
+            assert lower._sync_not_before - time.monotonic() <= RESYNC_RETRY_S
+            lower._sync_not_before = 0.0  # RESYNC_RETRY_S later
+            assert lower._behind_the_swarm(), "it asks again"
+        assert not lower._load_state_from_peers()
+        assert not lower._resync and not lower._behind_the_swarm(), "then the next averaged round decides"
+        lower.averager.load_state_from_peers = real_load  # type: ignore[method-assign]
+        lower._resync, lower._resync_tries, lower._sync_not_before = True, 0, 0.0
+        await_condition(lambda: lower._behind_the_swarm() and lower._load_state_from_peers(), 30, "the state above")
+        assert lower.round == 2 and not lower._resync
+        for mine, theirs in zip(lower.global_parameters, higher.global_parameters, strict=True):
+            assert torch.equal(mine, theirs), "the higher-ranked peer's θ₀"
+        run_one_outer_round(modes, start, [torch.ones(3, 4), torch.ones(3, 4)], [8, 8])
+        assert not any(mode._resync for mode in modes), "in step again"
 
 
 @pytest.mark.parametrize(

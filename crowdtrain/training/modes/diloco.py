@@ -93,6 +93,14 @@ swarm trained alone for a minute (CI logs of test_diloco)."""
 MAX_CATCH_UP_TRIES = 4
 """Quick downloads per wait at most: each is a whole state, and a dead peer's last progress record can claim a round
 nobody serves."""
+RESYNC_RETRY_S = 1.0
+"""After a resync (`_check_lineage`) found no state, the next try waits only this long. The peer ranked above applies
+the round's outer step at its next micro-batch and declares the round after it: the first try, at once, often comes
+before that and finds no donor ranked above. Waiting SYNC_RETRY_S instead left a CI run's two peers apart for eight
+rounds, each averaged Δ landing on θ₀ it was not computed from, and one peer's loss climbed from 2.4 to 4.9."""
+MAX_RESYNC_TRIES = 5
+"""Quick resync tries per averaged round that showed the difference; then, as before, the next averaged round decides
+(a peer lying about its digest must not make an honest one download a state every second)."""
 
 
 @dataclass(slots=True)
@@ -142,6 +150,7 @@ class DiLoCoMode(TrainingMode):
         self._resync = False
         """This peer's θ₀ differed from a higher-ranked member's in its last averaged round: take a state, corroborated
         (a member lying about its digest must not make honest peers take its state unchecked)."""
+        self._resync_tries = 0
         self._lock = threading.Lock()  # the outer state, between the training thread and a joiner's request
         with torch.no_grad():
             self.global_parameters = [parameter.detach().clone().float() for parameter in self.parameters]
@@ -516,7 +525,7 @@ class DiLoCoMode(TrainingMode):
         if above:
             logger.warning(f"this node's global parameters differ from those of {len(above)} peer(s) of its last "
                            "averaged round ranked above it (each stepped a round apart): it takes a state")  # fmt: skip
-            self._resync = True
+            self._resync, self._resync_tries = True, 0
 
     def _note_round(self, gathered: dict[Any, Any], allreduce_s: float) -> None:
         """After an averaged round: its group (`round_group`), the H the group agreed on (from the next round on)
@@ -635,6 +644,7 @@ class DiLoCoMode(TrainingMode):
         if self._in_flight is not None:  # applied first, so that a failed download leaves a consistent state
             self._finish_round_in_flight(wait=True)
         claimed_at_start = self.tracker.global_epoch
+        resyncing = self._resync and not self.diverged
         self._resync = False  # asked again after the next averaged round, if its θ₀ still differs
         with self.context.phases.measure(Phase.STATE_DOWNLOAD):
             loaded = self.averager.load_state_from_peers(
@@ -646,6 +656,10 @@ class DiLoCoMode(TrainingMode):
             )
         if loaded is None:
             self.diverged = False  # nobody to take a state from: go on with this one
+            if resyncing and self._resync_tries < MAX_RESYNC_TRIES:
+                # the peer ranked above may not have declared the round yet (RESYNC_RETRY_S)
+                self._resync, self._resync_tries = True, self._resync_tries + 1
+                self._sync_not_before = time.monotonic() + RESYNC_RETRY_S
             if self._passed_by_the_swarm(self.round):
                 self._left_without_state()
             return False
@@ -745,7 +759,7 @@ def _tiebreak(peer_id: str) -> float:
 
 
 def _gathered_digest(value: Any) -> bytes | None:
-    """The θ₀ digest a peer gathered (`_gather`); None without one (an older peer, SPES) or when malformed."""
+    """The θ₀ digest a peer gathered (`_gather`); None without one (an older peer) or when malformed."""
     digest = value[2] if isinstance(value, list | tuple) and 3 <= len(value) <= MAX_GATHERED else None
     return digest if isinstance(digest, bytes) and len(digest) == START_DIGEST_BYTES else None
 
