@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from crowdtrain.pipeline.device_clock import (
     COST_DRIFT,
@@ -14,7 +15,7 @@ from crowdtrain.pipeline.device_clock import (
     MIN_SAMPLES,
     DeviceClock,
     drifted,
-    timed,
+    finish_of,
 )
 
 
@@ -58,10 +59,27 @@ def test_a_hold_is_timed_from_taking_the_lock_not_from_asking_for_it() -> None:
     thread.start()
     taken.wait(10.0)
     threading.Timer(0.3, release.set).start()  # the other thread lets go 0.3 s after this one asks
-    with timed(lock, spent):
+    clock = DeviceClock()
+    with clock.timed(lock, spent):
         pass
     thread.join(10.0)
     assert len(spent) == 1 and spent[0] < 0.1
-    with pytest.raises(RuntimeError), timed(lock, spent):
+    with pytest.raises(RuntimeError), clock.timed(lock, spent):
         raise RuntimeError("a hold that failed")
     assert len(spent) == 1 and not lock.locked()  # not counted, and let go
+
+
+def test_a_hold_ends_when_the_device_has_finished_what_it_queued() -> None:
+    """CUDA runs kernels after the call that queued them returns: a hold waits for them (`finish`), inside the lock."""
+    lock, spent, finished_while_held = threading.Lock(), [], []
+
+    def finish() -> None:  # a device still busy 0.1 s after the caller returned
+        finished_while_held.append(lock.locked())
+        threading.Event().wait(0.1)
+
+    with DeviceClock(finish=finish).timed(lock, spent):
+        pass
+    assert finished_while_held == [True] and spent[0] >= 0.1
+    assert finish_of(torch.device("cpu")) is None, "a CPU's work is done when the call returns"
+    cuda = finish_of(torch.device("cuda", 1))  # not called: this machine may have no GPU
+    assert cuda is not None and cuda.func is torch.cuda.synchronize and cuda.args == (torch.device("cuda", 1),)

@@ -6,8 +6,10 @@ background, a GPU's first steps differ from its steady ones, a laptop throttles.
 devices held 1.2-1.5x as long as their nodes had published, and the scheduler, costing each node at its
 published figure, gave the fast source too many microbatches (BENCHMARKS.md, "SkipPipe's hops traced").
 
-So each node times the holds of its model lock (`timed`: from taking it to letting it go, so a device slower
-than its caller counts whole and the wait for the lock does not) per microbatch it computes: a visit of its
+So each node times the holds of its model lock (`DeviceClock.timed`: from taking it to letting it go, so a device
+slower than its caller counts whole and the wait for the lock does not) per microbatch it computes. On a GPU a hold
+first waits for the kernels it queued (`finish_of`): CUDA runs them after the call that queued them returns, and a
+hold that ended there would time the launches, not the device. It timed: a visit of its
 stage (a forward and its backward, `StageService`), or a source's microbatch (its three holds: stage 0 forward,
 head and loss with their backward, stage 0's backward, `PipelineDriver`). `DeviceClock.median` is the median of
 the last DEVICE_SAMPLES; `to_declare` says when a published cost is far enough from it (`drifted`) to publish it
@@ -16,12 +18,15 @@ again. The leader's next roster then schedules the node at it (`membership.follo
 
 from __future__ import annotations
 
+import functools
 import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+
+import torch
 
 DEVICE_SAMPLES = 32
 """Microbatches the median is over: the newest ones."""
@@ -39,9 +44,23 @@ FOLLOW_EVERY_S = 60.0
 class DeviceClock:
     """The seconds this node's device was held per microbatch, over the last DEVICE_SAMPLES (thread-safe)."""
 
-    def __init__(self, keep: int = DEVICE_SAMPLES) -> None:
+    def __init__(self, keep: int = DEVICE_SAMPLES, finish: Callable[[], None] | None = None) -> None:
         self._samples: deque[float] = deque(maxlen=keep)
         self._lock = threading.Lock()
+        self.finish = finish
+        """Waits for the device to finish what was queued on it (`finish_of`); None where a call's return means it
+        has."""
+
+    @contextmanager
+    def timed(self, lock: AbstractContextManager[object], spent: list[float]) -> Iterator[None]:
+        """Hold `lock`; append to `spent` the seconds from having taken it to having let it go, the device's queued
+        work done (`finish`). A hold that raised is not counted."""
+        with lock:
+            began = time.perf_counter()
+            yield
+            if self.finish is not None:
+                self.finish()
+        spent.append(time.perf_counter() - began)
 
     def record(self, seconds: float) -> None:
         with self._lock:
@@ -65,13 +84,10 @@ class DeviceClock:
             self._samples.clear()
 
 
-@contextmanager
-def timed(lock: AbstractContextManager[object], spent: list[float]) -> Iterator[None]:
-    """Hold `lock`; append to `spent` the seconds from having taken it to having let it go."""
-    with lock:
-        began = time.perf_counter()
-        yield
-    spent.append(time.perf_counter() - began)
+def finish_of(device: torch.device) -> Callable[[], None] | None:
+    """What waits for `device` to finish the work queued on it: `torch.cuda.synchronize` on a CUDA device; None on
+    others (a CPU's work is done when the call returns)."""
+    return functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
 
 
 def drifted(published: float, measured: float, share: float = COST_DRIFT) -> bool:

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 import torch
 
 from crowdtrain import proto
-from crowdtrain.pipeline.device_clock import timed
 from crowdtrain.pipeline.stage_service import WIRE_DTYPES, HopFailedError, StageService
 from crowdtrain.planning.skippipe import Route
 
@@ -123,9 +122,9 @@ class PipelineDriver:
         """Forward `input_ids` [batch, sequence] along `route`, the loss here, and the backward back; the
         gradients of every stage it ran, times `loss_scale`, are added to their nodes' `.grad`."""
         started = time.perf_counter()
-        staged, lock = self.service.staged, self.service.model_lock
+        staged, lock, clock = self.service.staged, self.service.model_lock, self.service.device
         spent: list[float] = []  # the device's holds for this microbatch (`DeviceClock`)
-        with timed(lock, spent):
+        with clock.timed(lock, spent):
             first = staged.run_stage(0, staged.embed(input_ids)).hidden_states
         hops: list[_Hop] = []
         skipped: list[int] = []
@@ -145,7 +144,7 @@ class PipelineDriver:
             else:
                 skipped.append(stage)
         last = hidden.requires_grad_(True) if hops else first
-        with timed(lock, spent):
+        with clock.timed(lock, spent):
             loss = staged.head_loss(last, input_ids)
             (loss * loss_scale).backward()
         lost: list[int] = []
@@ -163,10 +162,10 @@ class PipelineDriver:
         else:
             if hops:
                 assert grad is not None
-                with timed(lock, spent):
+                with clock.timed(lock, spent):
                     first.backward(grad.to(first.device))
         if not lost:  # a microbatch whose backward stopped short held the device for only part of its cost
-            self.service.device.record(sum(spent))
+            clock.record(sum(spent))
         return MicrobatchOutcome(
             microbatch=route.microbatch,
             loss=float(loss.detach()),

@@ -45,7 +45,7 @@ from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blo
 from crowdtrain.dht.service import P2PService, drain, linger
 from crowdtrain.errors import CrowdtrainError
 from crowdtrain.models.stages import StagedModel
-from crowdtrain.pipeline.device_clock import DeviceClock, timed
+from crowdtrain.pipeline.device_clock import DeviceClock, finish_of
 
 logger = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ class StageService(P2PService):
         self.memory_microbatches, self.hold_s, self.slot_wait_s = memory_microbatches, hold_s, slot_wait_s
         self.model_lock = threading.Lock()
         """Held while the stage's layers run forward or backward: take it to step the stage's optimizer."""
-        self.device = DeviceClock()
+        self.device = DeviceClock(finish=finish_of(staged.device))
         """Seconds the model lock was held per visit served (a forward and its backward) or, on a stage-0 node, per
         microbatch driven (`PipelineDriver`)."""
         self._held: OrderedDict[tuple[str, int, int], _Held] = OrderedDict()
@@ -490,7 +490,7 @@ class StageService(P2PService):
         with self._held_lock:
             self._rows[key[1]] += inputs.shape[0]
         spent: list[float] = []
-        with timed(self.model_lock, spent):
+        with self.device.timed(self.model_lock, spent):
             inputs.requires_grad_(True)
             outputs = self.staged.run_stage(self.stage, self.staged.activations(inputs)).hidden_states
         with self._held_lock:
@@ -501,7 +501,7 @@ class StageService(P2PService):
 
     def _backward(self, held: _Held, grad_outputs: torch.Tensor) -> torch.Tensor:
         spent = [held.forward_s]
-        with timed(self.model_lock, spent):
+        with self.device.timed(self.model_lock, spent):
             torch.autograd.backward(held.outputs, grad_outputs.to(held.outputs.device))
         self.device.record(sum(spent))
         assert held.inputs.grad is not None
