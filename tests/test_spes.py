@@ -219,6 +219,8 @@ def test_a_round_whose_group_held_part_of_the_swarm_leaves_ownership_to_the_stat
         train(modes, steps=1, seed=11)  # the trackers see the peers that train
         await_condition(lambda: mode.tracker.global_progress.num_peers >= 3, 60, "the tracker to see the others")
         mode.round = 1
+        statuses = [proto.PeerStatus(peer_id=peer, epoch=1) for peer in ids]  # each completed the first round
+        mode.apply_swarm_view(SwarmView(plan_share=None, statuses=statuses))
         mode.round_gathered = {peer: [1, None, bytes(START_DIGEST_BYTES), 1.0, -1] for peer in ids}
         mode.round_group = sorted(ids)
         assert {owner for owners in mode._next_owners() for owner in owners} == set(ids), "the whole swarm's group"
@@ -227,6 +229,11 @@ def test_a_round_whose_group_held_part_of_the_swarm_leaves_ownership_to_the_stat
         mode.round_gathered = {peer: [1, None, bytes(START_DIGEST_BYTES), 1.0, -1] for peer in ids[:2]}
         assert mode._next_owners() == mode._assign_from_statuses(sorted(ids))
         assert {owner for owners in mode._next_owners() for owner in owners} == set(ids)
+        # the third completed no round yet: a joiner still waiting for the swarm's state owns no expert (every node
+        # would wait out the exchange's timeout for its copies each round), and the group holds the rest of the swarm
+        statuses[2] = proto.PeerStatus(peer_id=ids[2], epoch=0)
+        mode.apply_swarm_view(SwarmView(plan_share=None, statuses=statuses))
+        assert {owner for owners in mode._next_owners() for owner in owners} == set(ids[:2])
 
 
 def test_nodes_that_disagreed_about_owners_hold_the_owners_copies_after_the_next_round() -> None:
@@ -335,7 +342,8 @@ def test_a_rounds_experts_are_fetched_from_owners_that_publish_after_the_fetches
 
 
 def statuses_of(modes: Sequence[SPESMode]) -> list[proto.PeerStatus]:
-    return [proto.PeerStatus(peer_id=mode.context.peer_id) for mode in modes]
+    """What each node's status record says: its peer ID and the last round it completed."""
+    return [proto.PeerStatus(peer_id=mode.context.peer_id, epoch=mode.round) for mode in modes]
 
 
 def test_a_fetcher_refuses_non_finite_mis_sized_forged_and_unowned_copies() -> None:

@@ -173,8 +173,8 @@ class SPESMode(DiLoCoMode):
         fresh run, a partial group) the last re-planning read decides, from the peers' measured compute; it lags
         a round or two behind joins and leaves."""
         me = self.context.peer_id
-        known = {status.peer_id for status in self._view.statuses} | {me}
         group, started = self.round_group, self.round > 0
+        known = self._training_peers() | {me}
         if group is not None:
             # A peer that missed the round and answered none of this round's fetches of its experts is gone (killed,
             # or cut off): its status record may last status_ttl_s more, its experts go to the group now.
@@ -192,6 +192,14 @@ class SPESMode(DiLoCoMode):
         else:
             peers = sorted(known)
         return self._assign_from_statuses(peers)
+
+    def _training_peers(self) -> set[str]:
+        """The peers the status records show, less those that completed no round yet in a swarm past its first: a
+        joiner whose state download was refused or still streams trains no expert and serves no copy, and while it
+        owned some every node waited out the exchange's timeout for them, each round (a CI log: rounds of 17 s for
+        four minutes, their experts untrained)."""
+        started = self.round > 0
+        return {status.peer_id for status in self._view.statuses if status.epoch > 0 or not started}
 
     def _assign_from_statuses(self, peers: list[str]) -> list[tuple[str, ...]]:
         """Ownership among `peers` by the compute and memory their status records (last re-planning read) say."""
@@ -347,7 +355,7 @@ class SPESMode(DiLoCoMode):
         if self.round == held > 0:
             return True  # the dense state of its own round (a resync): its experts are that round's, as exchanged
         # The experts come from the owners of the swarm without this node: they trained the round it took.
-        others = [status.peer_id for status in self._view.statuses if status.peer_id != self.context.peer_id]
+        others = sorted(self._training_peers() - {self.context.peer_id})
         if others:
             self._take_ownership(peers=others)
             self._exchange_experts(self.owners)
