@@ -11,13 +11,15 @@ float16 on the wire, checked (averaging/expert_exchange.py). A node so sends the
 experts, never the others'.
 
 Ownership is a pure function of a list of peers and their measured compute (planning/ownership.py): balanced,
-stable when peers come and go, recomputed at each round's end. The list is the round's averaging group when the
-swarm fits in one group (`_next_owners`): every member saw the same group, so they agree, and a vanished peer's
-experts go to the others at the end of the round it missed (its status record may outlive it by status_ttl_s: a
-peer that missed the round and answered none of its fetches counts as gone); they go on from the copies fetched
-the round before. A fetch that fails (an owner gone mid-round, or behind) leaves that expert as this node last had it,
-and says so in the log: a partial exchange is never silent. Changes are keyed by the digest of the copy they
-apply to, so nodes that briefly disagreed about owners converge to the owner's copy at the next exchange.
+stable when peers come and go, recomputed at each round's end. A peer whose status says it completed no round,
+in a swarm past its first, is in no list (`_training_peers`): a joiner still waiting for the swarm's state can train
+no expert. The list is the round's averaging group when the swarm fits in one group (`_next_owners`): every member
+saw the same group, so they agree, and a vanished peer's experts go to the others at the end of the round it missed
+(its status record may outlive it by status_ttl_s: a peer that missed the round and answered none of its fetches
+counts as gone); they go on from the copies fetched the round before. A fetch that fails (an owner gone mid-round,
+or behind) leaves that expert as this node last had it, and says so in the log: a partial exchange is never silent.
+Changes are keyed by the digest of the copy they apply to, so nodes that briefly disagreed about owners converge to
+the owner's copy at the next exchange.
 
 With `spes.merge_every` set, each owner runs the expert-merging warm-up on its experts every M inner steps
 (models/expert_merging.py), from the copies of the others it holds.
