@@ -604,8 +604,9 @@ def node_main(args: argparse.Namespace) -> int:
         )  # fmt: skip
         with (folder / f"node{index}.jsonl").open("a") as log:
             for iteration in range(args.iterations):
-                if args.follow_device and iteration == args.follow_device:
-                    runner.set_nodes(_follow_devices(folder, index, service, nodes))
+                if iteration in args.follow_at:
+                    nodes = _follow_devices(folder, index, service, nodes, iteration)
+                    runner.set_nodes(nodes)
                 report = runner.run_iteration(iteration)
                 if index % REPLICAS == 0 and evaluated(args, iteration + 1):  # the first replica of each stage
                     parameters = [p.detach().clone() for p in staged.stage_parameters(stage)]
@@ -620,20 +621,33 @@ def node_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _follow_devices(folder: Path, index: int, service: StageService, nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
-    """`--follow-device`: what a running swarm's roster does (`membership.follow_cost`), between two iterations
-    at once on every node: publish this node's device seconds per microbatch so far (`StageService.device`), wait
-    for every node's, and schedule each at its own where it drifted from the published cost."""
-    _write_atomically(folder / f"device{index}.json", service.device.median(at_least=1))
-    followed = _followed(folder, nodes, STARTUP_TIMEOUT_S)
+def _follow_points(args: argparse.Namespace, kill: bool) -> list[int]:
+    """The iterations before which every node follows the devices: `--follow-device`, then every `--follow-every`;
+    in a kill arm only before `--kill-at` (the killed node would publish nothing, and the others wait for it)."""
+    if not args.follow_device:
+        return []
+    last = args.kill_at if kill else args.iterations
+    return list(range(args.follow_device, last, args.follow_every or args.iterations))
+
+
+def _follow_devices(
+    folder: Path, index: int, service: StageService, nodes: Sequence[NodeInfo], iteration: int
+) -> list[NodeInfo]:
+    """What a running swarm's roster does (`membership.follow_cost`), between two iterations at once on every node:
+    publish this node's device seconds per microbatch since the last time (`StageService.device`, then cleared, as
+    `SkipPipeMode._follow_device` clears them), wait for every node's, and schedule each at its own where it
+    drifted from the cost it is scheduled at."""
+    _write_atomically(folder / f"device{index}-{iteration}.json", service.device.median(at_least=1))
+    service.device.clear()
+    followed = _followed(folder, nodes, iteration, STARTUP_TIMEOUT_S)
     assert followed is not None
     return followed
 
 
-def _followed(folder: Path, nodes: Sequence[NodeInfo], timeout_s: float) -> list[NodeInfo] | None:
-    """`nodes` at the device seconds every node published (`_follow_devices`) where drifted, waiting up to
-    `timeout_s` for them; None (with no wait) where a node published none."""
-    paths = [folder / f"device{index}.json" for index in range(len(nodes))]
+def _followed(folder: Path, nodes: Sequence[NodeInfo], iteration: int, timeout_s: float) -> list[NodeInfo] | None:
+    """`nodes` at the device seconds every node published before `iteration` (`_follow_devices`) where drifted,
+    waiting up to `timeout_s` for them; None (with no wait) where a node published none."""
+    paths = [folder / f"device{index}-{iteration}.json" for index in range(len(nodes))]
     if timeout_s:
         await_condition(lambda: all(path.exists() for path in paths), timeout_s, "every node's device seconds")
     elif not all(path.exists() for path in paths):
@@ -643,6 +657,15 @@ def _followed(folder: Path, nodes: Sequence[NodeInfo], timeout_s: float) -> list
         follow_cost(node, dataclasses.replace(node, seconds_per_microbatch=device)) if device else node
         for node, device in zip(nodes, seconds, strict=True)
     ]
+
+
+def _costs_followed(folder: Path, published: list[NodeInfo], points: Sequence[int]) -> dict[int, list[NodeInfo]]:
+    """The nodes as scheduled from each follow point on (`_follow_devices`), from the device seconds they wrote."""
+    followed, costs = {}, published
+    for point in points:
+        costs = _followed(folder, costs, point, 0.0) or costs
+        followed[point] = costs
+    return followed
 
 
 def _report_json(report: IterationReport, service: StageService) -> dict[str, Any]:
@@ -685,6 +708,7 @@ def swarm_arm(
 ) -> dict[str, Any]:
     """One swarm arm (`ARMS`), on loopback or, with `--scenario`, each node in a WAN-lab host of its own."""
     kill = arm.startswith("swarm-kill")
+    points = _follow_points(args, kill)
     full = arm.startswith("swarm-full")
     skip_ratio = 0.0 if full else SKIP_RATIO
     schedulers = {
@@ -717,7 +741,7 @@ def swarm_arm(
                            "--memory", str(args.memory), "--skip-ratio", str(skip_ratio), "--scheduler", scheduler,
                            "--slowdown", str(args.slowdown), "--device-slowdown", str(args.device_slowdown),
                            *(["--stage-layers", *map(str, args.stage_layers)] if args.stage_layers else []),
-                           "--eval-every", str(args.eval_every), "--follow-device", str(args.follow_device),
+                           "--eval-every", str(args.eval_every), "--follow-at", *map(str, points),
                            "--gradient-dtype", gradient_dtype, *(["--overlap"] if "overlap" in arm else []),
                            *(["--unshared"] if "unshared" in arm else []),
                            "--learning-rate", str(args.learning_rate), "--identity", str(args.identities[index]),
@@ -758,7 +782,7 @@ def swarm_arm(
             removed = removed_stages(staged, data)
             published = topology([peer["peer_id"] for peer in peers], seconds, args.memory, args.slowdown, hop_s,
                                  args.device_slowdown)  # fmt: skip
-            followed = _followed(folder, published, 0.0) if args.follow_device else None
+            followed = _costs_followed(folder, published, points)
         finally:
             groups.kill_all()
             _keep_logs(folder, args.out / "logs" / (f"draw{args.draw}" if args.draw else "") / arm)
@@ -766,7 +790,8 @@ def swarm_arm(
     share = BACKGROUND_SHARE if "overlap" in arm and "unshared" not in arm else 0.0
 
     def scheduled(iteration: int) -> list[NodeInfo]:
-        return followed if followed is not None and iteration >= args.follow_device else published
+        in_force = [point for point in followed if point <= iteration]
+        return followed[in_force[-1]] if in_force else published
 
     return {
         **_swarm_json(reports, wall_s, evaluations, removed, victim if kill else None),
@@ -777,9 +802,9 @@ def swarm_arm(
             ).makespan_s
             for iteration in range(args.iterations)
         ],
-        "seconds_per_microbatch": {  # as published at the start, and as scheduled after `--follow-device`
+        "seconds_per_microbatch": {  # as published at the start, and as scheduled from each follow point on
             "published": [node.seconds_per_microbatch for node in published],
-            "followed": [node.seconds_per_microbatch for node in followed or published],
+            "followed": {point: [node.seconds_per_microbatch for node in nodes] for point, nodes in followed.items()},
         },
     }
 
@@ -960,12 +985,10 @@ def show(args: argparse.Namespace, results: dict[str, Any]) -> None:
             print_table(f"{arm}: mean seconds per iteration by phase, per node (stage = node // {REPLICAS})",
                         ["node", *next(iter(result["phase_s"].values()))],
                         [[node, *phases.values()] for node, phases in result["phase_s"].items()])  # fmt: skip
-        if "seconds_per_microbatch" in result and args.follow_device:
-            costs = result["seconds_per_microbatch"]
-            say(
-                f"{arm}: seconds per microbatch by node, published -> scheduled after iteration {args.follow_device}: "
-                + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in zip(costs["published"], costs["followed"], strict=True))
-            )
+        for point, followed in result.get("seconds_per_microbatch", {}).get("followed", {}).items():
+            published = result["seconds_per_microbatch"]["published"]
+            say(f"{arm}: seconds per microbatch by node, published -> scheduled from iteration {point}: "
+                + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in zip(published, followed, strict=True)))  # fmt: skip
         if "model_s" in result:
             measured, model = statistics.median(result["iteration_s"][2:]), statistics.median(result["model_s"][2:])
             say(f"{arm}: {measured:.2f} s per iteration against the timeline model's {model:.2f} s "
@@ -1043,8 +1066,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--draws must be at least 1")
     if args.follow_device and not 0 < args.follow_device < args.iterations:
         parser.error("--follow-device must be between 1 and --iterations - 1 (0: off)")
-    if args.follow_device > args.kill_at and any(arm.startswith("swarm-kill") for arm in args.arms):
-        parser.error("--follow-device must be at most --kill-at: every node publishes its device's seconds then")
+    if args.follow_device >= args.kill_at and any(arm.startswith("swarm-kill") for arm in args.arms):
+        parser.error("--follow-device must be below --kill-at: every node publishes its device's seconds then")
+    if args.follow_every < 0:
+        parser.error("--follow-every must be at least 0 (0: once, at --follow-device)")
 
 
 def main() -> int:
@@ -1088,6 +1113,15 @@ def main() -> int:
         "(StageService.device) where they differ from the published by more than COST_DRIFT, as a running swarm's "
         "roster does (0: the published costs throughout)",
     )
+    parser.add_argument(
+        "--follow-every",
+        type=int,
+        default=0,
+        metavar="M",
+        help="with --follow-device N: follow again every M iterations from N on, each time from the device seconds "
+        "since the last, as a running swarm's nodes declare drifted costs again (FOLLOW_EVERY_S); in a kill arm "
+        "only before --kill-at (0: once, at N)",
+    )
     parser.add_argument("--scheduler", choices=SCHEDULERS, default="skippipe", help=argparse.SUPPRESS)
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS),
                         help="the swarm arms (the one-process arms always run)")  # fmt: skip
@@ -1122,6 +1156,7 @@ def main() -> int:
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--identity", help=argparse.SUPPRESS)  # a node's private key file: its peer ID
+    parser.add_argument("--follow-at", type=int, nargs="*", default=[], help=argparse.SUPPRESS)  # _follow_points
     args = parser.parse_args()
     if args.node:
         return node_main(args)
