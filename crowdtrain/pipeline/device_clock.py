@@ -9,9 +9,9 @@ published figure, gave the fast source too many microbatches (BENCHMARKS.md, "Sk
 So each node times the holds of its model lock (`DeviceClock.timed`: from taking it to letting it go, so a device
 slower than its caller counts whole and the wait for the lock does not) per microbatch it computes. On a GPU a hold
 first waits for the kernels it queued (`finish_of`): CUDA runs them after the call that queued them returns, and a
-hold that ended there would time the launches, not the device. It timed: a visit of its
-stage (a forward and its backward, `StageService`), or a source's microbatch (its three holds: stage 0 forward,
-head and loss with their backward, stage 0's backward, `PipelineDriver`). `DeviceClock.median` is the median of
+hold that ended there would time the launches, not the device. One sample is a visit of its stage (a forward and
+its backward, `StageService`), or a source's microbatch (its three holds: stage 0 forward, head and loss with their
+backward, stage 0's backward, `PipelineDriver`). `DeviceClock.median` is the median of
 the last DEVICE_SAMPLES; `to_declare` says when a published cost is far enough from it (`drifted`) to publish it
 again. The leader's next roster then schedules the node at it (`membership.follow_cost`).
 """
