@@ -15,6 +15,8 @@ on loopback. Arms, one after the other, same data:
                   step; torch on one thread, and again on every core (`one-process-all-cores`): the best
                   alternative on this machine, against which the swarm's ratio is taken
     swarm         the 8 node processes, SkipPipe's scheduler (`schedule_microbatches`)
+    swarm-in-order-overlap  `swarm-overlap` with the greedy's routes started in the greedy's order
+                  (`greedy_in_order`): SkipPipe before it started the microbatches through the slowest visits first
     swarm-unlinked  the same with the links left out of the nodes' published costs: the greedy as it was before it
                   weighed each node's link (the same as `swarm` on loopback)
     swarm-planned the same with the better of the greedy's and prioritized planning's routes in the model
@@ -128,6 +130,7 @@ from crowdtrain.planning.skippipe import (
     SkipPipeProblem,
     conflict_based,
     full_pipeline,
+    greedy_in_order,
     planned,
     random_skipping,
     schedule_microbatches,
@@ -163,6 +166,7 @@ SCHEDULERS: dict[str, Callable[[SkipPipeProblem], Schedule]] = {
     "prioritized": functools.partial(conflict_based, expansions=0),
     "random": random_skipping,
     "full": full_pipeline,
+    "in-order": greedy_in_order,
 }
 CONTENTION = NUM_STAGES * REPLICAS / (os.cpu_count() or 1)
 """How many node processes share each of this machine's cores (8 on 2 here)."""
@@ -172,6 +176,7 @@ DIAL_TRIES = 5
 ARMS = (
     "swarm",
     "swarm-unlinked",
+    "swarm-in-order-overlap",
     "swarm-planned",
     "swarm-searched",
     "swarm-cbs",
@@ -718,6 +723,7 @@ def swarm_arm(
         "swarm-planned": "planned",
         "swarm-prioritized": "prioritized",
         "swarm-full-greedy-overlap": "skippipe",
+        "swarm-in-order-overlap": "in-order",
     }
     scheduler = schedulers.get(arm, "full" if full else "skippipe")
     gradient_dtype = {"swarm-float32": "float32", "swarm-int8": "int8", "swarm-full-int8": "int8"}.get(

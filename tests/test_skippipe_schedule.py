@@ -19,6 +19,7 @@ from crowdtrain.planning.skippipe import (
     StageZeroUnavailableError,
     conflict_based,
     full_pipeline,
+    greedy_in_order,
     num_visited_stages,
     planned,
     random_skipping,
@@ -27,7 +28,7 @@ from crowdtrain.planning.skippipe import (
     simulate,
 )
 
-SCHEDULERS = (schedule_microbatches, planned, searched, conflict_based, full_pipeline, random_skipping)
+SCHEDULERS = (schedule_microbatches, greedy_in_order, planned, searched, conflict_based, full_pipeline, random_skipping)
 
 
 def node(peer_id: str, stage: int, seconds: float = 1.0, memory: int = 8) -> NodeInfo:
@@ -107,10 +108,34 @@ def test_slow_replica_gets_fewer_microbatches_and_the_iteration_is_shorter() -> 
     scheduled, full, drawn = schedule_microbatches(p), full_pipeline(p), random_skipping(p)
     assert scheduled.microbatches_per_node["s2b"] * 3 <= scheduled.microbatches_per_node["s2a"]  # 2 and 9
     assert full.microbatches_per_node["s2b"] == full.microbatches_per_node["s2a"] == 8
-    # Measured: full 34.07 s, scheduled 12.58 s (0.37), random 26.68 s.
-    assert scheduled.makespan_s <= 0.45 * full.makespan_s
+    # Measured: full 34.07 s, scheduled 11.30 s (0.33), random 26.68 s.
+    assert scheduled.makespan_s <= 0.4 * full.makespan_s
     assert scheduled.makespan_s <= 0.6 * drawn.makespan_s
     assert drawn.makespan_s < full.makespan_s
+
+
+def test_the_microbatches_through_a_slow_replica_start_first_where_that_ends_the_iteration_sooner() -> None:
+    # The benchmark's shape: a stage-2 replica 4× slow, 8 reordered microbatches, memory 4. The greedy chooses the slow
+    # replica only once the fast one has a queue, so its visits fall to the last microbatches, and their long wait
+    # there ended the iteration (the swarm benchmark's hop trace showed the same at the WAN lab's slow node).
+    p = problem(four_by_two(memory=4), num_microbatches=8, reorder=True)
+    scheduled, in_order = schedule_microbatches(p), greedy_in_order(p)
+    slow = [route.microbatch for route in scheduled.routes if "s2b" in route.path]
+    assert slow == list(range(len(slow))) != [route.microbatch for route in in_order.routes if "s2b" in route.path]
+    # Measured: 7.12 s against 8.02 s in the greedy's order; the same paths, numbered again.
+    assert scheduled.makespan_s <= 0.9 * in_order.makespan_s
+    assert sorted((r.stages, r.path) for r in scheduled.routes) == sorted((r.stages, r.path) for r in in_order.routes)
+    # Equal nodes: nothing to start first, and the greedy's order stays.
+    even = problem(four_by_two(slow_factor=1.0), num_microbatches=8, reorder=True)
+    assert schedule_microbatches(even) == greedy_in_order(even)
+    # Never later than the greedy's order in the timeline: where starting the slowest first ends later, it is not.
+    rng, kept = random.Random(5), 0
+    for _ in range(60):
+        p = random_problem(rng)
+        scheduled, in_order = schedule_microbatches(p), greedy_in_order(p)
+        assert scheduled.makespan_s <= in_order.makespan_s
+        kept += scheduled == in_order
+    assert 0 < kept < 60
 
 
 def test_a_source_behind_a_slower_link_starts_fewer_microbatches() -> None:
@@ -175,9 +200,10 @@ def test_constraints_hold_on_random_topologies() -> None:
 
 
 def test_the_search_keeps_each_paths_stages_and_shortens_the_greedys_makespan() -> None:
-    # Measured: reordered, 8 microbatches: greedy 8.017 s, improved 7.250 s (-9.6%); ascending, 16: 12.583 s and
-    # 11.250 s (-10.6%); the full pipeline takes 19.4 and 34.1 s.
-    for overrides, at_most in (({"reorder": True, "num_microbatches": 8}, 0.92), ({"num_microbatches": 16}, 0.92)):
+    # Measured: reordered, 8 microbatches: greedy 7.117 s, improved 6.967 s (-2.1%); ascending, 16: 11.300 s and
+    # 10.483 s (-7.2%); the full pipeline takes 19.4 and 34.1 s. (Before the greedy started the slowest visits first,
+    # it took 8.017 and 12.583 s, and the search took 9.6% and 10.6% off.)
+    for overrides, at_most in (({"reorder": True, "num_microbatches": 8}, 0.99), ({"num_microbatches": 16}, 0.95)):
         p = problem(four_by_two(), **overrides)
         improved, first = searched(p), schedule_microbatches(p)
         assert improved.makespan_s <= at_most * first.makespan_s
@@ -195,13 +221,13 @@ def test_the_search_keeps_each_paths_stages_and_shortens_the_greedys_makespan() 
 
 def test_planned_routes_by_prioritized_planning_where_it_ends_before_the_greedy() -> None:
     # Measured: the benchmark's shape (4 × 2, one stage-3 replica 4× slow, 8 reordered microbatches, memory 2),
-    # seeds 0-9: greedy 10.76 s, prioritized planning 9.50 s (-11.8%) on the mean.
+    # seeds 0-9: greedy 9.43 s, prioritized planning 8.67 s (-8.1%) on the mean; 7 of the 10 are 5% shorter.
     nodes = tuple(node(f"s{s}{r}", s, 4.0 if (s, r) == (3, "b") else 1.0, memory=2) for s in range(4) for r in "ab")
     shorter = 0
     for seed in range(10):
         p = problem(nodes, num_microbatches=8, reorder=True, seed=seed, default_latency_s=0.0)
         scheduled, first, alone = planned(p), schedule_microbatches(p), conflict_based(p, expansions=0)
-        assert scheduled.makespan_s == min(first.makespan_s, alone.makespan_s)
+        assert scheduled.makespan_s == pytest.approx(min(first.makespan_s, alone.makespan_s), abs=1e-9)
         assert [set(route.stages) for route in scheduled.routes] == [set(route.stages) for route in first.routes]
         shorter += scheduled.makespan_s <= 0.95 * first.makespan_s
     assert shorter >= 7
