@@ -2,11 +2,12 @@
 
 Pure computation, no network (`planning.skippipe`): for each swarm, iterations 0..N-1 (the seed of each), the
 modeled makespan of the full pipeline, random skipping, the greedy nodes run (least-visited stages,
-earliest-finishing replicas: `schedule_microbatches`), its routes improved by local search against the timeline
-(`searched`), the paper's conflict-based search with A* (`conflict_based`), its prioritized planning alone
-(`conflict_based` with no split), the better of the greedy and that (`planned`), and the milliseconds each of the
-last four takes. Swarms: 4 stages × 2 replicas, 8
-microbatches, k = 0.25, reorder, 2 microbatches of memory per node (bench_skippipe_swarm.py's settings):
+earliest-finishing replicas, the slowest visits started first: `schedule_microbatches`), its routes improved by
+local search against the timeline (`searched`), the paper's conflict-based search with A* (`conflict_based`), its
+prioritized planning alone (`conflict_based` with no split), the better of the greedy and that (`planned`), the
+greedy's routes started in its own order (`greedy_in_order`: what nodes ran before they started the slowest visits
+first), and the milliseconds each of the last five takes. Swarms: 4 stages × 2 replicas, 8 microbatches, k = 0.25,
+reorder, 2 microbatches of memory per node (bench_skippipe_swarm.py's settings):
 
     bench        every node 1 s per microbatch but one replica of stage 3, 4× slower
     random-<i>   each node 0.5-2× of 1 s and the links 0-50 ms one way, drawn from seed i
@@ -34,6 +35,7 @@ from crowdtrain.planning.skippipe import (
     SkipPipeProblem,
     conflict_based,
     full_pipeline,
+    greedy_in_order,
     planned,
     random_skipping,
     schedule_microbatches,
@@ -68,6 +70,7 @@ SEARCHES = {
     "cbs": conflict_based,
     "prioritized": functools.partial(conflict_based, expansions=0),
     "planned": planned,
+    "in-order": greedy_in_order,
 }
 """The schedulers that search, by column: each is timed."""
 
