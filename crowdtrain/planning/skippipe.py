@@ -308,9 +308,11 @@ def greedy_in_order(problem: SkipPipeProblem) -> Schedule:
 
 def _greedy(problem: SkipPipeProblem, swarm: _Swarm) -> Schedule:
     """The greedy's routes (`_greedy_routes`) in its order, or started slowest visit first (`_slowest_first`),
-    whichever the timeline ends first (the greedy's order on a tie)."""
+    whichever the timeline ends first (the greedy's order on a tie). Where the two orders are one (no visit is
+    slower than another's), the timeline runs once."""
     routes = _greedy_routes(problem, swarm)
-    return _sooner(_finish(problem, swarm, routes), _finish(problem, swarm, _slowest_first(swarm, routes)))
+    first, reordered = _finish(problem, swarm, routes), _slowest_first(swarm, routes)
+    return first if reordered == routes else _sooner(first, _finish(problem, swarm, reordered))
 
 
 def _sooner(first: Schedule, second: Schedule) -> Schedule:
