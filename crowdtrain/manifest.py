@@ -2,7 +2,8 @@
 
 The founder builds it from a preset or a TOML run file; it travels through the DHT as a signed
 protobuf (`proto.RunManifest` inside `proto.SignedManifest`), so joiners need only an address.
-A run file overrides the `demo` preset: it names only what differs.
+A run file extends the preset it names in `preset` (`demo` when it names none): it names only what differs.
+`crowdtrain preset NAME` prints a preset as a complete run file to start from (`preset_run_file`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomli_w
 from google.protobuf.message import DecodeError
 
 from crowdtrain import proto
@@ -708,8 +710,43 @@ PRESETS: dict[str, Callable[[], RunManifest]] = {
 }
 
 
+def preset_summaries() -> dict[str, str]:
+    """Each preset's name and the first line of its docstring, in `PRESETS` order."""
+    return {name: (build.__doc__ or "").strip().splitlines()[0] for name, build in PRESETS.items()}
+
+
+def preset_manifest(name: object) -> RunManifest:
+    """The manifest of the preset `name`; raises FieldError listing the presets when none is called so."""
+    build = PRESETS.get(name) if isinstance(name, str) else None
+    if build is None:
+        raise FieldError(f"unknown preset {name!r} (presets: {', '.join(PRESETS)})")
+    return build()
+
+
+def preset_run_file(name: str) -> str:
+    """The preset `name` as a complete TOML run file to start from: `preset = "NAME"`, then all its tables."""
+    if name not in PRESETS:
+        raise BadInputError(f"Unknown preset {name!r} (presets: {', '.join(PRESETS)}).")
+    tables = _as_plain_dict(PRESETS[name]())
+    del tables["protocol_version"]  # the running crowdtrain's: a copied number would refuse the next release
+    del tables["created_at"]  # stamped by the founder
+    header = f"# {name}: {preset_summaries()[name]}\n# Keep `preset`, change what differs and delete the rest.\n\n"
+    return header + tomli_w.dumps({"preset": name, **_without_none(tables)})
+
+
+def _without_none(table: dict[str, Any]) -> dict[str, Any]:
+    """TOML has no null: a None field is left out, so it loads back as the preset's own None.
+
+    `model.config` is kept whole: a file's config replaces the preset's, so nothing in it may be left out."""
+    return {
+        key: _without_none(value) if isinstance(value, dict) and key != "config" else value
+        for key, value in table.items()
+        if value is not None
+    }
+
+
 def load_run_file(name_or_path: str, *, run_id: str | None = None) -> RunManifest:
-    """Resolve `--run-file`: a preset name or a TOML file overriding the `demo` preset."""
+    """Resolve `--run-file`: a preset name, or a TOML file extending the preset it names (`demo` by default)."""
     if name_or_path in PRESETS:
         manifest = PRESETS[name_or_path]()
         try:
@@ -736,17 +773,18 @@ def load_run_file(name_or_path: str, *, run_id: str | None = None) -> RunManifes
 
 
 def manifest_from_overrides(overrides: Mapping[str, Any]) -> RunManifest:
-    """Layer a run file's tables over the `demo` preset; raises FieldError naming the field."""
-    base = _as_plain_dict(demo())
-    model = overrides.get("model")
-    if (
-        isinstance(model, Mapping)
-        and model.get("architecture", base["model"]["architecture"]) != (base["model"]["architecture"])
-    ):
+    """Layer a run file's tables over the preset its `preset` key names (`demo` when it names none); raises
+    FieldError naming the field. `preset` itself is no manifest field: it only chooses the base."""
+    tables = dict(overrides)
+    preset = tables.pop("preset", "demo")
+    base = _as_plain_dict(preset_manifest(preset))
+    model = tables.get("model")
+    architecture = base["model"]["architecture"]
+    if isinstance(model, Mapping) and model.get("architecture", architecture) != architecture:
         if "config" not in model:
-            raise FieldError("model.config is required when model.architecture differs from the demo's")
+            raise FieldError(f"model.config is required when model.architecture differs from the {preset} preset's")
         base["model"]["config"] = {}
-    return from_mapping(RunManifest, _merge(base, overrides))
+    return from_mapping(RunManifest, _merge(base, tables))
 
 
 def _as_plain_dict(manifest: RunManifest) -> dict[str, Any]:

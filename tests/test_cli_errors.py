@@ -85,6 +85,20 @@ def test_invalid_run_file_exits_2_naming_the_field(tmp_path: Path, content: str,
     assert_plain_failure(result, 2, *phrases)
 
 
+def test_a_run_file_extending_an_unknown_preset_exits_2_naming_the_presets(tmp_path: Path) -> None:
+    run_file = tmp_path / "run.toml"
+    run_file.write_text('preset = "llama-86m"\ntarget_batch_size = 64\n')
+    result = crowdtrain("run", "--state-dir", str(tmp_path / "state"), "--run-file", str(run_file))
+    assert_plain_failure(result, 2, "unknown preset 'llama-86m'", "demo, demo-moe, llama-20m, llama-85m")
+    assert not (tmp_path / "state" / "node.json").exists()
+
+
+def test_printing_an_unknown_preset_exits_2_naming_the_presets() -> None:
+    result = crowdtrain("preset", "llama-86m")
+    assert_plain_failure(result, 2, "Unknown preset 'llama-86m'", "llama-85m", "spes-250m")
+    assert result.stdout == ""
+
+
 def test_unreadable_config_exits_2(tmp_path: Path) -> None:
     result = crowdtrain("run", "--state-dir", str(tmp_path), "--config", str(tmp_path / "missing.toml"))
     assert_plain_failure(result, 2, "Cannot read config file")

@@ -1,8 +1,12 @@
-"""The run manifest: presets, TOML run files over the demo preset, protobuf round trips, field-named errors."""
+"""The run manifest: presets, TOML run files over a preset, presets printed as run files, protobuf round trips,
+field-named errors."""
 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -19,8 +23,12 @@ from crowdtrain.manifest import (
     OptimizerSpec,
     RunManifest,
     demo,
+    llama_85m,
     load_run_file,
     manifest_from_overrides,
+    preset_run_file,
+    skippipe_demo,
+    spes_demo,
 )
 from crowdtrain.models import spec_parameter_count
 from crowdtrain.structured import FieldError
@@ -262,3 +270,68 @@ def test_diloco_overlap_defaults_on_reads_from_a_run_file_and_an_older_nodes_man
     assert loaded.diloco is not None and loaded.diloco.overlap
     with pytest.raises(BadInputError, match="overlap"):
         load_run_file(write_run_file(tmp_path, text.replace("false", '"no"')))
+
+
+def test_a_run_file_extends_the_preset_it_names(tmp_path: Path) -> None:
+    manifest = load_run_file(write_run_file(tmp_path, 'preset = "llama-85m"\ntarget_batch_size = 2048\n'))
+    assert manifest == dataclasses.replace(llama_85m(), target_batch_size=2048)
+    assert manifest.model.config["hidden_size"] == 768 and manifest.model != demo().model
+
+
+def test_a_run_file_on_a_preset_merges_its_tables_and_replaces_its_model_config(tmp_path: Path) -> None:
+    text = 'preset = "spes-demo"\n[diloco]\ninner_steps = 40\n[model.config]\nhidden_size = 64\n'
+    manifest = load_run_file(write_run_file(tmp_path, text))
+    assert manifest.diloco == DiLoCoSpec(inner_steps=40, compression="fp16", overlap=False)  # spes-demo's, but H
+    assert manifest.spes == spes_demo().spes and manifest.model.architecture == "OlmoeForCausalLM"
+    assert manifest.model.config == {"hidden_size": 64}
+
+
+def test_naming_the_demo_preset_is_the_same_as_naming_none(tmp_path: Path) -> None:
+    assert load_run_file(write_run_file(tmp_path, 'preset = "demo"\n')) == demo()  # `preset` is no manifest field
+    assert manifest_from_overrides({"preset": "skippipe-demo"}) == skippipe_demo()
+
+
+def test_changing_a_presets_architecture_without_config_names_the_preset(tmp_path: Path) -> None:
+    text = 'preset = "spes-demo"\n[model]\narchitecture = "LlamaForCausalLM"\n'
+    with pytest.raises(BadInputError, match=r"model\.config is required .* the spes-demo preset's"):
+        load_run_file(write_run_file(tmp_path, text))
+
+
+@pytest.mark.parametrize("value", ['"llama-86m"', "3", '["demo"]'])
+def test_an_unknown_preset_is_one_sentence_naming_the_presets(tmp_path: Path, value: str) -> None:
+    path = write_run_file(tmp_path, f"preset = {value}\n[optimizer]\nlearning_rate = 0.01\n")
+    with pytest.raises(BadInputError, match="unknown preset") as caught:
+        load_run_file(path)
+    message = str(caught.value)
+    assert path in message and "\n" not in message and message.endswith(").")
+    assert all(name in message for name in PRESETS)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_printed_as_a_run_file_loads_back_equal(tmp_path: Path, name: str) -> None:
+    text = preset_run_file(name)
+    tables = tomllib.loads(text)
+    assert next(iter(tables.items())) == ("preset", name)
+    assert "protocol_version" not in tables and "created_at" not in tables
+    assert tables["model"]["config"] == PRESETS[name]().model.config  # complete, not left to the preset
+    assert load_run_file(write_run_file(tmp_path, text)) == PRESETS[name]()
+
+
+def test_a_printed_preset_leaves_out_none_and_loads_it_back_as_none(tmp_path: Path) -> None:
+    text = preset_run_file("spes-demo")
+    tables = tomllib.loads(text)
+    assert "moe" not in tables and "skippipe" not in tables  # None sections: TOML has no null
+    assert "min_inner_steps" not in tables["diloco"] and "max_inner_steps" not in tables["diloco"]
+    edited = text.replace("inner_steps = 20\n", "inner_steps = 30\n")
+    manifest = load_run_file(write_run_file(tmp_path, edited))
+    assert manifest.diloco is not None and manifest.diloco.inner_steps == 30
+    assert manifest.diloco.min_inner_steps is None and manifest.moe is None and manifest.skippipe is None
+
+
+def test_the_preset_command_prints_a_run_file_that_loads_back_equal(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "crowdtrain", "preset", "skippipe-demo"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    assert load_run_file(write_run_file(tmp_path, result.stdout)) == skippipe_demo()
+    listing = subprocess.run(command[:-1], capture_output=True, text=True, timeout=120, check=True).stdout
+    for name, build in PRESETS.items():
+        assert any(line.split()[:1] == [name] and build.__doc__.split("\n")[0] in line for line in listing.splitlines())

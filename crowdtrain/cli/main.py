@@ -20,10 +20,10 @@ EXIT_INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `crowdtrain` command line: `run`, `status` and `check` with their flags."""
+    """The `crowdtrain` command line: `run`, `status`, `check`, `invite`, `eval` and `preset` with their flags."""
     parser = argparse.ArgumentParser(prog="crowdtrain", description="Lend this machine to a shared training run.")
     parser.add_argument("--version", action="version", version=f"crowdtrain {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,status,check,invite,eval}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,status,check,invite,eval,preset}")
 
     run = commands.add_parser("run", help="start a node: found a run, or join one with --initial-peers")
     _add_swarm_flags(run)
@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TOKEN",
         help="with --initial-peers: an invite-only run's token (or CROWDTRAIN_JOIN_TOKEN)",
     )
+
+    preset = commands.add_parser("preset", help="print a preset as a run file to start from, or list the presets")
+    preset.add_argument("name", nargs="?", metavar="NAME", help="the preset to print (default: list them all)")
     return parser
 
 
@@ -121,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _invite(args)
         if command == "eval":
             return _eval(args)
+        if command == "preset":
+            return _preset(args)
         return _status(args)
     except CrowdtrainError as e:
         print(f"crowdtrain: {e}", file=sys.stderr)
@@ -260,6 +265,20 @@ def _eval(args: dict[str, Any]) -> int:
         join_token=args["join_token"] or os.environ.get("CROWDTRAIN_JOIN_TOKEN", ""),
     )
     print_evaluation(evaluation, args["json"])
+    return 0
+
+
+def _preset(args: dict[str, Any]) -> int:
+    from crowdtrain.manifest import preset_run_file, preset_summaries
+
+    if args["name"] is not None:
+        print(preset_run_file(args["name"]), end="")
+        return 0
+    summaries = preset_summaries()
+    width = max(map(len, summaries))
+    for name, summary in summaries.items():
+        print(f"{name:<{width}}  {summary}")
+    print("Print one as a run file to start from: crowdtrain preset NAME > run.toml")
     return 0
 
 
