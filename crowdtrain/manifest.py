@@ -461,6 +461,11 @@ class RunManifest:
             raise ValueError(f"a [skippipe] section needs averaging.mode = 'skippipe', not {self.averaging.mode!r}")
         if self.averaging.mode == "skippipe":
             _check_skippipe_model(self)
+            if self.optimizer.name != "adamw":
+                raise ValueError(
+                    "a SkipPipe run keeps each stage's AdamW state to repair drift and look ahead: "
+                    f"optimizer.name must be 'adamw', not {self.optimizer.name!r}"
+                )
         if self.averaging.mode == "spes" and self.diloco is not None and self.diloco.fragments > 1:
             raise ValueError("a SPES run averages its dense part every round: diloco.fragments must be 1")
         if self.averaging.mode == "spes" and self.moe is not None:

@@ -22,6 +22,7 @@ from crowdtrain.manifest import (
     ModelSpec,
     OptimizerSpec,
     RunManifest,
+    SkipPipeSpec,
     demo,
     llama_85m,
     load_run_file,
@@ -335,3 +336,13 @@ def test_the_preset_command_prints_a_run_file_that_loads_back_equal(tmp_path: Pa
     listing = subprocess.run(command[:-1], capture_output=True, text=True, timeout=120, check=True).stdout
     for name, build in PRESETS.items():
         assert any(line.split()[:1] == [name] and build.__doc__.split("\n")[0] in line for line in listing.splitlines())
+
+
+def test_a_skippipe_run_with_sgd_is_refused(tmp_path: Path) -> None:
+    text = 'preset = "skippipe-demo"\n[optimizer]\nname = "sgd"\n'
+    with pytest.raises(BadInputError, match="SkipPipe.*AdamW.*optimizer.name must be 'adamw', not 'sgd'"):
+        load_run_file(write_run_file(tmp_path, text))
+    with pytest.raises(ValueError, match="optimizer.name"):
+        dataclasses.replace(skippipe_demo(), optimizer=OptimizerSpec(name="sgd"))
+    assert dataclasses.replace(demo(), optimizer=OptimizerSpec(name="sgd")).optimizer.name == "sgd"
+    assert dataclasses.replace(skippipe_demo(), skippipe=SkipPipeSpec(stages=2)).optimizer.name == "adamw"
