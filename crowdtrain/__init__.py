@@ -13,8 +13,9 @@ Package map, from the top down; a package may import only those below it (tests/
   moe/        DMoE expert hosting: placement, replicas, the host's supervisor
   models/     model builders from a manifest, precision, the training device
   data/       datasets: the embedded corpus, local files, HF datasets; per-peer sampling
+  optimizer   the one optimizer factory: every mode's optimizer, schedule and gradient clipping
   dht/        the run's DHT schema: key names, record codecs, validators, bootstrap
-  manifest    the run manifest: what a run trains, on what, and how (types, presets, TOML)
+  manifest/   the run manifest: what a run trains, on what, and how (sections, presets, run files)
   structured  typed parsing of mappings (TOML, env) and protobuf messages into frozen dataclasses
   roles       Role: what a node does for its run (trainer, aggregator, expert-host, client)
   proto/      protobuf records stored in the DHT and the node's own RPC messages

@@ -43,10 +43,10 @@ from typing import Any
 
 import torch
 
-from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.data import WindowSampler, load_token_stream
 from crowdtrain.manifest import RunManifest, load_run_file, spes_28m, spes_demo
 from crowdtrain.models import build_model, load_tokenizer, training_loss
+from crowdtrain.optimizer import learning_rate_factor
 from crowdtrain.testing.bench import (
     bench_parser,
     parse_metrics,

@@ -45,11 +45,11 @@ from typing import Any
 
 import torch
 
-from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.data import WindowSampler, load_token_stream
 from crowdtrain.manifest import ModelSpec, RunManifest, demo
 from crowdtrain.models import ByteTokenizer, build_model
 from crowdtrain.models.stages import StagedModel
+from crowdtrain.optimizer import learning_rate_factor
 from crowdtrain.planning.skippipe import (
     DEFAULT_LATENCY_S,
     NodeInfo,

@@ -37,10 +37,10 @@ from typing import Any
 import torch
 
 from crowdtrain import proto
-from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.data import WindowSampler, load_token_stream
 from crowdtrain.manifest import PRESETS, DiLoCoSpec, RunManifest, SPESSpec
 from crowdtrain.models import ByteTokenizer, build_model, training_loss
+from crowdtrain.optimizer import learning_rate_factor
 from crowdtrain.testing.bench import bench_parser, plot_to_png, print_table, say, say_plotted, write_json
 from crowdtrain.testing.diloco import computing_peer, computing_peers, loopback_dhts
 from crowdtrain.testing.processes import await_condition

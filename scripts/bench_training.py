@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.data import WindowSampler, load_token_stream, peer_seed_from_peer_id
 from crowdtrain.manifest import RunManifest, demo, load_run_file
 from crowdtrain.models import build_model, load_tokenizer, model_kind, training_loss
 from crowdtrain.models.build import ModelKind
+from crowdtrain.optimizer import learning_rate_factor
 from crowdtrain.testing import bench, processes
 from crowdtrain.testing.fixtures import tiny_run_file
 from crowdtrain.testing.swarm import START_TIMEOUT_S, Daemon, StatusWatcher, start_swarm

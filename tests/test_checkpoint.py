@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from crowdtrain import files as files_module
-from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.files import write_atomically
 from crowdtrain.manifest import OptimizerSpec, demo
+from crowdtrain.optimizer import learning_rate_factor
 from crowdtrain.training.checkpoint import (
     CheckpointError,
     list_checkpoints,

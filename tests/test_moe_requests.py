@@ -27,7 +27,7 @@ from hivemind.utils.tensor_descr import BatchTensorDescriptor
 from crowdtrain.dht.admission import AccessChecker, AdmissionGate, set_process_gate
 from crowdtrain.dht.records import load_public_key, peer_id_of_public_key
 from crowdtrain.manifest import expert_uids
-from crowdtrain.moe.experts import MAX_BATCH_SEQUENCES, build_expert, build_optimizer, make_backend
+from crowdtrain.moe.experts import MAX_BATCH_SEQUENCES, build_expert, make_backend
 from crowdtrain.moe.hosting import ExpertHost, HostOptions
 from crowdtrain.moe.requests import (
     MAX_FRAME_BYTES,
@@ -37,6 +37,7 @@ from crowdtrain.moe.requests import (
     check_tensors,
     request_shapes,
 )
+from crowdtrain.optimizer import build_optimizer
 from tests.test_moe_replicas import LOOPBACK, tiny_moe
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,7 +49,9 @@ SEQUENCE, HIDDEN = MANIFEST.data.sequence_length, int(MANIFEST.model.config["hid
 
 def shapes() -> tuple[RequestShape, RequestShape]:
     expert = build_expert(MANIFEST, UID)
-    return request_shapes(make_backend(MANIFEST, UID, expert, build_optimizer(expert, MANIFEST.optimizer)), 4)
+    return request_shapes(
+        make_backend(MANIFEST, UID, expert, build_optimizer(expert.parameters(), MANIFEST.optimizer)), 4
+    )
 
 
 def wire(*tensors: torch.Tensor) -> list[runtime_pb2.Tensor]:

@@ -21,7 +21,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from crowdtrain import proto
 from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blocks, int8_blocks_size
+from crowdtrain.manifest import OptimizerSpec
 from crowdtrain.models.stages import StagedModel
+from crowdtrain.optimizer import build_optimizer
 from crowdtrain.pipeline import HopFailedError, HopLimits, HopRefusedError, PipelineDriver, StageService
 from crowdtrain.pipeline.iteration import (
     BACKGROUND_NICE,
@@ -52,6 +54,11 @@ HIDDEN = 32
 LIMITS = HopLimits(max_batch=4, max_sequence=16, hidden_size=HIDDEN)
 STAGE_OF_NODE = (0, 1, 1, 2, 3)
 """Node 0 drives (stage 0); nodes 1 and 2 are replicas of stage 1; nodes 3 and 4 hold stages 2 and 3."""
+
+
+def stage_optimizer(parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """A stage's optimizer as a SkipPipe node builds it: the run's AdamW, clipping at 1.0 like the references."""
+    return build_optimizer(parameters, OptimizerSpec(learning_rate=1e-2, weight_decay=0.01, max_grad_norm=1.0))
 
 
 def model() -> torch.nn.Module:
@@ -351,7 +358,7 @@ def exact_runner(
         num_microbatches=num_microbatches,
         skip_ratio=0.25,
         reorder=True,
-        optimizer=torch.optim.AdamW(service.staged.stage_parameters(service.stage), lr=1e-2),
+        optimizer=stage_optimizer(service.staged.stage_parameters(service.stage)),
         batch=lambda iteration, microbatch: data[iteration * num_microbatches + microbatch],
         wire_dtype="float32",
         gradient_dtype="float32",
@@ -514,7 +521,7 @@ def test_replicas_sum_the_gradients_as_published_in_the_runs_dtype(swarm: Swarm)
             num_microbatches=2,
             skip_ratio=0.25,
             reorder=True,
-            optimizer=torch.optim.AdamW(swarm.services[node].staged.stage_parameters(1), lr=1e-2),
+            optimizer=stage_optimizer(swarm.services[node].staged.stage_parameters(1)),
             batch=lambda iteration, microbatch: tokens(),
         )
         for node in (1, 2)
@@ -665,7 +672,7 @@ def assert_a_joiner_steps_as_the_replica_it_joined(
             num_microbatches=6,
             skip_ratio=0.25,
             reorder=True,
-            optimizer=torch.optim.AdamW(joiner.staged.stage_parameters(1), lr=1e-2),
+            optimizer=stage_optimizer(joiner.staged.stage_parameters(1)),
             batch=lambda iteration, microbatch: tokens(),
         )
         with pytest.raises(HopFailedError, match=r"not \[5\]"):

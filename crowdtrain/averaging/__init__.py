@@ -1,7 +1,6 @@
 """All-reduce machinery: Moshpit groups, plan-partitioned rounds, exactness, traffic and phase accounting.
 
 grid          Moshpit grid coordinates as hivemind group bits
-schedule      the learning-rate schedule per global step
 collaboration hivemind.Optimizer configured from the run manifest, with Moshpit keys
 partition     each round's partition from the plan's shares; expected round failures as one warning line
 exact         reject partial all-reduce results and count them

@@ -44,7 +44,6 @@ from crowdtrain.averaging.partition import PlanSharesMixin
 from crowdtrain.averaging.phases import Phase, PhaseAccumulator, wait_for_round
 from crowdtrain.averaging.progress_bounds import BoundedProgressTracker, ProgressBounds
 from crowdtrain.averaging.quarantine import Verdict
-from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.averaging.state_download import (
     StateTemplate,
     VerifiedStateDownloadMixin,
@@ -54,7 +53,8 @@ from crowdtrain.averaging.state_download import (
 )
 from crowdtrain.averaging.traffic import AggregationSettings, AveragingTraffic, TrafficCountingAverager
 from crowdtrain.dht.admission import AdmissionGated
-from crowdtrain.manifest import AveragingSpec, OptimizerSpec, RunManifest
+from crowdtrain.manifest import AveragingSpec, RunManifest
+from crowdtrain.optimizer import build_optimizer, build_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,6 @@ class _Optimizer(hivemind.Optimizer):
         traffic: AveragingTraffic | None = None,
         aggregation: AggregationSettings | None = None,
         run_created_at: float = 0.0,
-        max_grad_norm: float = 0.0,
         use_local_updates: bool = False,
         **kwargs: Any,
     ):
@@ -151,7 +150,6 @@ class _Optimizer(hivemind.Optimizer):
         # Gradients mode: every peer takes the same averaged step, so peers at one epoch hold one state and other
         # donors can corroborate a downloaded one. Parameters mode: peers step alone between averaging rounds.
         self._states_agree_at_epoch = not use_local_updates
-        self.max_grad_norm = max_grad_norm
         self.phases = PhaseAccumulator() if phases is None else phases
         self.traffic = AveragingTraffic.new() if traffic is None else traffic
         self.aggregation = AggregationSettings() if aggregation is None else aggregation
@@ -165,9 +163,8 @@ class _Optimizer(hivemind.Optimizer):
         torch_optimizer.register_step_post_hook(self._on_optimizer_step_ends)
         self._optimizer_step_began = 0.0
 
-    def _on_optimizer_step_begins(self, torch_optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    def _on_optimizer_step_begins(self, *_: Any) -> None:
         self._optimizer_step_began = self.phases.clock()
-        clip_gradients(torch_optimizer, self.max_grad_norm)
 
     def _on_optimizer_step_ends(self, *_: Any) -> None:
         self.phases.add(Phase.OPTIMIZER_STEP, self.phases.clock() - self._optimizer_step_began)
@@ -443,8 +440,8 @@ def make_optimizer(
             batch_size_per_step=None if auxiliary else micro_batch_size,
             auxiliary=auxiliary,
             params=list(parameters),
-            optimizer=functools.partial(_torch_optimizer, spec=manifest.optimizer),
-            scheduler=functools.partial(_scheduler, spec=manifest.optimizer),
+            optimizer=functools.partial(build_optimizer, spec=manifest.optimizer),
+            scheduler=functools.partial(build_scheduler, spec=manifest.optimizer),
             matchmaking_time=averaging.matchmaking_time_s,
             averaging_timeout=averaging.timeout_s,
             # hivemind's default (the matchmaking time, 5 s) bans a group member as a sender when its first part comes
@@ -464,7 +461,6 @@ def make_optimizer(
             traffic=traffic,
             aggregation=aggregation,
             run_created_at=manifest.created_at,
-            max_grad_norm=manifest.optimizer.max_grad_norm,
             # Parameters averaged every few epochs in gradient mode travel uncompressed, so rounding never
             # erases small updates; a downloaded state always does: fp16 flushes Adam's tiny second moments
             # to zero, and the next step divides by ~eps and blows the weights up.
@@ -475,20 +471,6 @@ def make_optimizer(
             verbose=False,
             **extra,
         )
-
-
-def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> None:
-    """Scale the gradients `optimizer` is about to take so that their global norm is at most `max_norm` (0: leave
-    them). Runs just before every optimizer step, on the swarm's averaged gradient or a step's own."""
-    if max_norm <= 0:
-        return
-    parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if not parameters:
-        return
-    # One pass to read the norm; a second, to scale, only when it is over (torch's clip_grad_norm_ always scales).
-    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
-    if float(norm) > max_norm:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
 
 
 @contextlib.contextmanager
@@ -597,13 +579,3 @@ def chunk_timeout_s(averaging: AveragingSpec) -> float:
 
 def _compression(averaging: AveragingSpec) -> CompressionBase:
     return compression_for(averaging.compression)
-
-
-def _torch_optimizer(params: Any, *, spec: OptimizerSpec) -> torch.optim.Optimizer:
-    if spec.name == "sgd":
-        return torch.optim.SGD(params, lr=spec.learning_rate, momentum=0.9, weight_decay=spec.weight_decay)
-    return torch.optim.AdamW(params, lr=spec.learning_rate, weight_decay=spec.weight_decay)
-
-
-def _scheduler(optimizer: torch.optim.Optimizer, *, spec: OptimizerSpec) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(learning_rate_factor, spec=spec))

@@ -9,7 +9,7 @@ from hivemind.moe.server.module_backend import ModuleBackend
 from hivemind.utils.tensor_descr import BatchTensorDescriptor
 from torch import nn
 
-from crowdtrain.manifest import OptimizerSpec, RunManifest
+from crowdtrain.manifest import RunManifest
 
 MAX_BATCH_SEQUENCES = 64
 """Sequences hivemind's task pool batches into one expert call at most."""
@@ -34,13 +34,6 @@ def build_expert(manifest: RunManifest, uid: str) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int.from_bytes(digest, "big") % (2**31))
         return FeedForwardExpert(int(manifest.model.config["hidden_size"]), manifest.moe.expert_hidden_size)
-
-
-def build_optimizer(expert: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
-    """The expert's own optimizer: hivemind's runtime steps it after every backward batch."""
-    if spec.name == "sgd":
-        return torch.optim.SGD(expert.parameters(), lr=spec.learning_rate, momentum=0.9)
-    return torch.optim.AdamW(expert.parameters(), lr=spec.learning_rate, weight_decay=spec.weight_decay)
 
 
 def make_backend(manifest: RunManifest, uid: str, expert: nn.Module, optimizer: torch.optim.Optimizer) -> ModuleBackend:

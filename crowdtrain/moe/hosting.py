@@ -24,8 +24,9 @@ from hivemind.moe.server.server import Server
 from crowdtrain.files import read_checksummed, write_checksummed
 from crowdtrain.manifest import RunManifest
 from crowdtrain.moe.connection import BoundedConnectionHandler
-from crowdtrain.moe.experts import MAX_BATCH_SEQUENCES, build_expert, build_optimizer, make_backend
+from crowdtrain.moe.experts import MAX_BATCH_SEQUENCES, build_expert, make_backend
 from crowdtrain.moe.replicas import mix_into
+from crowdtrain.optimizer import build_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ class ExpertHost:
 
     def _load_or_create(self, uid: str) -> _Expert:
         module = build_expert(self.manifest, uid).to(self.options.device)
-        expert = _Expert(module, build_optimizer(module, self.manifest.optimizer))
+        expert = _Expert(module, build_optimizer(module.parameters(), self.manifest.optimizer))
         path = self._checkpoint_path(uid)
         if path.exists():
             try:
@@ -234,13 +235,13 @@ class ExpertHost:
             except Exception as e:  # a torn or foreign file: start the expert afresh rather than not at all
                 logger.warning(f"ignored the unreadable checkpoint {path.name}: {e}")
                 module = build_expert(self.manifest, uid).to(self.options.device)
-                expert = _Expert(module, build_optimizer(module, self.manifest.optimizer))
+                expert = _Expert(module, build_optimizer(module.parameters(), self.manifest.optimizer))
         return expert
 
     def _from_replica(self, uid: str, values: torch.Tensor) -> _Expert:
         module = build_expert(self.manifest, uid).to(self.options.device)
         mix_into(module, values, 1.0)
-        return _Expert(module, build_optimizer(module, self.manifest.optimizer))
+        return _Expert(module, build_optimizer(module.parameters(), self.manifest.optimizer))
 
     def _save(self, uid: str) -> None:
         expert = self._experts[uid]

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import hivemind
 import torch
 
-from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.dht.registry import list_peer_statuses
 from crowdtrain.manifest import RunManifest, expert_uids
 from crowdtrain.moe.epoch import ExpertEpoch
@@ -19,6 +18,7 @@ from crowdtrain.moe.experts import build_expert
 from crowdtrain.moe.hosting import ExpertHost, HostOptions
 from crowdtrain.moe.placement import choose_experts
 from crowdtrain.moe.replicas import ReplicaError, ReplicaService, flat_parameters, mix_into, num_values
+from crowdtrain.optimizer import learning_rate_factor
 from crowdtrain.roles import Role
 
 logger = logging.getLogger(__name__)

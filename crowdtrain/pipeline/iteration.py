@@ -27,9 +27,9 @@ the swarm's nodes, seeded by the iteration), so no message carries it. An iterat
    `exchange_timeout_s` (and `done_timeout_s` more where this node was done early: the replica may still be
    waiting for its sources) is left out (its share of microbatches is lost for the others this iteration, and from
    then on the replicas differ);
-5. clip to `max_grad_norm`, the optimizer's step, gradients zeroed, the iteration closed; an iteration that no
-   source finished (every stage-0 node gone) trained nothing and takes no step (AdamW would still move the
-   parameters on its momentum and weight decay);
+5. the optimizer's step (it clips to the run's `max_grad_norm`: `crowdtrain.optimizer`), gradients zeroed, the
+   iteration closed; an iteration that no source finished (every stage-0 node gone) trained nothing and takes no
+   step (AdamW would still move the parameters on its momentum and weight decay);
    with `overlap_exchange`, steps 4 and 5 part: the node publishes its gradient of iteration t and fetches the
    others' in the background while iteration t + 1 runs. The stage's *true* state (parameters and AdamW's
    moments, bit-identical on every replica) takes the replicas' exact sum of iteration t - 1 at the end of
@@ -175,7 +175,6 @@ class SkipPipeNode:
     """How many of its microbatches a stage-0 node runs at once: the daemon's is its `memory_microbatches`, as the
     schedule's timeline counts it (a source holds each microbatch's activations until its backward). In the WAN
     lab's benchmark SkipPipe took 7.1-7.3 s an iteration with 2 in flight (and 2 held per node), 6.5-6.6 s with 4."""
-    max_grad_norm: float = 1.0
     hop_timeout_s: float = 30.0
     done_timeout_s: float = 120.0
     exchange_timeout_s: float = 30.0
@@ -421,7 +420,6 @@ class SkipPipeNode:
             if self._true is not None:  # overlap_exchange: back to the true state the look-ahead started from
                 self._restore_true()
             if stepping:
-                torch.nn.utils.clip_grad_norm_(self.parameters, self.max_grad_norm)
                 self.optimizer.step()  # no source done: no microbatch came, and AdamW's momentum and decay stay put
             if self.overlap_exchange:  # own: the microbatches of the stage's gradient whose part this node holds
                 own = sum(0 not in o.backward_lost for o in outcomes) if self.driver is not None else ran
@@ -589,7 +587,6 @@ class SkipPipeNode:
             count = parameter.numel()
             _grad(parameter).copy_(own[offset : offset + count].view_as(parameter)).mul_(scale)
             offset += count
-        torch.nn.utils.clip_grad_norm_(self.parameters, self.max_grad_norm)
         self.optimizer.step()
         self._restore_true(parameters=False)
 

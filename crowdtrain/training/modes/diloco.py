@@ -71,11 +71,11 @@ from crowdtrain.averaging.partition import EXPECTED_ROUND_FAILURES
 from crowdtrain.averaging.phases import Phase, wait_for_round
 from crowdtrain.averaging.progress_bounds import BoundedProgressTracker, ProgressBounds
 from crowdtrain.averaging.pseudo_gradients import MAX_GATHERED, OuterState, PseudoGradientAverager, gathered_round
-from crowdtrain.averaging.schedule import learning_rate_factor
 from crowdtrain.averaging.state_download import StateTemplate, epoch_ceiling, parameter_specs
 from crowdtrain.averaging.traffic import AggregationSettings
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import DiLoCoSpec
+from crowdtrain.optimizer import build_optimizer, set_scheduled_learning_rate
 from crowdtrain.training.modes.base import ModeContext, SwarmView, TrainingMode
 from crowdtrain.training.progress import Progress
 
@@ -160,10 +160,7 @@ class DiLoCoMode(TrainingMode):
             momentum=self.spec.outer_momentum,
             nesterov=self.spec.outer_momentum > 0,
         )
-        optimizer_spec = manifest.optimizer
-        self.inner_optimizer = torch.optim.AdamW(
-            self.parameters, lr=optimizer_spec.learning_rate, weight_decay=optimizer_spec.weight_decay
-        )
+        self.inner_optimizer = build_optimizer(self.parameters, manifest.optimizer)
         self.feedback: ErrorFeedback | None = None
         if self.spec.compression == "topk":
             self.feedback = ErrorFeedback([parameter.shape for parameter in self.parameters], self.spec.topk_fraction)
@@ -608,9 +605,7 @@ class DiLoCoMode(TrainingMode):
         )
 
     def _set_inner_learning_rate(self) -> None:
-        factor = learning_rate_factor(self._swarm_inner_step(), self.context.manifest.optimizer)
-        for group in self.inner_optimizer.param_groups:
-            group["lr"] = self.context.manifest.optimizer.learning_rate * factor
+        set_scheduled_learning_rate(self.inner_optimizer, self.context.manifest.optimizer, self._swarm_inner_step())
 
     # joining
 

@@ -54,6 +54,7 @@ from crowdtrain.errors import CrowdtrainError
 from crowdtrain.manifest import skippipe_spec
 from crowdtrain.models.device import available_memory_bytes
 from crowdtrain.models.stages import StagedModel
+from crowdtrain.optimizer import build_optimizer, set_scheduled_learning_rate
 from crowdtrain.pipeline import HopFailedError, HopLimits, StageService
 from crowdtrain.pipeline.device_clock import FOLLOW_EVERY_S
 from crowdtrain.pipeline.iteration import IterationReport, SkipPipeNode
@@ -197,13 +198,9 @@ class SkipPipeMode(TrainingMode):
         return self.runner.optimizer
 
     def _stage_runner(self) -> SkipPipeNode:
-        """The iterations' runner of the served stage, stepping a fresh AdamW over its parameters."""
-        optimizer_spec = self.context.manifest.optimizer
-        optimizer = torch.optim.AdamW(
-            self.staged.stage_parameters(self.stage),
-            lr=optimizer_spec.learning_rate,
-            weight_decay=optimizer_spec.weight_decay,
-        )
+        """The iterations' runner of the served stage, stepping a fresh optimizer (the run's AdamW) over its
+        parameters."""
+        optimizer = build_optimizer(self.staged.stage_parameters(self.stage), self.context.manifest.optimizer)
         return SkipPipeNode(
             service=self.service,
             nodes=[self.me],
@@ -265,6 +262,7 @@ class SkipPipeMode(TrainingMode):
         self._lead(iteration, membership)
         self._offer_to_move()
         self._first_batch, self._holding = batch, False
+        set_scheduled_learning_rate(self.optimizer, self.context.manifest.optimizer, iteration)
         report = self.runner.run_iteration(iteration)
         self.last_report, self.iteration = report, iteration + 1
         self._follow_device()

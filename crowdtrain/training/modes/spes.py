@@ -64,6 +64,7 @@ from crowdtrain.models.owned_experts import (
     unit_experts,
     units_of,
 )
+from crowdtrain.optimizer import build_optimizer
 from crowdtrain.planning.ownership import assign_owners
 from crowdtrain.training.modes.base import ModeContext, SwarmView
 from crowdtrain.training.modes.diloco import DiLoCoMode
@@ -253,14 +254,13 @@ class SPESMode(DiLoCoMode):
         return next((s.measured_samples_per_second for s in self._view.statuses if s.peer_id == peer), 0.0)
 
     def _set_inner_optimizer(self, owned_parameters: list[torch.nn.Parameter]) -> None:
-        """The inner AdamW over the dense parameters and `owned_parameters`; state carries over for parameters it
+        """The inner optimizer over the dense parameters and `owned_parameters`; state carries over for parameters it
         had before (the dense ones, experts still owned); a newly owned expert starts with none."""
         previous = self.inner_optimizer
-        spec = self.context.manifest.optimizer
-        optimizer = torch.optim.AdamW(
+        optimizer = build_optimizer(
             [{"params": self.parameters}, {"params": owned_parameters}],
-            lr=previous.param_groups[0]["lr"],
-            weight_decay=spec.weight_decay,
+            self.context.manifest.optimizer,
+            learning_rate=previous.param_groups[0]["lr"],
         )
         for group in optimizer.param_groups:
             for parameter in group["params"]:

@@ -1,0 +1,86 @@
+"""The one optimizer factory: a run's optimizer name, clipping and schedule mean the same in every mode."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from crowdtrain.manifest import OptimizerSpec, demo
+from crowdtrain.optimizer import build_optimizer, learning_rate_factor, set_scheduled_learning_rate
+
+SPEC = OptimizerSpec(name="sgd", learning_rate=0.5, weight_decay=0.0, warmup_steps=4, total_steps=20)
+
+
+def _one_step(spec: OptimizerSpec, gradient: torch.Tensor, step: int = 0) -> torch.Tensor:
+    """The change one step of the factory's optimizer makes to a zero parameter whose gradient is `gradient`."""
+    parameter = torch.nn.Parameter(torch.zeros_like(gradient))
+    optimizer = build_optimizer([parameter], spec)
+    set_scheduled_learning_rate(optimizer, spec, step)
+    parameter.grad = gradient.clone()
+    optimizer.step()
+    return parameter.detach().clone()
+
+
+@pytest.mark.parametrize("name, kind", [("sgd", torch.optim.SGD), ("adamw", torch.optim.AdamW)])
+def test_the_name_picks_the_optimizer_and_weight_decay_goes_with_it(name: str, kind: type) -> None:
+    spec = dataclasses.replace(SPEC, name=name, weight_decay=0.05)
+    optimizer = build_optimizer([torch.nn.Parameter(torch.zeros(3))], spec)
+    assert type(optimizer) is kind
+    assert optimizer.param_groups[0]["weight_decay"] == 0.05
+
+
+def test_every_step_clips_the_gradient_to_max_grad_norm() -> None:
+    gradient = torch.tensor([30.0, 40.0])  # norm 50
+    lr = SPEC.learning_rate * learning_rate_factor(7, SPEC)
+    clipped = _one_step(dataclasses.replace(SPEC, max_grad_norm=2.0), gradient, step=7)
+    assert torch.allclose(clipped, -lr * gradient / 25), "SGD's first step: lr times the gradient scaled to norm 2"
+    unclipped = _one_step(dataclasses.replace(SPEC, max_grad_norm=0.0), gradient, step=7)
+    assert torch.allclose(unclipped, -lr * gradient), "max_grad_norm = 0: no clipping"
+    small = _one_step(dataclasses.replace(SPEC, max_grad_norm=100.0), gradient, step=7)
+    assert torch.allclose(small, -lr * gradient), "a gradient under the norm is left as it is"
+
+
+def test_the_schedule_sets_the_learning_rate_of_every_group() -> None:
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(2))]}, {"params": [torch.nn.Parameter(torch.zeros(2))]}]
+    optimizer = build_optimizer(groups, SPEC)
+    for step, expected in [(0, 0.5 / 5), (3, 0.5 * 4 / 5), (4, 0.5), (20, 0.0)]:
+        set_scheduled_learning_rate(optimizer, SPEC, step)
+        assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([expected, expected])
+
+
+def test_skippipe_refuses_sgd_in_one_sentence() -> None:
+    from crowdtrain.manifest import skippipe_demo
+
+    run = skippipe_demo()
+    with pytest.raises(ValueError, match="(?i)skippipe") as refused:
+        dataclasses.replace(run, optimizer=dataclasses.replace(run.optimizer, name="sgd"))
+    assert "\n" not in str(refused.value)
+
+
+def test_the_demo_run_clips_by_default() -> None:
+    assert demo().optimizer.max_grad_norm > 0
+
+
+@pytest.mark.parametrize("mode", ["diloco", "spes"])
+def test_a_diloco_or_spes_inner_step_takes_the_runs_optimizer_clipping_and_schedule(mode: str) -> None:
+    from crowdtrain.manifest import AveragingSpec, spes_demo
+    from crowdtrain.testing.diloco import computing_peers
+    from crowdtrain.training.modes.diloco import DiLoCoMode
+    from crowdtrain.training.modes.spes import SPESMode
+
+    base = spes_demo() if mode == "spes" else dataclasses.replace(demo(), averaging=AveragingSpec(mode="diloco"))
+    spec = dataclasses.replace(SPEC, max_grad_norm=1e-3, learning_rate=0.1)
+    run = dataclasses.replace(base, optimizer=spec, target_batch_size=10_000)
+    mode_class = SPESMode if mode == "spes" else DiLoCoMode
+    with computing_peers(run, 1, mode_class) as (peer,):
+        assert type(peer.inner_optimizer) is torch.optim.SGD
+        stepped = [p for group in peer.inner_optimizer.param_groups for p in group["params"]]
+        before = [p.detach().clone() for p in stepped]
+        batch = torch.randint(0, 256, (4, run.data.sequence_length))
+        assert peer.train_micro_batch(batch) is not None
+        change = torch.cat([(p.detach() - b).flatten() for p, b in zip(stepped, before, strict=True)])
+    # SGD's first step moves the parameters by lr times the gradient clipped to norm 1e-3 (no weight decay).
+    expected = spec.learning_rate * learning_rate_factor(0, spec) * spec.max_grad_norm
+    assert float(change.norm()) == pytest.approx(expected, rel=1e-3)
