@@ -4,9 +4,9 @@ Package map, from the top down; a package may import only those below it (tests/
   testing/    the WAN lab and the tiny run file shared by tests and benchmarks (nothing imports it)
   cli/        the command line: `run`, `status`, `check`; flags, exit codes, rendering of reports
   node/       the daemon's lifecycle: config, identity, state dir, join, heartbeats, leave
-  training/   the training loop and its modes (the skippipe mode runs pipeline/), checkpoints, the throughput probe
-  pipeline/   SkipPipe: stage nodes' forward/backward hops, the stage-0 driver, one node's iteration, stage
-              declarations and rosters
+  training/   the training loop (the same for every mode), checkpoints, held-out scoring, the throughput probe
+  modes/      the training modes behind one interface, each in its own module or sub-package, and their registry:
+              gradients and parameters (collaborative), diloco/, spes/, skippipe/
   planning/   the DeDLOC plan and this node's roles from measured capabilities
   links/      measuring links: bandwidth and reachability probes
   averaging/  all-reduce machinery: Moshpit groups, plan-partitioned rounds, exactness, phases, traffic

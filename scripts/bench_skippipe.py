@@ -1,7 +1,7 @@
 """Benchmark SkipPipe's partial and reordered paths against the full pipeline: convergence, makespan, removed stages.
 
 One process, one model: the demo LLaMA made 8 layers deep (hidden 256) and cut into 4 stages of 2 layers
-(`crowdtrain.models.stages`; stage 0 also runs the embeddings, the final norm and the head). Each arm trains its
+(`crowdtrain.modes.skippipe.stages`; stage 0 also runs the embeddings, the final norm and the head). Each arm trains its
 own copy from the same initial weights on the same samples, for the same optimizer steps: each step is one
 iteration of M microbatches whose gradients accumulate, then one AdamW step. The arms differ only in the paths
 their microbatches take:
@@ -48,9 +48,7 @@ import torch
 from crowdtrain.data import WindowSampler, load_token_stream
 from crowdtrain.manifest import ModelSpec, RunManifest, demo
 from crowdtrain.models import ByteTokenizer, build_model
-from crowdtrain.models.stages import StagedModel
-from crowdtrain.optimizer import learning_rate_factor
-from crowdtrain.planning.skippipe import (
+from crowdtrain.modes.skippipe.schedule import (
     DEFAULT_LATENCY_S,
     NodeInfo,
     Schedule,
@@ -59,6 +57,8 @@ from crowdtrain.planning.skippipe import (
     random_skipping,
     schedule_microbatches,
 )
+from crowdtrain.modes.skippipe.stages import StagedModel
+from crowdtrain.optimizer import learning_rate_factor
 from crowdtrain.testing.bench import (
     bench_parser,
     environment_json,

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from crowdtrain.planning.skippipe import (
+from crowdtrain.modes.skippipe.schedule import (
     CBS_EXPANSIONS,
     IMPROVE_EVALUATIONS,
     NodeInfo,

@@ -5,7 +5,7 @@ layers; 8 node processes hold them, 2 replicas per stage, each node its own hive
 torch on one thread. Every iteration, every node computes the same schedule (`planning.skippipe`, k = 0.25:
 each microbatch visits 2 of stages 1..3, reordered) over the nodes' measured costs (in the WAN lab their links'
 too: `hop_seconds`), the two stage-0 nodes drive their microbatches along their routes through the other nodes
-(`crowdtrain.pipeline`: fp16 hidden states on the wire), each stage sums its gradient over its replicas
+(`crowdtrain.modes.skippipe`: fp16 hidden states on the wire), each stage sums its gradient over its replicas
 (exchanged in bfloat16, `--gradient-dtype`) and steps AdamW.
 With `--scenario scripts/scenarios/skippipe.toml` every node runs in a WAN-lab host of its own (network namespaces
 with token-bucket caps: the first replica of each stage on 100 Mbit/s, the second on 25; run as root) instead of
@@ -118,13 +118,10 @@ from crowdtrain import proto
 from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blocks
 from crowdtrain.manifest import ModelSpec, RunManifest, demo, llama_20m
 from crowdtrain.models import ByteTokenizer, build_model
-from crowdtrain.models.stages import StagedModel
-from crowdtrain.node.logs import setup_logging
-from crowdtrain.pipeline import HopLimits, StageService
-from crowdtrain.pipeline.iteration import BACKGROUND_SHARE, IterationReport, SkipPipeNode
-from crowdtrain.pipeline.membership import follow_cost
-from crowdtrain.planning.plan import BYTES_PER_MEGABIT
-from crowdtrain.planning.skippipe import (
+from crowdtrain.modes.skippipe import HopLimits, StageService
+from crowdtrain.modes.skippipe.iteration import BACKGROUND_SHARE, IterationReport, SkipPipeNode
+from crowdtrain.modes.skippipe.membership import follow_cost
+from crowdtrain.modes.skippipe.schedule import (
     NodeInfo,
     Schedule,
     SkipPipeProblem,
@@ -137,6 +134,9 @@ from crowdtrain.planning.skippipe import (
     searched,
     seconds_per_hop,
 )
+from crowdtrain.modes.skippipe.stages import StagedModel
+from crowdtrain.node.logs import setup_logging
+from crowdtrain.planning.plan import BYTES_PER_MEGABIT
 from crowdtrain.testing.bench import (
     bench_parser,
     environment_json,

@@ -40,13 +40,13 @@ from crowdtrain import proto
 from crowdtrain.data import WindowSampler, load_token_stream
 from crowdtrain.manifest import PRESETS, DiLoCoSpec, RunManifest, SPESSpec
 from crowdtrain.models import ByteTokenizer, build_model, training_loss
+from crowdtrain.modes.diloco.mode import DiLoCoMode
+from crowdtrain.modes.spes.mode import SPESMode
 from crowdtrain.optimizer import learning_rate_factor
 from crowdtrain.testing.bench import bench_parser, plot_to_png, print_table, say, say_plotted, write_json
 from crowdtrain.testing.diloco import computing_peer, computing_peers, loopback_dhts
 from crowdtrain.testing.processes import await_condition
 from crowdtrain.testing.procfs import peak_rss_kib
-from crowdtrain.training.modes.diloco import DiLoCoMode
-from crowdtrain.training.modes.spes import SPESMode
 
 ARMS = (
     "centralized", "diloco", "spes", "spes-warmup", "diloco-int8", "diloco-topk", "diloco-overlap",

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from crowdtrain.averaging.adaptive_h import SYNC_BUDGET, agreed_round_batches, proposed_round_batches
+from crowdtrain.modes.diloco.adaptive_h import SYNC_BUDGET, agreed_round_batches, proposed_round_batches
 
 
 def test_a_peer_proposes_the_smallest_h_whose_compute_hides_its_allreduce_within_the_budget() -> None:

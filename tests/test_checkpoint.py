@@ -16,6 +16,7 @@ import torch
 from crowdtrain import files as files_module
 from crowdtrain.files import write_atomically
 from crowdtrain.manifest import OptimizerSpec, demo
+from crowdtrain.modes.progress import Progress
 from crowdtrain.optimizer import learning_rate_factor
 from crowdtrain.training.checkpoint import (
     CheckpointError,
@@ -31,7 +32,6 @@ from crowdtrain.training.checkpoint_writer import (
     take_snapshot,
 )
 from crowdtrain.training.loop import Trainer
-from crowdtrain.training.progress import Progress
 
 
 def make_model(seed: int) -> torch.nn.Module:

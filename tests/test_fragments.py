@@ -1,4 +1,4 @@
-"""Streaming DiLoCo's fragments (averaging/fragments.py): the cut, the flat buffer, the manifest's rules."""
+"""Streaming DiLoCo's fragments (modes/diloco/fragments.py): the cut, the flat buffer, the manifest's rules."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from crowdtrain.averaging.fragments import Fragments
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import PRESETS, DiLoCoSpec, RunManifest, demo
+from crowdtrain.modes.diloco.fragments import Fragments
 from crowdtrain.testing.diloco import diloco_peers
 
 SHAPES = [torch.Size(shape) for shape in [(10, 4), (4,), (4, 4), (4, 4), (8, 2), (3,)]]

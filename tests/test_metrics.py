@@ -10,9 +10,9 @@ import pytest
 
 from crowdtrain.averaging.phases import PhaseTimes
 from crowdtrain.errors import BadInputError
+from crowdtrain.modes.progress import Progress
 from crowdtrain.node.config import NodeConfig
 from crowdtrain.node.metrics import MetricsEndpoint, start_metrics_endpoint
-from crowdtrain.training.progress import Progress
 
 
 @pytest.fixture

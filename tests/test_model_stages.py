@@ -16,7 +16,7 @@ from transformers import (
 )
 
 from crowdtrain.errors import BadInputError
-from crowdtrain.models.stages import StagedModel, check_path, stage_layers
+from crowdtrain.modes.skippipe.stages import StagedModel, check_path, stage_layers
 
 SHAPE: dict[str, Any] = {
     "vocab_size": 64,

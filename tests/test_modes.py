@@ -16,10 +16,10 @@ import torch
 from crowdtrain import proto
 from crowdtrain.data import WindowSampler
 from crowdtrain.manifest import TRAINING_MODES, demo
+from crowdtrain.modes import MODES, SwarmView, TrainingMode
+from crowdtrain.modes.progress import Progress
 from crowdtrain.node.config import NodeConfig
 from crowdtrain.training.loop import Trainer, TrainerOptions
-from crowdtrain.training.modes import MODES, SwarmView, TrainingMode
-from crowdtrain.training.progress import Progress
 
 PACKAGE = Path(__file__).resolve().parent.parent / "crowdtrain"
 
@@ -32,8 +32,13 @@ def test_every_manifest_mode_has_exactly_one_training_mode() -> None:
 
 def test_the_daemon_and_the_loop_never_branch_on_the_mode_name() -> None:
     # A new mode is a TrainingMode subclass: nothing above the seam compares `averaging.mode` to a name.
-    comparison = re.compile(r"averaging\.mode\s*(==|!=|in\b)|mode\s*==\s*\"(gradients|parameters)\"")
-    places = [*(PACKAGE / "node").glob("*.py"), PACKAGE / "training" / "loop.py"]
+    names = "|".join(MODES)
+    comparison = re.compile(rf"averaging\.mode\s*(==|!=|in\b)|\.name\s*(==|!=|in\b)|\"({names})\"")
+    places = [
+        *(PACKAGE / "node").glob("*.py"),
+        *(PACKAGE / "training").glob("*.py"),
+        *(PACKAGE / "averaging").glob("*.py"),
+    ]
     lines = [(path.name, number, line) for path in places for number, line in enumerate(path.read_text().split("\n"))]
     assert not [f"{name}:{number + 1}" for name, number, line in lines if comparison.search(line)]
 

@@ -154,7 +154,7 @@ def test_the_wait_for_a_round_gives_up_at_its_timeout() -> None:
 
 
 def test_a_rounds_compute_utilisation_and_bytes_reach_the_status_message() -> None:
-    from crowdtrain.training.progress import Progress
+    from crowdtrain.modes.progress import Progress
 
     progress = Progress(mode="diloco", compression="int8", inner_steps=8, inner_step=2)
     assert progress.training_status() is None  # no round completed yet

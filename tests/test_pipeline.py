@@ -22,10 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from crowdtrain import proto
 from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blocks, int8_blocks_size
 from crowdtrain.manifest import OptimizerSpec
-from crowdtrain.models.stages import StagedModel
-from crowdtrain.optimizer import build_optimizer
-from crowdtrain.pipeline import HopFailedError, HopLimits, HopRefusedError, PipelineDriver, StageService
-from crowdtrain.pipeline.iteration import (
+from crowdtrain.modes.skippipe import HopFailedError, HopLimits, HopRefusedError, PipelineDriver, StageService
+from crowdtrain.modes.skippipe.iteration import (
     BACKGROUND_NICE,
     STATE_PARTS,
     STATE_TIMEOUT_FLOOR_S,
@@ -38,7 +36,8 @@ from crowdtrain.pipeline.iteration import (
     reference_replica,
     state_timeout_s,
 )
-from crowdtrain.pipeline.stage_service import (
+from crowdtrain.modes.skippipe.schedule import NodeInfo, Route, Schedule, SkipPipeProblem, schedule_microbatches
+from crowdtrain.modes.skippipe.stage_service import (
     CHUNK_BYTES,
     MAX_GRADIENT_WAITS,
     MAX_PACED_S,
@@ -46,7 +45,8 @@ from crowdtrain.pipeline.stage_service import (
     PACED_CHUNK_BYTES,
     paced_rate,
 )
-from crowdtrain.planning.skippipe import NodeInfo, Route, Schedule, SkipPipeProblem, schedule_microbatches
+from crowdtrain.modes.skippipe.stages import StagedModel
+from crowdtrain.optimizer import build_optimizer
 from crowdtrain.testing.look_ahead import LookAheadReference
 
 NUM_STAGES = 4
@@ -429,7 +429,7 @@ def test_iterations_on_every_node_step_each_stage_as_one_process_would(
     # higher peer ID holds the lower one's state, bit for bit.
     assert not torch.equal(stage_vector(runners[1]), stage_vector(runners[2]))
     runners[1].optimizer.zero_grad(set_to_none=False)  # the joiner's check left its made-up gradient there
-    monkeypatch.setattr("crowdtrain.pipeline.iteration.SUSPICION_S", 0.0)
+    monkeypatch.setattr("crowdtrain.modes.skippipe.iteration.SUSPICION_S", 0.0)
     runners[2].suspect(swarm.peer(1))
     last = run_iterations(runners, [iterations])[iterations]
     low, high = sorted((1, 2), key=swarm.peer)
@@ -565,7 +565,7 @@ def test_a_request_for_a_gradient_not_yet_published_is_held_until_it_is_and_only
     """A replica done early asks for its twin's gradient before it is published: the request is answered when it is,
     not with none at once; while MAX_GRADIENT_WAITS requests are held, another is answered with none at once."""
     service = swarm.services[1]
-    monkeypatch.setattr("crowdtrain.pipeline.stage_service.GRADIENT_WAIT_S", 60.0)
+    monkeypatch.setattr("crowdtrain.modes.skippipe.stage_service.GRADIENT_WAIT_S", 60.0)
 
     async def first_answer(iteration: int) -> proto.StageHop:
         request = proto.StageHop(iteration=iteration, stage=1)

@@ -18,9 +18,9 @@ from crowdtrain.averaging.quarantine import MAX_QUARANTINE_S, MAX_QUARANTINED, Q
 from crowdtrain.averaging.traffic import AggregationSettings, TrafficCountingAverager
 from crowdtrain.cli.status import render, summarize
 from crowdtrain.dht.records import RecordError, decode_peer_status, owner_marker, peer_id_of_owner
+from crowdtrain.modes.progress import Progress
 from crowdtrain.testing.diloco import loopback_dhts
 from crowdtrain.testing.processes import await_condition
-from crowdtrain.training.progress import Progress
 from tests.harness import shut_down
 
 

@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 
-from crowdtrain.planning import skippipe
-from crowdtrain.planning.skippipe import (
+from crowdtrain.modes.skippipe import schedule as paths
+from crowdtrain.modes.skippipe.schedule import (
     NodeInfo,
     Route,
     Schedule,
@@ -167,12 +167,12 @@ def test_with_the_exchange_in_the_background_hops_cost_the_link_it_leaves_and_th
         for n in four_by_two(slow_factor=1.0)
     )
     shared = problem(nodes, num_microbatches=8, background_share=0.5)
-    foreground = skippipe.foreground_nodes(shared)
+    foreground = paths.foreground_nodes(shared)
     assert foreground["s0b"].seconds_per_hop == pytest.approx(0.4)
     assert foreground["s0a"].seconds_per_hop == pytest.approx(1 / (20 - 2.5))
-    assert skippipe.foreground_nodes(problem(nodes))["s0b"].seconds_per_hop == 0.2, "no exchange: the whole link"
+    assert paths.foreground_nodes(problem(nodes))["s0b"].seconds_per_hop == 0.2, "no exchange: the whole link"
     alone = problem(nodes, num_microbatches=8, background_share=0.5, exclude=frozenset({"s1a"}))
-    assert skippipe.foreground_nodes(alone)["s1b"].seconds_per_hop == 0.2, "a lone replica exchanges nothing"
+    assert paths.foreground_nodes(alone)["s1b"].seconds_per_hop == 0.2, "a lone replica exchanges nothing"
     # a source's microbatch: 1 + 4·0.057 = 1.23 s at s0a, 1 + 4·0.4 = 2.6 s at s0b (1.8 s on the whole link)
     before, after = schedule_microbatches(problem(nodes, num_microbatches=8)), schedule_microbatches(shared)
     assert (before.microbatches_per_node["s0a"], before.microbatches_per_node["s0b"]) == (5, 3)
@@ -271,15 +271,15 @@ def test_a_star_finds_the_route_that_ends_first_around_the_spans_it_must_leave_f
     rng = random.Random(5)
     for _ in range(60):
         p = random_problem(rng)
-        swarm = skippipe._live_swarm(p)
-        stages = skippipe._greedy_routes(p, swarm)[0].stages[1:]
+        swarm = paths._live_swarm(p)
+        stages = paths._greedy_routes(p, swarm)[0].stages[1:]
         peers = sorted(swarm.nodes)
         forbidden: dict[str, list[tuple[float, float]]] = {}
         for _ in range(rng.randint(0, 6)):
             start_s = rng.uniform(0, 5)
             forbidden.setdefault(rng.choice(peers), []).append((start_s, start_s + rng.uniform(0.1, 3)))
         forbidden = {peer: sorted(spans) for peer, spans in forbidden.items()}
-        plan = skippipe._Planner(p, swarm).plan(0, stages, forbidden)
+        plan = paths._Planner(p, swarm).plan(0, stages, forbidden)
         orders = itertools.permutations(sorted(stages)) if p.reorder else [tuple(sorted(stages))]
         best_s = min(
             brute_force_done_s(p, path, forbidden)
@@ -291,16 +291,16 @@ def test_a_star_finds_the_route_that_ends_first_around_the_spans_it_must_leave_f
         assert sorted(plan.route.stages[1:]) == sorted(stages)
 
 
-@pytest.mark.parametrize("expansions", [skippipe.CBS_EXPANSIONS, 0])
+@pytest.mark.parametrize("expansions", [paths.CBS_EXPANSIONS, 0])
 def test_the_conflict_search_leaves_no_two_ops_at_a_node_and_keeps_each_nodes_memory(expansions: int) -> None:
     """With 0 expansions, prioritized planning alone."""
     rng = random.Random(3)
     for _ in range(20):
         p = random_problem(rng)
-        swarm = skippipe._live_swarm(p)
-        greedy = skippipe._greedy_routes(p, swarm)
+        swarm = paths._live_swarm(p)
+        greedy = paths._greedy_routes(p, swarm)
         stage_sets = [route.stages[1:] for route in greedy]
-        plans = skippipe._conflict_search(skippipe._Planner(p, swarm), stage_sets, expansions)
+        plans = paths._conflict_search(paths._Planner(p, swarm), stage_sets, expansions)
         assert [set(plan.route.stages) for plan in plans] == [set(route.stages) for route in greedy]
         by_peer: dict[str, list[tuple[float, float, int]]] = {}
         holds: dict[str, dict[int, list[float]]] = {}
@@ -321,7 +321,7 @@ def test_the_conflict_search_leaves_no_two_ops_at_a_node_and_keeps_each_nodes_me
                 held += change
                 peak = max(peak, held)
             assert peak <= swarm.nodes[peer].memory_microbatches, peer
-        check_constraints(p, skippipe._finish(p, swarm, [plan.route for plan in plans]))
+        check_constraints(p, paths._finish(p, swarm, [plan.route for plan in plans]))
 
 
 def test_dead_replica_is_never_used_and_its_twin_takes_the_load() -> None:
@@ -483,8 +483,8 @@ def test_bad_nodes_are_refused(fields: dict[str, object]) -> None:
 
 def test_a_nodes_seconds_per_hop_comes_from_its_slower_link() -> None:
     # 4 rows x 128 tokens x 512 wide in fp16: 524288 bytes, 4.19 Mbit
-    assert skippipe.seconds_per_hop(524288, 100.0, 25.0) == pytest.approx(0.16777216)
-    assert skippipe.seconds_per_hop(524288, 25.0, 100.0) == pytest.approx(0.16777216)
-    assert skippipe.seconds_per_hop(524288, None, 25.0) == 0.0  # not measured: latencies only
-    assert skippipe.seconds_per_hop(524288, 100.0, 0.0) == 0.0
-    assert skippipe.seconds_per_hop(10**12, 0.001, 0.001) == skippipe.MAX_SECONDS_PER_HOP
+    assert paths.seconds_per_hop(524288, 100.0, 25.0) == pytest.approx(0.16777216)
+    assert paths.seconds_per_hop(524288, 25.0, 100.0) == pytest.approx(0.16777216)
+    assert paths.seconds_per_hop(524288, None, 25.0) == 0.0  # not measured: latencies only
+    assert paths.seconds_per_hop(524288, 100.0, 0.0) == 0.0
+    assert paths.seconds_per_hop(10**12, 0.001, 0.001) == paths.MAX_SECONDS_PER_HOP

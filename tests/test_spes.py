@@ -17,7 +17,11 @@ import pytest
 import torch
 
 from crowdtrain import proto
-from crowdtrain.averaging.expert_exchange import (
+from crowdtrain.manifest import DiLoCoSpec, RunManifest, SPESSpec, spes_demo
+from crowdtrain.modes.base import SwarmView
+from crowdtrain.modes.diloco.mode import START_DIGEST_BYTES, _tiebreak
+from crowdtrain.modes.progress import Progress
+from crowdtrain.modes.spes.expert_exchange import (
     ExpertExchange,
     ExpertFetchError,
     Published,
@@ -25,14 +29,10 @@ from crowdtrain.averaging.expert_exchange import (
     copy_digest,
     encode_change,
 )
-from crowdtrain.manifest import DiLoCoSpec, RunManifest, SPESSpec, spes_demo
-from crowdtrain.models.owned_experts import unit_experts
+from crowdtrain.modes.spes.mode import SPESMode
+from crowdtrain.modes.spes.owned_experts import unit_experts
 from crowdtrain.testing.diloco import loopback_dhts, spes_peer, spes_peers
 from crowdtrain.testing.processes import await_condition
-from crowdtrain.training.modes.base import SwarmView
-from crowdtrain.training.modes.diloco import START_DIGEST_BYTES, _tiebreak
-from crowdtrain.training.modes.spes import SPESMode
-from crowdtrain.training.progress import Progress
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 

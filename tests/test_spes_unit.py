@@ -10,11 +10,11 @@ import pytest
 import torch
 import transformers
 
-from crowdtrain.averaging.expert_exchange import apply_change, change_bytes, encode_change
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, SPESSpec, demo, manifest_from_overrides, spes_demo
-from crowdtrain.models.expert_merging import merge_alpha, merged_experts
-from crowdtrain.models.owned_experts import find_fused_experts, own, unit_experts, units_of
-from crowdtrain.planning.ownership import MAX_WEIGHT_RATIO, assign_owners, assign_units, unit_shares
+from crowdtrain.modes.spes.expert_exchange import apply_change, change_bytes, encode_change
+from crowdtrain.modes.spes.expert_merging import merge_alpha, merged_experts
+from crowdtrain.modes.spes.owned_experts import find_fused_experts, own, unit_experts, units_of
+from crowdtrain.modes.spes.ownership import MAX_WEIGHT_RATIO, assign_owners, assign_units, unit_shares
 from crowdtrain.structured import FieldError
 
 PEERS = [f"peer-{index}" for index in range(4)]

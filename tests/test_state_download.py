@@ -20,7 +20,6 @@ from hivemind.utils.streaming import split_for_streaming
 from crowdtrain import proto
 from crowdtrain.averaging import state_download
 from crowdtrain.averaging.collaboration import PlannedStateAverager
-from crowdtrain.averaging.pseudo_gradients import PseudoGradientAverager
 from crowdtrain.averaging.state_digest import (
     DIGESTS_PER_MINUTE,
     DIGESTS_PER_PEER_PER_MINUTE,
@@ -54,6 +53,7 @@ from crowdtrain.averaging.state_download import (
 )
 from crowdtrain.averaging.traffic import AveragingTraffic
 from crowdtrain.dht.admission import NotAdmittedError, _GatedHandlers
+from crowdtrain.modes.diloco.pseudo_gradients import PseudoGradientAverager
 from tests.harness import shut_down
 
 TEMPLATE = StateTemplate(

@@ -8,8 +8,8 @@ import pytest
 
 from crowdtrain import proto
 from crowdtrain.manifest import demo
+from crowdtrain.modes.progress import LOSS_FIRST_BATCHES, Progress
 from crowdtrain.training.loop import SOLO_EPOCHS_BEFORE_WARNING, Trainer, has_started
-from crowdtrain.training.progress import LOSS_FIRST_BATCHES, Progress
 
 
 def make_trainer(progress: Progress) -> Trainer:

@@ -396,6 +396,7 @@ def make_optimizer(
     phases: PhaseAccumulator | None = None,
     traffic: AveragingTraffic | None = None,
     reuse_grad_buffers: bool = False,
+    use_local_updates: bool = False,
 ) -> hivemind.Optimizer:
     """The collaborative optimizer of this node for the run described by `manifest`.
 
@@ -408,13 +409,14 @@ def make_optimizer(
     `reuse_grad_buffers` (gradients mode, no loss scaler): the parameters' `.grad` is the accumulator of the
     global batch, which saves a copy of every gradient per micro-batch and one model-sized buffer; the caller
     must then never zero gradients itself (see `discard_local_gradients`, `clear_micro_batch_gradients`).
+    `use_local_updates` (Moshpit SGD): every peer steps its own replica and the swarm averages parameters; else
+    the swarm averages gradients and every peer takes the same step (DeDLOC).
     """
     traffic = AveragingTraffic.new() if traffic is None else traffic
-    if auxiliary and (client_mode or manifest.averaging.mode != "gradients"):
-        raise ValueError("only a reachable peer of a gradients-mode run can be an auxiliary aggregator")
+    if auxiliary and (client_mode or use_local_updates):
+        raise ValueError("only a reachable peer that averages gradients can be an auxiliary aggregator")
     averaging = manifest.averaging
     compression = _compression(averaging)
-    use_local_updates = averaging.mode == "parameters"
     averager_opts = {"target_group_size": averaging.group_size, "initial_group_bits": group_bits}
     # No peer's claimed weight (its samples) counts for more than the global batch (averaging/robust.py).
     aggregation = AggregationSettings(rule=averaging.aggregation, max_weight=float(manifest.target_batch_size))

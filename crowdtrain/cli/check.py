@@ -31,13 +31,13 @@ from crowdtrain.links.protocol import AddressVerdict
 from crowdtrain.manifest import RunManifest, demo
 from crowdtrain.models import load_tokenizer, precision_for_device, spec_parameter_count
 from crowdtrain.models.device import describe_device, resolve_device
+from crowdtrain.modes import mode_class
 from crowdtrain.node.addresses import DEFAULT_PORT, resolve_listen
 from crowdtrain.node.config import CheckConfig
 from crowdtrain.node.membership import with_join_token
 from crowdtrain.planning.plan import compute_plan
 from crowdtrain.planning.planner import OwnCapabilities, plan_problem, swarm_capabilities
 from crowdtrain.roles import Role
-from crowdtrain.training.modes import mode_class
 from crowdtrain.training.throughput import CACHE_FILE as THROUGHPUT_CACHE
 from crowdtrain.training.throughput import measure_throughput
 

@@ -7,8 +7,8 @@ newest one the node at `--state-dir` wrote for the run, verified against its che
 it is scored on the run's held-out windows: the last 1% of the token stream, which training never samples, the same
 windows on every machine (data/sampler.py).
 
-With `--stages S` the decoder's layers are cut into S stages as SkipPipe cuts them (models/stages.py: stage 0 holds
-the embeddings, the first layers and the head), and `--drop` leaves stages out of the forward; `--sweep` scores
+With `--stages S` the decoder's layers are cut into S stages as SkipPipe cuts them (modes/skippipe/stages.py: stage 0
+holds the embeddings, the first layers and the head), and `--drop` leaves stages out of the forward; `--sweep` scores
 every subset of the stages 1..S-1, grouped by how many are left out. Without stages the model's own training loss
 is scored (masked LMs with a fixed masking draw). A DMoE run's experts live on their hosts, not in a checkpoint:
 such runs are refused.
@@ -39,12 +39,12 @@ from crowdtrain.dht.records import owner_marker
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import RunManifest, load_run_file, skippipe_spec
 from crowdtrain.models import build_model, load_tokenizer, model_kind
-from crowdtrain.models.stages import StagedModel, check_path
+from crowdtrain.modes.skippipe import HopFailedError, HopLimits, StageService
+from crowdtrain.modes.skippipe.iteration import STATE_PARTS, state_timeout_s
+from crowdtrain.modes.skippipe.membership import StageDirectory
+from crowdtrain.modes.skippipe.stages import StagedModel, check_path
 from crowdtrain.node.config import SwarmSettings
 from crowdtrain.node.membership import with_join_token
-from crowdtrain.pipeline import HopFailedError, HopLimits, StageService
-from crowdtrain.pipeline.iteration import STATE_PARTS, state_timeout_s
-from crowdtrain.pipeline.membership import StageDirectory
 from crowdtrain.training.checkpoint import Checkpoint, CheckpointError, load_checkpoint, load_latest_checkpoint
 from crowdtrain.training.held_out import window_losses
 

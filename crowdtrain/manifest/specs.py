@@ -103,7 +103,7 @@ class OptimizerSpec:
 
 
 TRAINING_MODES = ("gradients", "parameters", "diloco", "spes", "skippipe")
-"""The values of `averaging.mode`: one per training mode (crowdtrain.training.modes.MODES)."""
+"""The values of `averaging.mode`: one per training mode (crowdtrain.modes.MODES)."""
 AGGREGATION_RULES = ("mean", "trimmed_mean", "centered_clip")
 """The values of `averaging.aggregation` (crowdtrain.averaging.robust)."""
 
@@ -176,12 +176,12 @@ class DiLoCoSpec:
     steps wait for the round's all-reduce."""
     min_inner_steps: int | None = None
     """Adaptive H (with `max_inner_steps`): the peers choose H from their measured compute and all-reduce times,
-    so that a round's all-reduce costs at most 5% of its compute (averaging/adaptive_h.py), starting from
+    so that a round's all-reduce costs at most 5% of its compute (modes/diloco/adaptive_h.py), starting from
     `inner_steps`, never below this. None (both): H stays `inner_steps`."""
     max_inner_steps: int | None = None
     """Adaptive H: the largest H the peers may agree on (see `min_inner_steps`)."""
     fragments: int = 1
-    """Streaming DiLoCo: cut the parameters into this many fragments of consecutive layers (averaging/fragments.py);
+    """Streaming DiLoCo: cut the parameters into this many fragments of consecutive layers (modes/diloco/fragments.py);
     an outer round then lasts H / fragments global batches and averages one fragment, in turn, so each fragment is
     still averaged every H global batches while a round sends (and with `overlap` holds in flight) 1/fragments of
     the model. 1: the whole model every round. H must be a multiple; not with adaptive H or `topk`."""
@@ -274,7 +274,8 @@ SKIPPIPE_ARCHITECTURES = ("LlamaForCausalLM",)
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SkipPipeSpec:
     """SkipPipe runs (`averaging.mode = "skippipe"`): the model's layers cut into stages held by different nodes;
-    each microbatch visits stage 0 and a share of the others, in an order a scheduler picks (crowdtrain/pipeline)."""
+    each microbatch visits stage 0 and a share of the others, in an order a scheduler picks
+    (crowdtrain/modes/skippipe)."""
 
     stages: int = 4
     """S: stage 0 holds the embeddings, the first layers and the head; the layers are cut as evenly as they go."""
@@ -295,7 +296,7 @@ class SkipPipeSpec:
     """Whether the replicas' gradient exchange runs during the next iteration instead of between the two, leaving
     the iteration's critical path (on home links it was a third of a SkipPipe iteration). The replicas' true state
     still takes every iteration's exact sum, one iteration later; meanwhile each replica computes on that state
-    stepped by its own share of the gradient (a look-ahead, crowdtrain/pipeline/iteration.py)."""
+    stepped by its own share of the gradient (a look-ahead, crowdtrain/modes/skippipe/iteration.py)."""
 
     def __post_init__(self) -> None:
         if not 2 <= self.stages <= MAX_SKIPPIPE_STAGES:

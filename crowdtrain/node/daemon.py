@@ -39,6 +39,8 @@ from crowdtrain.links.probes import ProbeService
 from crowdtrain.manifest import RunManifest
 from crowdtrain.models import load_tokenizer, spec_parameter_count
 from crowdtrain.models.device import describe_device, resolve_device
+from crowdtrain.modes import mode_class
+from crowdtrain.modes.progress import Progress
 from crowdtrain.moe import ExpertSupervisor
 from crowdtrain.node.addresses import resolve_listen, shareable_address
 from crowdtrain.node.config import NodeConfig
@@ -52,8 +54,6 @@ from crowdtrain.planning.planner import plan_problem
 from crowdtrain.planning.roles import LinkProber, NodeRoles
 from crowdtrain.roles import Role
 from crowdtrain.training.loop import Trainer, TrainerOptions
-from crowdtrain.training.modes import mode_class
-from crowdtrain.training.progress import Progress
 from crowdtrain.training.throughput import CACHE_FILE as THROUGHPUT_CACHE_FILE
 from crowdtrain.training.throughput import measure_throughput
 

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from crowdtrain.errors import BadInputError
 
 if TYPE_CHECKING:
-    from crowdtrain.training.progress import Progress
+    from crowdtrain.modes.progress import Progress
 
 METRICS_ADDRESS = "127.0.0.1"
 SHUTDOWN_TIMEOUT_S = 5.0

@@ -21,10 +21,10 @@ from crowdtrain.averaging.exact import new_partial_counter
 from crowdtrain.averaging.phases import PhaseAccumulator
 from crowdtrain.manifest import RunManifest
 from crowdtrain.models import MicroStep, build_model, model_kind, precision_for_device
-from crowdtrain.training.compute import LocalCompute
-from crowdtrain.training.modes.base import ModeContext, SwarmView
-from crowdtrain.training.modes.diloco import DiLoCoMode
-from crowdtrain.training.modes.spes import SPESMode
+from crowdtrain.modes.base import ModeContext, SwarmView
+from crowdtrain.modes.compute import LocalCompute
+from crowdtrain.modes.diloco.mode import DiLoCoMode
+from crowdtrain.modes.spes.mode import SPESMode
 
 M = TypeVar("M", bound=DiLoCoMode)
 

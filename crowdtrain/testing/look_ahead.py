@@ -1,4 +1,4 @@
-"""One process doing what SkipPipe's nodes do with `overlap_exchange` (pipeline/iteration.py): each stage's true
+"""One process doing what SkipPipe's nodes do with `overlap_exchange` (modes/skippipe/iteration.py): each stage's true
 state steps on the replicas' summed gradient one iteration late, and each replica computes on its look-ahead, the
 true state stepped on its own gradient times the stage's microbatches over its own, AdamW's moments kept.
 
@@ -14,7 +14,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from crowdtrain.models.stages import StagedModel
+from crowdtrain.modes.skippipe.stages import StagedModel
 
 Visit = tuple[int, Hashable]
 """A microbatch's visit: the stage, and whatever names the replica that ran it."""

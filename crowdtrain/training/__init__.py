@@ -6,5 +6,5 @@ checkpoint_writer  checkpoints on an interval, from a snapshot, written by a bac
 throughput         the throughput probe: samples/s of the run's model on this machine, cached
 progress_bar       the global batch's progress in the terminal
 
-May import: `averaging`, `models`, `data`, `dht`, `manifest`, `proto`, `files`, `errors`.
+May import: `modes`, `averaging`, `models`, `data`, `dht`, `manifest`, `optimizer`, `proto`, `files`, `errors`.
 """

@@ -1,6 +1,6 @@
 """The training loop of a node: build the run's model and data, train with the swarm through its mode, checkpoint.
 
-The loop is the same for every training mode: it draws micro-batches, hands each to the mode (training/modes),
+The loop is the same for every training mode: it draws micro-batches, hands each to the mode (modes),
 keeps the published progress, re-plans at epoch boundaries and checkpoints on an interval.
 """
 
@@ -36,13 +36,13 @@ from crowdtrain.models import (
     model_kind,
     precision_for_device,
 )
+from crowdtrain.modes import ModeContext, SwarmView, TrainingMode, mode_class
+from crowdtrain.modes.compute import LocalCompute
+from crowdtrain.modes.progress import Progress
 from crowdtrain.moe.directory import ExpertDirectory
 from crowdtrain.training.checkpoint import load_latest_checkpoint
 from crowdtrain.training.checkpoint_writer import CheckpointSchedule, CheckpointWriter, take_snapshot
-from crowdtrain.training.compute import LocalCompute
 from crowdtrain.training.held_out import HeldOutScorer
-from crowdtrain.training.modes import ModeContext, SwarmView, TrainingMode, mode_class
-from crowdtrain.training.progress import Progress
 from crowdtrain.training.progress_bar import GlobalBatchBar
 
 logger = logging.getLogger(__name__)
@@ -287,8 +287,10 @@ class Trainer:
     def _held_out_scorer(
         self, model: torch.nn.Module, mode: TrainingMode, sampler: WindowSampler
     ) -> HeldOutScorer | None:
-        if mode.name == "skippipe":
-            logger.warning("eval_every is ignored in skippipe runs: a node holds one stage (use crowdtrain eval)")
+        if not mode.holds_whole_model:
+            logger.warning(
+                f"eval_every is ignored in {mode.name} runs: a node holds a part of the model (use crowdtrain eval)"
+            )
             return None
         kind, device = model_kind(self.manifest.model), self.options.device
         return HeldOutScorer.for_sampler(model, kind, sampler, self.options.eval_every, device)

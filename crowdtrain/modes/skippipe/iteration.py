@@ -81,9 +81,9 @@ from dataclasses import dataclass, field
 import torch
 
 from crowdtrain import proto
-from crowdtrain.pipeline.driver import MicrobatchOutcome, PipelineDriver
-from crowdtrain.pipeline.stage_service import MAX_FINGERPRINT, HopFailedError, StageService
-from crowdtrain.planning.skippipe import NodeInfo, Schedule, SkipPipeProblem, schedule_microbatches
+from crowdtrain.modes.skippipe.driver import MicrobatchOutcome, PipelineDriver
+from crowdtrain.modes.skippipe.schedule import NodeInfo, Schedule, SkipPipeProblem, schedule_microbatches
+from crowdtrain.modes.skippipe.stage_service import MAX_FINGERPRINT, HopFailedError, StageService
 
 logger = logging.getLogger(__name__)
 

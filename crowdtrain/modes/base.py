@@ -23,8 +23,8 @@ from crowdtrain.averaging.phases import PhaseAccumulator
 from crowdtrain.averaging.traffic import AveragingTraffic
 from crowdtrain.data import WindowSampler
 from crowdtrain.manifest import RunManifest
-from crowdtrain.training.compute import LocalCompute
-from crowdtrain.training.progress import Progress
+from crowdtrain.modes.compute import LocalCompute
+from crowdtrain.modes.progress import Progress
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,6 +77,8 @@ class TrainingMode(abc.ABC):
     """The manifest's `averaging.mode` value."""
     has_auxiliary_aggregators: ClassVar[bool] = False
     """Whether the plan may make a peer aggregate without computing (DeDLOC's auxiliary peers)."""
+    holds_whole_model: ClassVar[bool] = True
+    """Whether a node holds every layer of the model, so it can score held-out loss on its own (`eval_every`)."""
 
     def __init__(self, context: ModeContext):
         """Join the swarm's synchronisation for `context.manifest`'s run; `context.swarm` is the swarm at start."""

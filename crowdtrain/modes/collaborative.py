@@ -23,8 +23,8 @@ from crowdtrain.averaging.collaboration import (
     refresh_moshpit_groups,
     set_plan_share,
 )
-from crowdtrain.training.modes.base import ModeContext, SwarmView, TrainingMode
-from crowdtrain.training.progress import Progress
+from crowdtrain.modes.base import ModeContext, SwarmView, TrainingMode
+from crowdtrain.modes.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class CollaborativeMode(TrainingMode):
             reuse_grad_buffers=self.accumulates_gradients
             and compute is not None
             and not compute.micro_step.precision.uses_grad_scaler,
+            use_local_updates=not self.accumulates_gradients,
         )
         self.apply_swarm_view(context.swarm)  # the plan's share, the group size
 

@@ -28,12 +28,12 @@ two rounds behind the swarm's is followed by another download a second later, an
 once the donors have moved on (CATCH_UP_RETRY_S). `crowdtrain status` shows the inner step of H, the bytes of the
 last round and the compute utilisation.
 
-With `min_inner_steps` and `max_inner_steps` set, H adapts (averaging/adaptive_h.py): each peer proposes the H
+With `min_inner_steps` and `max_inner_steps` set, H adapts (modes/diloco/adaptive_h.py): each peer proposes the H
 that keeps its last all-reduce within 5% of a round's compute, the proposals travel in the round's gathered
 data, and every member of the group takes the same H (their lower median) from the next round it starts. A
 joiner takes the H in force with the swarm's state.
 
-With `fragments` F > 1 (Streaming DiLoCo, averaging/fragments.py) the parameters are cut into F fragments of
+With `fragments` F > 1 (Streaming DiLoCo, modes/diloco/fragments.py) the parameters are cut into F fragments of
 consecutive layers, a round lasts H / F global batches and averages one fragment, round r fragment r mod F, whose
 pseudo-gradient θ₀ − θ spans its last F rounds; the outer step moves that fragment's θ₀ (and momentum) only, and its
 replica restarts from (or, with overlap, is re-based on) it, while the other fragments' inner steps go on. Each
@@ -56,7 +56,6 @@ from typing import Any
 import torch
 from hivemind.averaging.control import StepControl
 
-from crowdtrain.averaging.adaptive_h import agreed_round_batches, proposed_round_batches
 from crowdtrain.averaging.collaboration import (
     LOAD_STATE_TIMEOUT_S,
     chunk_timeout_s,
@@ -66,18 +65,19 @@ from crowdtrain.averaging.collaboration import (
 )
 from crowdtrain.averaging.compression import compression_for
 from crowdtrain.averaging.error_feedback import ErrorFeedback, Kept
-from crowdtrain.averaging.fragments import Fragments
 from crowdtrain.averaging.partition import EXPECTED_ROUND_FAILURES
 from crowdtrain.averaging.phases import Phase, wait_for_round
 from crowdtrain.averaging.progress_bounds import BoundedProgressTracker, ProgressBounds
-from crowdtrain.averaging.pseudo_gradients import MAX_GATHERED, OuterState, PseudoGradientAverager, gathered_round
 from crowdtrain.averaging.state_download import StateTemplate, epoch_ceiling, parameter_specs
 from crowdtrain.averaging.traffic import AggregationSettings
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import DiLoCoSpec
+from crowdtrain.modes.base import ModeContext, SwarmView, TrainingMode
+from crowdtrain.modes.diloco.adaptive_h import agreed_round_batches, proposed_round_batches
+from crowdtrain.modes.diloco.fragments import Fragments
+from crowdtrain.modes.diloco.pseudo_gradients import MAX_GATHERED, OuterState, PseudoGradientAverager, gathered_round
+from crowdtrain.modes.progress import Progress
 from crowdtrain.optimizer import build_optimizer, set_scheduled_learning_rate
-from crowdtrain.training.modes.base import ModeContext, SwarmView, TrainingMode
-from crowdtrain.training.progress import Progress
 
 logger = logging.getLogger(__name__)
 

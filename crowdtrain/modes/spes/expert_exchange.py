@@ -15,7 +15,7 @@ An owner that has not reached the round yet answers `found: false`; the fetcher 
 A round's experts are fetched MAX_CONCURRENT_FETCHES copies at a time (`fetch_all`), each expert written into the
 model once its copies are in, so the round's exchange waits for the slowest owner, not for the sum of them. An
 expert with several owners (`spes.replicas`) comes from each of them: every node makes its copy of the round the
-mean of the owners' copies (training/modes/spes.py).
+mean of the owners' copies (modes/spes/mode.py).
 
 Each value travels once per fetcher, in one byte: a DiLoCo all-reduce sends each value of the model twice
 (reduce-scatter, then all-gather), in two bytes under its default fp16.

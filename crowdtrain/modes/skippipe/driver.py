@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from crowdtrain import proto
-from crowdtrain.pipeline.stage_service import WIRE_DTYPES, HopFailedError, StageService
-from crowdtrain.planning.skippipe import Route
+from crowdtrain.modes.skippipe.schedule import Route
+from crowdtrain.modes.skippipe.stage_service import WIRE_DTYPES, HopFailedError, StageService
 
 logger = logging.getLogger(__name__)
 

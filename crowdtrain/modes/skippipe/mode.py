@@ -53,12 +53,12 @@ from crowdtrain.dht.records import owner_marker
 from crowdtrain.errors import CrowdtrainError
 from crowdtrain.manifest import skippipe_spec
 from crowdtrain.models.device import available_memory_bytes
-from crowdtrain.models.stages import StagedModel
-from crowdtrain.optimizer import build_optimizer, set_scheduled_learning_rate
-from crowdtrain.pipeline import HopFailedError, HopLimits, StageService
-from crowdtrain.pipeline.device_clock import FOLLOW_EVERY_S
-from crowdtrain.pipeline.iteration import IterationReport, SkipPipeNode
-from crowdtrain.pipeline.membership import (
+from crowdtrain.modes.base import ModeContext, SwarmView, TrainingMode
+from crowdtrain.modes.progress import Progress
+from crowdtrain.modes.skippipe import HopFailedError, HopLimits, StageService
+from crowdtrain.modes.skippipe.device_clock import FOLLOW_EVERY_S
+from crowdtrain.modes.skippipe.iteration import IterationReport, SkipPipeNode
+from crowdtrain.modes.skippipe.membership import (
     DECLARATION_RENEW_S,
     DECLARATION_TTL_S,
     LOOKAHEAD,
@@ -74,11 +74,11 @@ from crowdtrain.pipeline.membership import (
     spare_for_empty_stage,
     stage_zero_gone,
 )
-from crowdtrain.pipeline.stage_service import MAX_ITERATIONS_AHEAD, WIRE_DTYPES
+from crowdtrain.modes.skippipe.schedule import NodeInfo, seconds_per_hop
+from crowdtrain.modes.skippipe.stage_service import MAX_ITERATIONS_AHEAD, WIRE_DTYPES
+from crowdtrain.modes.skippipe.stages import StagedModel
+from crowdtrain.optimizer import build_optimizer, set_scheduled_learning_rate
 from crowdtrain.planning.plan import BYTES_PER_MEGABIT
-from crowdtrain.planning.skippipe import NodeInfo, seconds_per_hop
-from crowdtrain.training.modes.base import ModeContext, SwarmView, TrainingMode
-from crowdtrain.training.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ class SkipPipeMode(TrainingMode):
     """SkipPipe behind the training-mode seam (see the module's doc)."""
 
     name = "skippipe"
+    holds_whole_model = False
 
     def __init__(self, context: ModeContext):
         super().__init__(context)

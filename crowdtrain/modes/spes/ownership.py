@@ -1,6 +1,6 @@
 """Who owns which expert in a SPES run: a pure function of the peers and their compute, so every node agrees.
 
-SPES (training/modes/spes.py) has each node train only the routed experts it owns. There is no server to hand
+SPES (modes/spes/mode.py) has each node train only the routed experts it owns. There is no server to hand
 experts out: every node computes ownership from the same list of peers, the members of the round just averaged
 (or, for a swarm larger than one group, the `PeerStatus` records it reads from the DHT, with their TTL), and
 each peer's measured compute from its record. A node that vanishes drops out of the next computation, and its

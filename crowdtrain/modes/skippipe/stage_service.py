@@ -44,8 +44,8 @@ from crowdtrain import proto
 from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blocks, int8_blocks_size
 from crowdtrain.dht.service import P2PService, drain, linger
 from crowdtrain.errors import CrowdtrainError
-from crowdtrain.models.stages import StagedModel
-from crowdtrain.pipeline.device_clock import DeviceClock, finish_of
+from crowdtrain.modes.skippipe.device_clock import DeviceClock, finish_of
+from crowdtrain.modes.skippipe.stages import StagedModel
 
 logger = logging.getLogger(__name__)
 

@@ -3,14 +3,14 @@
 SPES (Pretraining A Large Language Model using Distributed GPUs: A Memory-Efficient Decentralized Paradigm),
 peer to peer. Every node holds the whole mixture-of-experts model (transformers' fused experts: OLMoE and
 its kin) but keeps gradients and optimizer state only for the dense parameters and the experts it owns
-(models/owned_experts.py); the others are frozen locally. Rounds are DiLoCo's (training/modes/diloco.py, the
+(modes/spes/owned_experts.py); the others are frozen locally. Rounds are DiLoCo's (modes/diloco/mode.py, the
 [diloco] settings): when the swarm has processed H global batches, the *dense* pseudo-gradients are averaged in
 Moshpit groups and every node applies the same outer step. Then each owner publishes the weights its experts
 reached, and every node fetches each expert it does not own from that expert's owner, versioned by round,
-float16 on the wire, checked (averaging/expert_exchange.py). A node so sends the dense all-reduce and its own
+float16 on the wire, checked (modes/spes/expert_exchange.py). A node so sends the dense all-reduce and its own
 experts, never the others'.
 
-Ownership is a pure function of a list of peers and their measured compute (planning/ownership.py): balanced,
+Ownership is a pure function of a list of peers and their measured compute (modes/spes/ownership.py): balanced,
 stable when peers come and go, recomputed at each round's end. A peer whose status says it completed no round,
 in a swarm past its first, is in no list (`_training_peers`): a joiner still waiting for the swarm's state can train
 no expert. The list is the round's averaging group when the swarm fits in one group (`_next_owners`): every member
@@ -22,14 +22,14 @@ Changes are keyed by the digest of the copy they apply to, so nodes that briefly
 the owner's copy at the next exchange.
 
 With `spes.merge_every` set, each owner runs the expert-merging warm-up on its experts every M inner steps
-(models/expert_merging.py), from the copies of the others it holds.
+(modes/spes/expert_merging.py), from the copies of the others it holds.
 
 Ownership is weighted by memory too: each node gathers, with its round, how many experts' gradients and AdamW
 moments fit MEMORY_SHARE of its device's free memory (`_unit_capacity`), and no member of an averaged round is
-given more than that while the others have room (planning/ownership.py). Peers known from their status records
+given more than that while the others have room (modes/spes/ownership.py). Peers known from their status records
 (a swarm larger than a group) are capped by what their records say (`experts_capacity`, as of their last round).
 
-Replicas (`spes.replicas = R`): each expert has R owners (planning/ownership.py, `assign_owners`), each training it
+Replicas (`spes.replicas = R`): each expert has R owners (modes/spes/ownership.py, `assign_owners`), each training it
 on its own samples from the round's common copy; at the round's end every node, the owners too, fetches each
 owner's copy and makes the expert the mean of the copies that came, summed in the order of the owners' peer IDs
 so that every node holding the same copies holds the same bits. An owner that vanishes mid-round then costs its
@@ -48,27 +48,27 @@ from typing import Any
 
 import torch
 
-from crowdtrain.averaging.expert_exchange import (
+from crowdtrain.manifest import SPESSpec
+from crowdtrain.models.device import available_memory_bytes
+from crowdtrain.modes.base import ModeContext, SwarmView
+from crowdtrain.modes.diloco.mode import DiLoCoMode
+from crowdtrain.modes.progress import Progress
+from crowdtrain.modes.spes.expert_exchange import (
     ExpertExchange,
     Published,
     copy_digest,
     encode_change,
 )
-from crowdtrain.manifest import SPESSpec
-from crowdtrain.models.device import available_memory_bytes
-from crowdtrain.models.expert_merging import merge_alpha, merged_experts
-from crowdtrain.models.owned_experts import (
+from crowdtrain.modes.spes.expert_merging import merge_alpha, merged_experts
+from crowdtrain.modes.spes.owned_experts import (
     expert_parameter_ids,
     find_fused_experts,
     own,
     unit_experts,
     units_of,
 )
+from crowdtrain.modes.spes.ownership import assign_owners
 from crowdtrain.optimizer import build_optimizer
-from crowdtrain.planning.ownership import assign_owners
-from crowdtrain.training.modes.base import ModeContext, SwarmView
-from crowdtrain.training.modes.diloco import DiLoCoMode
-from crowdtrain.training.progress import Progress
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,21 @@
+"""SkipPipe: pipeline stages on different nodes; stage-0 nodes drive microbatches along paths that skip stages.
+
+mode           SkipPipeMode: a node's stage, its moves between stages, one iteration per global step
+stages         StagedModel: a decoder LM cut into stages, its forward along any path of them (skipped, reordered)
+schedule       each microbatch's path through the stages (skips, reorders, load-aware replicas), from the roster
+membership     stage declarations and the leader's rosters in the DHT
+iteration      SkipPipeNode: one node's iteration (schedule, hops, done messages, the stage's gradient, the step)
+stage_service  StageService: the forward and backward hops a node serves for its stage and calls on others',
+               bounded and checked (proto.StageHop)
+driver         PipelineDriver: a stage-0 node runs its microbatches along their routes and back, rerouting a
+               failed hop to another replica of its stage or skipping the stage
+device_clock   DeviceClock: the seconds a node's device takes per microbatch it computes, which it declares
+
+May import: `averaging`, `planning`, `models`, `data`, `dht`, `manifest`, `optimizer`, `proto`, `errors`, and
+`modes.base`.
+"""
+
+from crowdtrain.modes.skippipe.driver import MicrobatchOutcome, PipelineDriver
+from crowdtrain.modes.skippipe.stage_service import HopFailedError, HopLimits, HopRefusedError, StageService
+
+__all__ = ["HopFailedError", "HopLimits", "HopRefusedError", "MicrobatchOutcome", "PipelineDriver", "StageService"]
