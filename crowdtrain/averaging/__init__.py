@@ -12,8 +12,6 @@ state_digest  a seeded sketch of a state (sums, norms, sampled values): other do
 progress_bounds  peers' progress claims bounded before hivemind's tracker sums them
 compression   wire encodings by name (fp16, int8, topk, none); hivemind's 8-bit decoder fixed and bounded
 error_feedback  DiLoCo's top-k: each tensor's largest values sent, the rest kept back for later rounds
-pseudo_gradients  DiLoCo's outer-round averager: pseudo-gradients averaged, the outer state served to joiners
-expert_exchange  SPES: each owner serves its experts by round; the others fetch and check them
 
 May import: `dht`, `manifest`, `proto`, `errors`.
 """

@@ -4,9 +4,6 @@ tokenizer  the built-in byte tokenizer, or a saved tokenizer directory, behind o
 build      build a transformers model from a ModelSpec with identical initial weights on every peer;
            its parameter count, its kind (causal or masked) and its training loss
 dmoe       the DMoE variant: chosen FFNs replaced by hivemind's RemoteMixtureOfExperts over the run's grid
-owned_experts  SPES: train only owned experts of transformers' fused expert tensors (slices as parameters)
-expert_merging  SPES's expert-merging warm-up: each expert pulled toward its most similar ones
-stages     SkipPipe: a decoder LM cut into pipeline stages, its forward along any path of them (skipped, reordered)
 precision  the manifest's compute precision resolved for a device (autocast, loss scaling, TF32), and the
            micro-step's backward and optimizer step in it
 """
