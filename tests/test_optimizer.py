@@ -84,3 +84,46 @@ def test_a_diloco_or_spes_inner_step_takes_the_runs_optimizer_clipping_and_sched
     # SGD's first step moves the parameters by lr times the gradient clipped to norm 1e-3 (no weight decay).
     expected = spec.learning_rate * learning_rate_factor(0, spec) * spec.max_grad_norm
     assert float(change.norm()) == pytest.approx(expected, rel=1e-3)
+
+
+@pytest.mark.parametrize("use_local_updates", [False, True], ids=["gradients", "parameters"])
+def test_a_gradients_or_parameters_run_steps_the_runs_optimizer_clipping_and_schedule(use_local_updates: bool) -> None:
+    import hivemind
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from crowdtrain.averaging.collaboration import make_optimizer
+    from crowdtrain.averaging.exact import new_partial_counter
+
+    spec = dataclasses.replace(SPEC, max_grad_norm=1e-3)
+    run = dataclasses.replace(demo(), optimizer=spec, target_batch_size=4)
+    parameter = torch.nn.Parameter(torch.zeros(2))
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
+    optimizer = make_optimizer(
+        dht=dht,
+        manifest=run,
+        parameters=[parameter],
+        micro_batch_size=4,
+        client_mode=False,
+        group_bits="",
+        private_key=RSAPrivateKey(),
+        partial_counter=new_partial_counter(),
+        use_local_updates=use_local_updates,
+    )
+    try:
+        inner = optimizer.state_averager.optimizer
+        assert type(inner) is torch.optim.SGD
+        assert inner.param_groups[0]["lr"] == pytest.approx(spec.learning_rate * learning_rate_factor(0, spec))
+        parameter.grad = torch.tensor([30.0, 40.0])
+        optimizer.step()  # a lone peer with the whole global batch: one global step
+        assert optimizer.local_epoch == 1
+        expected = spec.learning_rate * learning_rate_factor(0, spec) * spec.max_grad_norm * torch.tensor([0.6, 0.8])
+        assert torch.allclose(parameter.detach(), -expected, rtol=1e-3), "SGD's step on the gradient clipped to 1e-3"
+        parameter.grad = torch.tensor([30.0, 40.0])
+        optimizer.step()
+        assert optimizer.local_epoch == 2
+        # hivemind's local-updates mode steps its scheduler before it counts the epoch: one epoch behind
+        scheduled = 1 if use_local_updates else 2
+        assert inner.param_groups[0]["lr"] == pytest.approx(spec.learning_rate * learning_rate_factor(scheduled, spec))
+    finally:
+        optimizer.shutdown()
+        dht.shutdown()

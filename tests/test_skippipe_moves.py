@@ -5,10 +5,11 @@ spares one, which moves there at one iteration on every node, and the swarm trai
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from crowdtrain.modes.skippipe.mode import SkipPipeMode
 from crowdtrain.modes.skippipe.schedule import Schedule
 from crowdtrain.modes.skippipe.stages import Activations, StagedModel
 from crowdtrain.node.identity import load_or_create_identity
+from crowdtrain.optimizer import learning_rate_factor
 from crowdtrain.testing.diloco import cpu_compute
 from crowdtrain.testing.fixtures import tiny_run_file
 from crowdtrain.testing.processes import await_condition
@@ -401,3 +403,32 @@ def test_an_overlapped_node_checkpoints_its_stage_s_true_state_not_the_look_ahea
                 assert torch.equal(kept[key], true[live[key].data_ptr()])
             assert any(not torch.equal(kept[key], live[key]) for key in stage_keys), "no look-ahead to leave out"
             assert all(kept[key] is live[key] for key in set(live) - set(stage_keys))
+
+
+def test_a_stage_steps_with_the_runs_clipping_and_learning_rate_schedule(tmp_path: Path) -> None:
+    base = two_stage_run(tmp_path, "skippipe-optimizer")
+    spec = dataclasses.replace(base.optimizer, max_grad_norm=1e-3, warmup_steps=1_000, total_steps=2_000)
+    run = dataclasses.replace(base, optimizer=spec)
+    steps: dict[str, list[tuple[int, float, float]]] = {}
+
+    def recorder(node: Node) -> Callable[..., None]:
+        """A step pre-hook registered after the factory's clipping: it sees the gradient the step takes."""
+
+        def record(optimizer: torch.optim.Optimizer, *_: object) -> None:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            iteration = node.mode.iteration
+            assert iteration is not None
+            steps.setdefault(node.peer_id, []).append((iteration, norm, optimizer.param_groups[0]["lr"]))
+
+        return record
+
+    with closing_all([]) as nodes:
+        for node in start_pair(run, tmp_path, nodes):
+            node.mode.optimizer.register_step_pre_hook(recorder(node))
+        await_condition(lambda: len(steps) == 2 and all(len(s) >= 2 for s in steps.values()), 90, "two steps each")
+    for taken in steps.values():
+        for iteration, norm, learning_rate in taken:
+            assert 0 < norm <= spec.max_grad_norm * 1.0001, "each stage's step takes a gradient clipped to the run's"
+            assert learning_rate == pytest.approx(spec.learning_rate * learning_rate_factor(iteration, spec))
+        assert taken[-1][2] > taken[0][2], "the warm-up raises the learning rate from one iteration to the next"
