@@ -2,7 +2,9 @@
 
 Each daemon gets its own state dir and log file under --dir (default .demo-swarm/), so the
 swarm resumes with the same identities next time. Ctrl-C stops the status view, then every
-daemon leaves the swarm cleanly (SIGTERM), with a hard kill for any that takes over 30 s.
+daemon leaves the swarm cleanly (SIGTERM), with a hard kill for any that takes over 30 s. Closing the
+terminal (SIGHUP) or a SIGTERM stops the swarm the same way: the daemons run in sessions of their own,
+so nothing else would stop them.
 """
 
 from __future__ import annotations
@@ -62,7 +64,21 @@ def stop_all(processes: list[subprocess.Popen]) -> None:
             os.killpg(process.pid, signal.SIGKILL)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _say(line: str) -> None:
+    """Print, unless the terminal is gone (closed after SIGHUP): the swarm must still be stopped."""
+    try:
+        print(line, flush=True)
+    except OSError:
+        pass
+
+
 def main() -> None:
+    for signum in (signal.SIGHUP, signal.SIGTERM):
+        signal.signal(signum, _interrupt)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, default=3, help="number of daemons (default: 3)")
     parser.add_argument("--dir", type=Path, default=Path(".demo-swarm"), help="state dirs and logs")
@@ -94,7 +110,9 @@ def main() -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        print("stopping the swarm…", flush=True)
+        for signum in (signal.SIGHUP, signal.SIGTERM):  # a second signal must not cut the daemons' leave short
+            signal.signal(signum, signal.SIG_IGN)
+        _say("stopping the swarm…")
         stop_all(processes)
 
 
