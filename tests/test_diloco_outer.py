@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from crowdtrain import proto
 from crowdtrain.averaging.error_feedback import keep_top_k_
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, demo
 from crowdtrain.modes.diloco import pseudo_gradients
@@ -31,7 +32,7 @@ from crowdtrain.modes.diloco.mode import (
     _tiebreak,
 )
 from crowdtrain.modes.progress import Progress
-from crowdtrain.testing.diloco import diloco_peers
+from crowdtrain.testing.diloco import close_peers, computing_peer, diloco_peers, loopback_dhts
 from crowdtrain.testing.processes import await_condition
 from crowdtrain.training.checkpoint import load_checkpoint, write_checkpoint
 
@@ -459,3 +460,23 @@ def test_peers_whose_global_parameters_differ_after_an_averaged_round_resync_to_
 def test_a_gathered_value_without_a_well_formed_digest_has_none(value: object) -> None:
     assert _gathered_digest(value) is None
     assert _gathered_digest([3, None, bytes(START_DIGEST_BYTES)]) == bytes(START_DIGEST_BYTES)
+
+
+def test_a_peer_others_cant_dial_averages_its_outer_round_and_serves_no_state() -> None:
+    """A volunteer behind a NAT is a client-mode averager: hivemind refuses a state-sharing priority on one."""
+    run = manifest(2, "none")
+    dhts = loopback_dhts(2)
+    statuses = [proto.PeerStatus(peer_id=dht.peer_id.to_base58()) for dht in dhts]
+    modes: list[DiLoCoMode] = []
+    try:
+        modes.append(computing_peer(run, dhts[0], statuses, DiLoCoMode))
+        modes.append(computing_peer(run, dhts[1], statuses, DiLoCoMode, client_mode=True))
+        start = modes[0].global_parameters[0].clone()
+        pseudo = [torch.full_like(start, 0.01), torch.full_like(start, 0.03)]
+        run_one_outer_round(modes, start, pseudo, [32, 32])
+        assert [mode.round for mode in modes] == [1, 1]
+        assert [mode.num_local_rounds for mode in modes] == [0, 0], "the NATed peer averaged with the public one"
+        assert modes[1].averager.state_sharing_priority == 0, "a client serves no state"
+        assert modes[0].averager.state_sharing_priority >= 1
+    finally:
+        close_peers(modes, dhts)

@@ -9,6 +9,7 @@ replica of the run's model, built from the same seed, with real forward and back
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import TypeVar
 
@@ -53,7 +54,7 @@ def diloco_peers(run: RunManifest, num_peers: int, start: Sequence[torch.Tensor]
             modes.append(DiLoCoMode(_context(run, dht, status, statuses, parameters, None)))
         yield modes
     finally:
-        _close(modes, dhts)
+        close_peers(modes, dhts)
 
 
 @contextlib.contextmanager
@@ -78,7 +79,7 @@ def computing_peers(
             modes.append(computing_peer(run, dht, statuses, mode_class, micro_batch_size))
         yield modes
     finally:
-        _close(modes, dhts)
+        close_peers(modes, dhts)
 
 
 def spes_peer(
@@ -94,12 +95,16 @@ def computing_peer(
     statuses: Sequence[proto.PeerStatus],
     mode_class: type[M],
     micro_batch_size: int = 4,
+    *,
+    client_mode: bool = False,
 ) -> M:
-    """One real mode of `mode_class` over a new replica of `run`'s model on `dht`, seeing the swarm `statuses`."""
+    """One real mode of `mode_class` over a new replica of `run`'s model on `dht`, seeing the swarm `statuses`;
+    `client_mode`: as a node peers can't dial (behind a NAT)."""
     model = build_model(run.model, 260, seed=0)
     status = proto.PeerStatus(peer_id=dht.peer_id.to_base58())
     compute = cpu_compute(run, model)
-    return mode_class(_context(run, dht, status, statuses, list(model.parameters()), compute, micro_batch_size))
+    context = _context(run, dht, status, statuses, list(model.parameters()), compute, micro_batch_size)
+    return mode_class(dataclasses.replace(context, client_mode=client_mode))
 
 
 def cpu_compute(run: RunManifest, model: torch.nn.Module) -> LocalCompute:
@@ -138,7 +143,8 @@ def _context(
     )
 
 
-def _close(modes: Sequence[DiLoCoMode], dhts: Sequence[hivemind.DHT]) -> None:
+def close_peers(modes: Sequence[DiLoCoMode], dhts: Sequence[hivemind.DHT]) -> None:
+    """Close every mode, then every DHT."""
     for mode in modes:
         mode.close()
     for dht in dhts:

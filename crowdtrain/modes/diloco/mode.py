@@ -628,7 +628,12 @@ class DiLoCoMode(TrainingMode):
 
     def _priority(self) -> float:
         """What this peer declares as a state donor: its round, then a tiebreak every peer computes alike, so peers
-        whose round failed together all take the same one's state (each asks only donors ranked above itself)."""
+        whose round failed together all take the same one's state (each asks only donors ranked above itself).
+        A peer others can't dial serves no state, and hivemind refuses any priority but 0 on its averager."""
+        return 0.0 if self.context.client_mode else self._rank()
+
+    def _rank(self) -> float:
+        """This peer's place among donors, client or not: its round, then the tiebreak."""
         return self.round + _tiebreak(self.context.peer_id)
 
     def _load_state_from_peers(self) -> bool:
@@ -644,7 +649,7 @@ class DiLoCoMode(TrainingMode):
         with self.context.phases.measure(Phase.STATE_DOWNLOAD):
             loaded = self.averager.load_state_from_peers(
                 timeout=LOAD_STATE_TIMEOUT_S,
-                above_priority=self._priority() if self.round > 0 else None,
+                above_priority=self._rank() if self.round > 0 else None,
                 # After a round this peer stepped alone, others may have too: their states differ honestly at one
                 # round, and asking them to corroborate would leave every such peer refusing every other's state.
                 corroborate=not self.diverged,
