@@ -44,6 +44,7 @@ from tempfile import TemporaryDirectory
 from typing import Any
 
 import torch
+from skippipe_schedulers import full_pipeline, random_skipping
 
 from crowdtrain.data import WindowSampler, load_token_stream
 from crowdtrain.manifest import ModelSpec, RunManifest, demo
@@ -53,8 +54,6 @@ from crowdtrain.modes.skippipe.schedule import (
     NodeInfo,
     Schedule,
     SkipPipeProblem,
-    full_pipeline,
-    random_skipping,
     schedule_microbatches,
 )
 from crowdtrain.modes.skippipe.stages import StagedModel

@@ -28,19 +28,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from crowdtrain.modes.skippipe.schedule import (
+from skippipe_schedulers import (
     CBS_EXPANSIONS,
     IMPROVE_EVALUATIONS,
-    NodeInfo,
-    SkipPipeProblem,
     conflict_based,
     full_pipeline,
     greedy_in_order,
     planned,
     random_skipping,
-    schedule_microbatches,
     searched,
 )
+
+from crowdtrain.modes.skippipe.schedule import NodeInfo, SkipPipeProblem, schedule_microbatches
 from crowdtrain.testing.bench import bench_parser, environment_json, print_table, say, write_json
 
 NUM_STAGES, REPLICAS, MICROBATCHES, SKIP_RATIO, MEMORY = 4, 2, 8, 0.25, 2

@@ -113,6 +113,7 @@ import torch
 from bench_skippipe import Data, RemovedStages, held_out_loss, removed_stages
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils.multiaddr import Multiaddr
+from skippipe_schedulers import conflict_based, full_pipeline, greedy_in_order, planned, random_skipping, searched
 
 from crowdtrain import proto
 from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blocks
@@ -125,13 +126,7 @@ from crowdtrain.modes.skippipe.schedule import (
     NodeInfo,
     Schedule,
     SkipPipeProblem,
-    conflict_based,
-    full_pipeline,
-    greedy_in_order,
-    planned,
-    random_skipping,
     schedule_microbatches,
-    searched,
     seconds_per_hop,
 )
 from crowdtrain.modes.skippipe.stages import StagedModel

@@ -1,6 +1,6 @@
 """One node's SkipPipe iteration: the schedule, the microbatches, the stage's gradient summed over its replicas, a step.
 
-Every node computes the iteration's schedule from the same inputs (`planning.skippipe.schedule_microbatches`:
+Every node computes the iteration's schedule from the same inputs (`schedule.schedule_microbatches`:
 the swarm's nodes, seeded by the iteration), so no message carries it. An iteration on a node of stage s:
 
 1. open the iteration: forwards of it are served from now on (`StageService.open_iteration`);
@@ -188,7 +188,7 @@ class SkipPipeNode:
     """With overlap_exchange: the schedule costs each hop at the link the background exchange leaves
     (`SkipPipeProblem.background_share`); every node of a run must set it alike (they compute the same schedule)."""
     scheduler: Callable[[SkipPipeProblem], Schedule] = schedule_microbatches
-    """SkipPipe's scheduler, or a baseline of `planning.skippipe` (`full_pipeline`, `random_skipping`)."""
+    """SkipPipe's scheduler; the benchmarks give a baseline (scripts/skippipe_schedulers.py) instead."""
     parameters: list[torch.nn.Parameter] = field(init=False)
     suspected: set[str] = field(default_factory=set)
     """Peers that failed a hop, a done message, a ping or a gradient exchange: left out of this node's schedules
