@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from crowdtrain.testing.bench import NOISE_CAVEAT, environment_json, print_table, say, write_json
+from benchlib import NOISE_CAVEAT, environment_json, print_table, say, write_json
+
 from crowdtrain.testing.processes import raise_keyboard_interrupt
 
 SCRIPTS = Path(__file__).resolve().parent

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from crowdtrain.testing import bench
+import benchlib as bench
+
 from crowdtrain.testing.processes import HarnessError, LineReader, ProcessGroups, child_env, log_tail
 from crowdtrain.testing.swarm import START_TIMEOUT_S
 from crowdtrain.testing.wanlab import Host, HostSpec, Lab, Scenario

@@ -22,12 +22,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import benchlib as bench
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from crowdtrain.dht.swarm import SupervisedDHT, SwarmOptions, join_swarm
 from crowdtrain.dht.validator import make_validators
-from crowdtrain.testing import bench
 from crowdtrain.testing.processes import KILL_TIMEOUT_S, await_condition, raise_keyboard_interrupt
 from crowdtrain.testing.procfs import group_alive
 from crowdtrain.testing.swarm import START_TIMEOUT_S

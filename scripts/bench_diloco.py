@@ -22,7 +22,7 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
-from crowdtrain.testing.bench import (
+from benchlib import (
     print_table,
     save_logs,
     say,
@@ -30,6 +30,7 @@ from crowdtrain.testing.bench import (
     start_metered_daemons,
     write_json,
 )
+
 from crowdtrain.testing.processes import ProcessGroups
 
 RUN_FILE = """

@@ -42,12 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from crowdtrain.data import WindowSampler, load_token_stream
-from crowdtrain.manifest import RunManifest, load_run_file, spes_28m, spes_demo
-from crowdtrain.models import build_model, load_tokenizer, training_loss
-from crowdtrain.optimizer import learning_rate_factor
-from crowdtrain.testing.bench import (
+from benchlib import (
     bench_parser,
     parse_metrics,
     plot_to_png,
@@ -57,6 +52,11 @@ from crowdtrain.testing.bench import (
     with_children,
     write_json,
 )
+
+from crowdtrain.data import WindowSampler, load_token_stream
+from crowdtrain.manifest import RunManifest, load_run_file, spes_28m, spes_demo
+from crowdtrain.models import build_model, load_tokenizer, training_loss
+from crowdtrain.optimizer import learning_rate_factor
 from crowdtrain.testing.processes import HarnessError, ProcessGroups, await_condition, child_env
 from crowdtrain.testing.swarm import START_TIMEOUT_S, Daemon, start_daemon, start_swarm
 from crowdtrain.testing.wanlab import HostSpec, Lab, Scenario

@@ -22,12 +22,12 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 
 import torch
+from benchlib import print_table, say
 
 from crowdtrain.data.corpus import load_token_stream
 from crowdtrain.data.sampler import WindowSampler
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, llama_20m
 from crowdtrain.models import build_model, load_tokenizer
-from crowdtrain.testing.bench import print_table, say
 from crowdtrain.testing.diloco import diloco_peers
 from crowdtrain.testing.processes import await_condition
 

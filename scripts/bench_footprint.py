@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import benchlib as bench
 from bench_training import MICRO_BATCH_SIZE
 
-from crowdtrain.testing import bench
 from crowdtrain.testing.processes import (
     LineReader,
     Poller,

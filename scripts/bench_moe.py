@@ -32,6 +32,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+import benchlib as bench
 import hivemind
 import torch
 from hivemind.moe import RemoteExpert, get_experts
@@ -41,7 +42,6 @@ from moe_hivemind_expert import EXPERT_CLASS
 from crowdtrain.manifest import PRESETS, RunManifest, expert_uids, load_run_file
 from crowdtrain.moe.experts import MAX_BATCH_SEQUENCES
 from crowdtrain.moe.hosting import NUM_CONNECTION_HANDLERS
-from crowdtrain.testing import bench
 from crowdtrain.testing.fixtures import TINY_MODEL_TOML
 from crowdtrain.testing.processes import (
     HarnessError,

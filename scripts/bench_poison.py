@@ -25,8 +25,9 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
+from benchlib import print_table, say, scrape_metrics, start_metered_daemons, write_json
+
 from crowdtrain.testing.attacker import attacker_launcher
-from crowdtrain.testing.bench import print_table, say, scrape_metrics, start_metered_daemons, write_json
 from crowdtrain.testing.fixtures import tiny_run_file
 from crowdtrain.testing.processes import ProcessGroups, await_condition
 from crowdtrain.testing.swarm import START_TIMEOUT_S

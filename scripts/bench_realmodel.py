@@ -40,22 +40,7 @@ from typing import Any
 
 import torch
 from bench_training import initial_model, load_sampler
-
-from crowdtrain.data import load_token_stream
-from crowdtrain.manifest import PRESETS, RunManifest, load_run_file
-from crowdtrain.models import (
-    apply_tf32,
-    autocast,
-    count_parameters,
-    load_tokenizer,
-    model_kind,
-    precision_for_device,
-    training_loss,
-)
-from crowdtrain.node.config import ROLES
-from crowdtrain.roles import AUTO
-from crowdtrain.testing import processes
-from crowdtrain.testing.bench import (
+from benchlib import (
     MIB,
     NOISE_CAVEAT,
     POLL_S,
@@ -74,6 +59,21 @@ from crowdtrain.testing.bench import (
     with_children,
     write_json,
 )
+
+from crowdtrain.data import load_token_stream
+from crowdtrain.manifest import PRESETS, RunManifest, load_run_file
+from crowdtrain.models import (
+    apply_tf32,
+    autocast,
+    count_parameters,
+    load_tokenizer,
+    model_kind,
+    precision_for_device,
+    training_loss,
+)
+from crowdtrain.node.config import ROLES
+from crowdtrain.roles import AUTO
+from crowdtrain.testing import processes
 from crowdtrain.testing.swarm import START_TIMEOUT_S, StatusWatcher, SwarmSettled, start_swarm
 
 RUN_ID = "bench-realmodel"

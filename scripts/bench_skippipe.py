@@ -44,6 +44,15 @@ from tempfile import TemporaryDirectory
 from typing import Any
 
 import torch
+from benchlib import (
+    bench_parser,
+    environment_json,
+    plot_to_png,
+    print_table,
+    say,
+    say_plotted,
+    write_json,
+)
 from skippipe_schedulers import full_pipeline, random_skipping
 
 from crowdtrain.data import WindowSampler, load_token_stream
@@ -58,15 +67,6 @@ from crowdtrain.modes.skippipe.schedule import (
 )
 from crowdtrain.modes.skippipe.stages import StagedModel
 from crowdtrain.optimizer import learning_rate_factor
-from crowdtrain.testing.bench import (
-    bench_parser,
-    environment_json,
-    plot_to_png,
-    print_table,
-    say,
-    say_plotted,
-    write_json,
-)
 
 ARMS = ("full", "random-skip", "skippipe", "skippipe-reorder")
 NUM_LAYERS = 8

@@ -33,9 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_diloco_wan import METRICS_PORT, metrics_in_host
 from bench_realmodel import write_run_file
-
-from crowdtrain.manifest import PRESETS, AveragingSpec, RunManifest, SkipPipeSpec
-from crowdtrain.testing.bench import (
+from benchlib import (
     bench_parser,
     environment_json,
     print_table,
@@ -45,6 +43,8 @@ from crowdtrain.testing.bench import (
     with_children,
     write_json,
 )
+
+from crowdtrain.manifest import PRESETS, AveragingSpec, RunManifest, SkipPipeSpec
 from crowdtrain.testing.processes import ProcessGroups, await_condition, child_env
 from crowdtrain.testing.swarm import StatusWatcher, start_swarm
 from crowdtrain.testing.wanlab import Lab, Scenario

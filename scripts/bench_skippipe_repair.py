@@ -27,13 +27,13 @@ from typing import Any
 import hivemind
 import torch
 from bench_skippipe_swarm import NUM_STAGES, bench_run, staged_model
+from benchlib import bench_parser, environment_json, print_table, say, write_json
 
 from crowdtrain.manifest import RunManifest
 from crowdtrain.modes.skippipe import HopLimits, StageService
 from crowdtrain.modes.skippipe.iteration import STATE_PARTS, SkipPipeNode, fingerprint, fingerprint_positions
 from crowdtrain.modes.skippipe.schedule import NodeInfo
 from crowdtrain.modes.skippipe.stages import StagedModel
-from crowdtrain.testing.bench import bench_parser, environment_json, print_table, say, write_json
 
 STAGE = 1
 MICRO_BATCH_SIZE = 4

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchlib import bench_parser, environment_json, print_table, say, write_json
 from skippipe_schedulers import (
     CBS_EXPANSIONS,
     IMPROVE_EVALUATIONS,
@@ -40,7 +41,6 @@ from skippipe_schedulers import (
 )
 
 from crowdtrain.modes.skippipe.schedule import NodeInfo, SkipPipeProblem, schedule_microbatches
-from crowdtrain.testing.bench import bench_parser, environment_json, print_table, say, write_json
 
 NUM_STAGES, REPLICAS, MICROBATCHES, SKIP_RATIO, MEMORY = 4, 2, 8, 0.25, 2
 

@@ -111,6 +111,15 @@ from typing import Any
 import hivemind
 import torch
 from bench_skippipe import Data, RemovedStages, held_out_loss, removed_stages
+from benchlib import (
+    bench_parser,
+    environment_json,
+    plot_to_png,
+    print_table,
+    say,
+    say_plotted,
+    write_json,
+)
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from skippipe_schedulers import conflict_based, full_pipeline, greedy_in_order, planned, random_skipping, searched
@@ -132,15 +141,6 @@ from crowdtrain.modes.skippipe.schedule import (
 from crowdtrain.modes.skippipe.stages import StagedModel
 from crowdtrain.node.logs import setup_logging
 from crowdtrain.planning.plan import BYTES_PER_MEGABIT
-from crowdtrain.testing.bench import (
-    bench_parser,
-    environment_json,
-    plot_to_png,
-    print_table,
-    say,
-    say_plotted,
-    write_json,
-)
 from crowdtrain.testing.look_ahead import LookAheadReference
 from crowdtrain.testing.processes import ProcessGroups, await_condition
 from crowdtrain.testing.wanlab import Lab, Scenario

@@ -30,13 +30,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import benchlib as bench
 import torch
 from bench_training import MICRO_BATCH_SIZE, WARMUP_S, initial_model, load_sampler, measure_standalone
 
 from crowdtrain.data import load_token_stream
 from crowdtrain.manifest import RunManifest, load_run_file
 from crowdtrain.models import load_tokenizer, model_kind, training_loss
-from crowdtrain.testing import bench
 from crowdtrain.testing.processes import (
     LineReader,
     Poller,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import benchlib as bench
 import torch
 
 from crowdtrain.data import WindowSampler, load_token_stream, peer_seed_from_peer_id
@@ -36,7 +37,7 @@ from crowdtrain.manifest import RunManifest, demo, load_run_file
 from crowdtrain.models import build_model, load_tokenizer, model_kind, training_loss
 from crowdtrain.models.build import ModelKind
 from crowdtrain.optimizer import learning_rate_factor
-from crowdtrain.testing import bench, processes
+from crowdtrain.testing import processes
 from crowdtrain.testing.fixtures import tiny_run_file
 from crowdtrain.testing.swarm import START_TIMEOUT_S, Daemon, StatusWatcher, start_swarm
 from crowdtrain.training.checkpoint import Checkpoint, list_checkpoints, load_checkpoint
