@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch is pinned to the CPU build here; volunteers with GPUs use the Dockerfile or their own torch.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test lint unit bench bench-quick proto clean
+.PHONY: demo test lint unit bench bench-quick proto clean system-packages
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,8 +34,16 @@ lint: $(VENV)/.installed-test
 		git log --format=%s $(SUBJECTS_SINCE)..HEAD | awk 'length > 72 { print "commit subject over 72 characters: " $$0; bad = 1 } END { exit bad }'; \
 	fi
 
+# The WAN lab's NAT routers need nftables; as root on Debian it is installed here (the lab needs root anyway).
+system-packages:
+	@if [ "$$(id -u)" = 0 ] && ! command -v nft >/dev/null 2>&1; then \
+		command -v apt-get >/dev/null 2>&1 || { echo "the NAT lab needs nftables: install it"; exit 1; }; \
+		apt-get install -y -qq nftables >/dev/null 2>&1 || \
+		{ apt-get update -qq >/dev/null && apt-get install -y -qq nftables >/dev/null; }; \
+	fi
+
 # When pytest dies mid-run (a signal prints no test name), the last line names the test that was running.
-test: lint
+test: lint system-packages
 	$(BIN)/python -m pytest -q --durations=15 || { code=$$?; \
 		echo "pytest exited with status $$code; the last test it started: $$(cat .pytest-last-test 2>/dev/null)"; \
 		exit $$code; }

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from crowdtrain.testing.wanlab import PREFIX, HostSpec, Lab, Scenario, cleanup
+from crowdtrain.testing.wanlab import PREFIX, Host, HostSpec, Lab, Scenario, cleanup
 
 pytestmark = [
     pytest.mark.swarm,
@@ -68,3 +68,51 @@ def test_caps_shape_traffic_and_teardown_removes_everything() -> None:
     assert lab_prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert lab_prefix not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert cleanup(lab_prefix) == []
+
+
+# Accepts one connection and prints the address it came from; with an argument, gives up after that many seconds.
+ACCEPTOR = """
+import socket, sys
+server = socket.create_server(("0.0.0.0", 5002)); server.settimeout(float(sys.argv[1]))
+try:
+    connection, (address, _) = server.accept(); print(address)
+except TimeoutError:
+    print("nobody")
+"""
+DIALER = """
+import socket, sys, time
+for attempt in range(50):
+    try: socket.create_connection((sys.argv[1], 5002), timeout=2); print("connected"); break
+    except OSError as error: reason = error; time.sleep(0.1)
+else: print(type(reason).__name__)
+"""
+
+
+@pytest.mark.skipif(shutil.which("nft") is None, reason="needs nftables (make test installs it)")
+def test_a_natted_host_dials_out_from_its_routers_address_and_nobody_dials_it() -> None:
+    scenario = Scenario(
+        name="nat",
+        hosts=(
+            HostSpec(name="pub", upload_mbps=100, download_mbps=100),
+            HostSpec(name="home", upload_mbps=20, download_mbps=20, nat=True),
+        ),
+    )
+    with Lab(scenario) as lab:
+        public, home = lab.hosts
+        assert not public.behind_nat and home.behind_nat and home.address.startswith("192.168.")
+
+        def run_in(host: Host, script: str, *args: str) -> str:
+            command = ["ip", "netns", "exec", host.namespace, sys.executable, "-c", script, *args]
+            return subprocess.run(command, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+
+        acceptor = lab.spawn(public, [sys.executable, "-c", ACCEPTOR, "20"], stdout=subprocess.PIPE, text=True)
+        assert run_in(home, DIALER, public.address) == "connected"
+        assert acceptor.communicate(timeout=30)[0].strip() == home.public_address, "masqueraded as its router"
+
+        acceptor = lab.spawn(home, [sys.executable, "-c", ACCEPTOR, "8"], stdout=subprocess.PIPE, text=True)
+        assert run_in(public, DIALER, home.public_address) == "ConnectionRefusedError", "no port is forwarded"
+        assert run_in(public, DIALER, home.address) != "connected", "its LAN address is not routed"
+        assert acceptor.communicate(timeout=30)[0].strip() == "nobody"
+        namespaces = (home.namespace, f"{home.namespace}-nat")
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert not any(namespace in listed for namespace in namespaces), "the host and its router are removed"

@@ -19,6 +19,11 @@ token-bucket (`tbf`) qdiscs: upload on the host's end of the veth, download on t
 (`netem` doesn't exist on these machines, so links add no latency). `Lab` is a context manager that
 tears everything down on exit, on error and on Ctrl-C; `python -m crowdtrain.testing.wanlab --cleanup` removes
 leftovers of a lab that was SIGKILLed. Run as root.
+
+A host with `nat = true` sits behind its own home router, as a volunteer's machine does: the router is a second
+namespace (`<host>-nat`) holding the bridge address and the caps, the host has 192.168.<i>.2 behind it with the
+router as its gateway, and the router masquerades what the host sends (nftables). Nothing is forwarded to the
+host: a peer on the bridge can answer the connections the host opens, and can dial nothing of it.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class HostSpec:
     """Cap on what the host receives, in Mbit/s."""
     count: int = 1
     """How many hosts of this kind."""
+    nat: bool = False
+    """Behind its own masquerading router, with no port forwarded: it can dial out, nobody can dial it."""
 
     def __post_init__(self) -> None:
         if not self.name.isalnum() or len(self.name) > 6:
@@ -82,9 +89,17 @@ class Host:
     name: str
     namespace: str
     address: str
+    """The host's own address: on the bridge, or behind its router for a NATed host."""
     upload_mbps: float
     download_mbps: float
+    public_address: str = ""
+    """The address its peers see it from: its own, or its router's on the bridge."""
     processes: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def behind_nat(self) -> bool:
+        """Whether it sits behind a masquerading router (peers see the router's address, and can't dial it)."""
+        return self.public_address != self.address
 
 
 class Lab:
@@ -116,21 +131,36 @@ class Lab:
 
     def _add_host(self, name: str, index: int, spec: HostSpec) -> Host:
         namespace = f"{PREFIX}{self.lab_id}-{name}"
+        public = f"10.{self.subnet_octet}.0.{index}"
+        # the namespace on the bridge: the host itself, or its router
+        edge = f"{namespace}-nat" if spec.nat else namespace
         outer, inner = f"{PREFIX}{self.lab_id}v{index}", f"{PREFIX}{self.lab_id}i{index}"
-        address = f"10.{self.subnet_octet}.0.{index}"
-        _ip("netns", "add", namespace)
+        _ip("netns", "add", edge)
         _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
-        _ip("link", "set", inner, "netns", namespace)
+        _ip("link", "set", inner, "netns", edge)
         _ip("link", "set", outer, "master", self.bridge)
         _ip("link", "set", outer, "up")
-        in_ns = ("netns", "exec", namespace, "ip")
-        _ip(*in_ns, "link", "set", "lo", "up")
-        _ip(*in_ns, "link", "set", inner, "name", "eth0")
-        _ip(*in_ns, "addr", "add", f"{address}/24", "dev", "eth0")
-        _ip(*in_ns, "link", "set", "eth0", "up")
-        _cap(["ip", "netns", "exec", namespace, "tc"], "eth0", spec.upload_mbps)  # what the host sends
+        _up(edge, inner, "eth0", f"{public}/24")
+        _cap(["ip", "netns", "exec", edge, "tc"], "eth0", spec.upload_mbps)  # what the host sends
         _cap(["tc"], outer, spec.download_mbps)  # what the bridge delivers to the host
-        return Host(name, namespace, address, spec.upload_mbps, spec.download_mbps)
+        if not spec.nat:
+            return Host(name, namespace, public, spec.upload_mbps, spec.download_mbps, public)
+        address = f"192.168.{index}.2"
+        wan, lan = f"{PREFIX}{self.lab_id}w{index}", f"{PREFIX}{self.lab_id}l{index}"
+        _ip("netns", "add", namespace)
+        _ip("link", "add", wan, "type", "veth", "peer", "name", lan)
+        _ip("link", "set", wan, "netns", edge)
+        _ip("link", "set", lan, "netns", namespace)
+        _up(edge, wan, "lan0", f"192.168.{index}.1/24")
+        _up(namespace, lan, "eth0", f"{address}/24")
+        _ip("netns", "exec", namespace, "ip", "route", "add", "default", "via", f"192.168.{index}.1")
+        subprocess.run(["ip", "netns", "exec", edge, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"], check=True)
+        masquerade = (
+            "table ip nat {\n chain postrouting {\n"
+            '  type nat hook postrouting priority 100;\n  oifname "eth0" masquerade\n }\n}\n'
+        )
+        subprocess.run(["ip", "netns", "exec", edge, "nft", "-f", "-"], input=masquerade, text=True, check=True)
+        return Host(name, namespace, address, spec.upload_mbps, spec.download_mbps, public)
 
     def spawn(self, host: Host, command: Sequence[str], **kwargs: object) -> subprocess.Popen:
         """Start `command` inside the host's namespace, in its own session (killed on teardown)."""
@@ -189,6 +219,15 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True)
 
 
+def _up(namespace: str, device: str, name: str, address: str) -> None:
+    """Rename `device` in `namespace` to `name`, give it `address` (with its prefix) and bring it and lo up."""
+    in_ns = ("netns", "exec", namespace, "ip")
+    _ip(*in_ns, "link", "set", "lo", "up")
+    _ip(*in_ns, "link", "set", device, "name", name)
+    _ip(*in_ns, "addr", "add", address, "dev", name)
+    _ip(*in_ns, "link", "set", name, "up")
+
+
 def _raise_keyboard_interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
@@ -209,6 +248,7 @@ def main() -> None:
         for host in lab.hosts:
             print(
                 f"{host.name:8} {host.namespace:20} {host.address:14} "
+                f"{'behind NAT at ' + host.public_address + ' ' if host.behind_nat else ''}"
                 f"up {host.upload_mbps:g} / down {host.download_mbps:g} Mbit/s"
             )
         if args.run:
