@@ -5,8 +5,11 @@ stages         StagedModel: a decoder LM cut into stages, its forward along any 
 schedule       each microbatch's path through the stages (skips, reorders, load-aware replicas), from the roster
 membership     stage declarations and the leader's rosters in the DHT
 iteration      SkipPipeNode: one node's iteration (schedule, hops, done messages, the stage's gradient, the step)
-stage_service  StageService: the forward and backward hops a node serves for its stage and calls on others',
-               bounded and checked (proto.StageHop)
+stage_service  StageService: the hops a node serves for its stage (forward, backward, done, ping, gradient,
+               state), bounded and checked
+stage_ledger   what a stage node keeps of its iterations: forwards held for their backward, done messages, gradients
+stage_calls    the calls a node makes on other nodes' stages: hops, done messages, pings, gradients, states
+hop_wire       a tensor as a stream of proto.StageHop frames: wire dtypes, bounds checked on receipt, pacing
 driver         PipelineDriver: a stage-0 node runs its microbatches along their routes and back, rerouting a
                failed hop to another replica of its stage or skipping the stage
 device_clock   DeviceClock: the seconds a node's device takes per microbatch it computes, which it declares
@@ -16,6 +19,7 @@ May import: `averaging`, `planning`, `models`, `data`, `dht`, `manifest`, `optim
 """
 
 from crowdtrain.modes.skippipe.driver import MicrobatchOutcome, PipelineDriver
-from crowdtrain.modes.skippipe.stage_service import HopFailedError, HopLimits, HopRefusedError, StageService
+from crowdtrain.modes.skippipe.hop_wire import HopFailedError, HopLimits, HopRefusedError
+from crowdtrain.modes.skippipe.stage_service import StageService
 
 __all__ = ["HopFailedError", "HopLimits", "HopRefusedError", "MicrobatchOutcome", "PipelineDriver", "StageService"]

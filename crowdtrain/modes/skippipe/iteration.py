@@ -82,8 +82,9 @@ import torch
 
 from crowdtrain import proto
 from crowdtrain.modes.skippipe.driver import MicrobatchOutcome, PipelineDriver
+from crowdtrain.modes.skippipe.hop_wire import MAX_FINGERPRINT, HopFailedError
 from crowdtrain.modes.skippipe.schedule import NodeInfo, Schedule, SkipPipeProblem, schedule_microbatches
-from crowdtrain.modes.skippipe.stage_service import MAX_FINGERPRINT, HopFailedError, StageService
+from crowdtrain.modes.skippipe.stage_service import StageService
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ of the node. Its work (encoding this node's gradient, decoding and summing the o
 llama-20m stage) waits for the cores the pipeline leaves idle instead of delaying the microbatches' compute."""
 BACKGROUND_SHARE = 0.5
 """With overlap_exchange: the share of a link the background exchange of the replicas' gradients may take (paced by
-the answering node at the slower of its upload's and the caller's download's share, `stage_service.paced`), so that
+the answering node at the slower of its upload's and the caller's download's share, `hop_wire.paced`), so that
 the pipeline's hops, which share those links meanwhile, never wait behind a queue it filled."""
 
 

@@ -57,6 +57,7 @@ from crowdtrain.modes.base import ModeContext, SwarmView, TrainingMode
 from crowdtrain.modes.progress import Progress
 from crowdtrain.modes.skippipe import HopFailedError, HopLimits, StageService
 from crowdtrain.modes.skippipe.device_clock import FOLLOW_EVERY_S
+from crowdtrain.modes.skippipe.hop_wire import WIRE_DTYPES
 from crowdtrain.modes.skippipe.iteration import IterationReport, SkipPipeNode
 from crowdtrain.modes.skippipe.membership import (
     DECLARATION_RENEW_S,
@@ -75,7 +76,7 @@ from crowdtrain.modes.skippipe.membership import (
     stage_zero_gone,
 )
 from crowdtrain.modes.skippipe.schedule import NodeInfo, seconds_per_hop
-from crowdtrain.modes.skippipe.stage_service import MAX_ITERATIONS_AHEAD, WIRE_DTYPES
+from crowdtrain.modes.skippipe.stage_ledger import MAX_ITERATIONS_AHEAD
 from crowdtrain.modes.skippipe.stages import StagedModel
 from crowdtrain.optimizer import build_optimizer, set_scheduled_learning_rate
 from crowdtrain.planning.plan import BYTES_PER_MEGABIT
