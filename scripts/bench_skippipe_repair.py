@@ -4,7 +4,7 @@ The model (`--model llama-20m`: 25.4M parameters, 8 layers; or the demo LLaMA ma
 stages of 2 layers, as in bench_skippipe_swarm.py. Measured, each against what an iteration costs anyway:
 
     fingerprint   the values at 1024 fixed positions that every published gradient carries
-                  (`pipeline.iteration.fingerprint`): seconds per call for stage 1, against one microbatch's
+                  (`drift.fingerprint`): seconds per call for stage 1, against one microbatch's
                   forward and backward of the stage (an iteration runs several per node)
     adopt         a replica that drifted apart takes another's state of the iteration (`SkipPipeNode._adopt`):
                   two replicas of stage 1, each with its own hivemind DHT and p2pd on loopback; seconds and bytes
@@ -31,8 +31,10 @@ from benchlib import bench_parser, environment_json, print_table, say, write_jso
 
 from crowdtrain.manifest import RunManifest
 from crowdtrain.modes.skippipe import HopLimits, StageService
-from crowdtrain.modes.skippipe.iteration import STATE_PARTS, SkipPipeNode, fingerprint, fingerprint_positions
+from crowdtrain.modes.skippipe.drift import fingerprint, fingerprint_positions
+from crowdtrain.modes.skippipe.iteration import SkipPipeNode
 from crowdtrain.modes.skippipe.schedule import NodeInfo
+from crowdtrain.modes.skippipe.stage_state import STATE_PARTS
 from crowdtrain.modes.skippipe.stages import StagedModel
 
 STAGE = 1

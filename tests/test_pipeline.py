@@ -23,22 +23,13 @@ from crowdtrain import proto
 from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blocks, int8_blocks_size
 from crowdtrain.manifest import OptimizerSpec
 from crowdtrain.modes.skippipe import HopFailedError, HopLimits, HopRefusedError, PipelineDriver, StageService
+from crowdtrain.modes.skippipe.drift import drifted, fingerprint, fingerprint_positions, reference_replica
+from crowdtrain.modes.skippipe.gradient_exchange import BACKGROUND_NICE, lower_priority
 from crowdtrain.modes.skippipe.hop_wire import CHUNK_BYTES, MAX_PACED_S, NAMESPACE, PACED_CHUNK_BYTES, paced_rate
-from crowdtrain.modes.skippipe.iteration import (
-    BACKGROUND_NICE,
-    STATE_PARTS,
-    STATE_TIMEOUT_FLOOR_S,
-    IterationReport,
-    SkipPipeNode,
-    drifted,
-    fingerprint,
-    fingerprint_positions,
-    lower_priority,
-    reference_replica,
-    state_timeout_s,
-)
+from crowdtrain.modes.skippipe.iteration import IterationReport, SkipPipeNode
 from crowdtrain.modes.skippipe.schedule import NodeInfo, Route, Schedule, SkipPipeProblem, schedule_microbatches
 from crowdtrain.modes.skippipe.stage_service import MAX_GRADIENT_WAITS
+from crowdtrain.modes.skippipe.stage_state import STATE_PARTS, STATE_TIMEOUT_FLOOR_S, state_timeout_s
 from crowdtrain.modes.skippipe.stages import StagedModel
 from crowdtrain.optimizer import build_optimizer
 from crowdtrain.testing.look_ahead import LookAheadReference

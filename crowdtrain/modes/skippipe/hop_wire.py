@@ -40,7 +40,7 @@ GRADIENT_DTYPES = (*WIRE_DTYPES, "int8")
 BUSY = "busy:"
 """Starts the refusal of a forward that finds the node's memory full (the caller may ask again later)."""
 MAX_FINGERPRINT = 1024
-"""The most values of a replica's parameter fingerprint (`pipeline.iteration.fingerprint`) a gradient carries."""
+"""The most values of a replica's parameter fingerprint (`drift.fingerprint`) a gradient carries."""
 PACED_CHUNK_BYTES = 64 << 10
 """Payload bytes per frame of a paced answer (a background exchange's): at most this much is queued ahead of the
 pipeline's hops on a link at a time."""

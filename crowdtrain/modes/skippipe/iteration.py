@@ -19,45 +19,17 @@ the swarm's nodes, seeded by the iteration), so no message carries it. An iterat
    a peer that failed a hop, a done message or the exchange is *suspected* and left out of this node's later
    schedules (nodes may then differ on a schedule; only the balance suffers: every source tells every node);
 4. the stage's gradient: each microbatch's gradient landed on exactly one replica of each stage it visited, so the
-   iteration's gradient is the *sum* of the replicas' `.grad`. Each replica publishes its own, rounded to
-   `gradient_dtype` (bfloat16 by default: half of float32's bytes, and this exchange is most of what a stage node
-   sends; int8 blocks: a quarter, with error feedback: what rounding left out of this node's gradient is added to
-   its next one), fetches the others' (`rpc_stage_gradient`) and adds them, its own as rounded, in peer-ID order,
-   so every replica that heard from all of them holds the same bits; a replica whose gradient is not had within
-   `exchange_timeout_s` (and `done_timeout_s` more where this node was done early: the replica may still be
-   waiting for its sources) is left out (its share of microbatches is lost for the others this iteration, and from
-   then on the replicas differ);
+   iteration's gradient is the *sum* of the replicas' `.grad`, which they publish and fetch (`gradient_exchange`);
 5. the optimizer's step (it clips to the run's `max_grad_norm`: `crowdtrain.optimizer`), gradients zeroed, the
    iteration closed; an iteration that no source finished (every stage-0 node gone) trained nothing and takes no
-   step (AdamW would still move the parameters on its momentum and weight decay);
-   with `overlap_exchange`, steps 4 and 5 part: the node publishes its gradient of iteration t and fetches the
-   others' in the background while iteration t + 1 runs. The stage's *true* state (parameters and AdamW's
-   moments, bit-identical on every replica) takes the replicas' exact sum of iteration t - 1 at the end of
-   iteration t (none at the first). The node does not compute on that state but on a look-ahead of it
-   (`_look_ahead`, the "eager" update of overlapped DiLoCo): the true state stepped by this node's own gradient
-   of iteration t times the stage's microbatches over its own (its estimate of the sum still in flight), AdamW's
-   moments left as they were. Stepping on the iteration before's sum alone (the stale step this mode took before)
-   trained 8-19% worse in 20 iterations of llama-20m; the look-ahead computes each gradient near where the exact
-   step will have moved the state. A joiner, holding the true state of the iteration before its first, fetches
-   the other replicas' gradients of that iteration for its first step, so it steps as they do. The state a
-   replica serves (a joiner's download, drift repair) and the fingerprint it sends are the true state's. The
-   exchange in the background is paced to BACKGROUND_SHARE of the links where they are measured (sent at a
-   link's full speed it filled the queue in front of that link, and the hops behind it waited the whole queue),
-   and its thread, which encodes this node's gradient and decodes and sums the others', runs BACKGROUND_NICE
-   lower than the rest of the node, so that it takes the cores the pipeline leaves idle;
-6. drift: each gradient carries a fingerprint of its replica's parameters before the step (`fingerprint`: the
-   parameters at MAX_FINGERPRINT fixed positions). A replica whose fingerprint differs by more than
-   DRIFT_TOLERANCE (relative; the last bits of different hardware differ by far less, a missed gradient by far
-   more) from that of the replica most of the summed fingerprints agree with (`reference_replica`: ties, and
-   two replicas, to the lowest peer ID) takes that replica's state of the iteration
-   (parameters and AdamW moments, as a joiner does) right after its step: replicas that parted (a lost exchange)
-   are one again within an iteration of seeing each other's gradients. The work the other replica did alone
-   since they parted is dropped (it was done on a copy that no other replica follows).
+   step (AdamW would still move the parameters on its momentum and weight decay); with `overlap_exchange`, steps 4
+   and 5 part: the exchange of iteration t runs in the background during iteration t + 1, and the node computes on
+   a look-ahead of the stage's true state (`gradient_exchange`);
+6. drift: a replica whose parameters drifted apart from the others' (`drift`) takes a replica's state right after
+   its step (`stage_state`).
 
 Each microbatch's loss counts 1/M of the iteration's gradient (M microbatches in the iteration), as in one
-process with gradient accumulation. Replicas that summed the same gradients hold the same parameters and AdamW
-moments; a joining replica takes them from one (`join`, `rpc_stage_state`), checked: the stage's exact number of
-float32 values, finite, second moments not negative.
+process with gradient accumulation.
 
 A peer that failed a hop, a done message, a ping or the exchange is suspected for SUSPICION_S (or until the next
 `set_nodes`), then gets another chance: a replica left out for good would part from the others for good.
@@ -69,20 +41,16 @@ The caller passes the nodes, the same list on every node (`set_nodes` between it
 from __future__ import annotations
 
 import logging
-import math
-import os
-import sys
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from crowdtrain import proto
+from crowdtrain.modes.skippipe.drift import fingerprint_positions
 from crowdtrain.modes.skippipe.driver import MicrobatchOutcome, PipelineDriver
-from crowdtrain.modes.skippipe.hop_wire import MAX_FINGERPRINT, HopFailedError
+from crowdtrain.modes.skippipe.gradient_exchange import BACKGROUND_SHARE, Gathered, GradientExchange
 from crowdtrain.modes.skippipe.schedule import NodeInfo, Schedule, SkipPipeProblem, schedule_microbatches
 from crowdtrain.modes.skippipe.stage_service import StageService
 
@@ -91,27 +59,8 @@ logger = logging.getLogger(__name__)
 PING_EVERY_S = 2.0
 """While waiting for the sources, how often the ones not done yet are asked whether they are still there."""
 PING_TIMEOUT_S = 2.0
-STATE_PARTS = 3
-"""A stage's state for a joiner: its parameters, AdamW's first moments, its second moments."""
-STATE_RATE_FLOOR = 500_000
-"""Bytes per second a stage's state download is given time for at least (4 Mbit/s, a slow home uplink): the state
-of one of a 25M-parameter model's 4 stages (6.3M parameters and two moments, float32) is 76 MB, 2.5 minutes at
-this rate, where a fixed 30-s bound needed 20 Mbit/s and a joiner behind a slower replica never got in."""
-STATE_TIMEOUT_FLOOR_S = 30.0
-DRIFT_TOLERANCE = 1e-4
-"""Replicas whose fingerprints differ by more than this, relative to the fingerprint's norm, have drifted apart.
-An AdamW step moves each parameter by about the learning rate (1e-4 to 1e-3 of a typical weight's 0.02 or more,
-so a missed gradient shows as ~1e-2); rounding differences between devices stay near 1e-7 per step."""
 SUSPICION_S = 60.0
 """How long a suspected peer is left out of this node's schedules and gradient sums."""
-BACKGROUND_NICE = 10
-"""With overlap_exchange: how much lower (in nice values) the thread of the background exchange runs than the rest
-of the node. Its work (encoding this node's gradient, decoding and summing the others', 6.3M values each for a
-llama-20m stage) waits for the cores the pipeline leaves idle instead of delaying the microbatches' compute."""
-BACKGROUND_SHARE = 0.5
-"""With overlap_exchange: the share of a link the background exchange of the replicas' gradients may take (paced by
-the answering node at the slower of its upload's and the caller's download's share, `hop_wire.paced`), so that
-the pipeline's hops, which share those links meanwhile, never wait behind a queue it filled."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -143,22 +92,10 @@ class IterationReport:
     (a stage-0 node: once its own microbatches were done), before every source said it was done."""
 
 
-@dataclass(frozen=True, slots=True)
-class Gathered:
-    """A stage's gradient of one iteration, summed over the replicas that published it."""
-
-    total: torch.Tensor
-    fingerprints: dict[str, torch.Tensor | None]
-    """The fingerprint each summed replica sent with its gradient (this node's own included, if it had one)."""
-    failed: tuple[str, ...]
-    """Replicas whose gradient was not had: to be suspected."""
-    trained: bool
-    """Whether the iteration trained anything (a source finished it): its sum is worth a step."""
-
-
 @dataclass(kw_only=True)
-class SkipPipeNode:
-    """Runs SkipPipe iterations on one node serving `service.stage`."""
+class SkipPipeNode(GradientExchange):
+    """Runs SkipPipe iterations on one node serving `service.stage`; its stage state is `StageState`'s, the sum of
+    its stage's gradient over the replicas `GradientExchange`'s."""
 
     service: StageService
     nodes: Sequence[NodeInfo]
@@ -255,115 +192,6 @@ class SkipPipeNode:
         for peer in [peer for peer, since in self._suspected_at.items() if now - since >= SUSPICION_S]:
             del self._suspected_at[peer]
             self.suspected.discard(peer)
-
-    def state_timeout_s(self) -> float:
-        """How long this stage's state may take to download (`state_timeout_s`)."""
-        return state_timeout_s(STATE_PARTS * sum(parameter.numel() for parameter in self.parameters))
-
-    def join(self, peer_id: str, timeout_s: float | None = None) -> int:
-        """Take the stage's state from `peer_id`, a replica of it: parameters and AdamW moments, so that this node
-        steps as the replica does from now on; the iteration to run next. HopFailedError if it is not had within
-        `timeout_s` (default: what the state's size may take, `state_timeout_s`)."""
-        header, values = self._fetch_state(peer_id, self.state_timeout_s() if timeout_s is None else timeout_s)
-        self._load_state(header, values)
-        self._pending = None  # its first step sums the others' gradients of the iteration it took the state of
-        logger.info(f"took stage {self.service.stage}'s state of iteration {header.iteration} from {peer_id[-8:]}")
-        return header.iteration + 1
-
-    def _fetch_state(self, peer_id: str, timeout_s: float, since: int = 0) -> tuple[proto.StageHop, torch.Tensor]:
-        numel = sum(parameter.numel() for parameter in self.parameters)
-        header, values = self.service.fetch_state(peer_id, STATE_PARTS * numel, timeout_s, since=since)
-        if bool((values[2 * numel :] < 0).any()):
-            raise HopFailedError(f"peer {peer_id[-8:]} sent a stage state with negative second moments")
-        return header, values
-
-    def _load_state(self, header: proto.StageHop, values: torch.Tensor) -> None:
-        """Make `values` (parameters, first moments, second moments) this node's stage state, of `header`'s
-        iteration and optimizer steps (with overlap_exchange its true state too: no look-ahead until its next step)."""
-        with self.service.model_lock:
-            self._set_state(header.optimizer_steps, values)
-            if self.overlap_exchange:
-                self._keep_true()
-        self.last_iteration = header.iteration
-
-    def _set_state(self, steps: int, values: torch.Tensor, parameters: bool = True) -> None:
-        """Make `values` (parameters, first moments, second moments) the stage's parameters (unless `parameters` is
-        False) and AdamW's state after `steps` steps; the caller holds the model lock."""
-        numel = sum(parameter.numel() for parameter in self.parameters)
-        params, exp_avg, exp_avg_sq = values.split(numel)
-        with torch.no_grad():
-            offset = 0
-            for parameter in self.parameters:
-                count = parameter.numel()
-                if parameters:
-                    parameter.copy_(params[offset : offset + count].view_as(parameter))
-                self.optimizer.state[parameter] = {
-                    "step": torch.tensor(float(steps)),
-                    "exp_avg": exp_avg[offset : offset + count].view_as(parameter).to(parameter.device, copy=True),
-                    "exp_avg_sq": exp_avg_sq[offset : offset + count]
-                    .view_as(parameter)
-                    .to(parameter.device, copy=True),
-                }
-                offset += count
-
-    def _state(self) -> tuple[int, int, torch.Tensor]:
-        """(the last finished iteration, AdamW's steps, parameters then first then second moments), float32: with
-        overlap_exchange the true state, not the look-ahead the node computes on."""
-        if self._true is not None:
-            steps, tensors = self._true
-            return self.last_iteration, steps, torch.cat([tensor.reshape(-1).cpu() for tensor in tensors]).float()
-        return self.last_iteration, *self._live_state()
-
-    def _live_state(self) -> tuple[int, torch.Tensor]:
-        """(AdamW's steps, the stage's parameters then first then second moments as they are now), float32."""
-        parts: list[list[torch.Tensor]] = [[], [], []]
-        steps = 0
-        for parameter in self.parameters:
-            state = self.optimizer.state.get(parameter, {})
-            steps = int(state.get("step", 0))
-            parts[0].append(parameter.detach().reshape(-1).cpu())
-            for index, key in ((1, "exp_avg"), (2, "exp_avg_sq")):
-                parts[index].append(state[key].reshape(-1).cpu() if key in state else torch.zeros(parameter.numel()))
-        return steps, torch.cat([torch.cat(part) for part in parts]).float()
-
-    def _keep_true(self) -> None:
-        """With overlap_exchange: make the stage's state now (parameters and AdamW's) its true state, copied into
-        the true state's tensors (allocated the first time). The caller holds the model lock."""
-        steps, live = 0, [parameter.detach() for parameter in self.parameters]
-        for key in ("exp_avg", "exp_avg_sq"):
-            for parameter in self.parameters:
-                state = self.optimizer.state.get(parameter, {})
-                steps = int(state.get("step", 0))
-                live.append(state[key] if key in state else torch.zeros_like(parameter))
-        if self._true is None:
-            self._true = (steps, [tensor.clone() for tensor in live])
-        else:
-            torch._foreach_copy_(self._true[1], live)
-            self._true = (steps, self._true[1])
-
-    def _restore_true(self, parameters: bool = True) -> None:
-        """With overlap_exchange: make the true state the stage's parameters (unless `parameters` is False) and
-        AdamW's state, copied in place. The caller holds the model lock."""
-        assert self._true is not None
-        steps, tensors = self._true
-        count = len(self.parameters)
-        with torch.no_grad():
-            if parameters:
-                torch._foreach_copy_([parameter.detach() for parameter in self.parameters], tensors[:count])
-            for parameter, exp_avg, exp_avg_sq in zip(
-                self.parameters, tensors[count : 2 * count], tensors[2 * count :], strict=True
-            ):
-                state = self.optimizer.state.get(parameter)
-                if state and "exp_avg" in state and "exp_avg_sq" in state:
-                    state["step"] = torch.tensor(float(steps))
-                    state["exp_avg"].copy_(exp_avg)
-                    state["exp_avg_sq"].copy_(exp_avg_sq)
-                else:
-                    self.optimizer.state[parameter] = {
-                        "step": torch.tensor(float(steps)),
-                        "exp_avg": exp_avg.clone(),
-                        "exp_avg_sq": exp_avg_sq.clone(),
-                    }
 
     def run_iteration(self, iteration: int) -> IterationReport:
         started = time.perf_counter()
@@ -512,274 +340,6 @@ class SkipPipeNode:
                     waiting.discard(peer)
         return done
 
-    def _sum_gradients(self, iteration: int, trained: bool | None, patience_s: float) -> tuple[int, str | None, bool]:
-        """Replace each parameter's `.grad` with the sum over the stage's replicas (each waited for `patience_s` on
-        top of `exchange_timeout_s`); (how many were summed, the replica whose state to take after the step because
-        this node's parameters drifted from its, or None, whether to step: `trained`, None: whether the sum is not
-        zero)."""
-        replicas = self.replicas[self.service.stage]
-        if len(replicas) == 1:
-            with self.service.model_lock:
-                alone = any(bool(_grad(parameter).any()) for parameter in self.parameters)
-            return 1, None, alone if trained is None else trained
-        own, own_fingerprint = self._publish_own(iteration)
-        gathered = self._gather(
-            iteration, own, own_fingerprint, tuple(replicas), frozenset(self.suspected), trained, patience_s
-        )
-        return len(gathered.fingerprints), self._take(gathered, own_fingerprint), gathered.trained
-
-    def _overlapped_sum(self, iteration: int, trained: bool | None, patience_s: float) -> tuple[int, str | None, bool]:
-        """With overlap_exchange: publish this iteration's gradient and start summing the replicas' in the
-        background (each waited for `patience_s` on top of `exchange_timeout_s`); replace `.grad` with the
-        replicas' sum of the iteration before. (How many replicas that sum has, the replica whose state to take
-        after the step (or None), whether to step.)"""
-        replicas = tuple(self.replicas[self.service.stage])
-        own, own_fingerprint = self._own_gradient()
-        self._own = own  # the look-ahead's estimate of the replicas' sum: this node's gradient as it is
-        if self._exchanger is None:
-            self._exchanger = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="skippipe-exchange", initializer=lower_priority
-            )
-        suspected = frozenset(self.suspected)
-        background = BACKGROUND_SHARE * self.download_bytes_per_s if self.download_bytes_per_s else math.inf
-        exchange = self._exchanger.submit(
-            self._publish_and_gather,
-            iteration,
-            own,
-            own_fingerprint,
-            replicas,
-            suspected,
-            trained,
-            patience_s,
-            background,
-        )
-        previous, self._pending = self._pending, (iteration, exchange)
-        if previous is not None and previous[0] == iteration - 1:
-            # fingerprints taken before a state this node has since taken tell nothing of its parameters now
-            gathered, fingerprint_then = previous[1].result(), previous[0] > self._adopted_at
-        elif iteration > 0 and self.last_iteration == iteration - 1 and len(replicas) > 1:
-            # A joiner (or a node whose exchange was cut short) holds the state of the iteration before: its first
-            # step is on the other replicas' sum of that iteration, the one they step on now.
-            gathered = self._gather(iteration - 1, None, None, replicas, suspected, None)
-            fingerprint_then = False
-        else:
-            return 0, None, False  # the first iteration: nothing summed yet
-        reference = self._take(gathered, gathered.fingerprints.get(self.peer_id) if fingerprint_then else None)
-        return len(gathered.fingerprints), reference, gathered.trained
-
-    def true_parameters(self) -> list[torch.Tensor]:
-        """The stage's parameters of its true state: the state its replicas agree on and its AdamW moments go with
-        (with overlap_exchange the node computes on a look-ahead of them; the parameters otherwise)."""
-        if self._true is None:
-            return [parameter.detach() for parameter in self.parameters]
-        return self._true[1][: len(self.parameters)]
-
-    def _look_ahead(self, scale: float) -> None:
-        """With overlap_exchange, right after the true step: keep the true state, then step the parameters (not
-        AdamW's state) on this node's own gradient times `scale` (the microbatches that visit the stage over those
-        this node holds the gradient of: its estimate of the replicas' sum, whose exchange runs during the next
-        iteration); 0: none to estimate with, the parameters stay the true ones. The caller holds the model lock."""
-        self._keep_true()
-        own, self._own = self._own, None
-        if own is None or scale <= 0:
-            return
-        offset = 0
-        for parameter in self.parameters:
-            count = parameter.numel()
-            _grad(parameter).copy_(own[offset : offset + count].view_as(parameter)).mul_(scale)
-            offset += count
-        self.optimizer.step()
-        self._restore_true(parameters=False)
-
-    def _publish_own(self, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This replica's gradient of `iteration` as published for the other replicas (`_publish`) and the
-        fingerprint of its parameters."""
-        own, own_fingerprint = self._own_gradient()
-        return self._publish(iteration, own, own_fingerprint), own_fingerprint
-
-    def _own_gradient(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This replica's gradient of the iteration (flattened, a copy) and the fingerprint of its (true)
-        parameters."""
-        with self.service.model_lock:
-            own = torch.cat([_grad(p).reshape(-1) for p in self.parameters])
-            return own, fingerprint(self.true_parameters(), self._positions)
-
-    def _publish(self, iteration: int, own: torch.Tensor, own_fingerprint: torch.Tensor) -> torch.Tensor:
-        """Publish `own` as this replica's gradient of `iteration`, with its fingerprint; what the others receive
-        (rounded to gradient_dtype: every replica sums what each one published, so this node's own term is that).
-        In int8 the rounding's error is carried to the next iteration's gradient (error feedback): int8 blocks
-        round a value under 1/254 of its block's largest to zero, and without it a parameter whose gradient stays
-        that small would never move. Touches nothing but the error carried: it may run in the background."""
-        if self.gradient_dtype == "int8" and self._unsent is not None:
-            own = own + self._unsent
-        sent = self.service.publish_gradient(iteration, own, own_fingerprint, self.gradient_dtype)
-        self._unsent = own - sent if self.gradient_dtype == "int8" else None
-        return sent
-
-    def _publish_and_gather(
-        self,
-        iteration: int,
-        own: torch.Tensor,
-        own_fingerprint: torch.Tensor,
-        replicas: tuple[str, ...],
-        suspected: frozenset[str],
-        trained: bool | None,
-        patience_s: float,
-        max_bytes_per_s: float,
-    ) -> Gathered:
-        """With overlap_exchange, in the background: `_publish` then `_gather`."""
-        sent = self._publish(iteration, own, own_fingerprint)
-        return self._gather(iteration, sent, own_fingerprint, replicas, suspected, trained, patience_s, max_bytes_per_s)
-
-    def _gather(
-        self,
-        iteration: int,
-        own: torch.Tensor | None,
-        own_fingerprint: torch.Tensor | None,
-        replicas: tuple[str, ...],
-        suspected: frozenset[str],
-        trained: bool | None,
-        patience_s: float = 0.0,
-        max_bytes_per_s: float = 0.0,
-    ) -> Gathered:
-        """The sum of `replicas`' gradients of `iteration`, in peer-ID order (the same bits on every replica that
-        heard from the same ones): this node's `own` (None: none of its own, as a joiner's), the others' fetched
-        (each waited for `exchange_timeout_s` and `patience_s`; `max_bytes_per_s` > 0: in the background, paced,
-        `StageService.fetch_gradient`), `suspected` ones left out. `trained` None: whether the sum is not zero (a
-        joiner can't know otherwise). Touches no state of this node: it may run in the background."""
-        numel = sum(parameter.numel() for parameter in self.parameters)
-        total = torch.zeros(numel)
-        summed: dict[str, torch.Tensor | None] = {}
-        failed: list[str] = []
-        for peer in replicas:  # peer-ID order: the same sum, bit for bit, on every replica
-            if peer == self.peer_id:
-                if own is None:
-                    continue
-                gradient, summed[peer] = own, own_fingerprint
-            elif peer in suspected:
-                continue
-            else:
-                try:
-                    gradient, summed[peer] = self.service.fetch_gradient(
-                        peer, iteration, numel, self.exchange_timeout_s + patience_s, max_bytes_per_s
-                    )
-                except HopFailedError as e:
-                    logger.warning(f"{e}; the stage's step goes on without it")
-                    failed.append(peer)
-                    continue
-            total += gradient.to(total.device)
-        trained = bool(total.any()) if trained is None else trained
-        return Gathered(total=total, fingerprints=summed, failed=tuple(failed), trained=trained)
-
-    def _take(self, gathered: Gathered, own_fingerprint: torch.Tensor | None) -> str | None:
-        """Make `gathered`'s sum each parameter's `.grad` and suspect the replicas it lacks; the replica whose state
-        to take after the step because this node's parameters (`own_fingerprint`, None: not known) drifted from
-        its, or None."""
-        for peer in gathered.failed:
-            self.suspect(peer)
-        with self.service.model_lock:
-            offset = 0
-            for parameter in self.parameters:
-                count = parameter.numel()
-                _grad(parameter).copy_(gathered.total[offset : offset + count].view_as(parameter))
-                offset += count
-        reference = reference_replica(gathered.fingerprints)
-        theirs = gathered.fingerprints.get(reference) if reference is not None else None
-        if own_fingerprint is None or reference == self.peer_id or theirs is None:
-            return None
-        return reference if drifted(own_fingerprint, theirs) else None
-
-    def close(self) -> None:
-        """Stop the background exchange (overlap_exchange), if any."""
-        if self._exchanger is not None:
-            self._exchanger.shutdown(wait=False, cancel_futures=True)
-
-    def _adopt(self, peer_id: str, iteration: int) -> str | None:
-        """Take `peer_id`'s state of `iteration` (this node's drifted from it); `peer_id`, or None if it was not
-        had (this node goes on with its own, and tries again when it next sees the drift)."""
-        stage = self.service.stage
-        try:
-            header, values = self._fetch_state(peer_id, self.state_timeout_s(), since=iteration)
-        except HopFailedError as e:
-            logger.warning(f"stage {stage}'s replicas have drifted apart, and {e}: going on with this node's own")
-            return None
-        if header.iteration != iteration:
-            logger.warning(
-                f"stage {stage}'s replicas have drifted apart, but peer {peer_id[-8:]} sent its state of iteration "
-                f"{header.iteration}, not {iteration}: going on with this node's own"
-            )
-            return None
-        self._load_state(header, values)
-        logger.warning(
-            f"stage {stage}'s replicas had drifted apart (a gradient exchange was lost): took peer "
-            f"{peer_id[-8:]}'s state of iteration {iteration}"
-        )
-        return peer_id
-
-
-def state_timeout_s(num_values: int) -> float:
-    """How long a download of `num_values` float32 values of a stage's state may take: STATE_TIMEOUT_FLOOR_S, and
-    the time the bytes take at STATE_RATE_FLOOR."""
-    return STATE_TIMEOUT_FLOOR_S + 4 * num_values / STATE_RATE_FLOOR
-
-
-def fingerprint_positions(parameters: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """For each parameter, the flat positions of it that `fingerprint` reads: MAX_FINGERPRINT spread over the
-    stage at random, the same on every replica (seeded by the stage's size)."""
-    sizes = [parameter.numel() for parameter in parameters]
-    total = sum(sizes)
-    generator = torch.Generator().manual_seed(total)
-    chosen = torch.randint(total, (min(MAX_FINGERPRINT, total),), generator=generator).sort().values
-    positions, offset = [], 0
-    for size in sizes:
-        inside = chosen[(chosen >= offset) & (chosen < offset + size)] - offset
-        positions.append(inside)
-        offset += size
-    return positions
-
-
-def fingerprint(parameters: Sequence[torch.Tensor], positions: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The parameters' values at `positions` (float32, on the CPU): replicas with the same parameters have the
-    same fingerprint; replicas that drifted apart differ in nearly every value."""
-    values = [
-        parameter.detach().reshape(-1)[where.to(parameter.device)]
-        for parameter, where in zip(parameters, positions, strict=True)
-    ]
-    return torch.cat(values).float().cpu()
-
-
-def reference_replica(fingerprints: Mapping[str, torch.Tensor | None]) -> str | None:
-    """The replica whose state the others follow, from the fingerprints of those summed (by peer ID; None: sent
-    none): the lowest peer ID among those the most fingerprints agree with (`drifted`). With two replicas that is
-    the lower; with more, a replica whose parameters differ from the others' is outvoted, drifted or lying."""
-    known = {peer: mine for peer, mine in fingerprints.items() if mine is not None}
-    support = {peer: sum(not drifted(mine, theirs) for theirs in known.values()) for peer, mine in known.items()}
-    if not support:
-        return None
-    most = max(support.values())
-    return min(peer for peer, count in support.items() if count == most)
-
-
-def drifted(mine: torch.Tensor, theirs: torch.Tensor) -> bool:
-    """Whether two replicas' fingerprints show parameters that drifted apart (DRIFT_TOLERANCE); a fingerprint of
-    another size (a replica of another version) shows nothing."""
-    if mine.shape != theirs.shape or mine.numel() == 0:
-        return False
-    scale = float(mine.norm())
-    return float((mine - theirs).norm()) > DRIFT_TOLERANCE * max(scale, 1e-12)
-
-
-def lower_priority() -> None:
-    """Run the calling thread BACKGROUND_NICE lower than the rest of the node (Linux: a thread's own nice value;
-    elsewhere nothing)."""
-    if sys.platform != "linux":
-        return
-    thread = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + BACKGROUND_NICE)
-    except OSError as e:
-        logger.debug(f"the background exchange runs at the node's priority: {e}")
-
 
 def _replicas(nodes: Sequence[NodeInfo]) -> dict[int, list[str]]:
     """The peer IDs serving each stage, sorted."""
@@ -787,9 +347,3 @@ def _replicas(nodes: Sequence[NodeInfo]) -> dict[int, list[str]]:
     for node in nodes:
         replicas.setdefault(node.stage, []).append(node.peer_id)
     return {stage: sorted(peers) for stage, peers in replicas.items()}
-
-
-def _grad(parameter: torch.nn.Parameter) -> torch.Tensor:
-    if parameter.grad is None:
-        parameter.grad = torch.zeros_like(parameter)
-    return parameter.grad
