@@ -1,7 +1,6 @@
 """crowdtrain: a peer-to-peer volunteer training daemon built on hivemind.
 
 Package map, from the top down; a package may import only those below it (tests/test_layers.py):
-  testing/    the WAN lab and the tiny run file shared by tests and benchmarks (nothing imports it)
   cli/        the command line: `run`, `status`, `check`; flags, exit codes, rendering of reports
   node/       the daemon's lifecycle: config, identity, state dir, join, heartbeats, leave
   training/   the training loop (the same for every mode), checkpoints, held-out scoring, the throughput probe

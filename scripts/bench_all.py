@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from benchlib import NOISE_CAVEAT, environment_json, print_table, say, write_json
-
-from crowdtrain.testing.processes import raise_keyboard_interrupt
+from lab.processes import raise_keyboard_interrupt
 
 SCRIPTS = Path(__file__).resolve().parent
 BENCHMARK_TIMEOUT_S = 3600.0

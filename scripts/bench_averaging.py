@@ -35,10 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import benchlib as bench
-
-from crowdtrain.testing.processes import HarnessError, LineReader, ProcessGroups, child_env, log_tail
-from crowdtrain.testing.swarm import START_TIMEOUT_S
-from crowdtrain.testing.wanlab import Host, HostSpec, Lab, Scenario
+from lab.processes import HarnessError, LineReader, ProcessGroups, child_env, log_tail
+from lab.swarm import START_TIMEOUT_S
+from lab.wanlab import Host, HostSpec, Lab, Scenario
 
 HETERO_SCENARIO = bench.REPO_ROOT / "scripts" / "scenarios" / "hetero.toml"
 BYTES_PER_MB = 1_000_000

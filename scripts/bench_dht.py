@@ -25,12 +25,12 @@ from typing import Any
 import benchlib as bench
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
+from lab.processes import KILL_TIMEOUT_S, await_condition, raise_keyboard_interrupt
+from lab.procfs import group_alive
+from lab.swarm import START_TIMEOUT_S
 
 from crowdtrain.dht.swarm import SupervisedDHT, SwarmOptions, join_swarm
 from crowdtrain.dht.validator import make_validators
-from crowdtrain.testing.processes import KILL_TIMEOUT_S, await_condition, raise_keyboard_interrupt
-from crowdtrain.testing.procfs import group_alive
-from crowdtrain.testing.swarm import START_TIMEOUT_S
 
 OPERATION_TIMEOUT_S = 30.0
 """One store or get that has not finished after this long counts as failed."""

@@ -30,8 +30,7 @@ from benchlib import (
     start_metered_daemons,
     write_json,
 )
-
-from crowdtrain.testing.processes import ProcessGroups
+from lab.processes import ProcessGroups
 
 RUN_FILE = """
 run_id = "bench-diloco"

@@ -52,14 +52,14 @@ from benchlib import (
     with_children,
     write_json,
 )
+from lab.processes import HarnessError, ProcessGroups, await_condition, child_env
+from lab.swarm import START_TIMEOUT_S, Daemon, start_daemon, start_swarm
+from lab.wanlab import HostSpec, Lab, Scenario
 
 from crowdtrain.data import WindowSampler, load_token_stream
 from crowdtrain.manifest import RunManifest, load_run_file, spes_28m, spes_demo
 from crowdtrain.models import build_model, load_tokenizer, training_loss
 from crowdtrain.optimizer import learning_rate_factor
-from crowdtrain.testing.processes import HarnessError, ProcessGroups, await_condition, child_env
-from crowdtrain.testing.swarm import START_TIMEOUT_S, Daemon, start_daemon, start_swarm
-from crowdtrain.testing.wanlab import HostSpec, Lab, Scenario
 from crowdtrain.training.held_out import HeldOutScorer
 from crowdtrain.training.loop import run_seed
 

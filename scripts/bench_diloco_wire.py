@@ -23,13 +23,13 @@ from tempfile import TemporaryDirectory
 
 import torch
 from benchlib import print_table, say
+from lab.diloco import diloco_peers
+from lab.processes import await_condition
 
 from crowdtrain.data.corpus import load_token_stream
 from crowdtrain.data.sampler import WindowSampler
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, llama_20m
 from crowdtrain.models import build_model, load_tokenizer
-from crowdtrain.testing.diloco import diloco_peers
-from crowdtrain.testing.processes import await_condition
 
 MIB = 2**20
 

@@ -24,8 +24,7 @@ from typing import Any
 
 import benchlib as bench
 from bench_training import MICRO_BATCH_SIZE
-
-from crowdtrain.testing.processes import (
+from lab.processes import (
     LineReader,
     Poller,
     ProcessGroups,
@@ -33,8 +32,8 @@ from crowdtrain.testing.processes import (
     child_env,
     raise_keyboard_interrupt,
 )
-from crowdtrain.testing.procfs import cpu_seconds_by_process
-from crowdtrain.testing.swarm import START_TIMEOUT_S, StatusWatcher, start_daemon
+from lab.procfs import cpu_seconds_by_process
+from lab.swarm import START_TIMEOUT_S, StatusWatcher, start_daemon
 
 TRAINING_TIMEOUT_S = 300.0
 PREFIX = "crowdtrain-bench-footprint-"

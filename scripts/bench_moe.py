@@ -37,13 +37,8 @@ import hivemind
 import torch
 from hivemind.moe import RemoteExpert, get_experts
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
-from moe_hivemind_expert import EXPERT_CLASS
-
-from crowdtrain.manifest import PRESETS, RunManifest, expert_uids, load_run_file
-from crowdtrain.moe.experts import MAX_BATCH_SEQUENCES
-from crowdtrain.moe.hosting import NUM_CONNECTION_HANDLERS
-from crowdtrain.testing.fixtures import TINY_MODEL_TOML
-from crowdtrain.testing.processes import (
+from lab.fixtures import TINY_MODEL_TOML
+from lab.processes import (
     HarnessError,
     ProcessGroups,
     await_condition,
@@ -51,7 +46,12 @@ from crowdtrain.testing.processes import (
     log_tail,
     raise_keyboard_interrupt,
 )
-from crowdtrain.testing.swarm import LOOPBACK, START_TIMEOUT_S, Daemon, StatusWatcher, start_daemon
+from lab.swarm import LOOPBACK, START_TIMEOUT_S, Daemon, StatusWatcher, start_daemon
+from moe_hivemind_expert import EXPERT_CLASS
+
+from crowdtrain.manifest import PRESETS, RunManifest, expert_uids, load_run_file
+from crowdtrain.moe.experts import MAX_BATCH_SEQUENCES
+from crowdtrain.moe.hosting import NUM_CONNECTION_HANDLERS
 
 T = TypeVar("T")
 

@@ -5,7 +5,7 @@ Four `crowdtrain run` daemons on loopback train the tiny LM (gradients mode, tar
 1. clean   four honest daemons
 2. scaled  three honest daemons and one whose gradients are multiplied by --scale (1e6) before every all-reduce
 3. nan     three honest daemons and one whose gradients are NaN
-The attacker is a real daemon (crowdtrain/testing/attacker.py): only its model's gradients are poisoned.
+The attacker is a real daemon (scripts/lab/attacker.py): only its model's gradients are poisoned.
 Each arm trains --window-s seconds after the swarm settles; the honest daemons' epoch and loss are read from
 their Prometheus endpoints every second. The table gives, per arm, the epochs reached, the honest peers' mean
 loss at the last epoch every arm reached and at the end, and how many rounds the honest reducers dropped the
@@ -26,11 +26,10 @@ from tempfile import TemporaryDirectory
 from typing import Any
 
 from benchlib import print_table, say, scrape_metrics, start_metered_daemons, write_json
-
-from crowdtrain.testing.attacker import attacker_launcher
-from crowdtrain.testing.fixtures import tiny_run_file
-from crowdtrain.testing.processes import ProcessGroups, await_condition
-from crowdtrain.testing.swarm import START_TIMEOUT_S
+from lab.attacker import attacker_launcher
+from lab.fixtures import tiny_run_file
+from lab.processes import ProcessGroups, await_condition
+from lab.swarm import START_TIMEOUT_S
 
 ARMS = ("clean", "scaled", "nan")
 NUM_PEERS = 4

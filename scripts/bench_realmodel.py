@@ -59,6 +59,8 @@ from benchlib import (
     with_children,
     write_json,
 )
+from lab import processes
+from lab.swarm import START_TIMEOUT_S, StatusWatcher, SwarmSettled, start_swarm
 
 from crowdtrain.data import load_token_stream
 from crowdtrain.manifest import PRESETS, RunManifest, load_run_file
@@ -73,8 +75,6 @@ from crowdtrain.models import (
 )
 from crowdtrain.node.config import ROLES
 from crowdtrain.roles import AUTO
-from crowdtrain.testing import processes
-from crowdtrain.testing.swarm import START_TIMEOUT_S, StatusWatcher, SwarmSettled, start_swarm
 
 RUN_ID = "bench-realmodel"
 STATUS_INTERVAL_S = 2.0

@@ -43,11 +43,11 @@ from benchlib import (
     with_children,
     write_json,
 )
+from lab.processes import ProcessGroups, await_condition, child_env
+from lab.swarm import StatusWatcher, start_swarm
+from lab.wanlab import Lab, Scenario
 
 from crowdtrain.manifest import PRESETS, AveragingSpec, RunManifest, SkipPipeSpec
-from crowdtrain.testing.processes import ProcessGroups, await_condition, child_env
-from crowdtrain.testing.swarm import StatusWatcher, start_swarm
-from crowdtrain.testing.wanlab import Lab, Scenario
 
 STATUS_INTERVAL_S = 2.0
 SETTLE_TIMEOUT_S = 300.0

@@ -122,6 +122,9 @@ from benchlib import (
 )
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils.multiaddr import Multiaddr
+from lab.look_ahead import LookAheadReference
+from lab.processes import ProcessGroups, await_condition
+from lab.wanlab import Lab, Scenario
 from skippipe_schedulers import conflict_based, full_pipeline, greedy_in_order, planned, random_skipping, searched
 
 from crowdtrain import proto
@@ -142,9 +145,6 @@ from crowdtrain.modes.skippipe.schedule import (
 from crowdtrain.modes.skippipe.stages import StagedModel
 from crowdtrain.node.logs import setup_logging
 from crowdtrain.planning.plan import BYTES_PER_MEGABIT
-from crowdtrain.testing.look_ahead import LookAheadReference
-from crowdtrain.testing.processes import ProcessGroups, await_condition
-from crowdtrain.testing.wanlab import Lab, Scenario
 
 NUM_STAGES = 4
 REPLICAS = 2

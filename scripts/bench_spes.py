@@ -36,6 +36,9 @@ from typing import Any
 
 import torch
 from benchlib import bench_parser, plot_to_png, print_table, say, say_plotted, write_json
+from lab.diloco import computing_peer, computing_peers, loopback_dhts
+from lab.processes import await_condition
+from lab.procfs import peak_rss_kib
 
 from crowdtrain import proto
 from crowdtrain.data import WindowSampler, load_token_stream
@@ -44,9 +47,6 @@ from crowdtrain.models import ByteTokenizer, build_model, training_loss
 from crowdtrain.modes.diloco.mode import DiLoCoMode
 from crowdtrain.modes.spes.mode import SPESMode
 from crowdtrain.optimizer import learning_rate_factor
-from crowdtrain.testing.diloco import computing_peer, computing_peers, loopback_dhts
-from crowdtrain.testing.processes import await_condition
-from crowdtrain.testing.procfs import peak_rss_kib
 
 ARMS = (
     "centralized", "diloco", "spes", "spes-warmup", "diloco-int8", "diloco-topk", "diloco-overlap",

@@ -33,11 +33,7 @@ from typing import Any
 import benchlib as bench
 import torch
 from bench_training import MICRO_BATCH_SIZE, WARMUP_S, initial_model, load_sampler, measure_standalone
-
-from crowdtrain.data import load_token_stream
-from crowdtrain.manifest import RunManifest, load_run_file
-from crowdtrain.models import load_tokenizer, model_kind, training_loss
-from crowdtrain.testing.processes import (
+from lab.processes import (
     LineReader,
     Poller,
     ProcessGroups,
@@ -46,9 +42,13 @@ from crowdtrain.testing.processes import (
     exit_when_orphaned,
     raise_keyboard_interrupt,
 )
-from crowdtrain.testing.procfs import cpu_seconds_by_process
-from crowdtrain.testing.swarm import StatusWatcher, SwarmSettled, start_swarm
-from crowdtrain.testing.wanlab import Lab, Scenario
+from lab.procfs import cpu_seconds_by_process
+from lab.swarm import StatusWatcher, SwarmSettled, start_swarm
+from lab.wanlab import Lab, Scenario
+
+from crowdtrain.data import load_token_stream
+from crowdtrain.manifest import RunManifest, load_run_file
+from crowdtrain.models import load_tokenizer, model_kind, training_loss
 
 HETERO_SCENARIO = bench.REPO_ROOT / "scripts" / "scenarios" / "hetero.toml"
 STATUS_INTERVAL_S = 2.0

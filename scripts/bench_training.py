@@ -31,15 +31,15 @@ from typing import Any
 
 import benchlib as bench
 import torch
+from lab import processes
+from lab.fixtures import tiny_run_file
+from lab.swarm import START_TIMEOUT_S, Daemon, StatusWatcher, start_swarm
 
 from crowdtrain.data import WindowSampler, load_token_stream, peer_seed_from_peer_id
 from crowdtrain.manifest import RunManifest, demo, load_run_file
 from crowdtrain.models import build_model, load_tokenizer, model_kind, training_loss
 from crowdtrain.models.build import ModelKind
 from crowdtrain.optimizer import learning_rate_factor
-from crowdtrain.testing import processes
-from crowdtrain.testing.fixtures import tiny_run_file
-from crowdtrain.testing.swarm import START_TIMEOUT_S, Daemon, StatusWatcher, start_swarm
 from crowdtrain.training.checkpoint import Checkpoint, list_checkpoints, load_checkpoint
 from crowdtrain.training.loop import run_seed
 

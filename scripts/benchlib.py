@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from crowdtrain.testing.processes import HarnessError, ProcessGroups, await_condition, child_env
-from crowdtrain.testing.procfs import Unit, command_name, cpu_model, cpu_seconds_by_process, memory_kib, processes
-from crowdtrain.testing.swarm import START_TIMEOUT_S, Daemon, start_daemon
+from lab.processes import HarnessError, ProcessGroups, await_condition, child_env
+from lab.procfs import Unit, command_name, cpu_model, cpu_seconds_by_process, memory_kib, processes
+from lab.swarm import START_TIMEOUT_S, Daemon, start_daemon
 
 T = TypeVar("T")
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import hivemind
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
+from lab import procfs
 
 from crowdtrain.dht.validator import make_validators
-from crowdtrain.testing import procfs
 from tests.harness import kill_all_started, logs_summary
 
 NUM_KEYED_DHTS = 3

@@ -1,4 +1,4 @@
-"""Real daemons on loopback for integration tests: the tests' defaults over crowdtrain.testing, and cleanup.
+"""Real daemons on loopback for integration tests: the tests' defaults over lab, and cleanup.
 
 Every daemon a test starts goes into STARTED; conftest kills all of them, with their sessions, after each test.
 """
@@ -10,8 +10,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from crowdtrain.testing import swarm
-from crowdtrain.testing.processes import ProcessGroups
+from lab import swarm
+from lab.processes import ProcessGroups
 
 FAST_HEARTBEAT_ENV = {"CROWDTRAIN_STATUS_INTERVAL_S": "1", "CROWDTRAIN_STATUS_TTL_S": "30"}
 DAEMON_ENV = {**FAST_HEARTBEAT_ENV, "CROWDTRAIN_NUM_THREADS": "1"}

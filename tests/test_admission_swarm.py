@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 from hivemind.p2p import P2P, P2PHandlerError, PeerID
 from hivemind.utils.crypto import RSAPrivateKey
+from lab.fixtures import tiny_run_file
+from lab.processes import await_condition
+from lab.swarm import crowdtrain, peer_ids, status_json
 
 from crowdtrain import proto
 from crowdtrain.dht.admission import issue_join_token
 from crowdtrain.links.probes import NAMESPACE, ProbeService
-from crowdtrain.testing.fixtures import tiny_run_file
-from crowdtrain.testing.processes import await_condition
-from crowdtrain.testing.swarm import crowdtrain, peer_ids, status_json
 from tests.harness import start_daemon
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]

@@ -1,11 +1,10 @@
-"""The trust benchmark's malicious peer poisons exactly its gradients (crowdtrain/testing/attacker.py)."""
+"""The trust benchmark's malicious peer poisons exactly its gradients (scripts/lab/attacker.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-from crowdtrain.testing.attacker import attacker_launcher, main, poisoning
+from lab.attacker import attacker_launcher, main, poisoning
 
 
 def gradients(model: torch.nn.Module) -> torch.Tensor:

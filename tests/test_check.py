@@ -7,14 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
+from lab.processes import await_condition
+from lab.swarm import LOOPBACK, crowdtrain, peer_ids, status_json
 from rich.console import Console
 
 from crowdtrain import __version__
 from crowdtrain.cli.check import CheckReport, LinkCheck, NotPlanned, RolePlan, render_check
 from crowdtrain.links.protocol import AddressVerdict
 from crowdtrain.roles import Role
-from crowdtrain.testing.processes import await_condition
-from crowdtrain.testing.swarm import LOOPBACK, crowdtrain, peer_ids, status_json
 from tests.harness import start_daemon
 
 FAST_CHECK_ENV = {"CROWDTRAIN_THROUGHPUT_S": "0.5", "CROWDTRAIN_NUM_THREADS": "1"}

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from lab.processes import await_condition
+from lab.swarm import crowdtrain
 
-from crowdtrain.testing.processes import await_condition
-from crowdtrain.testing.swarm import crowdtrain
 from tests.harness import start_daemon
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]

@@ -22,6 +22,7 @@ import torch
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
+from lab.processes import await_condition
 
 from crowdtrain.averaging import collaboration
 from crowdtrain.averaging.catch_up import ANNOUNCE_FOR_S, HoldBudget, catch_up_key
@@ -38,7 +39,6 @@ from crowdtrain.averaging.partition import PartialAverageError, PlanSharesMixin
 from crowdtrain.averaging.phases import PhaseAccumulator, PhaseTimes
 from crowdtrain.manifest import AveragingSpec, demo
 from crowdtrain.node.logs import setup_logging
-from crowdtrain.testing.processes import await_condition
 
 
 class FakeStepControl:

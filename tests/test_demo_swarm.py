@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from crowdtrain.testing.processes import await_condition
+from lab.processes import await_condition
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lab.fixtures import tiny_run_file
+from lab.processes import await_condition
+from lab.swarm import Daemon, status_json
 
-from crowdtrain.testing.fixtures import tiny_run_file
-from crowdtrain.testing.processes import await_condition
-from crowdtrain.testing.swarm import Daemon, status_json
 from tests.harness import start_daemon
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from lab.diloco import close_peers, computing_peer, diloco_peers, loopback_dhts
+from lab.processes import await_condition
 
 from crowdtrain import proto
 from crowdtrain.averaging.error_feedback import keep_top_k_
@@ -32,8 +34,6 @@ from crowdtrain.modes.diloco.mode import (
     _tiebreak,
 )
 from crowdtrain.modes.progress import Progress
-from crowdtrain.testing.diloco import close_peers, computing_peer, diloco_peers, loopback_dhts
-from crowdtrain.testing.processes import await_condition
 from crowdtrain.training.checkpoint import load_checkpoint, write_checkpoint
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]

@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 import torch
+from lab.fixtures import tiny_run_file
+from lab.swarm import crowdtrain
 
 from crowdtrain.cli.evaluate import Evaluation, evaluate
 from crowdtrain.data import WindowSampler, load_token_stream
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import load_run_file
 from crowdtrain.models import build_model, load_tokenizer, training_loss
-from crowdtrain.testing.fixtures import tiny_run_file
-from crowdtrain.testing.swarm import crowdtrain
 from crowdtrain.training.checkpoint import save_checkpoint
 from tests.test_cli_errors import assert_plain_failure
 

@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 import torch
+from lab.diloco import diloco_peers
 
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import PRESETS, DiLoCoSpec, RunManifest, demo
 from crowdtrain.modes.diloco.fragments import Fragments
-from crowdtrain.testing.diloco import diloco_peers
 
 SHAPES = [torch.Size(shape) for shape in [(10, 4), (4,), (4, 4), (4, 4), (8, 2), (3,)]]
 

@@ -29,7 +29,6 @@ LAYERS: dict[str, int] = {
     "training": 6,
     "node": 7,
     "cli": 8,
-    "testing": 9,
     "__main__": 9,
 }
 """Each top-level module or package of crowdtrain and its height: it may import only what is lower, or itself.
@@ -79,6 +78,29 @@ def test_no_module_imports_upward(path: Path) -> None:
             f"crowdtrain/{path.relative_to(PACKAGE)} ({unit}, layer {LAYERS[unit]}) imports {imported} "
             f"(layer {LAYERS[imported]}): a package may only import those below it"
         )
+
+
+def _imports_the_lab(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            modules = [node.module or ""]
+        else:
+            continue
+        if any(module.split(".")[0] == "lab" for module in modules):
+            return True
+    return False
+
+
+def test_no_module_imports_the_lab(tmp_path: Path) -> None:
+    """scripts/lab, the tests' and benchmarks' harness, is not installed: the package never imports it."""
+    assert [str(path.relative_to(PACKAGE)) for path in _sources() if _imports_the_lab(path)] == []
+    module = tmp_path / "bad.py"
+    module.write_text("from crowdtrain import proto\nfrom laboratory import x\n")
+    assert not _imports_the_lab(module)
+    module.write_text("import lab.swarm\n")
+    assert _imports_the_lab(module), "the check itself catches one"
 
 
 def test_the_check_itself_catches_an_upward_import(tmp_path: Path) -> None:

@@ -6,11 +6,11 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from lab.swarm import crowdtrain
 
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import DataSpec, RunManifest, demo, llama_85m
 from crowdtrain.node.limits import TRAINING_BYTES_PER_PARAMETER, check_remote_manifest
-from crowdtrain.testing.swarm import crowdtrain
 from tests.harness import start_daemon
 from tests.test_cli_errors import assert_plain_failure
 

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lab.fixtures import tiny_run_file
+from lab.processes import await_condition
+from lab.wanlab import Host, HostSpec, Lab, Scenario
 
-from crowdtrain.testing.fixtures import tiny_run_file
-from crowdtrain.testing.processes import await_condition
-from crowdtrain.testing.wanlab import Host, HostSpec, Lab, Scenario
 from tests.harness import DAEMON_ENV
 
 pytestmark = [

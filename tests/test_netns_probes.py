@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lab.processes import await_condition
+from lab.wanlab import Host, HostSpec, Lab, Scenario
 
-from crowdtrain.testing.processes import await_condition
-from crowdtrain.testing.wanlab import Host, HostSpec, Lab, Scenario
 from tests.harness import FAST_HEARTBEAT_ENV
 
 pytestmark = [

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from lab.fixtures import tiny_run_file
+from lab.processes import await_condition
+from lab.wanlab import HostSpec, Lab, Scenario
 
-from crowdtrain.testing.fixtures import tiny_run_file
-from crowdtrain.testing.processes import await_condition
-from crowdtrain.testing.wanlab import HostSpec, Lab, Scenario
 from tests.harness import FAST_HEARTBEAT_ENV
 
 pytestmark = [

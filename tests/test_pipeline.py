@@ -17,6 +17,7 @@ import hivemind
 import pytest
 import torch
 from hivemind.p2p import P2PContext, PeerID
+from lab.look_ahead import LookAheadReference
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from crowdtrain import proto
@@ -32,7 +33,6 @@ from crowdtrain.modes.skippipe.stage_service import MAX_GRADIENT_WAITS
 from crowdtrain.modes.skippipe.stage_state import STATE_PARTS, STATE_TIMEOUT_FLOOR_S, state_timeout_s
 from crowdtrain.modes.skippipe.stages import StagedModel
 from crowdtrain.optimizer import build_optimizer
-from crowdtrain.testing.look_ahead import LookAheadReference
 
 NUM_STAGES = 4
 HIDDEN = 32

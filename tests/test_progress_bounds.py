@@ -17,6 +17,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
+from lab.processes import await_condition
 
 from crowdtrain.averaging.collaboration import clear_micro_batch_gradients, make_optimizer
 from crowdtrain.averaging.exact import new_partial_counter
@@ -31,7 +32,6 @@ from crowdtrain.averaging.progress_bounds import (
 )
 from crowdtrain.averaging.state_download import epoch_ceiling
 from crowdtrain.manifest import demo
-from crowdtrain.testing.processes import await_condition
 from tests.harness import shut_down
 
 TARGET = 32

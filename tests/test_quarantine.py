@@ -11,6 +11,8 @@ import pytest
 import torch
 from hivemind.utils import MPFuture
 from hivemind.utils.crypto import RSAPrivateKey
+from lab.diloco import loopback_dhts
+from lab.processes import await_condition
 from rich.console import Console
 
 from crowdtrain import proto
@@ -19,8 +21,6 @@ from crowdtrain.averaging.traffic import AggregationSettings, TrafficCountingAve
 from crowdtrain.cli.status import render, summarize
 from crowdtrain.dht.records import RecordError, decode_peer_status, owner_marker, peer_id_of_owner
 from crowdtrain.modes.progress import Progress
-from crowdtrain.testing.diloco import loopback_dhts
-from crowdtrain.testing.processes import await_condition
 from tests.harness import shut_down
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from lab.diloco import loopback_dhts
 
 from crowdtrain.averaging.robust import (
     NORM_LIMIT,
@@ -19,7 +20,6 @@ from crowdtrain.averaging.robust import (
     trimmed_mean,
 )
 from crowdtrain.averaging.traffic import AggregationSettings, TrafficCountingAverager
-from crowdtrain.testing.diloco import loopback_dhts
 from tests.harness import shut_down
 
 HONEST = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.2, 1.8, 3.1]), torch.tensor([0.8, 2.2, 2.9])]

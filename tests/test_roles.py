@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lab.processes import await_condition
+from lab.swarm import status_json
 
-from crowdtrain.testing.processes import await_condition
-from crowdtrain.testing.swarm import status_json
 from tests.harness import start_daemon
 from tests.test_training import RUN_FILE, TRAIN_ENV, await_epoch, peers_by_id
 

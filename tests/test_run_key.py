@@ -9,6 +9,8 @@ from pathlib import Path
 import hivemind
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
+from lab.processes import await_condition
+from lab.swarm import crowdtrain
 
 from crowdtrain.dht.records import owner_marker, sign_manifest
 from crowdtrain.dht.registry import list_runs, publish_manifest
@@ -16,8 +18,6 @@ from crowdtrain.dht.validator import make_validators
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import demo
 from crowdtrain.node.membership import pin_founder
-from crowdtrain.testing.processes import await_condition
-from crowdtrain.testing.swarm import crowdtrain
 from tests.harness import start_daemon
 from tests.test_cli_errors import assert_plain_failure
 

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from lab.diloco import cpu_compute
+from lab.fixtures import tiny_run_file
+from lab.processes import await_condition
 
 from crowdtrain import proto
 from crowdtrain.averaging.exact import new_partial_counter
@@ -35,9 +38,6 @@ from crowdtrain.modes.skippipe.schedule import Schedule
 from crowdtrain.modes.skippipe.stages import Activations, StagedModel
 from crowdtrain.node.identity import load_or_create_identity
 from crowdtrain.optimizer import learning_rate_factor
-from crowdtrain.testing.diloco import cpu_compute
-from crowdtrain.testing.fixtures import tiny_run_file
-from crowdtrain.testing.processes import await_condition
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 

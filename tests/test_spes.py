@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import hivemind
 import pytest
 import torch
+from lab.diloco import loopback_dhts, spes_peer, spes_peers
+from lab.processes import await_condition
 
 from crowdtrain import proto
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, SPESSpec, spes_demo
@@ -31,8 +33,6 @@ from crowdtrain.modes.spes.expert_exchange import (
 )
 from crowdtrain.modes.spes.mode import SPESMode
 from crowdtrain.modes.spes.owned_experts import unit_experts
-from crowdtrain.testing.diloco import loopback_dhts, spes_peer, spes_peers
-from crowdtrain.testing.processes import await_condition
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 

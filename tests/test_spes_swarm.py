@@ -13,9 +13,9 @@ import signal
 from pathlib import Path
 
 import pytest
+from lab.processes import await_condition
+from lab.swarm import Daemon
 
-from crowdtrain.testing.processes import await_condition
-from crowdtrain.testing.swarm import Daemon
 from tests.harness import start_daemon
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]

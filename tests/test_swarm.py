@@ -8,10 +8,10 @@ import signal
 from pathlib import Path
 
 import pytest
+from lab.processes import await_condition
+from lab.procfs import children, command_line, session_alive
+from lab.swarm import peer_ids, status_json
 
-from crowdtrain.testing.processes import await_condition
-from crowdtrain.testing.procfs import children, command_line, session_alive
-from crowdtrain.testing.swarm import peer_ids, status_json
 from tests.harness import start_daemon
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 import torch
+from lab.fixtures import tiny_run_file
+from lab.processes import await_condition
+from lab.procfs import session_alive
+from lab.swarm import Daemon, status_json
 
-from crowdtrain.testing.fixtures import tiny_run_file
-from crowdtrain.testing.processes import await_condition
-from crowdtrain.testing.procfs import session_alive
-from crowdtrain.testing.swarm import Daemon, status_json
 from tests.harness import start_daemon
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]

@@ -8,8 +8,7 @@ import subprocess
 import sys
 
 import pytest
-
-from crowdtrain.testing.wanlab import PREFIX, Host, HostSpec, Lab, Scenario, cleanup
+from lab.wanlab import PREFIX, Host, HostSpec, Lab, Scenario, cleanup
 
 pytestmark = [
     pytest.mark.swarm,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from crowdtrain.testing.processes import HarnessError, ProcessGroups, await_condition, child_env, log_tail
+from lab.processes import HarnessError, ProcessGroups, await_condition, child_env, log_tail
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 START_TIMEOUT_S = 120.0

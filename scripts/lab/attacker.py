@@ -6,21 +6,22 @@ so the parts it sends into every all-reduce are poisoned while its loss looks no
 only: as the reducer of its share of the vector it averages the others' parts honestly (a malicious reducer
 is a different attack, not defended by robust aggregation).
 
-Used as the launcher of a daemon (`crowdtrain.testing.swarm.start_daemon(..., launcher=attacker_launcher())`):
+Used as the launcher of a daemon (`lab.swarm.start_daemon(..., launcher=attacker_launcher())`), which runs,
+with scripts/ on the child's path (`lab.processes.lab_module`):
 
-    python -m crowdtrain.testing.attacker --gradients scaled --scale 1e6 -- python -m crowdtrain run ...
+    python -m lab.attacker --gradients scaled --scale 1e6 -- python -m crowdtrain run ...
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from crowdtrain.testing.swarm import CROWDTRAIN
+from lab.processes import lab_module
+from lab.swarm import CROWDTRAIN
 
 KINDS = ("scaled", "nan")
 
@@ -29,7 +30,7 @@ def attacker_launcher(kind: str, scale: float = 1e6) -> list[str]:
     """The launcher that starts a daemon as this module's attacker."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    return [sys.executable, "-m", "crowdtrain.testing.attacker", "--gradients", kind, "--scale", f"{scale:g}", "--"]
+    return [*lab_module("attacker"), "--gradients", kind, "--scale", f"{scale:g}", "--"]
 
 
 def poisoning(build: Callable[..., torch.nn.Module], kind: str, scale: float) -> Callable[..., torch.nn.Module]:

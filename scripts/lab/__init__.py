@@ -7,7 +7,10 @@ wanlab     hosts as network namespaces behind one bridge, each with its own uplo
 fixtures   the tiny model and data tables of a run file, so a global step takes seconds on two shared cores
 diloco     real DiLoCoModes in one process over loopback DHTs, for the outer-step tests and the wire benchmark
 attacker   a `crowdtrain run` daemon whose gradients are poisoned (scaled or NaN), for the trust benchmark
-bench      benchmarks only: memory and CPU peaks, progress rates, tables, environment, JSON, plots, main()
+look_ahead SkipPipe's overlapped exchange in one process: the reference of the pipeline test and its benchmark
 
-May import every other package; nothing in crowdtrain imports `testing`.
+Not part of the installed package: it lives in scripts/, which pytest's `pythonpath` (pyproject.toml) and
+`python scripts/<benchmark>.py` put on the path. A child that runs a module of it goes through
+`processes.lab_module`, which puts scripts/ on the child's path. It may import all of crowdtrain; nothing in
+crowdtrain imports `lab`. The benchmarks' own plumbing is scripts/benchlib.py.
 """

@@ -17,8 +17,8 @@ Each host is a namespace `ctlab<id>-<name><i>` with one veth into a bridge in th
 an address in 10.<lab>.0.0/24 (only our own namespaces; nothing is routed anywhere else). Caps are
 token-bucket (`tbf`) qdiscs: upload on the host's end of the veth, download on the bridge's end
 (`netem` doesn't exist on these machines, so links add no latency). `Lab` is a context manager that
-tears everything down on exit, on error and on Ctrl-C; `python -m crowdtrain.testing.wanlab --cleanup` removes
-leftovers of a lab that was SIGKILLed. Run as root.
+tears everything down on exit, on error and on Ctrl-C; `PYTHONPATH=scripts python -m lab.wanlab --cleanup` (from
+the repository's root) removes leftovers of a lab that was SIGKILLed. Run as root.
 
 A host with `nat = true` sits behind its own home router, as a volunteer's machine does: the router is a second
 namespace (`<host>-nat`) holding the bridge address and the caps, the host has 192.168.<i>.2 behind it with the
@@ -233,7 +233,7 @@ def _raise_keyboard_interrupt(*_: object) -> None:
 
 
 def main() -> None:
-    """`python -m crowdtrain.testing.wanlab`: create a lab from a scenario file and run a command in every host."""
+    """`PYTHONPATH=scripts python -m lab.wanlab`: create a lab from a scenario file and run a command in every host."""
     parser = argparse.ArgumentParser(description="Create a WAN lab and run a command in every host.")
     parser.add_argument("scenario", nargs="?", type=Path, help="scenario TOML file")
     parser.add_argument("--cleanup", action="store_true", help="remove leftovers of killed labs and exit")

@@ -14,9 +14,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from crowdtrain.testing.procfs import session_members
+from lab.procfs import session_members
 
 T = TypeVar("T")
+
+SCRIPTS = Path(__file__).resolve().parent.parent
+"""scripts/, the folder holding `lab`: pytest (its `pythonpath`) and `python scripts/<benchmark>.py` put it on the
+parent's path, but a child started with `python -m` gets neither."""
+_RUN_MODULE = (
+    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+    "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)"
+)
 
 POLL_S = 0.2
 """How often a wait looks again."""
@@ -83,6 +91,13 @@ def child_env(**settings: str) -> dict[str, str]:
     """This environment without any CROWDTRAIN_* the user set, plus `settings`: runs are reproducible."""
     base = {name: value for name, value in os.environ.items() if not name.startswith("CROWDTRAIN_")}
     return {**base, **settings}
+
+
+def lab_module(module: str) -> list[str]:
+    """The command that runs `python -m lab.<module>` in a child, which finds `lab` whatever its environment,
+    working directory or launcher (e.g. `ip netns exec`): scripts/ goes first on the child's path.
+    Arguments follow the returned command as they would follow `python -m lab.<module>`."""
+    return [sys.executable, "-c", _RUN_MODULE, str(SCRIPTS), f"lab.{module}"]
 
 
 def log_tail(path: Path, num_lines: int = 15) -> str:
