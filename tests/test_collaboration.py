@@ -31,6 +31,7 @@ from crowdtrain.averaging.collaboration import (
     chunk_timeout_s,
     clear_micro_batch_gradients,
     discard_local_gradients,
+    join_request_timeout_s,
     make_optimizer,
     reuses_grad_buffers,
 )
@@ -330,6 +331,14 @@ def test_a_late_part_is_awaited_for_half_the_round() -> None:
     # micro-batch of an 85M model was banned, and both peers' rounds came back half un-averaged.
     assert chunk_timeout_s(AveragingSpec(matchmaking_time_s=5.0, timeout_s=20.0)) == 10.0
     assert chunk_timeout_s(AveragingSpec(matchmaking_time_s=5.0, timeout_s=6.0)) == 5.0
+
+
+def test_a_peer_waits_for_a_leaders_answer_well_within_the_matchmaking_time() -> None:
+    # At or above the matchmaking time, two peers that asked each other to lead at once broke hivemind's deadlock
+    # only after both declarations expired, asked each other again, and found no group for a whole round.
+    assert join_request_timeout_s(AveragingSpec(matchmaking_time_s=2.0)) == 1.0
+    assert join_request_timeout_s(AveragingSpec(matchmaking_time_s=5.0)) == 2.5
+    assert join_request_timeout_s(AveragingSpec(matchmaking_time_s=30.0)) == 3.0, "hivemind's default, at most"
 
 
 class FailingAverager(PlanSharesMixin):

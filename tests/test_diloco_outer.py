@@ -422,6 +422,9 @@ def test_peers_whose_global_parameters_differ_after_an_averaged_round_resync_to_
     takes a state (corroborated), the other keeps its own."""
     start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
     with diloco_peers(manifest(2, "none"), 2, [start]) as modes:
+        for mode in modes:  # below the matchmaking time: hivemind's matchmaking deadlocks otherwise
+            kwargs = mode.averager.matchmaking_kwargs
+            assert kwargs["request_timeout"] < kwargs["min_matchmaking_time"]
         run_one_outer_round(modes, start, [torch.ones(3, 4), torch.ones(3, 4)], [8, 8])
         assert not any(mode._resync for mode in modes), "peers in step hold the same bits"
         lower, higher = sorted(modes, key=lambda mode: _tiebreak(mode.context.peer_id))

@@ -92,7 +92,7 @@ def test_a_gradients_or_parameters_run_steps_the_runs_optimizer_clipping_and_sch
     import hivemind
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from crowdtrain.averaging.collaboration import make_optimizer
+    from crowdtrain.averaging.collaboration import join_request_timeout_s, make_optimizer
     from crowdtrain.averaging.exact import new_partial_counter
 
     spec = dataclasses.replace(SPEC, max_grad_norm=1e-3)
@@ -111,6 +111,10 @@ def test_a_gradients_or_parameters_run_steps_the_runs_optimizer_clipping_and_sch
         use_local_updates=use_local_updates,
     )
     try:
+        averagers = [optimizer.state_averager] + ([optimizer.grad_averager] if optimizer.grad_averager else [])
+        for averager in averagers:  # below the matchmaking time: hivemind's matchmaking deadlocks otherwise
+            kwargs = averager.matchmaking_kwargs
+            assert kwargs["request_timeout"] == join_request_timeout_s(run.averaging) < kwargs["min_matchmaking_time"]
         inner = optimizer.state_averager.optimizer
         assert type(inner) is torch.optim.SGD
         assert inner.param_groups[0]["lr"] == pytest.approx(spec.learning_rate * learning_rate_factor(0, spec))

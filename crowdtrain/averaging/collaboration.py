@@ -62,6 +62,7 @@ LOAD_STATE_TIMEOUT_S = 120.0
 STATE_AVERAGING_EVERY_EPOCHS = 5
 PROGRESS_REFRESH_TIMEOUT_S = 2.0
 """How long a step waits for a fresh reading of the swarm's progress before it would average alone."""
+HIVEMIND_REQUEST_TIMEOUT_S = 3.0  # DecentralizedAverager's default wait for a potential leader's answer
 
 
 class PlannedStateAverager(
@@ -417,7 +418,12 @@ def make_optimizer(
         raise ValueError("only a reachable peer that averages gradients can be an auxiliary aggregator")
     averaging = manifest.averaging
     compression = _compression(averaging)
-    averager_opts = {"target_group_size": averaging.group_size, "initial_group_bits": group_bits}
+    request_timeout = join_request_timeout_s(averaging)
+    averager_opts = {
+        "target_group_size": averaging.group_size,
+        "initial_group_bits": group_bits,
+        "request_timeout": request_timeout,
+    }
     # No peer's claimed weight (its samples) counts for more than the global batch (averaging/robust.py).
     aggregation = AggregationSettings(rule=averaging.aggregation, max_weight=float(manifest.target_batch_size))
     extra: dict[str, Any] = {}
@@ -468,7 +474,9 @@ def make_optimizer(
             # to zero, and the next step divides by ~eps and blows the weights up.
             state_averaging_compression=compression if use_local_updates else NoCompression(),
             load_state_compression=NoCompression(),
-            averager_opts=averager_opts if use_local_updates else {"target_group_size": averaging.group_size},
+            averager_opts=averager_opts
+            if use_local_updates
+            else {"target_group_size": averaging.group_size, "request_timeout": request_timeout},
             tracker_opts={"private_key": private_key},
             verbose=False,
             **extra,
@@ -571,6 +579,18 @@ def refresh_groups(averager: Any, own_peer_id: str, peer_ids: Iterable[str], ave
     averager.set_group_bits(wanted)
     logger.info(f"swarm size changed: Moshpit group key {current or '(one group)'} -> {wanted or '(one group)'}")
     return True
+
+
+def join_request_timeout_s(averaging: AveragingSpec) -> float:
+    """How long a peer looking for a group waits for a potential leader's answer: at most hivemind's default,
+    and always well below the matchmaking time.
+
+    Symptom worked around: hivemind's matchmaking deadlocks when two peers ask each other to lead at once; only
+    this timeout breaks it. With a timeout at or above the matchmaking time (hivemind's 3 s against a 2 s
+    matchmaking time), each break came after both declarations expired, the two asked each other again, and a
+    round of two peers on loopback found no group for its whole 20 s.
+    """
+    return min(HIVEMIND_REQUEST_TIMEOUT_S, averaging.matchmaking_time_s / 2)
 
 
 def chunk_timeout_s(averaging: AveragingSpec) -> float:

@@ -59,6 +59,7 @@ from hivemind.averaging.control import StepControl
 from crowdtrain.averaging.collaboration import (
     LOAD_STATE_TIMEOUT_S,
     chunk_timeout_s,
+    join_request_timeout_s,
     keep_sigint_handler,
     moshpit_bits,
     refresh_groups,
@@ -182,6 +183,7 @@ class DiLoCoMode(TrainingMode):
                     context.peer_id, [status.peer_id for status in context.swarm.statuses], averaging
                 ),
                 min_matchmaking_time=averaging.matchmaking_time_s,
+                request_timeout=join_request_timeout_s(averaging),
                 allreduce_timeout=averaging.timeout_s,
                 next_chunk_timeout=chunk_timeout_s(averaging),
                 compression=compression_for(self.spec.compression),
