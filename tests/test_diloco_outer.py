@@ -25,14 +25,14 @@ from crowdtrain import proto
 from crowdtrain.averaging.error_feedback import keep_top_k_
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, demo
 from crowdtrain.modes.diloco import pseudo_gradients
-from crowdtrain.modes.diloco.mode import (
+from crowdtrain.modes.diloco.joining import (
     MAX_RESYNC_TRIES,
     RESYNC_RETRY_S,
     START_DIGEST_BYTES,
-    DiLoCoMode,
     _gathered_digest,
     _tiebreak,
 )
+from crowdtrain.modes.diloco.mode import DiLoCoMode
 from crowdtrain.modes.progress import Progress
 from crowdtrain.training.checkpoint import load_checkpoint, write_checkpoint
 
@@ -366,7 +366,7 @@ def test_a_round_in_flight_the_swarm_has_moved_two_rounds_past_is_given_up_not_w
         assert behind._in_flight is not None and behind._in_flight.round == 0
         ahead.tracker.report_local_progress(2, 8)  # the other trains in round 2: round 1's all-reduce has begun
         await_condition(lambda: behind.tracker.global_epoch == 2, 30, "the swarm to be seen at round 2")
-        with caplog.at_level("WARNING", logger="crowdtrain.modes.diloco.mode"):
+        with caplog.at_level("WARNING", logger="crowdtrain.modes.diloco.overlap"):
             behind._finish_round_in_flight(wait=True)
         assert "outer round 0 found no group before the swarm moved on to round 2" in caplog.text
         assert behind.round == 1 and behind.num_local_rounds == 1 and behind.diverged, "unaveraged: take a state"
@@ -406,7 +406,7 @@ def test_a_joiner_that_gets_no_state_keeps_the_initial_weights_out_of_the_swarms
         ahead.tracker.report_local_progress(3, 8)
         await_condition(lambda: joiner.tracker.global_epoch == 3, 30, "the swarm to be seen at round 3")
         joiner.averager.load_state_from_peers = lambda **kwargs: None  # type: ignore[method-assign]  # refused
-        with caplog.at_level("WARNING", logger="crowdtrain.modes.diloco.mode"):
+        with caplog.at_level("WARNING", logger="crowdtrain.modes.diloco.joining"):
             assert not joiner._load_state_from_peers()
         assert "waits for the swarm's state of outer round 3" in caplog.text
         assert joiner.round == 0 and joiner._left_behind(), "it ends no round with the initial weights"

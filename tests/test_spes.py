@@ -21,7 +21,7 @@ from lab.processes import await_condition
 from crowdtrain import proto
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, SPESSpec, spes_demo
 from crowdtrain.modes.base import SwarmView
-from crowdtrain.modes.diloco.mode import START_DIGEST_BYTES, _tiebreak
+from crowdtrain.modes.diloco.joining import START_DIGEST_BYTES, _tiebreak
 from crowdtrain.modes.progress import Progress
 from crowdtrain.modes.spes.expert_exchange import (
     ExpertExchange,

@@ -43,21 +43,17 @@ weight is the samples of that round, the same share of each peer's span as its r
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 import math
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from hivemind.averaging.control import StepControl
 
 from crowdtrain.averaging.collaboration import (
-    LOAD_STATE_TIMEOUT_S,
     chunk_timeout_s,
     join_request_timeout_s,
     keep_sigint_handler,
@@ -76,51 +72,16 @@ from crowdtrain.manifest import DiLoCoSpec
 from crowdtrain.modes.base import ModeContext, SwarmView, TrainingMode
 from crowdtrain.modes.diloco.adaptive_h import agreed_round_batches, proposed_round_batches
 from crowdtrain.modes.diloco.fragments import Fragments
+from crowdtrain.modes.diloco.joining import RoundSync
+from crowdtrain.modes.diloco.overlap import OverlappedRounds, _RoundInFlight
 from crowdtrain.modes.diloco.pseudo_gradients import MAX_GATHERED, OuterState, PseudoGradientAverager, gathered_round
 from crowdtrain.modes.progress import Progress
 from crowdtrain.optimizer import build_optimizer, set_scheduled_learning_rate
 
 logger = logging.getLogger(__name__)
 
-SYNC_RETRY_S = 10.0
-"""After a state download, the next one waits this long: a swarm whose progress records claim a later round
-than any donor serves (a peer lying about its progress) must not make every micro-batch a download."""
-CATCH_UP_RETRY_S = 1.0
-"""After a download that came back one or two rounds behind the swarm (its donor's last round still in flight, with
-overlap), the next download waits only this long; until a donor serves the swarm's round (at most the averaging
-timeout) the node starts no outer round of its own. Before, it ended a round at once (the swarm's progress was
-ahead) and averaged round r while the others averaged r + 1: every group mixed rounds and was not applied, and the
-swarm trained alone for a minute (CI logs of test_diloco)."""
-MAX_CATCH_UP_TRIES = 4
-"""Quick downloads per wait at most: each is a whole state, and a dead peer's last progress record can claim a round
-nobody serves."""
-RESYNC_RETRY_S = 1.0
-"""After a resync (`_check_lineage`) found no state, the next try waits only this long. The peer ranked above applies
-the round's outer step at its next micro-batch and declares the round after it: the first try, at once, often comes
-before that and finds no donor ranked above. Waiting SYNC_RETRY_S instead left a CI run's two peers apart for eight
-rounds, each averaged Δ landing on θ₀ it was not computed from, and one peer's loss climbed from 2.4 to 4.9."""
-MAX_RESYNC_TRIES = 5
-"""Quick resync tries per averaged round that showed the difference; then, as before, the next averaged round decides
-(a peer lying about its digest must not make an honest one download a state every second)."""
 
-
-@dataclass(slots=True)
-class _RoundInFlight:
-    """An outer round whose all-reduce runs in the background (`overlap`)."""
-
-    control: StepControl
-    round: int
-    """The round it averages (the applied round then, `DiLoCoMode.round`)."""
-    pseudo_gradients: list[torch.Tensor]
-    """Δ = θ₀ − θ_end of the round's fragment's tensors, this peer's own, as it was at the round's end (float32, on
-    the parameters' devices)."""
-    kept: list[Kept] | None
-    """top-k: what was sent of each tensor (its residual is committed once the round is averaged)."""
-    started: float
-    """time.monotonic() when its all-reduce started."""
-
-
-class DiLoCoMode(TrainingMode):
+class DiLoCoMode(RoundSync, OverlappedRounds, TrainingMode):
     """DiLoCo behind the training-mode seam (see the module's doc)."""
 
     name = "diloco"
@@ -367,61 +328,6 @@ class DiLoCoMode(TrainingMode):
         logger.info(f"outer round {self.round}: {'averaged with the swarm' if averaged else 'alone'}, "
                     f"{self.inner_steps} inner steps so far")  # fmt: skip
 
-    def _start_round_in_flight(self, kept: list[Kept] | None) -> None:
-        """Start the round's all-reduce in the background; the next round's inner steps begin now."""
-        timeout = self.context.manifest.averaging.timeout_s
-        with torch.no_grad():
-            pseudo_gradients = list(self._pseudo_gradients(on_cpu=False))
-        started = time.monotonic()
-        control = self.averager.step(weight=float(self.samples), gather=self._gather(), timeout=timeout, wait=False)
-        self._in_flight = _RoundInFlight(control, self.round, pseudo_gradients, kept, started)
-        self.samples = 0
-        self._begin_round()
-        self.tracker.update_epoch(self.round + 1)
-
-    def _finish_round_in_flight(self, wait: bool = False) -> None:
-        """Apply the outer step of the round in flight, with its average or, when it failed, this peer's own Δ;
-        then move the replica by what the step moved the round's end point. `wait`: block until the round is
-        done (at most the averaging timeout), else it must be done already."""
-        flight = self._in_flight
-        assert flight is not None, "no round in flight"
-        timeout = self.context.manifest.averaging.timeout_s
-        gathered: dict[Any, Any] | None = None
-        passed = functools.partial(self._passed_by_the_swarm, flight.round)
-        if (
-            wait
-            and not flight.control.done()
-            and not wait_for_round(flight.control, self.context.phases, timeout, passed)
-        ):
-            logger.warning(f"outer round {flight.round} found no group before the swarm moved on to round "
-                           f"{self.tracker.global_epoch}: not averaged")  # fmt: skip
-        else:
-            gathered = self._round_gathered(flight.control, flight.round, timeout)
-        averaged = gathered is not None
-        if gathered is not None:
-            self._note_round(gathered, time.monotonic() - flight.started)
-        self._in_flight = None
-        with self.tracker.pause_updates(), torch.no_grad():
-            if averaged and flight.kept is not None:
-                assert self.feedback is not None, "only top-k keeps something back"
-                self.feedback.commit(iter(flight.pseudo_gradients), flight.kept)
-            if not averaged:
-                with self.averager.get_tensors() as buffers:
-                    own = (delta.cpu() for delta in flight.pseudo_gradients)
-                    self.fragments.write(buffers, self.round_fragment, own)
-                    if self.feedback is not None:
-                        self.feedback.flush_(buffers)
-                self.num_local_rounds += 1
-                self.diverged = True  # the others stepped without this peer: take their state next
-            starts = [self.global_parameters[index] for index in self.fragment_members]
-            ends = [start - delta for start, delta in zip(starts, flight.pseudo_gradients, strict=True)]
-            with self.context.phases.measure(Phase.OPTIMIZER_STEP):
-                self._outer_step(ends)
-        self.averager.state_sharing_priority = self._priority()
-        # numbered as without overlap: the round the outer step made (the epoch status shows)
-        logger.info(f"outer round {self.round}: {'averaged with the swarm' if averaged else 'alone'} "
-                    f"in the background, {self.inner_steps} inner steps so far")  # fmt: skip
-
     def _write_pseudo_gradient(self, flush_residuals: bool = False) -> None:
         """θ₀ − θ into the averager's buffers; with `flush_residuals` (top-k only), plus the residuals, emptied."""
         with torch.no_grad(), self.averager.get_tensors() as buffers:
@@ -502,30 +408,6 @@ class DiLoCoMode(TrainingMode):
         round's θ₀ (`_check_lineage`)."""
         return [self.round, self._proposal if self.adaptive else None, self._start_digest()]
 
-    def _start_digest(self) -> bytes:
-        """A digest of the round's θ₀, the global parameters: peers in step hold the same bits."""
-        digest = hashlib.blake2b(digest_size=START_DIGEST_BYTES)
-        with self._lock, torch.no_grad():
-            for start in self.global_parameters:
-                digest.update(start.detach().cpu().contiguous().numpy().tobytes())
-        return digest.digest()
-
-    def _check_lineage(self) -> None:
-        """After an averaged round: when this peer's θ₀ differed from that of a member ranked above it, take a state
-        next (`_resync`). Two peers that each stepped a round alone in the same round (neither saw the other yet)
-        averaged every round after and applied the same Δ to different θ₀: their states never agreed again, and a
-        joiner could never corroborate either one (a CI log of test_diloco: 36 rounds of refusals)."""
-        digests = {peer: _gathered_digest(value) for peer, value in self.round_gathered.items()}
-        mine = digests.get(self.context.peer_id)
-        if mine is None:
-            return
-        rank = _tiebreak(self.context.peer_id)
-        above = [peer for peer, digest in digests.items() if digest not in (None, mine) and _tiebreak(peer) > rank]
-        if above:
-            logger.warning(f"this node's global parameters differ from those of {len(above)} peer(s) of its last "
-                           "averaged round ranked above it (each stepped a round apart): it takes a state")  # fmt: skip
-            self._resync, self._resync_tries = True, 0
-
     def _note_round(self, gathered: dict[Any, Any], allreduce_s: float) -> None:
         """After an averaged round: its group (`round_group`), the H the group agreed on (from the next round on)
         and this peer's next proposal, from the round's measured all-reduce time and its inner steps' seconds per
@@ -580,25 +462,6 @@ class DiLoCoMode(TrainingMode):
                 start.grad = None
             self.round += 1
 
-    def _passed_by_the_swarm(self, round_: int) -> bool:
-        """Whether a peer of the swarm trains two rounds past `round_`: it has started averaging round_ + 1, and with
-        at most one round in flight per peer, every group of round_ has closed (groups are keyed by round,
-        RoundKeyManager). A liar's claim counts until a download finds no state that backs it
-        (`_load_state_from_peers`)."""
-        return self.tracker.global_epoch >= round_ + 2
-
-    def _left_behind(self) -> bool:
-        """Whether the swarm has passed the round this node trains in (`_passed_by_the_swarm`): then ending it would
-        average with nobody, and counting rounds up alone would bring this node to the swarm's round with a θ₀ that
-        is not the swarm's. It trains on in its round instead, and takes the swarm's state at its next download
-        (or, if none comes, joins the swarm's round with its own: `_load_state_from_peers`)."""
-        left_behind = self._passed_by_the_swarm(self.training_round)
-        if left_behind and not self._said_left_behind:
-            logger.warning(f"the swarm is at outer round {self.tracker.global_epoch}, this node at "
-                           f"{self.training_round}: it trains on until it takes the swarm's state")  # fmt: skip
-        self._said_left_behind = left_behind
-        return left_behind
-
     def _swarm_inner_step(self) -> int:
         """The swarm's inner step, counted in global batches over all rounds: the learning-rate schedule's step."""
         return self.training_round * self.batches_per_round + min(
@@ -609,132 +472,7 @@ class DiLoCoMode(TrainingMode):
     def _set_inner_learning_rate(self) -> None:
         set_scheduled_learning_rate(self.inner_optimizer, self.context.manifest.optimizer, self._swarm_inner_step())
 
-    # joining
-
-    def _catching_up(self) -> bool:
-        """Whether this node waits to take the swarm's round (see CATCH_UP_RETRY_S) instead of ending one alone."""
-        return time.monotonic() < self._catching_up_until and self.tracker.global_epoch > self.training_round
-
-    def _behind_the_swarm(self) -> bool:
-        if time.monotonic() < self._sync_not_before:
-            return False
-        if (self.diverged or self._resync) and self.tracker.global_progress.num_peers > 1:
-            return True
-        behind = self.tracker.global_epoch - self.training_round
-        if behind == 1 and self.samples > 0 and not self._catching_up():
-            # With overlap the others' epoch moves on as soon as they end a round, before its all-reduce: a node that
-            # trained in that round and notices its end a micro-batch later (a slow step, a held-out score) ends it
-            # too and joins the all-reduce; taking a state instead cost it minutes on a home link (the WAN lab).
-            return False
-        return behind > 0
-
-    def _priority(self) -> float:
-        """What this peer declares as a state donor: its round, then a tiebreak every peer computes alike, so peers
-        whose round failed together all take the same one's state (each asks only donors ranked above itself).
-        A peer others can't dial serves no state, and hivemind refuses any priority but 0 on its averager."""
-        return 0.0 if self.context.client_mode else self._rank()
-
-    def _rank(self) -> float:
-        """This peer's place among donors, client or not: its round, then the tiebreak."""
-        return self.round + _tiebreak(self.context.peer_id)
-
-    def _load_state_from_peers(self) -> bool:
-        """Take the swarm's global parameters, outer momentum and round; inner optimizer state stays this peer's.
-        Only a state at least as new as this peer's round, from a donor ranked above it, is taken. False when
-        no donor had one."""
-        self._sync_not_before = time.monotonic() + (CATCH_UP_RETRY_S if self._catching_up() else SYNC_RETRY_S)
-        if self._in_flight is not None:  # applied first, so that a failed download leaves a consistent state
-            self._finish_round_in_flight(wait=True)
-        claimed_at_start = self.tracker.global_epoch
-        resyncing = self._resync and not self.diverged
-        self._resync = False  # asked again after the next averaged round, if its θ₀ still differs
-        with self.context.phases.measure(Phase.STATE_DOWNLOAD):
-            loaded = self.averager.load_state_from_peers(
-                timeout=LOAD_STATE_TIMEOUT_S,
-                above_priority=self._rank() if self.round > 0 else None,
-                # After a round this peer stepped alone, others may have too: their states differ honestly at one
-                # round, and asking them to corroborate would leave every such peer refusing every other's state.
-                corroborate=not self.diverged,
-            )
-        if loaded is None:
-            self.diverged = False  # nobody to take a state from: go on with this one
-            if resyncing and self._resync_tries < MAX_RESYNC_TRIES:
-                # the peer ranked above may not have declared the round yet (RESYNC_RETRY_S)
-                self._resync, self._resync_tries = True, self._resync_tries + 1
-                self._sync_not_before = time.monotonic() + RESYNC_RETRY_S
-            if self._passed_by_the_swarm(self.round):
-                self._left_without_state()
-            return False
-        metadata, tensors = loaded
-        count = len(self.global_parameters)
-        with self._lock, torch.no_grad():
-            for start, parameter, value in zip(self.global_parameters, self.parameters, tensors[:count], strict=True):
-                start.copy_(value)
-                parameter.copy_(value)
-            for start, momentum in zip(self.global_parameters, tensors[count:], strict=True):
-                self.outer_optimizer.state[start]["momentum_buffer"] = momentum.to(start.device, copy=True)
-            self.round = int(metadata["epoch"])
-            if self.feedback is not None:
-                self.feedback.reset()  # kept back from the trajectory this peer leaves for the swarm's
-        self._take_round_batches(metadata.get("inner_steps"))
-        self._enter_round(self.round)
-        self.diverged = False
-        logger.info(f"took the swarm's state of outer round {self.round}")
-        # The swarm's newest state still short of the round some peer claims: the claim is not backed, and rounds
-        # more than one past this node's are ignored for a while (averaging/progress_bounds.py); else a liar's round
-        # would hold every node `_left_behind`. An honest donor's newest round may still be in flight (it serves
-        # the one before), so the state counts as one round later than it is.
-        self.tracker.distrust_unbacked_epochs(self.round + 1, self.round + 1, claimed_at_start=claimed_at_start)
-        self._note_catch_up()
-        return True
-
-    def _left_without_state(self) -> None:
-        """The swarm passed this node's round and no peer's state came."""
-        if self.round == 0:
-            # Still at round 0, this node holds the run's initial weights. Joining the swarm's round with them would
-            # average a fresh model's pseudo-gradients into the swarm's, and every averaged Δ after would land on θ₀
-            # that is not the swarm's (a CI log: a joiner whose two donors differed for one round, each refused
-            # uncorroborated). It keeps asking, every SYNC_RETRY_S, and ends no round meanwhile.
-            if not self._said_waiting_for_state:
-                logger.warning(f"no peer's state came; this node holds the run's initial weights and waits for the "
-                               f"swarm's state of outer round {self.tracker.global_epoch}")  # fmt: skip
-            self._said_waiting_for_state = True
-            return
-        # Left behind (on a home link a whole state can take longer than the download's timeout while the swarm
-        # trains): join the swarm's round with this node's own θ₀, of the swarm's lineage, rather than wait for a
-        # download that may never fit, as a node that counted its rounds up alone did before.
-        logger.warning(f"no peer's state came; this node joins the swarm's outer round {self.tracker.global_epoch} "
-                       "with its own")  # fmt: skip
-        self._enter_round(self.tracker.global_epoch)
-
-    def _enter_round(self, outer_round: int) -> None:
-        """Make `outer_round` this node's round from its start: no samples of it yet, the progress tracker at it,
-        and the state this node serves ranked by it."""
-        with self.tracker.pause_updates():
-            self.round, self.samples = outer_round, 0
-            self.tracker.update_epoch(outer_round)
-        self.averager.state_sharing_priority = self._priority()
-
-    def _note_catch_up(self) -> None:
-        """After a download: wait for the donors' next round when the swarm's all-reduce of this one already runs
-        without this node (see CATCH_UP_RETRY_S); once a download shows they moved on, end the round at once, so
-        that this node joins the matchmaking of their newest round, which has just begun."""
-        now = time.monotonic()
-        # one round behind (the donor's round in flight), or two (the donor served before it applied one)
-        behind = self.round < self.tracker.global_epoch <= self.round + 2
-        waiting = now < self._catching_up_until and self._catch_up_round is not None
-        if behind and not waiting:  # the first such download: wait, at most the averaging timeout
-            self._catch_up_round, self._catch_up_tries = self.round, 0
-            self._catching_up_until = now + self.context.manifest.averaging.timeout_s
-            self._sync_not_before = now + CATCH_UP_RETRY_S
-        elif behind and self._catch_up_round is not None and self.round <= self._catch_up_round:
-            self._catch_up_tries += 1  # the donors have not moved on yet (or a dead peer's record claims more)
-            if self._catch_up_tries < MAX_CATCH_UP_TRIES:
-                self._sync_not_before = now + CATCH_UP_RETRY_S
-            else:  # a whole state per try: give up waiting, as before
-                self._catch_up_round, self._catching_up_until = None, 0.0
-        else:  # caught up, or the donors just moved on: their newest round's matchmaking is open
-            self._catch_up_round, self._catching_up_until = None, 0.0
+    # the state this peer serves
 
     def _outer_state(self) -> OuterState:
         with self._lock:
@@ -750,20 +488,6 @@ class DiLoCoMode(TrainingMode):
         specs = parameter_specs(self.global_parameters) * 2  # the global parameters, then their outer momenta
         ceiling = epoch_ceiling(self.context.manifest.created_at, time.time())
         return StateTemplate(tuple(specs), ceiling, epoch_floor=self.round)
-
-
-START_DIGEST_BYTES = 16
-
-
-def _tiebreak(peer_id: str) -> float:
-    """In [0, 0.5): ranks peers of one round alike on every peer (`_priority`)."""
-    return int.from_bytes(hashlib.blake2b(peer_id.encode(), digest_size=4).digest(), "big") / 2**33
-
-
-def _gathered_digest(value: Any) -> bytes | None:
-    """The θ₀ digest a peer gathered (`_gather`); None without one (an older peer) or when malformed."""
-    digest = value[2] if isinstance(value, list | tuple) and 3 <= len(value) <= MAX_GATHERED else None
-    return digest if isinstance(digest, bytes) and len(digest) == START_DIGEST_BYTES else None
 
 
 def _base58(peer: Any) -> str:

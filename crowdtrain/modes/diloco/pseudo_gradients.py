@@ -101,7 +101,7 @@ class RoundKeyManager(GroupKeyManager):
 
     Under one key for every round, peers one round apart met whenever they ended a round at the same moment (the
     swarm's progress ends everyone's round at once), their group mixed rounds and nobody applied it; both went on
-    alone and one round apart, round after round (a CI log of test_diloco: 16 rounds in a row, until one peer jumped).
+    alone and one round apart, round after round.
     Keyed by round, such peers find no group, each ends its round alone, and the one behind takes the other's
     state; the peers of one round never wait for a peer of another. Donors are still found under the prefix."""
 
