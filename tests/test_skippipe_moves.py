@@ -27,9 +27,8 @@ from crowdtrain.dht.validator import make_validators
 from crowdtrain.manifest import RunManifest, load_run_file
 from crowdtrain.models import build_model, load_tokenizer
 from crowdtrain.modes.base import ModeContext, SwarmView
+from crowdtrain.modes.skippipe import declaration, membership, rostering
 from crowdtrain.modes.skippipe import iteration as pipeline_iteration
-from crowdtrain.modes.skippipe import membership
-from crowdtrain.modes.skippipe import mode as skippipe_mode
 from crowdtrain.modes.skippipe.driver import MicrobatchOutcome
 from crowdtrain.modes.skippipe.iteration import SkipPipeNode
 from crowdtrain.modes.skippipe.membership import membership_at
@@ -163,9 +162,9 @@ def two_stage_run(tmp_path: Path, name: str, overlap: bool = False) -> RunManife
 
 def records_that_expire_fast(monkeypatch: pytest.MonkeyPatch) -> None:
     """A real node waits 300 s for a lost stage-0 node to come back, and a gone node's declaration lasts 60 s."""
-    monkeypatch.setattr(skippipe_mode, "REBALANCE_AFTER_S", 3.0)
+    monkeypatch.setattr(rostering, "REBALANCE_AFTER_S", 3.0)
     monkeypatch.setattr(membership, "DECLARATION_TTL_S", 6.0)
-    monkeypatch.setattr(skippipe_mode, "DECLARATION_RENEW_S", 1.0)
+    monkeypatch.setattr(declaration, "DECLARATION_RENEW_S", 1.0)
 
 
 def three_more_iterations(nodes: list[Node], what: str) -> None:
@@ -196,9 +195,7 @@ def test_a_stage_that_loses_its_last_node_takes_a_spare_one_at_one_iteration_eve
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = two_stage_run(tmp_path, "skippipe-moves")
-    monkeypatch.setattr(
-        skippipe_mode, "REBALANCE_AFTER_S", 3.0
-    )  # a real node waits 300 s for its stage's node to return
+    monkeypatch.setattr(rostering, "REBALANCE_AFTER_S", 3.0)  # a real node waits 300 s for its stage's node to return
     with closing_all([]) as nodes:
         nodes.append(start_node(run, tmp_path, "founder", []))
         address = [str(nodes[0].dht.get_visible_maddrs()[0])]
@@ -207,7 +204,7 @@ def test_a_stage_that_loses_its_last_node_takes_a_spare_one_at_one_iteration_eve
         # The third would take the stage whose one node has the least compute; this test needs a second node on
         # stage 0, so that stage 1 has none once its node is gone.
         with monkeypatch.context() as choosing:
-            choosing.setattr(skippipe_mode, "choose_stage", lambda declared, num_stages, me: 0)
+            choosing.setattr(declaration, "choose_stage", lambda declared, num_stages, me: 0)
             nodes.append(start_node(run, tmp_path, "third", address))
         founder, second, third = nodes
         assert third.mode.stage == 0
@@ -257,7 +254,7 @@ def test_a_swarm_whose_stage_zero_is_gone_holds_then_a_spare_founds_it_again(
         nodes.append(start_node(run, tmp_path, "founder", []))
         address = [str(nodes[0].dht.get_visible_maddrs()[0])]
         with monkeypatch.context() as choosing:  # both others on stage 1, so that stage 0 has one node to lose
-            choosing.setattr(skippipe_mode, "choose_stage", lambda declared, num_stages, me: 1)
+            choosing.setattr(declaration, "choose_stage", lambda declared, num_stages, me: 1)
             nodes += [start_node(run, tmp_path, name, address) for name in ("second", "third")]
         founder, second, third = nodes
         assert [node.mode.stage for node in nodes] == [0, 1, 1]
@@ -291,7 +288,7 @@ def test_a_joiner_that_takes_the_lost_stage_zero_founds_the_roster_again(
 ) -> None:
     run = two_stage_run(tmp_path, "skippipe-rejoin")
     records_that_expire_fast(monkeypatch)
-    monkeypatch.setattr(skippipe_mode, "spare_for_empty_stage", lambda *args: None)  # only the joiner may take stage 0
+    monkeypatch.setattr(rostering, "spare_for_empty_stage", lambda *args: None)  # only the joiner may take stage 0
     with closing_all([]) as nodes:
         founder, second = start_pair(run, tmp_path, nodes)
         nodes.remove(founder)
@@ -352,7 +349,7 @@ def test_a_node_whose_device_turns_slow_is_scheduled_at_its_new_cost_on_every_no
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = two_stage_run(tmp_path, "skippipe-follow")
-    monkeypatch.setattr(skippipe_mode, "FOLLOW_EVERY_S", 1.0)  # a daemon declares again at most once a minute
+    monkeypatch.setattr(declaration, "FOLLOW_EVERY_S", 1.0)  # a daemon declares again at most once a minute
     slow, run_stage = threading.Event(), StagedModel.run_stage
 
     def slow_stage_one(staged: StagedModel, stage: int, activations: Activations) -> Activations:

@@ -1,6 +1,9 @@
 """SkipPipe: pipeline stages on different nodes; stage-0 nodes drive microbatches along paths that skip stages.
 
-mode               SkipPipeMode: a node's stage, its moves between stages, one iteration per global step
+mode               SkipPipeMode: the training-mode seam; one iteration per global step
+declaration        the stage a node takes and declares, with what its device, memory and link take per microbatch
+rostering          a node's place in the roster: its first iteration, the leader's rosters, moves between stages,
+                   stage 0 founded again
 stages             StagedModel: a decoder LM cut into stages, its forward along any path of them (skipped, reordered)
 schedule           each microbatch's path through the stages (skips, reorders, load-aware replicas), from the roster
 membership         stage declarations and the leader's rosters in the DHT
