@@ -1,6 +1,7 @@
-"""One process doing what SkipPipe's nodes do with `overlap_exchange` (modes/skippipe/iteration.py): each stage's true
-state steps on the replicas' summed gradient one iteration late, and each replica computes on its look-ahead, the
-true state stepped on its own gradient times the stage's microbatches over its own, AdamW's moments kept.
+"""One process doing what SkipPipe's nodes do with `overlap_exchange` (modes/skippipe/gradient_exchange.py): each
+stage's true state steps on the replicas' summed gradient one iteration late, and each replica computes on its
+look-ahead, the true state stepped on its own gradient times the stage's microbatches over its own, AdamW's moments
+kept.
 
 The reference the pipeline test checks the nodes against, and the benchmark's one-process arm of the overlap
 (scripts/bench_skippipe_swarm.py). Pure torch: no network.
