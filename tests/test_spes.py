@@ -9,6 +9,7 @@ tests drive them: inner steps on each peer's own micro-batches, then every peer'
 from __future__ import annotations
 
 import dataclasses
+import tracemalloc
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,6 +25,8 @@ from crowdtrain.modes.base import SwarmView
 from crowdtrain.modes.diloco.joining import START_DIGEST_BYTES, _tiebreak
 from crowdtrain.modes.progress import Progress
 from crowdtrain.modes.spes.expert_exchange import (
+    ANSWER_LIMITS,
+    NAMESPACE,
     ExpertExchange,
     ExpertFetchError,
     Published,
@@ -338,6 +341,52 @@ def test_a_rounds_experts_are_fetched_from_owners_that_publish_after_the_fetches
         for owner in owners:
             owner.close()
         for dht in dhts:
+            dht.shutdown()
+
+
+def test_an_owner_answers_few_requests_at_once_and_never_builds_a_whole_copy() -> None:
+    # Requests for a 32 MiB expert take a grant before any of its bytes are encoded: past the limits each is answered
+    # busy at once, and an answer holds one chunk of the copy at a time, not a copy.
+    first, second, third = loopback_dhts(3)
+    owner, asker, fetcher = ExpertExchange(first), ExpertExchange(second), ExpertExchange(third)
+    owner.start()
+    asker.start(serve=False)
+    fetcher.start(serve=False)
+    try:
+        values = torch.randn(8 << 20)
+        owner.publish(1, {0: Published(values=values, base_digest=b"", change=b"")})
+        request = proto.SpesExpertRequest(unit=0, round=1, base_digest=b"")
+        streams: list = []
+
+        async def ask_many(count: int) -> list[proto.SpesExpertChunk]:
+            stub = asker.get_stub(asker.require_p2p(), first.peer_id, namespace=NAMESPACE)
+            for _ in range(count):
+                streams.append(await stub.rpc_spes_expert(request))
+            return [await anext(stream) for stream in streams]
+
+        async def close_all() -> None:
+            for stream in streams:
+                await stream.aclose()
+
+        tracemalloc.start()
+        try:
+            headers = asker.run(ask_many(16), 30)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert sum(header.found for header in headers) == ANSWER_LIMITS.max_answers_per_peer
+        assert all(header.busy for header in headers if not header.found)
+        assert peak < 16 << 20, f"{peak} bytes allocated while 16 requests for a 32 MiB copy were answered"
+        assert owner.gate.num_answers == ANSWER_LIMITS.max_answers_per_peer, "the asker's streams are still open"
+        # another peer is served in full while they stay open, the asker's requests each cost it one chunk at most
+        held = torch.zeros(8 << 20)
+        assert torch.equal(fetcher.fetch(first.peer_id.to_base58(), 0, 1, held, 30.0), values)
+        asker.run(close_all(), 30)
+        await_condition(lambda: owner.gate.num_answers == 0, 30, "the answers to end with their streams")
+    finally:
+        for exchange in (fetcher, asker, owner):
+            exchange.close()
+        for dht in (first, second, third):
             dht.shutdown()
 
 

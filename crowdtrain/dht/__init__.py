@@ -5,4 +5,8 @@ records    encode, sign, decode and verify records (manifests, peer statuses)
 validator  the DHT record validator: parses every value, caps sizes, rejects forgeries
 registry   read and write the run's records: manifests and peer statuses
 swarm      join the DHT (server or client) with bounded time and plain errors
+admission  invite-only runs: join tokens and the access check on every DHT request and RPC
+service    P2PService: the base of every crowdtrain RPC service, on its own event loop
+frames     the cap on every stream frame a peer can make this process read
+bulk       admission for answers that move bulk data: concurrency per peer and in all, memory, a deadline
 """

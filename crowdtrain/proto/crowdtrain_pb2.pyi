@@ -422,20 +422,22 @@ class SpesExpertRequest(_message.Message):
     def __init__(self, unit: _Optional[int] = ..., round: _Optional[int] = ..., base_digest: _Optional[bytes] = ...) -> None: ...
 
 class SpesExpertChunk(_message.Message):
-    __slots__ = ("found", "num_values", "payload", "change", "digest", "not_owner")
+    __slots__ = ("found", "num_values", "payload", "change", "digest", "not_owner", "busy")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     NUM_VALUES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     CHANGE_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     NOT_OWNER_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
     found: bool
     num_values: int
     payload: bytes
     change: bool
     digest: bytes
     not_owner: bool
-    def __init__(self, found: _Optional[bool] = ..., num_values: _Optional[int] = ..., payload: _Optional[bytes] = ..., change: _Optional[bool] = ..., digest: _Optional[bytes] = ..., not_owner: _Optional[bool] = ...) -> None: ...
+    busy: bool
+    def __init__(self, found: _Optional[bool] = ..., num_values: _Optional[int] = ..., payload: _Optional[bytes] = ..., change: _Optional[bool] = ..., digest: _Optional[bytes] = ..., not_owner: _Optional[bool] = ..., busy: _Optional[bool] = ...) -> None: ...
 
 class SparsePart(_message.Message):
     __slots__ = ("version", "dense", "index_gaps", "values")

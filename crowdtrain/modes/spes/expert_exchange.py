@@ -40,6 +40,7 @@ import torch
 from hivemind.p2p import P2PContext, PeerID
 
 from crowdtrain import proto
+from crowdtrain.dht.bulk import BulkGate, BulkLimits, Grant
 from crowdtrain.dht.service import P2PService, linger
 from crowdtrain.errors import CrowdtrainError
 
@@ -51,13 +52,15 @@ CHUNK_BYTES = 1 << 20
 """Payload bytes per streamed message."""
 KEPT_ROUNDS = 2
 """Rounds of published experts an owner keeps."""
-MAX_CONCURRENT_READS = 4
-"""Expert requests this node answers at once; others wait their turn."""
+ANSWER_LIMITS = BulkLimits(max_answers=4, max_answers_per_peer=2, max_bytes=4 << 20, answer_time_s=120.0)
+"""What answering expert requests may take of this node at once: four answers, two to any one peer, each holding
+one chunk (a copy's values are encoded chunk by chunk as they are sent). A request past them is answered busy at
+once and asked again by its fetcher, RETRY_S later."""
 RETRY_S = 0.25
 """Between asks to an owner that has not published the round yet."""
 MAX_CONCURRENT_FETCHES = 4
-"""Experts a node fetches at once after a round (`fetch_all`): one after another, a round's exchange took the sum
-of every owner's latency and publishing delay; as many at once as an owner answers (MAX_CONCURRENT_READS)."""
+"""Experts a node fetches at once after a round (`fetch_all`): one after another, a round's exchange would take the
+sum of every owner's latency and publishing delay; as many at once as an owner answers (ANSWER_LIMITS)."""
 FETCH_ALL_SLACK_S = 5.0
 """`fetch_all`'s fetches end at its deadline; the call itself gives up this much later (never reached)."""
 MAX_CUT_SHORT = 2
@@ -82,6 +85,10 @@ def _explained(error: Exception, peer_id: str, unit: int, round_: int, timeout_s
             f"peer {peer_id[-8:]} did not send expert {unit} of round {round_} within {timeout_s:.0f} s"
         )
     return ExpertFetchError(f"peer {peer_id[-8:]} could not send expert {unit}: {error!r}")
+
+
+_BUSY = object()
+"""An owner's answer that it serves as many requests as it may: ask again."""
 
 
 class _CutShort(ExpertFetchError):
@@ -149,7 +156,8 @@ class ExpertExchange(P2PService):
         super().__init__(dht, NAMESPACE, thread_name="spes-experts")
         self._published: OrderedDict[int, dict[int, Published]] = OrderedDict()
         self._lock = threading.Lock()
-        self._reads: asyncio.Semaphore | None = None
+        self.gate = BulkGate(ANSWER_LIMITS)
+        """Admission of the answers this node serves (`rpc_spes_expert`)."""
         self.bytes_served = 0
         """Payload bytes this node has sent to fetchers (a stream cut short counts what was sent of it)."""
         self.asks_repeated = 0
@@ -174,37 +182,37 @@ class ExpertExchange(P2PService):
         self, request: proto.SpesExpertRequest, context: P2PContext
     ) -> typing.AsyncIterator[proto.SpesExpertChunk]:
         """Stream unit `request.unit`'s copy of round `request.round`: the change from the fetcher's copy when its
-        digest is `request.base_digest`, else the full values; or `found: false`."""
+        digest is `request.base_digest`, else the full values; or `found: false`, with `busy` when this node
+        answers as many requests as it may (ANSWER_LIMITS)."""
         with self._lock:
             round_published = self._published.get(request.round)
         copy = None if round_published is None else round_published.get(request.unit)
         if copy is None:
             yield proto.SpesExpertChunk(found=False, not_owner=round_published is not None)
         else:
-            async for chunk in self._answer(request, copy):
-                yield chunk
+            as_change = bool(copy.base_digest) and request.base_digest == copy.base_digest
+            size = len(copy.change) if as_change else copy.values.numel() * _FULL_DTYPE.itemsize
+            grant = self.gate.admit(context.remote_id.to_base58(), min(size, CHUNK_BYTES))
+            if grant is None:
+                yield proto.SpesExpertChunk(found=False, busy=True)
+            else:
+                with grant:
+                    async for chunk in self._answer(copy, as_change, grant):
+                        yield chunk
         await linger()  # the fetcher closes the stream once it has the answer (protocol v2)
 
     async def _answer(
-        self, request: proto.SpesExpertRequest, copy: Published
+        self, copy: Published, as_change: bool, grant: Grant
     ) -> typing.AsyncIterator[proto.SpesExpertChunk]:
-        """The found copy's header, payload and end marker; MAX_CONCURRENT_READS answers at a time."""
-        if self._reads is None:
-            self._reads = asyncio.Semaphore(MAX_CONCURRENT_READS)
-        as_change = bool(copy.base_digest) and request.base_digest == copy.base_digest
-        if as_change:
-            payload = copy.change
-        else:
-            payload = await asyncio.to_thread(lambda: copy.values.numpy().astype(_FULL_DTYPE).tobytes())
-        async with self._reads:
-            yield proto.SpesExpertChunk(
-                found=True, num_values=copy.values.numel(), change=as_change, digest=copy.digest
-            )
-            for offset in range(0, len(payload), CHUNK_BYTES):
-                chunk = payload[offset : offset + CHUNK_BYTES]
-                self.bytes_served += len(chunk)
-                yield proto.SpesExpertChunk(payload=chunk)
-            yield proto.SpesExpertChunk()  # the end of the answer: read by a fetcher only when it came short
+        """The found copy's header, payload chunk by chunk and end marker; cut short past the grant's deadline."""
+        yield proto.SpesExpertChunk(found=True, num_values=copy.values.numel(), change=as_change, digest=copy.digest)
+        for chunk in _payload_chunks(copy, as_change):
+            if grant.expired():
+                logger.warning(f"an answer of expert values ran past {ANSWER_LIMITS.answer_time_s:g} s: cut short")
+                return
+            self.bytes_served += len(chunk)
+            yield proto.SpesExpertChunk(payload=chunk)
+        yield proto.SpesExpertChunk()  # the end of the answer: read by a fetcher only when it came short
 
     def fetch(self, peer_id: str, unit: int, round_: int, held: torch.Tensor, timeout_s: float) -> torch.Tensor:
         """Unit `unit`'s copy of round `round_` from `peer_id`, float32, flattened. `held`: this node's copy, which
@@ -273,24 +281,7 @@ class ExpertExchange(P2PService):
     async def _fetch(self, peer: PeerID, unit: int, round_: int, held: torch.Tensor, deadline: float) -> torch.Tensor:
         where = f"peer {peer.to_base58()[-8:]}"
         request = proto.SpesExpertRequest(unit=unit, round=round_, base_digest=copy_digest(held))
-        cut_short = 0
-        while True:
-            try:
-                received = await self._receive(peer, request, held, where)
-            except _CutShort as e:
-                # the stream ended before its announced bytes (about 1 fetch in 10,000 while owners closed first; not
-                # seen since the fetcher closes, see `linger`): ask again, a few times
-                cut_short += 1
-                self.asks_repeated += 1
-                if cut_short > MAX_CUT_SHORT or time.monotonic() + RETRY_S > deadline:
-                    raise ExpertFetchError(str(e)) from None
-                received = None
-            if received is not None:
-                break
-            if time.monotonic() + RETRY_S > deadline:
-                raise ExpertFetchError(f"{where} has no expert {unit} of round {round_} (not its owner, or behind)")
-            await asyncio.sleep(RETRY_S)
-        header, payload = received
+        header, payload = await self._ask_until_found(peer, request, held, where, deadline)
         if header.change:
             try:
                 values = apply_change(held, payload)
@@ -304,10 +295,37 @@ class ExpertExchange(P2PService):
             raise ExpertFetchError(f"{where} sent expert {unit}, but not the copy its digest names")
         return values
 
+    async def _ask_until_found(
+        self, peer: PeerID, request: proto.SpesExpertRequest, held: torch.Tensor, where: str, deadline: float
+    ) -> tuple[proto.SpesExpertChunk, bytes]:
+        """The owner's answer (header, payload), asked again RETRY_S apart while it has no copy of the round yet or
+        is busy, until `deadline`."""
+        cut_short = 0
+        while True:
+            try:
+                received = await self._receive(peer, request, held, where)
+            except _CutShort as e:
+                # the stream ended before its announced bytes (about 1 fetch in 10,000 while owners closed first; not
+                # seen since the fetcher closes, see `linger`): ask again, a few times
+                cut_short += 1
+                self.asks_repeated += 1
+                if cut_short > MAX_CUT_SHORT or time.monotonic() + RETRY_S > deadline:
+                    raise ExpertFetchError(str(e)) from None
+                received = None
+            if isinstance(received, tuple):
+                return received
+            if time.monotonic() + RETRY_S > deadline:
+                unit, round_ = request.unit, request.round
+                if received is _BUSY:
+                    raise ExpertFetchError(f"{where} was busy answering others until the deadline for expert {unit}")
+                raise ExpertFetchError(f"{where} has no expert {unit} of round {round_} (not its owner, or behind)")
+            await asyncio.sleep(RETRY_S)
+
     async def _receive(
         self, peer: PeerID, request: proto.SpesExpertRequest, held: torch.Tensor, where: str
-    ) -> tuple[proto.SpesExpertChunk, bytes] | None:
-        """One ask: (the header, the payload), or None when the owner has no such copy (yet)."""
+    ) -> tuple[proto.SpesExpertChunk, bytes] | object | None:
+        """One ask: (the header, the payload), None when the owner has no such copy (yet), or _BUSY when it answers
+        as many requests as it may."""
         stub: typing.Any = self.get_stub(self.require_p2p(), peer, namespace=NAMESPACE)
         responses = await stub.rpc_spes_expert(request)
         try:
@@ -317,7 +335,7 @@ class ExpertExchange(P2PService):
             if not header.found and header.not_owner:
                 raise ExpertFetchError(f"{where} did not own expert {request.unit} in round {request.round}")
             if not header.found:
-                return None
+                return _BUSY if header.busy else None
             size = self._expected_size(header, held, where, request.unit)
             received = bytearray()
             while len(received) < size:  # read to the announced size, then close the stream (the owner waits)
@@ -346,3 +364,16 @@ class ExpertExchange(P2PService):
         if header.change:
             return change_bytes(num_values)
         return num_values * _FULL_DTYPE.itemsize
+
+
+def _payload_chunks(copy: Published, as_change: bool) -> typing.Iterator[bytes]:
+    """The answer's payload, CHUNK_BYTES at a time: slices of the change, or the values encoded one chunk at a time
+    (never a whole copy of them)."""
+    if as_change:
+        for offset in range(0, len(copy.change), CHUNK_BYTES):
+            yield copy.change[offset : offset + CHUNK_BYTES]
+        return
+    step = CHUNK_BYTES // _FULL_DTYPE.itemsize
+    values = copy.values.detach().reshape(-1)
+    for start in range(0, values.numel(), step):
+        yield values[start : start + step].numpy().astype(_FULL_DTYPE).tobytes()
