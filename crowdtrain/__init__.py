@@ -13,6 +13,7 @@ Package map, from the top down; a package may import only those below it (tests/
   models/     model builders from a manifest, precision, the training device
   data/       datasets: the embedded corpus, local files, HF datasets; per-peer sampling
   optimizer   the one optimizer factory: every mode's optimizer, schedule and gradient clipping
+  state/      the verified state transfer: a state downloaded from peers, checked, corroborated; catch-up holds
   dht/        the run's DHT schema: key names, record codecs, validators, bootstrap
   manifest/   the run manifest: what a run trains, on what, and how (sections, presets, run files)
   structured  typed parsing of mappings (TOML, env) and protobuf messages into frozen dataclasses

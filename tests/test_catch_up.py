@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from crowdtrain.averaging.catch_up import (
+from crowdtrain.state.catch_up import (
     HOLD_MAX_S,
     HOLD_SHARE,
     Announcement,

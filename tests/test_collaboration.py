@@ -25,7 +25,6 @@ from hivemind.utils.crypto import RSAPrivateKey
 from lab.processes import await_condition
 
 from crowdtrain.averaging import collaboration
-from crowdtrain.averaging.catch_up import ANNOUNCE_FOR_S, HoldBudget, catch_up_key
 from crowdtrain.averaging.collaboration import (
     _Optimizer,
     chunk_timeout_s,
@@ -40,6 +39,7 @@ from crowdtrain.averaging.partition import PartialAverageError, PlanSharesMixin
 from crowdtrain.averaging.phases import PhaseAccumulator, PhaseTimes
 from crowdtrain.manifest import AveragingSpec, demo
 from crowdtrain.node.logs import setup_logging
+from crowdtrain.state.catch_up import ANNOUNCE_FOR_S, HoldBudget, catch_up_key
 
 
 class FakeStepControl:

@@ -43,20 +43,6 @@ from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
 from crowdtrain import proto
 from crowdtrain.averaging.compression import MAX_SPARSE_PART_VALUES, SPARSE_WIRE_TYPE, BoundedInt8, SparseFloat16
-from crowdtrain.averaging.state_digest import (
-    SKETCH_RELATIVE_TOLERANCE,
-    SKETCH_SAMPLES,
-    Corroboration,
-    MalformedDigestError,
-    Sketch,
-    TensorSketch,
-    judge,
-    max_digest_bytes,
-    read_digest,
-    sketch_state,
-    to_digest,
-)
-from crowdtrain.averaging.state_download import StateTemplate, TensorSpec, UnacceptableStateError, check_state
 from crowdtrain.dht import keys, records
 from crowdtrain.dht.records import (
     MAX_INNER_STEPS,
@@ -79,6 +65,20 @@ from crowdtrain.moe.requests import (
     StreamedRequest,
     check_tensors,
 )
+from crowdtrain.state.digest import (
+    SKETCH_RELATIVE_TOLERANCE,
+    SKETCH_SAMPLES,
+    Corroboration,
+    MalformedDigestError,
+    Sketch,
+    TensorSketch,
+    judge,
+    max_digest_bytes,
+    read_digest,
+    sketch_state,
+    to_digest,
+)
+from crowdtrain.state.template import StateTemplate, TensorSpec, UnacceptableStateError, check_state
 from crowdtrain.structured import FieldError, from_mapping
 
 SEED = 20_251

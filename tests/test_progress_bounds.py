@@ -30,8 +30,8 @@ from crowdtrain.averaging.progress_bounds import (
     ProgressBounds,
     plausible_samples,
 )
-from crowdtrain.averaging.state_download import epoch_ceiling
 from crowdtrain.manifest import demo
+from crowdtrain.state.template import epoch_ceiling
 from tests.harness import shut_down
 
 TARGET = 32

@@ -18,9 +18,12 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.streaming import split_for_streaming
 
 from crowdtrain import proto
-from crowdtrain.averaging import state_download
 from crowdtrain.averaging.collaboration import PlannedStateAverager
-from crowdtrain.averaging.state_digest import (
+from crowdtrain.averaging.traffic import AveragingTraffic
+from crowdtrain.dht.admission import NotAdmittedError, _GatedHandlers
+from crowdtrain.modes.diloco.pseudo_gradients import PseudoGradientAverager
+from crowdtrain.state import download as state_download
+from crowdtrain.state.digest import (
     DIGESTS_PER_MINUTE,
     DIGESTS_PER_PEER_PER_MINUTE,
     SKETCH_SAMPLES,
@@ -34,26 +37,25 @@ from crowdtrain.averaging.state_digest import (
     sketches_agree,
     to_digest,
 )
-from crowdtrain.averaging.state_download import (
+from crowdtrain.state.download import (
     CUT_SHORT_PAUSE_S,
-    EPOCH_SLACK,
     MAX_CUT_SHORT_PAUSE_S,
-    MAX_GLOBAL_STEPS_PER_S,
     CutShortError,
     CutShortPauses,
+    VerifiedStateDownloadMixin,
+    _whole_state,
+)
+from crowdtrain.state.template import (
+    EPOCH_SLACK,
+    MAX_GLOBAL_STEPS_PER_S,
     EpochTooHighError,
     StateTemplate,
     TensorSpec,
     UnacceptableStateError,
-    VerifiedStateDownloadMixin,
-    _whole_state,
     check_state,
     epoch_ceiling,
     optimizer_tensor_specs,
 )
-from crowdtrain.averaging.traffic import AveragingTraffic
-from crowdtrain.dht.admission import NotAdmittedError, _GatedHandlers
-from crowdtrain.modes.diloco.pseudo_gradients import PseudoGradientAverager
 from tests.harness import shut_down
 
 TEMPLATE = StateTemplate(
@@ -414,7 +416,7 @@ def test_only_answers_at_the_states_epoch_count_and_a_disagreement_asks_one_more
 
 def test_donors_a_step_behind_are_asked_again_as_they_catch_up(monkeypatch: pytest.MonkeyPatch) -> None:
     # Gradient mode: the joiner downloads epoch 4 while the others were still finishing their step to it.
-    monkeypatch.setattr("crowdtrain.averaging.state_download.CATCH_UP_S", 0.0)
+    monkeypatch.setattr("crowdtrain.state.corroboration.CATCH_UP_S", 0.0)
     honest, earlier = (4, sketch_state(model_state(0), seed=9)), (3, sketch_state(model_state(1), seed=9))
     halved = (4, sketch_state([tensor * 0.5 for tensor in model_state(0)], seed=9))
     later = (5, sketch_state(model_state(1), seed=9))

@@ -7,11 +7,9 @@ exact         reject partial all-reduce results and count them
 phases        where the time of a global step goes: per-phase seconds, the matchmaking/all-reduce split
 traffic       the bytes of all-reduce rounds, counted as tensor parts pass; the runner with robust reducers
 robust        each chunk checked (shape, finite, norm) and aggregated by mean, trimmed mean or CenteredClip
-state_download  a peer's state verified against this node's own before it is loaded; bad donors skipped
-state_digest  a seeded sketch of a state (sums, norms, sampled values): other donors corroborate a download
 progress_bounds  peers' progress claims bounded before hivemind's tracker sums them
 compression   wire encodings by name (fp16, int8, topk, none); hivemind's 8-bit decoder fixed and bounded
 error_feedback  DiLoCo's top-k: each tensor's largest values sent, the rest kept back for later rounds
 
-May import: `dht`, `manifest`, `proto`, `errors`.
+May import: `state`, `dht`, `optimizer`, `manifest`, `proto`, `errors`.
 """

@@ -24,7 +24,18 @@ from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from crowdtrain.averaging.catch_up import (
+from crowdtrain.averaging.compression import compression_for
+from crowdtrain.averaging.exact import ExactGradientAverager
+from crowdtrain.averaging.grid import GroupSizeMixin, expected_group_size, initial_group_bits
+from crowdtrain.averaging.partition import PlanSharesMixin
+from crowdtrain.averaging.phases import Phase, PhaseAccumulator, wait_for_round
+from crowdtrain.averaging.progress_bounds import BoundedProgressTracker, ProgressBounds
+from crowdtrain.averaging.quarantine import Verdict
+from crowdtrain.averaging.traffic import AggregationSettings, AveragingTraffic, TrafficCountingAverager
+from crowdtrain.dht.admission import AdmissionGated
+from crowdtrain.manifest import AveragingSpec, RunManifest
+from crowdtrain.optimizer import build_optimizer, build_scheduler
+from crowdtrain.state.catch_up import (
     ANNOUNCE_EVERY_S,
     ANNOUNCE_FOR_S,
     CATCH_UP_MATCHMAKING_S,
@@ -37,24 +48,8 @@ from crowdtrain.averaging.catch_up import (
     progress_epochs,
     still_downloading,
 )
-from crowdtrain.averaging.compression import compression_for
-from crowdtrain.averaging.exact import ExactGradientAverager
-from crowdtrain.averaging.grid import GroupSizeMixin, expected_group_size, initial_group_bits
-from crowdtrain.averaging.partition import PlanSharesMixin
-from crowdtrain.averaging.phases import Phase, PhaseAccumulator, wait_for_round
-from crowdtrain.averaging.progress_bounds import BoundedProgressTracker, ProgressBounds
-from crowdtrain.averaging.quarantine import Verdict
-from crowdtrain.averaging.state_download import (
-    StateTemplate,
-    VerifiedStateDownloadMixin,
-    epoch_ceiling,
-    optimizer_tensor_specs,
-    parameter_specs,
-)
-from crowdtrain.averaging.traffic import AggregationSettings, AveragingTraffic, TrafficCountingAverager
-from crowdtrain.dht.admission import AdmissionGated
-from crowdtrain.manifest import AveragingSpec, RunManifest
-from crowdtrain.optimizer import build_optimizer, build_scheduler
+from crowdtrain.state.download import VerifiedStateDownloadMixin
+from crowdtrain.state.template import StateTemplate, epoch_ceiling, optimizer_tensor_specs, parameter_specs
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +70,7 @@ class PlannedStateAverager(
 ):
     """hivemind's TrainingStateAverager whose all-reduce partition follows the plan's shares; its rounds count
     their bytes, the time the training thread waits for one is a phase of the step, and a state downloaded
-    from a peer is verified against this node's own before it is loaded (averaging/state_download.py)."""
+    from a peer is verified against this node's own before it is loaded (state/download.py)."""
 
     def __init__(
         self,
@@ -253,7 +248,7 @@ class _Optimizer(hivemind.Optimizer):
         # round (hivemind tells no one) and stepped alone, while the other, already in a group with it, waited
         # out a sender timeout (30 s on llama-85m) and its round came back partial. The view is read again first.
         #
-        # A peer downloading the swarm's state is waited for first (averaging/catch_up.py).
+        # A peer downloading the swarm's state is waited for first (state/catch_up.py).
         self._hold_for_catching_up_peers()
         scheduled: Any = self.scheduled_grads  # type: ignore[has-type]  # a hivemind StepControl
         if scheduled is not None and scheduled.done() and not scheduled.triggered:
@@ -280,7 +275,7 @@ class _Optimizer(hivemind.Optimizer):
         # Then, when the swarm's newest state was older than the epoch some peer claims, that claim is ignored for
         # a while: otherwise this node would download again at every step (averaging/progress_bounds.py).
         # Announced first and renewed while it lasts, so the swarm holds its next step until this node reports the
-        # epoch of the state (averaging/catch_up.py); a node that dies mid-download stops renewing and is soon not
+        # epoch of the state (state/catch_up.py); a node that dies mid-download stops renewing and is soon not
         # waited for. The last says which epoch this node loaded: the swarm waits for its progress record to show it.
         claimed_at_start = self.tracker.global_epoch
         self._announce_catch_up(Announcement(until=get_dht_time() + ANNOUNCE_FOR_S))

@@ -46,7 +46,7 @@ class PhaseTimes:
     wait_s: float = 0.0
     """In hivemind's step() while the swarm fills the batch, outside every phase below: accumulating
     gradients, reporting progress, scheduling rounds, and holding the step for a peer that downloads the
-    swarm's state (averaging/catch_up.py), s."""
+    swarm's state (state/catch_up.py), s."""
     matchmaking_s: float = 0.0
     """Waiting for the gradient round's group, from the step's trigger until the group is found, s."""
     allreduce_s: float = 0.0

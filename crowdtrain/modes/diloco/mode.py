@@ -22,7 +22,7 @@ network unless a round takes longer than the next round's inner steps. A round t
 this peer's own Δ, as without overlap. It costs one model-sized copy (Δ, kept until the average is in).
 
 A joiner, or a peer whose round failed while the swarm has others, downloads θ₀, the outer momentum and the
-round from a peer (verified, averaging/state_download.py) before its next micro-batch (a round still in
+round from a peer (verified, state/download.py) before its next micro-batch (a round still in
 flight is applied first). With overlap the donor's newest round is usually still being averaged; a state one or
 two rounds behind the swarm's is followed by another download a second later, and the node joins the rounds
 once the donors have moved on (CATCH_UP_RETRY_S). `crowdtrain status` shows the inner step of H, the bytes of the
@@ -65,7 +65,6 @@ from crowdtrain.averaging.error_feedback import ErrorFeedback, Kept
 from crowdtrain.averaging.partition import EXPECTED_ROUND_FAILURES
 from crowdtrain.averaging.phases import Phase, wait_for_round
 from crowdtrain.averaging.progress_bounds import BoundedProgressTracker, ProgressBounds
-from crowdtrain.averaging.state_download import StateTemplate, epoch_ceiling, parameter_specs
 from crowdtrain.averaging.traffic import AggregationSettings
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import DiLoCoSpec
@@ -77,6 +76,7 @@ from crowdtrain.modes.diloco.overlap import OverlappedRounds, _RoundInFlight
 from crowdtrain.modes.diloco.pseudo_gradients import MAX_GATHERED, OuterState, PseudoGradientAverager, gathered_round
 from crowdtrain.modes.progress import Progress
 from crowdtrain.optimizer import build_optimizer, set_scheduled_learning_rate
+from crowdtrain.state.template import StateTemplate, epoch_ceiling, parameter_specs
 
 logger = logging.getLogger(__name__)
 

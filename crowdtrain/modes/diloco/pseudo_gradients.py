@@ -4,7 +4,7 @@ Each round the training mode writes this peer's pseudo-gradient (global paramete
 its parameters after the inner steps) into the averager's tensors, and one all-reduce averages them: exact
 (a partial round raises), partitioned by the plan's shares, chunks checked and aggregated robustly. Between
 rounds the averager serves the outer state a joiner needs (the global parameters, the outer optimizer's
-momentum, the round) and downloads it verified (averaging/state_download.py).
+momentum, the round) and downloads it verified (state/download.py).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from hivemind.compression import CompressionInfo
 from crowdtrain.averaging.exact import ExactRoundsMixin
 from crowdtrain.averaging.grid import GroupSizeMixin
 from crowdtrain.averaging.partition import PlanSharesMixin
-from crowdtrain.averaging.state_download import StateTemplate, VerifiedStateDownloadMixin
 from crowdtrain.averaging.traffic import TrafficCountingAverager
 from crowdtrain.dht.admission import AdmissionGated
+from crowdtrain.state.download import VerifiedStateDownloadMixin
+from crowdtrain.state.template import StateTemplate
 
 OuterState = tuple[dict[str, Any], list[torch.Tensor]]
 """(metadata with at least `epoch`, tensors) as a peer serves it and a joiner loads it."""

@@ -5,7 +5,7 @@ of a state is, per tensor, its sum, its L2 norm and its values at `SKETCH_SAMPLE
 150 bytes per tensor, one pass over the values. Two sketches agree when every number is within
 `SKETCH_RELATIVE_TOLERANCE` of its scale. A state scaled, shifted or replaced in bulk is caught; a few values changed
 among millions slip past the samples (a full hash can't serve: honest peers' last bits differ across hardware).
-`judge` applies the majority rule of averaging/state_download.py to one downloaded state and other donors' sketches.
+`judge` applies the majority rule of state/corroboration.py to one downloaded state and other donors' sketches.
 """
 
 from __future__ import annotations
