@@ -24,17 +24,16 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from lab.processes import await_condition
 
-from crowdtrain.averaging import collaboration
+from crowdtrain.averaging import hivemind_optimizer
 from crowdtrain.averaging.collaboration import (
-    _Optimizer,
-    chunk_timeout_s,
     clear_micro_batch_gradients,
     discard_local_gradients,
-    join_request_timeout_s,
     make_optimizer,
     reuses_grad_buffers,
 )
 from crowdtrain.averaging.exact import new_partial_counter, require_complete
+from crowdtrain.averaging.groups import chunk_timeout_s, join_request_timeout_s
+from crowdtrain.averaging.hivemind_optimizer import _Optimizer
 from crowdtrain.averaging.partition import PartialAverageError, PlanSharesMixin
 from crowdtrain.averaging.phases import PhaseAccumulator, PhaseTimes
 from crowdtrain.manifest import AveragingSpec, demo
@@ -219,7 +218,7 @@ def progress_record(epoch: int) -> Any:
 def test_a_step_holds_while_a_peer_downloads_the_state_and_averages_once_it_reports_the_epoch(
     hivemind_underneath: list, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(collaboration, "HOLD_POLL_S", 0.001)
+    monkeypatch.setattr(hivemind_optimizer, "HOLD_POLL_S", 0.001)
     optimizer = bare_optimizer(2)
     optimizer.state_averager.local_epoch = 40
     optimizer.dht.announcements = {JOINER_KEY: {"until": get_dht_time() + 60}}
@@ -264,12 +263,12 @@ def test_no_hold_for_a_peer_that_has_the_state_or_a_stale_or_malformed_announcem
 def test_a_hold_lasts_at_most_what_the_budget_allows_whatever_the_announced_deadline(
     hivemind_underneath: list, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(collaboration, "HOLD_POLL_S", 0.001)
+    monkeypatch.setattr(hivemind_optimizer, "HOLD_POLL_S", 0.001)
     optimizer = bare_optimizer(2)
     optimizer.dht.announcements = {JOINER_KEY: {"until": get_dht_time() + 1e9}}
     optimizer.hold_budget.level_s = 0.05
     optimizer.tracker.refresh_global_progress = lambda timeout: None
-    with caplog.at_level(logging.INFO, logger=collaboration.__name__):
+    with caplog.at_level(logging.INFO, logger=hivemind_optimizer.__name__):
         optimizer._begin_averaging_gradients(None)
     assert "stepping without 1 still downloading" in caplog.text and hivemind_underneath == [("begin", None)]
     assert optimizer.hold_budget.level_s < 0.01, "the time held is spent from the budget"
@@ -281,7 +280,7 @@ def test_a_read_that_fails_during_a_hold_keeps_holding(
     hivemind_underneath: list, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The announcer's link is busy with its download: the DHT read times out, which must not end the hold.
-    monkeypatch.setattr(collaboration, "HOLD_POLL_S", 0.001)
+    monkeypatch.setattr(hivemind_optimizer, "HOLD_POLL_S", 0.001)
     optimizer = bare_optimizer(2)
     optimizer.dht.announcements = {JOINER_KEY: {"until": get_dht_time() + 60}}
     refreshes: list[float] = []
@@ -298,7 +297,7 @@ def test_a_read_that_fails_during_a_hold_keeps_holding(
 
 
 def test_a_download_is_announced_before_it_begins_and_renewed_while_it_lasts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(collaboration, "ANNOUNCE_EVERY_S", 0.01)
+    monkeypatch.setattr(hivemind_optimizer, "ANNOUNCE_EVERY_S", 0.01)
     optimizer = bare_optimizer(2)
     stored = optimizer.dht.stored
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from hivemind.utils.timed_storage import get_dht_time
 
-from crowdtrain.averaging.collaboration import moshpit_bits
 from crowdtrain.averaging.grid import GroupSizeMixin, bits_per_coordinate, expected_group_size, initial_group_bits
+from crowdtrain.averaging.groups import moshpit_bits
 from crowdtrain.manifest import AveragingSpec
 from tests.harness import shut_down
 
@@ -158,7 +158,7 @@ class _StubOptimizer:
 
 
 def test_group_key_is_reseeded_only_when_the_swarm_crosses_the_group_size() -> None:
-    from crowdtrain.averaging.collaboration import refresh_moshpit_groups
+    from crowdtrain.averaging.groups import refresh_moshpit_groups
 
     spec = AveragingSpec(group_size=2, grid_dims=2)
     optimizer = _StubOptimizer("")
@@ -173,7 +173,7 @@ def test_group_key_is_reseeded_only_when_the_swarm_crosses_the_group_size() -> N
 
 
 def test_both_averagers_close_groups_at_the_swarm_size_up_to_a_group() -> None:
-    from crowdtrain.averaging.collaboration import refresh_moshpit_groups
+    from crowdtrain.averaging.groups import refresh_moshpit_groups
 
     spec = AveragingSpec(group_size=4, grid_dims=2)
     optimizer = _StubOptimizer("")

@@ -19,10 +19,9 @@ from crowdtrain.averaging.collaboration import (
     discard_local_gradients,
     excluded_peers,
     make_optimizer,
-    moshpit_bits,
-    refresh_moshpit_groups,
     set_plan_share,
 )
+from crowdtrain.averaging.groups import moshpit_bits, refresh_moshpit_groups
 from crowdtrain.modes.base import ModeContext, SwarmView, TrainingMode
 from crowdtrain.modes.progress import Progress
 

@@ -53,15 +53,10 @@ from typing import Any
 import torch
 from hivemind.averaging.control import StepControl
 
-from crowdtrain.averaging.collaboration import (
-    chunk_timeout_s,
-    join_request_timeout_s,
-    keep_sigint_handler,
-    moshpit_bits,
-    refresh_groups,
-)
+from crowdtrain.averaging.collaboration import keep_sigint_handler
 from crowdtrain.averaging.compression import compression_for
 from crowdtrain.averaging.error_feedback import ErrorFeedback, Kept
+from crowdtrain.averaging.groups import chunk_timeout_s, join_request_timeout_s, moshpit_bits, refresh_groups
 from crowdtrain.averaging.partition import EXPECTED_ROUND_FAILURES
 from crowdtrain.averaging.phases import Phase, wait_for_round
 from crowdtrain.averaging.progress_bounds import BoundedProgressTracker, ProgressBounds
