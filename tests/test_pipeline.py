@@ -18,12 +18,20 @@ import pytest
 import torch
 from hivemind.p2p import P2PContext, PeerID
 from lab.look_ahead import LookAheadReference
+from lab.processes import await_condition
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from crowdtrain import proto
 from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blocks, int8_blocks_size
 from crowdtrain.manifest import OptimizerSpec
-from crowdtrain.modes.skippipe import HopFailedError, HopLimits, HopRefusedError, PipelineDriver, StageService
+from crowdtrain.modes.skippipe import (
+    HopFailedError,
+    HopLimits,
+    HopRefusedError,
+    PipelineDriver,
+    StageService,
+    stage_service,
+)
 from crowdtrain.modes.skippipe.drift import drifted, fingerprint, fingerprint_positions, reference_replica
 from crowdtrain.modes.skippipe.gradient_exchange import BACKGROUND_NICE, lower_priority
 from crowdtrain.modes.skippipe.hop_wire import CHUNK_BYTES, MAX_PACED_S, NAMESPACE, PACED_CHUNK_BYTES, paced_rate
@@ -288,6 +296,42 @@ def test_hostile_hops_are_refused_with_a_sentence_and_the_node_keeps_serving(swa
     answer = caller.call(target, "forward", third, good, 20.0)
     assert answer.shape == good.shape and bool(torch.isfinite(answer).all())
     assert swarm.services[3].finish_iteration(1) == 2  # microbatches 1 and 2 never came back
+
+
+def test_stalled_hops_take_at_most_one_callers_share_and_are_cut_at_their_deadline(
+    swarm: Swarm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Hops announce the largest shape, send one chunk and stall. Each takes a grant before its payload is read: one
+    # caller's share (2 x memory_microbatches) is admitted, the rest are refused busy at once; a stalled one is cut
+    # at HOP_TIME_S, and another caller is served meanwhile.
+    monkeypatch.setattr(stage_service, "HOP_TIME_S", 3.0)
+    caller, other, target, node = swarm.services[0], swarm.services[1], swarm.peer(3), swarm.services[3]
+    largest = (LIMITS.max_batch, LIMITS.max_sequence, HIDDEN)
+    share = node.hops.limits.max_answers_per_peer
+
+    async def stalled() -> typing.AsyncIterator[proto.StageHop]:
+        yield hop(2, largest)
+        yield proto.StageHop(payload=b"\0" * 64)
+        await asyncio.sleep(60)
+
+    async def stall_many(count: int) -> list[BaseException | None]:
+        async def one() -> None:
+            stub: typing.Any = caller.get_stub(caller.require_p2p(), PeerID.from_base58(target), namespace=NAMESPACE)
+            async for _ in await stub.rpc_stage_forward(stalled()):
+                pass
+
+        return await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
+
+    with ThreadPoolExecutor(1) as pool:
+        stalling = pool.submit(caller.run, stall_many(share + 2), 60.0)
+        await_condition(lambda: node.hops.num_answers == share, 20, "one caller's share of hops to be admitted")
+        good = torch.randn(2, 8, HIDDEN)
+        answer = other.call(target, "forward", proto.StageHop(iteration=1, stage=2, dtype="float32"), good, 20.0)
+        assert answer.shape == good.shape, "another caller is served while they stall"
+        outcomes = [str(outcome) for outcome in stalling.result(timeout=60)]
+    assert sum("busy" in outcome for outcome in outcomes) == 2, outcomes
+    assert sum("did not come within 3 s" in outcome for outcome in outcomes) == share, outcomes
+    assert node.hops.refusals["peer"] == 2 and node.hops.num_answers == 0
 
 
 def test_a_forward_of_the_next_iteration_waits_for_the_stage_the_node_moves_to(swarm: Swarm) -> None:

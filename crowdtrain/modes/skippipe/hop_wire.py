@@ -82,6 +82,10 @@ class HopLimits:
             )
         return batch, sequence, hidden
 
+    def max_hop_bytes(self) -> int:
+        """The payload of the largest hop, in the widest wire dtype (float32)."""
+        return self.max_batch * self.max_sequence * self.hidden_size * WIRE_DTYPES["float32"].itemsize
+
 
 def wire_bytes(tensor: torch.Tensor, dtype: str) -> bytes:
     """`tensor`'s values as they travel in `dtype` (one of GRADIENT_DTYPES; int8: flattened)."""
@@ -161,18 +165,22 @@ async def receive_frames(
     *,
     to_end: bool = True,
     dtypes: typing.Collection[str] = WIRE_DTYPES,
+    admit: Callable[[int], None] | None = None,
 ) -> tuple[proto.StageHop, tuple[int, ...], bytearray]:
     """The header a stream carries, its shape and the payload's bytes (exactly the shape's in the header's dtype),
     checked as the module says, the header's stage against `expected_stage` and its wire dtype against `dtypes`
     before any value is read; raises `error(sentence)`. With `to_end` (a request: the caller ends its stream) a
     frame past the shape's bytes is refused; without it (an answer: the answering node lingers until the caller
     closes) reading stops at the shape's bytes. The values are read by `stream_values`, where the caller likes (a
-    stage's gradient off the service's loop)."""
+    stage's gradient off the service's loop). `admit(bytes)`: called once the header is checked, before a byte of
+    the payload is read; it raises to refuse the stream (a node that receives as many hops as it may)."""
     header = await anext(frames, None)
     if header is None:
         raise error("the stream ended before its header")
     shape = _checked_shape(header, check_shape, error, expected_stage, dtypes)
     size = wire_size(shape, header.dtype)
+    if admit is not None:
+        admit(size)
     received = bytearray()
     async for frame in frames:
         received += frame.payload

@@ -10,7 +10,10 @@ causal mask are rebuilt from the shape (`StagedModel.activations`), as every lay
 Everything a caller sends is bounded and checked before it runs (`hop_wire`): a header first (`proto.StageHop`:
 iteration, microbatch, stage, shape, wire dtype), the stage must be this node's, the shape [batch, sequence, hidden]
 within `HopLimits`, the payload exactly the shape's bytes (refused as soon as it runs over), every value finite; a
-backward must name a forward this node holds for the same caller, with the output's shape. A node holds at most
+backward must name a forward this node holds for the same caller, with the output's shape. Once its header is
+checked, and before a byte of its payload is read, a hop takes a grant of its bytes (`hop_limits`, dht/bulk.py):
+past the hops a node receives at once, in all or from one caller, it is refused busy at once, and its payload must
+come within HOP_TIME_S. A node holds at most
 `memory_microbatches` forwards at once (a forward waits up to `slot_wait_s` for a slot, then the caller gets
 "busy" and goes to another replica) and forgets one whose backward did not come within `hold_s` (its source died
 or gave up on it). A refusal is one log line here and its sentence at the caller. An answer ends by waiting for the
@@ -39,6 +42,7 @@ import torch
 from hivemind.p2p import P2PContext
 
 from crowdtrain import proto
+from crowdtrain.dht.bulk import BulkGate, BulkLimits, Grant
 from crowdtrain.dht.service import drain, linger
 from crowdtrain.modes.skippipe.device_clock import DeviceClock, finish_of
 from crowdtrain.modes.skippipe.hop_wire import (
@@ -78,6 +82,22 @@ MAX_DONE_MICROBATCHES = 1 << 20
 """A done message's count of microbatches above this is not believed (its loss is left out)."""
 DEFAULT_HOLD_S = 120.0
 """A forward whose backward has not come after this long is dropped (its source died or gave up)."""
+HOP_TIME_S = 60.0
+"""A hop's payload must have come, and its answer gone, within this many seconds of its header: a caller that stops
+sending midway holds what it took no longer."""
+
+
+def hop_limits(memory_microbatches: int, limits: HopLimits) -> BulkLimits:
+    """What the hops a node receives may take of it at once, each at most the largest hop's payload: four times the
+    forwards it holds (their backwards, and forwards waiting for a slot, come meanwhile), half of that from one
+    caller. Past them a hop is refused busy at once and its source asks another replica."""
+    answers = 4 * memory_microbatches
+    return BulkLimits(
+        max_answers=answers,
+        max_answers_per_peer=2 * memory_microbatches,
+        max_bytes=answers * limits.max_hop_bytes(),
+        answer_time_s=HOP_TIME_S,
+    )
 
 
 class StageService(StageLedger, StageCalls):
@@ -102,6 +122,8 @@ class StageService(StageLedger, StageCalls):
         self.memory_microbatches, self.hold_s, self.slot_wait_s = memory_microbatches, hold_s, slot_wait_s
         self.model_lock = threading.Lock()
         """Held while the stage's layers run forward or backward: take it to step the stage's optimizer."""
+        self.hops = BulkGate(hop_limits(memory_microbatches, limits))
+        """Admission of the hops this node receives, taken before a byte of their payload is read."""
         self.device = DeviceClock(finish=finish_of(staged.device))
         """Seconds the model lock was held per visit served (a forward and its backward) or, on a stage-0 node, per
         microbatch driven (`PipelineDriver`)."""
@@ -140,45 +162,47 @@ class StageService(StageLedger, StageCalls):
         self, requests: typing.AsyncIterator[proto.StageHop], context: P2PContext
     ) -> typing.AsyncIterator[proto.StageHop]:
         """Run this stage on a microbatch's hidden states; keep what its backward needs; answer the outputs."""
-        header, inputs = await self._receive(requests, "forward", context, wait_open=True)
-        key = (context.remote_id.to_base58(), header.iteration, header.microbatch)
-        await self._reserve(key, context)
-        try:
-            outputs = await asyncio.to_thread(self._forward, key, inputs)
-        except BaseException:
-            with self._held_lock:
-                self._held.pop(key, None)
-            raise
-        for frame in encode_frames(outputs, _reply_header(header), header.dtype):
-            self.bytes_sent += len(frame.payload)
-            yield frame
+        header, inputs, grant = await self._receive(requests, "forward", context, wait_open=True)
+        with grant:
+            key = (context.remote_id.to_base58(), header.iteration, header.microbatch)
+            await self._reserve(key, context)
+            try:
+                outputs = await asyncio.to_thread(self._forward, key, inputs)
+            except BaseException:
+                with self._held_lock:
+                    self._held.pop(key, None)
+                raise
+            for frame in encode_frames(outputs, _reply_header(header), header.dtype):
+                self.bytes_sent += len(frame.payload)
+                yield frame
         await linger()
 
     async def rpc_stage_backward(
         self, requests: typing.AsyncIterator[proto.StageHop], context: P2PContext
     ) -> typing.AsyncIterator[proto.StageHop]:
         """Run this stage's backward for a microbatch it ran forward for the caller; answer the inputs' gradient."""
-        header, grad_outputs = await self._receive(requests, "backward", context)
-        key = (context.remote_id.to_base58(), header.iteration, header.microbatch)
-        with self._held_lock:
-            held = self._held.pop(key, None)
-        if held is None:
-            self._refuse(
-                f"no forward of microbatch {header.microbatch} of iteration {header.iteration}", "backward", context
-            )
-        if held.outputs.shape != grad_outputs.shape:
-            self._refuse(
-                f"a gradient of shape {list(grad_outputs.shape)} for outputs of {list(held.outputs.shape)}",
-                "backward",
-                context,
-            )
-        grad_inputs = await asyncio.to_thread(self._backward, held, grad_outputs)
-        with self._backwards_changed:
-            self._backwards.setdefault(header.iteration, set()).add((key[0], header.microbatch))
-            self._backwards_changed.notify_all()
-        for frame in encode_frames(grad_inputs, _reply_header(header), header.dtype):
-            self.bytes_sent += len(frame.payload)
-            yield frame
+        header, grad_outputs, grant = await self._receive(requests, "backward", context)
+        with grant:
+            key = (context.remote_id.to_base58(), header.iteration, header.microbatch)
+            with self._held_lock:
+                held = self._held.pop(key, None)
+            if held is None:
+                self._refuse(
+                    f"no forward of microbatch {header.microbatch} of iteration {header.iteration}", "backward", context
+                )
+            if held.outputs.shape != grad_outputs.shape:
+                self._refuse(
+                    f"a gradient of shape {list(grad_outputs.shape)} for outputs of {list(held.outputs.shape)}",
+                    "backward",
+                    context,
+                )
+            grad_inputs = await asyncio.to_thread(self._backward, held, grad_outputs)
+            with self._backwards_changed:
+                self._backwards.setdefault(header.iteration, set()).add((key[0], header.microbatch))
+                self._backwards_changed.notify_all()
+            for frame in encode_frames(grad_inputs, _reply_header(header), header.dtype):
+                self.bytes_sent += len(frame.payload)
+                yield frame
         await linger()
 
     async def rpc_stage_done(self, request: proto.StageHop, context: P2PContext) -> proto.StageHop:
@@ -315,30 +339,46 @@ class StageService(StageLedger, StageCalls):
 
     async def _receive(
         self, requests: AsyncIterator[proto.StageHop], call: str, context: P2PContext, *, wait_open: bool = False
-    ) -> tuple[proto.StageHop, torch.Tensor]:
-        """The hop a caller sends, checked (`receive_frames`) against the stage this node serves. With `wait_open`
-        (a forward) the header's iteration is waited for first (`_wait_open`): a node that moves to another stage
-        at that iteration serves it from then on, so a forward sent by a node already there is not refused for
-        its stage (a CI run: the leader dropped a moving node that refused one, and the stage went unserved)."""
+    ) -> tuple[proto.StageHop, torch.Tensor, Grant]:
+        """The hop a caller sends, checked (`receive_frames`) against the stage this node serves, and the grant it
+        holds (`hops`), taken once its header is checked, before its payload is read, which must come within the
+        grant's time. With `wait_open` (a forward) the header's iteration is waited for first (`_wait_open`): a
+        node that moves to another stage at that iteration serves it from then on, so a forward sent by a node
+        already there is not refused for its stage."""
+        peer = context.remote_id.to_base58()
+        granted: list[Grant] = []
 
         def refused(reason: str) -> Exception:
-            logger.warning(f"refused a stage {call} from peer {context.remote_id.to_base58()[-8:]}: {reason}")
+            logger.warning(f"refused a stage {call} from peer {peer[-8:]}: {reason}")
             return HopRefusedError(f"stage {call} refused: {reason}")
+
+        def admit(num_bytes: int) -> None:
+            grant = self.hops.admit(peer, num_bytes)
+            if grant is None:
+                raise refused(f"{BUSY} receives as many hops as it may")
+            granted.append(grant)
 
         first = await anext(requests, None)
         try:
             if first is not None and wait_open:
                 await self._wait_open(first.iteration, context)
             frames = prepend(first, requests) if first is not None else requests
-            header, shape, payload = await receive_frames(
-                frames, self.limits.check_shape, refused, expected_stage=self.stage
-            )
+            try:
+                async with asyncio.timeout(HOP_TIME_S):
+                    header, shape, payload = await receive_frames(
+                        frames, self.limits.check_shape, refused, expected_stage=self.stage, admit=admit
+                    )
+            except TimeoutError:
+                raise refused(f"the hop's payload did not come within {HOP_TIME_S:g} s") from None
             tensor = stream_values(header, shape, payload, refused)
-        except HopRefusedError:
-            await drain(requests)  # so that the refusal reaches the caller
+        except BaseException as e:
+            for grant in granted:
+                grant.release()
+            if isinstance(e, HopRefusedError):
+                await drain(requests)  # so that the refusal reaches the caller
             raise
         self.bytes_received += tensor.numel() * WIRE_DTYPES[header.dtype].itemsize
-        return header, tensor
+        return header, tensor, granted[0]
 
     def _refuse(self, reason: str, call: str, context: P2PContext) -> NoReturn:
         logger.warning(f"refused a stage {call} from peer {context.remote_id.to_base58()[-8:]}: {reason}")
