@@ -3,17 +3,14 @@
 The greedy (`crowdtrain.modes.skippipe.schedule.schedule_microbatches`) balances each node's total load and the
 start order, but not when the load comes, and leaves collisions to the nodes' queues. The schedulers here try to do
 better, or are the baselines; all are scored by the product's timeline (`simulate`) and use the greedy's
-internals, so they move with it. Against the greedy with its start order, `planned` is 8.1% shorter on the
-benchmark's shape and `searched` 2.1% in the model (tests/test_skippipe_schedulers.py):
+internals, so they move with it. How much shorter each is than the greedy, in the model and across processes, is
+in BENCHMARKS.md (`bench_skippipe_schedule.py`, `bench_skippipe_swarm.py`); tests/test_skippipe_schedulers.py
+checks what each keeps of the greedy's and that the search and `planned` end no later than it:
 
 - `planned` routes the greedy's stage sets again by prioritized planning (the completion step of the paper's
-  search, below) and keeps whichever routes the timeline ends first. On the swarm benchmark's shape (4 stages × 2
-  replicas, one 4× slow, 8 microbatches, k = 0.25 reordered) that is 11.8% shorter than the greedy in the model,
-  in 4-8 ms a schedule; on random heterogeneous swarms 0-12% shorter. Across 8 processes prioritized routes made
-  iterations 9% shorter in two runs and `planned` 2% longer in a third, and in the WAN lab 1.6% shorter
-  (BENCHMARKS.md): not what nodes run. Its routes may pass no microbatch through a replica; such a stage node did
-  not notice a dead source (a fresh-clone run failed the test of a swarm that loses its only stage-0 node that
-  way, tests/test_skippipe_moves.py) until it was made to ping its sources (`SkipPipeNode._wait_sources`).
+  search, below) and keeps whichever routes the timeline ends first, in a few milliseconds a schedule. Across
+  processes its gain was small or none: not what nodes run. Its routes may pass no microbatch through a replica;
+  a stage node given none finds a dead source by pinging its sources (`SkipPipeNode._wait_sources`).
 - `conflict_based` is the paper's method: conflict-based search (CBS) over the microbatches' space-time paths, with
   A* for each microbatch (`_Planner`, `_conflict_search`). It keeps the greedy's stage sets (the paper's first
   phase, a cap on each stage's visits, is what least-visited-first gives) and chooses each microbatch's source,

@@ -176,7 +176,7 @@ def statuses() -> list[proto.PeerStatus]:
 
 
 def summary_json(run_id: str, listing: RunListing | None, statuses: list[proto.PeerStatus]) -> dict[str, Any]:
-    """The `status --json` object of a summary: what scripts and the README's contract read."""
+    """The `status --json` object of a summary: what scripts and the contract in docs/status.md read."""
     return summarize(run_id, listing, statuses).to_json()
 
 

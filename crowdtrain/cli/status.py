@@ -135,7 +135,7 @@ class PeerView:
         )
 
     def to_json(self) -> dict[str, Any]:
-        """The peer's object in `status --json` (a contract: keys, order and nulls as documented in the README)."""
+        """The peer's object in `status --json` (a contract: keys, order and nulls as documented in docs/status.md)."""
         return {
             "peer_id": self.peer_id,
             "roles": list(self.roles),
