@@ -7,6 +7,7 @@ Package map, from the top down; a package may import only those below it (tests/
   modes/      the training modes behind one interface, each in its own module or sub-package, and their registry:
               gradients and parameters (collaborative), diloco/, spes/, skippipe/
   planning/   the DeDLOC plan and this node's roles from measured capabilities
+  collaboration/  hivemind.Optimizer for the run: built from the manifest, its workarounds and catch-up holds
   links/      measuring links: bandwidth and reachability probes
   averaging/  all-reduce machinery: Moshpit groups, plan-partitioned rounds, exactness, phases, traffic
   moe/        DMoE expert hosting: placement, replicas, the host's supervisor

@@ -207,8 +207,8 @@ def make_averager(args: argparse.Namespace, variant: dict[str, Any], tensor: Any
     from hivemind.averaging import DecentralizedAverager
     from hivemind.compression import NoCompression
 
-    from crowdtrain.averaging.collaboration import _compression as daemon_compression  # the daemon's own mapping
     from crowdtrain.averaging.partition import PlannedAverager
+    from crowdtrain.collaboration.factory import _compression as daemon_compression  # the daemon's own mapping
     from crowdtrain.manifest import demo
 
     class Timed(DecentralizedAverager):

@@ -24,18 +24,18 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from lab.processes import await_condition
 
-from crowdtrain.averaging import hivemind_optimizer
-from crowdtrain.averaging.collaboration import (
+from crowdtrain.averaging.exact import new_partial_counter, require_complete
+from crowdtrain.averaging.groups import chunk_timeout_s, join_request_timeout_s
+from crowdtrain.averaging.partition import PartialAverageError, PlanSharesMixin
+from crowdtrain.averaging.phases import PhaseAccumulator, PhaseTimes
+from crowdtrain.collaboration import hivemind_optimizer
+from crowdtrain.collaboration.factory import (
     clear_micro_batch_gradients,
     discard_local_gradients,
     make_optimizer,
     reuses_grad_buffers,
 )
-from crowdtrain.averaging.exact import new_partial_counter, require_complete
-from crowdtrain.averaging.groups import chunk_timeout_s, join_request_timeout_s
-from crowdtrain.averaging.hivemind_optimizer import _Optimizer
-from crowdtrain.averaging.partition import PartialAverageError, PlanSharesMixin
-from crowdtrain.averaging.phases import PhaseAccumulator, PhaseTimes
+from crowdtrain.collaboration.hivemind_optimizer import _Optimizer
 from crowdtrain.manifest import AveragingSpec, demo
 from crowdtrain.node.logs import setup_logging
 from crowdtrain.state.catch_up import ANNOUNCE_FOR_S, HoldBudget, catch_up_key

@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "moe": 3,
     "links": 3,
     "planning": 4,
+    "collaboration": 4,
     "modes": 5,
     "training": 6,
     "node": 7,
@@ -33,7 +34,8 @@ LAYERS: dict[str, int] = {
     "__main__": 9,
 }
 """Each top-level module or package of crowdtrain and its height: it may import only what is lower, or itself.
-`state` (the verified state transfer) imports only `proto`; `averaging`'s optimizer, `moe` and `modes` import it."""
+`state` (the verified state transfer) imports only `proto`; `averaging`, `collaboration`, `moe` and `modes` import it.
+`collaboration` (hivemind.Optimizer for the run) stands on `averaging` and `state`."""
 
 
 def _unit(path: Path) -> str:

@@ -92,9 +92,9 @@ def test_a_gradients_or_parameters_run_steps_the_runs_optimizer_clipping_and_sch
     import hivemind
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from crowdtrain.averaging.collaboration import make_optimizer
     from crowdtrain.averaging.exact import new_partial_counter
     from crowdtrain.averaging.groups import join_request_timeout_s
+    from crowdtrain.collaboration.factory import make_optimizer
 
     spec = dataclasses.replace(SPEC, max_grad_norm=1e-3)
     run = dataclasses.replace(demo(), optimizer=spec, target_batch_size=4)

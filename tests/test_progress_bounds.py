@@ -19,7 +19,6 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from lab.processes import await_condition
 
-from crowdtrain.averaging.collaboration import clear_micro_batch_gradients, make_optimizer
 from crowdtrain.averaging.exact import new_partial_counter
 from crowdtrain.averaging.progress_bounds import (
     DISTRUST_S,
@@ -30,6 +29,7 @@ from crowdtrain.averaging.progress_bounds import (
     ProgressBounds,
     plausible_samples,
 )
+from crowdtrain.collaboration.factory import clear_micro_batch_gradients, make_optimizer
 from crowdtrain.manifest import demo
 from crowdtrain.state.template import epoch_ceiling
 from tests.harness import shut_down

@@ -18,8 +18,8 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.streaming import split_for_streaming
 
 from crowdtrain import proto
-from crowdtrain.averaging.hivemind_optimizer import PlannedStateAverager
 from crowdtrain.averaging.traffic import AveragingTraffic
+from crowdtrain.collaboration.hivemind_optimizer import PlannedStateAverager
 from crowdtrain.dht.admission import NotAdmittedError, _GatedHandlers
 from crowdtrain.modes.diloco.pseudo_gradients import PseudoGradientAverager
 from crowdtrain.state import download as state_download

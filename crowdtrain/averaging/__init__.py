@@ -2,8 +2,6 @@
 
 grid          Moshpit grid coordinates as hivemind group bits
 groups        this peer's Moshpit group key and size fitted to the swarm; join request and chunk timeouts
-collaboration hivemind.Optimizer configured from the run manifest; helpers over the built optimizer
-hivemind_optimizer  hivemind.Optimizer and its averagers subclassed: workarounds, phases, verified state, catch-up holds
 partition     each round's partition from the plan's shares; expected round failures as one warning line
 exact         reject partial all-reduce results and count them
 phases        where the time of a global step goes: per-phase seconds, the matchmaking/all-reduce split
@@ -14,5 +12,5 @@ progress_bounds  peers' progress claims bounded before hivemind's tracker sums t
 compression   wire encodings by name (fp16, int8, topk, none); hivemind's 8-bit decoder fixed and bounded
 error_feedback  DiLoCo's top-k: each tensor's largest values sent, the rest kept back for later rounds
 
-May import: `state`, `dht`, `optimizer`, `manifest`, `proto`, `errors`.
+May import: `state`, `dht`, `manifest`, `proto`, `errors`.
 """

@@ -14,14 +14,14 @@ from typing import Any
 import hivemind
 import torch
 
-from crowdtrain.averaging.collaboration import (
+from crowdtrain.averaging.groups import moshpit_bits, refresh_moshpit_groups
+from crowdtrain.collaboration.factory import (
     clear_micro_batch_gradients,
     discard_local_gradients,
     excluded_peers,
     make_optimizer,
     set_plan_share,
 )
-from crowdtrain.averaging.groups import moshpit_bits, refresh_moshpit_groups
 from crowdtrain.modes.base import ModeContext, SwarmView, TrainingMode
 from crowdtrain.modes.progress import Progress
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from crowdtrain.averaging.collaboration import LOAD_STATE_TIMEOUT_S
 from crowdtrain.averaging.phases import Phase
+from crowdtrain.collaboration.factory import LOAD_STATE_TIMEOUT_S
 from crowdtrain.modes.diloco.pseudo_gradients import MAX_GATHERED
 
 if TYPE_CHECKING:

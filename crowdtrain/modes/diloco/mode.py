@@ -53,7 +53,6 @@ from typing import Any
 import torch
 from hivemind.averaging.control import StepControl
 
-from crowdtrain.averaging.collaboration import keep_sigint_handler
 from crowdtrain.averaging.compression import compression_for
 from crowdtrain.averaging.error_feedback import ErrorFeedback, Kept
 from crowdtrain.averaging.groups import chunk_timeout_s, join_request_timeout_s, moshpit_bits, refresh_groups
@@ -61,6 +60,7 @@ from crowdtrain.averaging.partition import EXPECTED_ROUND_FAILURES
 from crowdtrain.averaging.phases import Phase, wait_for_round
 from crowdtrain.averaging.progress_bounds import BoundedProgressTracker, ProgressBounds
 from crowdtrain.averaging.traffic import AggregationSettings
+from crowdtrain.collaboration.factory import keep_sigint_handler
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import DiLoCoSpec
 from crowdtrain.modes.base import ModeContext, SwarmView, TrainingMode

@@ -2,8 +2,8 @@
 
 `gradients` mode (DeDLOC): peers accumulate gradients until the swarm reaches the target batch,
 average them, and step together. `parameters` mode (Moshpit SGD): peers step locally and average
-parameters once per global epoch. The hivemind classes it builds are in averaging/hivemind_optimizer.py; the
-Moshpit group keys and matchmaking timeouts in averaging/groups.py.
+parameters once per global epoch. The hivemind classes it builds are in collaboration/hivemind_optimizer.py;
+the Moshpit group keys and matchmaking timeouts in averaging/groups.py.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain.averaging.compression import compression_for
 from crowdtrain.averaging.groups import chunk_timeout_s, join_request_timeout_s
-from crowdtrain.averaging.hivemind_optimizer import CountingGradientAverager, _Optimizer
 from crowdtrain.averaging.partition import PlanSharesMixin
 from crowdtrain.averaging.phases import PhaseAccumulator
 from crowdtrain.averaging.quarantine import Verdict
 from crowdtrain.averaging.traffic import AggregationSettings, AveragingTraffic, TrafficCountingAverager
+from crowdtrain.collaboration.hivemind_optimizer import CountingGradientAverager, _Optimizer
 from crowdtrain.manifest import AveragingSpec, RunManifest
 from crowdtrain.optimizer import build_optimizer, build_scheduler
 
