@@ -10,11 +10,11 @@ Package map, from the top down; a package may import only those below it (tests/
   collaboration/  hivemind.Optimizer for the run: built from the manifest, its workarounds and catch-up holds
   links/      measuring links: bandwidth and reachability probes
   averaging/  all-reduce machinery: Moshpit groups, plan-partitioned rounds, exactness, phases, traffic
+  state/      the verified state transfer: a state downloaded from peers, checked, corroborated; catch-up holds
   moe/        DMoE expert hosting: placement, replicas, the host's supervisor
   models/     model builders from a manifest, precision, the training device
   data/       datasets: the embedded corpus, local files, HF datasets; per-peer sampling
   optimizer   the one optimizer factory: every mode's optimizer, schedule and gradient clipping
-  state/      the verified state transfer: a state downloaded from peers, checked, corroborated; catch-up holds
   dht/        the run's DHT schema: key names, record codecs, validators, bootstrap
   manifest/   the run manifest: what a run trains, on what, and how (sections, presets, run files)
   structured  typed parsing of mappings (TOML, env) and protobuf messages into frozen dataclasses

@@ -19,10 +19,10 @@ LAYERS: dict[str, int] = {
     "manifest": 1,
     "optimizer": 2,
     "dht": 2,
-    "state": 2,
     "models": 2,
     "data": 2,
     "averaging": 3,
+    "state": 3,
     "moe": 3,
     "links": 3,
     "planning": 4,
@@ -34,8 +34,8 @@ LAYERS: dict[str, int] = {
     "__main__": 9,
 }
 """Each top-level module or package of crowdtrain and its height: it may import only what is lower, or itself.
-`state` (the verified state transfer) imports only `proto`; `averaging`, `collaboration`, `moe` and `modes` import it.
-`collaboration` (hivemind.Optimizer for the run) stands on `averaging` and `state`."""
+`collaboration` (hivemind.Optimizer for the run) stands on `averaging` and `state` (the verified state transfer),
+which import neither each other nor any other sibling."""
 
 
 def _unit(path: Path) -> str:

@@ -10,11 +10,10 @@ import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain import proto
-from crowdtrain.dht.records import owner_marker, peer_id_of_owner
+from crowdtrain.dht.records import MAX_GLOBAL_STEPS_PER_S, epoch_ceiling, owner_marker, peer_id_of_owner
 from crowdtrain.dht.registry import publish_peer_status
 from crowdtrain.moe.epoch import MAX_EPOCH_LEAD, ExpertEpoch
 from crowdtrain.optimizer import learning_rate_factor
-from crowdtrain.state.template import MAX_GLOBAL_STEPS_PER_S, epoch_ceiling
 from tests.test_moe_replicas import supervisor, tiny_moe
 
 pytestmark = pytest.mark.timeout(120)

@@ -30,8 +30,8 @@ from crowdtrain.averaging.progress_bounds import (
     plausible_samples,
 )
 from crowdtrain.collaboration.factory import clear_micro_batch_gradients, make_optimizer
+from crowdtrain.dht.records import epoch_ceiling
 from crowdtrain.manifest import demo
-from crowdtrain.state.template import epoch_ceiling
 from tests.harness import shut_down
 
 TARGET = 32

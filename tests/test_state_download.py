@@ -21,6 +21,7 @@ from crowdtrain import proto
 from crowdtrain.averaging.traffic import AveragingTraffic
 from crowdtrain.collaboration.hivemind_optimizer import PlannedStateAverager
 from crowdtrain.dht.admission import NotAdmittedError, _GatedHandlers
+from crowdtrain.dht.records import EPOCH_SLACK, MAX_GLOBAL_STEPS_PER_S, epoch_ceiling
 from crowdtrain.modes.diloco.pseudo_gradients import PseudoGradientAverager
 from crowdtrain.state import download as state_download
 from crowdtrain.state.digest import (
@@ -46,14 +47,11 @@ from crowdtrain.state.download import (
     _whole_state,
 )
 from crowdtrain.state.template import (
-    EPOCH_SLACK,
-    MAX_GLOBAL_STEPS_PER_S,
     EpochTooHighError,
     StateTemplate,
     TensorSpec,
     UnacceptableStateError,
     check_state,
-    epoch_ceiling,
     optimizer_tensor_specs,
 )
 from tests.harness import shut_down

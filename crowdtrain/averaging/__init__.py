@@ -12,5 +12,5 @@ progress_bounds  peers' progress claims bounded before hivemind's tracker sums t
 compression   wire encodings by name (fp16, int8, topk, none); hivemind's 8-bit decoder fixed and bounded
 error_feedback  DiLoCo's top-k: each tensor's largest values sent, the rest kept back for later rounds
 
-May import: `state`, `dht`, `manifest`, `proto`, `errors`.
+May import: `dht`, `manifest`, `proto`, `errors`.
 """

@@ -40,8 +40,7 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.p2p import PeerID
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
-from crowdtrain.dht.records import MIN_PEERS_FOR_OUTLIERS, OUTLIER_RATIO, PHYSICAL_LIMITS
-from crowdtrain.state.template import epoch_ceiling
+from crowdtrain.dht.records import MIN_PEERS_FOR_OUTLIERS, OUTLIER_RATIO, PHYSICAL_LIMITS, epoch_ceiling
 
 logger = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ from crowdtrain.averaging.phases import Phase, PhaseAccumulator, wait_for_round
 from crowdtrain.averaging.progress_bounds import BoundedProgressTracker, ProgressBounds
 from crowdtrain.averaging.traffic import AggregationSettings, AveragingTraffic, TrafficCountingAverager
 from crowdtrain.dht.admission import AdmissionGated
+from crowdtrain.dht.records import epoch_ceiling
 from crowdtrain.state.catch_up import (
     ANNOUNCE_EVERY_S,
     ANNOUNCE_FOR_S,
@@ -39,7 +40,7 @@ from crowdtrain.state.catch_up import (
     still_downloading,
 )
 from crowdtrain.state.download import VerifiedStateDownloadMixin
-from crowdtrain.state.template import StateTemplate, epoch_ceiling, optimizer_tensor_specs, parameter_specs
+from crowdtrain.state.template import StateTemplate, optimizer_tensor_specs, parameter_specs
 
 logger = logging.getLogger(__name__)
 

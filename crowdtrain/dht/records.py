@@ -146,6 +146,17 @@ PHYSICAL_LIMITS = {
 """No honest node reports more: a record beyond one of these is refused, not trusted (a claimed 1e308 samples/s
 idled every honest node's plan, 1e9 Mbit/s made its sender the aggregator)."""
 
+MAX_GLOBAL_STEPS_PER_S = 20.0
+"""No run makes global steps faster than this (the demo model on one CPU makes about 3 per second)."""
+EPOCH_SLACK = 100_000
+"""Epochs allowed beyond the time bound, for clocks that disagree (an hour at the maximum rate)."""
+
+
+def epoch_ceiling(created_at: float, now: float) -> int:
+    """The highest epoch a donor may claim: the global steps a run created at `created_at` (the signed manifest's
+    time) can have made by `now`, at the fastest plausible rate, plus slack for clocks."""
+    return int(max(0.0, now - created_at) * MAX_GLOBAL_STEPS_PER_S) + EPOCH_SLACK
+
 
 def encode_peer_status(status: proto.PeerStatus) -> bytes:
     """Serialize a PeerStatus, refusing one over the size cap."""

@@ -4,7 +4,7 @@ Trainers publish the last global epoch they completed in their signed status rec
 number. The host used to take the largest claim and never go back: one peer claiming epoch 10**12 drove every
 expert's learning rate to the end of its schedule for good. Here, at each look at the trainers' claims:
 - a claim beyond what the run can have reached since its signed manifest was created is ignored, with one
-  warning per peer (the same bound as a state download's, `state.template.epoch_ceiling`);
+  warning per peer (the same bound as a state download's, `dht.records.epoch_ceiling`);
 - the swarm's epoch is the median of the others, the lower middle one of an even count: one liar among two or
   more trainers moves nothing, and it takes half of them to move it;
 - after the first look, it advances past the host's own view by at most what the run can do in the time since
@@ -21,7 +21,7 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from crowdtrain.state.template import MAX_GLOBAL_STEPS_PER_S, epoch_ceiling
+from crowdtrain.dht.records import MAX_GLOBAL_STEPS_PER_S, epoch_ceiling
 
 logger = logging.getLogger(__name__)
 

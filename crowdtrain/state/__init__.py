@@ -6,5 +6,5 @@ corroboration  other donors' digests judge a downloaded state; this node's own s
 digest         a seeded sketch of a state (sums, norms, sampled values) on the wire, and the majority rule
 catch_up       the swarm holds its global step, bounded, for a peer announcing it downloads the swarm's state
 
-May import: `proto`, `manifest`, `errors`; `averaging`, `collaboration`, `moe` and `modes` import it.
+May import: `dht`, `manifest`, `proto`, `errors`; `collaboration` and `modes` import it.
 """

@@ -2,8 +2,8 @@
 
 A download is checked against a template of this node's own state: the number of tensors, every shape and dtype,
 finiteness, the sign of quantities that can't be negative, the total bytes (bounded while streaming), and an epoch no
-higher than the run could have reached since its manifest was created (`epoch_ceiling`). A state that does not fit
-raises UnacceptableStateError, and state/download.py goes on with the next donor.
+higher than the run could have reached since its manifest was created (`dht.records.epoch_ceiling`). A state that
+does not fit raises UnacceptableStateError, and state/download.py goes on with the next donor.
 """
 
 from __future__ import annotations
@@ -16,10 +16,6 @@ from typing import Any
 import torch
 from hivemind.optim.state_averager import dump_optimizer_state
 
-MAX_GLOBAL_STEPS_PER_S = 20.0
-"""No run makes global steps faster than this (the demo model on one CPU makes about 3 per second)."""
-EPOCH_SLACK = 100_000
-"""Epochs allowed beyond the time bound, for clocks that disagree (an hour at the maximum rate)."""
 NON_NEGATIVE_STATE = frozenset({"step", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer_norm"})
 """Optimizer state entries that are never negative (a negative second moment makes Adam's step NaN)."""
 STREAM_OVERHEAD_BYTES = 1 << 20
@@ -60,12 +56,6 @@ class StateTemplate:
     def max_bytes(self) -> int:
         """Bytes the whole download may take on the wire."""
         return sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in self.tensors) + STREAM_OVERHEAD_BYTES
-
-
-def epoch_ceiling(created_at: float, now: float) -> int:
-    """The highest epoch a donor may claim: the global steps a run created at `created_at` (the signed manifest's
-    time) can have made by `now`, at the fastest plausible rate, plus slack for clocks."""
-    return int(max(0.0, now - created_at) * MAX_GLOBAL_STEPS_PER_S) + EPOCH_SLACK
 
 
 def check_state(metadata: Any, tensors: Sequence[Any], template: StateTemplate) -> int:

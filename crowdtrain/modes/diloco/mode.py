@@ -61,6 +61,7 @@ from crowdtrain.averaging.phases import Phase, wait_for_round
 from crowdtrain.averaging.progress_bounds import BoundedProgressTracker, ProgressBounds
 from crowdtrain.averaging.traffic import AggregationSettings
 from crowdtrain.collaboration.factory import keep_sigint_handler
+from crowdtrain.dht.records import epoch_ceiling
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import DiLoCoSpec
 from crowdtrain.modes.base import ModeContext, SwarmView, TrainingMode
@@ -71,7 +72,7 @@ from crowdtrain.modes.diloco.overlap import OverlappedRounds, _RoundInFlight
 from crowdtrain.modes.diloco.pseudo_gradients import MAX_GATHERED, OuterState, PseudoGradientAverager, gathered_round
 from crowdtrain.modes.progress import Progress
 from crowdtrain.optimizer import build_optimizer, set_scheduled_learning_rate
-from crowdtrain.state.template import StateTemplate, epoch_ceiling, parameter_specs
+from crowdtrain.state.template import StateTemplate, parameter_specs
 
 logger = logging.getLogger(__name__)
 
