@@ -13,7 +13,7 @@ import hivemind
 import pytest
 import torch
 from hivemind.compression import serialize_torch_tensor
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.streaming import split_for_streaming
 
@@ -202,6 +202,44 @@ class CutShortStateAverager(DonorStateAverager):
                 return
             sent += 1
             yield message
+
+
+@pytest.mark.swarm
+def test_a_donor_serves_one_state_per_peer_and_few_in_all_and_the_rest_get_an_empty_answer() -> None:
+    # Each answer makes a whole copy of the state before its first byte: a peer's third request at once is answered
+    # empty without a copy (the donor's host process made one copy, not three), another peer is still served.
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
+    peers = [str(maddr) for maddr in first.get_visible_maddrs()]
+    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers, use_ipfs=False)
+    averagers: list[Any] = []
+    try:
+        donor, donor_model = make_averager(DonorStateAverager, first, seed=1, priority=1.0)
+        joiner, joiner_model = make_averager(PlannedStateAverager, second, seed=3)
+        averagers += [donor, joiner]
+        donor.local_epoch = 4
+        wait_for_donors(second, {1.0})
+
+        async def ask_at_once(count: int) -> None:
+            p2p = await P2P.create(initial_peers=peers)
+            try:
+                stub: Any = DonorStateAverager.get_stub(p2p, first.peer_id, namespace="verified_state_test")
+                streams = [await stub.rpc_download_state(averaging_pb2.DownloadRequest()) for _ in range(count)]
+                firsts = [await anext(stream, None) for stream in streams]
+                assert sum(message is not None for message in firsts) == 1, "one answer per peer at once"
+                assert donor.served == 1, "no copy of the state was made for the refused ones"
+                # the donor's second slot is another peer's: the joiner loads the whole state meanwhile
+                loaded = await asyncio.to_thread(joiner.load_state_from_peers, timeout=30)
+                assert loaded is None and joiner.local_epoch == 4
+                for stream in streams:
+                    await stream.aclose()
+            finally:
+                await p2p.shutdown()
+
+        asyncio.run(ask_at_once(3))
+        for mine, theirs in zip(joiner_model.parameters(), donor_model.parameters(), strict=True):
+            assert torch.equal(mine, theirs)
+    finally:
+        shut_down(averagers, dhts=[first, second])
 
 
 @pytest.mark.swarm

@@ -40,6 +40,7 @@ from crowdtrain.state.catch_up import (
     still_downloading,
 )
 from crowdtrain.state.download import VerifiedStateDownloadMixin
+from crowdtrain.state.serving import StateServingMixin
 from crowdtrain.state.template import StateTemplate, optimizer_tensor_specs, parameter_specs
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ PROGRESS_REFRESH_TIMEOUT_S = 2.0
 
 class PlannedStateAverager(
     AdmissionGated,
+    StateServingMixin,
     PlanSharesMixin,
     GroupSizeMixin,
     TrainingStateAverager,

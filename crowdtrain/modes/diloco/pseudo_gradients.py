@@ -25,6 +25,7 @@ from crowdtrain.averaging.partition import PlanSharesMixin
 from crowdtrain.averaging.traffic import TrafficCountingAverager
 from crowdtrain.dht.admission import AdmissionGated
 from crowdtrain.state.download import VerifiedStateDownloadMixin
+from crowdtrain.state.serving import StateServingMixin
 from crowdtrain.state.template import StateTemplate
 
 OuterState = tuple[dict[str, Any], list[torch.Tensor]]
@@ -33,6 +34,7 @@ OuterState = tuple[dict[str, Any], list[torch.Tensor]]
 
 class PseudoGradientAverager(
     AdmissionGated,
+    StateServingMixin,
     ExactRoundsMixin,
     PlanSharesMixin,
     GroupSizeMixin,
