@@ -302,7 +302,8 @@ def test_a_download_is_announced_before_it_begins_and_renewed_while_it_lasts(mon
     stored = optimizer.dht.stored
 
     def download(self: Any, **kwargs: Any) -> None:
-        assert len(stored) == 1, "announced before the download begins"
+        # a renewal may already have come (the renewer wakes every 10 ms, this thread may have been descheduled)
+        assert stored, "announced before the download begins"
         await_condition(lambda: len(stored) >= 3, 10, "two renewals while the download lasts", poll_s=0.001)
 
     monkeypatch.setattr(hivemind.Optimizer, "load_state_from_peers", download)
