@@ -6,20 +6,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
 from crowdtrain import proto
 from crowdtrain.averaging.compression import (
+    CODECS,
     INT8_BLOCK,
     SPARSE_WIRE_TYPE,
     BoundedInt8,
     SparseFloat16,
+    codec_for,
     compression_for,
     decode_int8_blocks,
     encode_int8_blocks,
     int8_blocks_size,
 )
+from crowdtrain.manifest.specs import DILOCO_COMPRESSIONS, AveragingSpec
 
 
 def test_int8_round_trips_within_its_resolution_through_hiveminds_own_decoder() -> None:
@@ -87,6 +90,26 @@ def test_names() -> None:
     assert compression_for("fp16").compression_type == runtime_pb2.FLOAT16
     with pytest.raises(ValueError):
         compression_for("zip")
+    admitted = set(DILOCO_COMPRESSIONS) | {"fp16", "none"}  # DiLoCo's and the averaging section's
+    assert admitted <= set(CODECS), "every name a manifest admits has its codec"
+    with pytest.raises(ValueError, match="compression must be"):
+        AveragingSpec(compression="int8")
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_each_codec_is_what_it_says_on_the_wire(name: str) -> None:
+    # What the rest of the code reads of a codec (its wire slot, bytes per value, lossy, error feedback) is what
+    # its encoder does to a dense tensor.
+    codec = codec_for(name)
+    tensor = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    encoder = codec.make()
+    assert encoder.compression_type == codec.wire_type
+    part = encoder.compress(tensor, CompressionInfo.from_tensor(tensor))
+    assert part.compression == codec.wire_type
+    assert len(part.buffer) == pytest.approx(codec.bytes_per_value * tensor.numel(), rel=0.3), "dense: a few bytes"
+    decoded = deserialize_torch_tensor(part)
+    assert torch.equal(decoded, tensor) != codec.lossy
+    assert codec.error_feedback == (name == "topk"), "only top-k sends part of a tensor and keeps the rest back"
 
 
 def sparse_part(tensor: torch.Tensor) -> runtime_pb2.Tensor:

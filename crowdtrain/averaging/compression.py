@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -205,14 +206,46 @@ def decode_int8_blocks(payload: bytes | bytearray, numel: int) -> torch.Tensor:
     return (padded * scales.unsqueeze(1)).reshape(-1)[:numel]
 
 
+@dataclass(frozen=True, slots=True)
+class Codec:
+    """A wire encoding of averaged tensors, by its manifest name, with what the rest of the code needs to know of it:
+    chosen once from the manifest (`codec_for`), never compared by name elsewhere."""
+
+    name: str
+    make: Callable[[], CompressionBase]
+    """A new hivemind encoder and decoder of parts on the wire (one per averager)."""
+    wire_type: runtime_pb2.CompressionType.ValueType
+    """The hivemind wire slot its parts travel in (hivemind picks a part's decoder by it)."""
+    bytes_per_value: int
+    """Wire bytes per value of a dense tensor (top-k: per value it sends); what the plan partitions."""
+    lossy: bool
+    """Whether a value comes out of the wire other than it went in (every member must then apply the decoded
+    average, not its own exact one: averaging/traffic.py)."""
+    error_feedback: bool
+    """Whether a sender sends only part of each tensor and keeps the rest back for its next round
+    (averaging/error_feedback.py); an average of such parts is sparse, which robust aggregation can't judge."""
+
+
+CODECS: dict[str, Codec] = {
+    codec.name: codec
+    for codec in (
+        Codec("fp16", Float16Compression, runtime_pb2.FLOAT16, 2, lossy=True, error_feedback=False),
+        Codec("int8", BoundedInt8, runtime_pb2.UNIFORM_8BIT, 1, lossy=True, error_feedback=False),
+        Codec("topk", SparseFloat16, SPARSE_WIRE_TYPE, 2, lossy=True, error_feedback=True),
+        Codec("none", NoCompression, runtime_pb2.NONE, 4, lossy=False, error_feedback=False),
+    )
+}
+"""Every codec a manifest may name (which of them a section admits is the manifest's: `manifest/specs.py`)."""
+
+
+def codec_for(name: str) -> Codec:
+    """The codec a manifest names; ValueError for an unknown name."""
+    codec = CODECS.get(name)
+    if codec is None:
+        raise ValueError(f"unknown compression {name!r}")
+    return codec
+
+
 def compression_for(name: str) -> CompressionBase:
-    """The encoding a manifest names: `fp16`, `int8`, `topk` or `none`."""
-    if name == "fp16":
-        return Float16Compression()
-    if name == "int8":
-        return BoundedInt8()
-    if name == "topk":
-        return SparseFloat16()
-    if name == "none":
-        return NoCompression()
-    raise ValueError(f"unknown compression {name!r}")
+    """A new encoder of the codec a manifest names."""
+    return codec_for(name).make()

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from crowdtrain import proto
+from crowdtrain.averaging.compression import codec_for
 from crowdtrain.dht.records import MIN_PEERS_FOR_OUTLIERS, OUTLIER_RATIO
 from crowdtrain.manifest import RunManifest
 from crowdtrain.planning.plan import (
@@ -67,8 +68,8 @@ class OwnCapabilities:
 
 
 def plan_problem(manifest: RunManifest, num_parameters: int) -> PlanProblem:
-    """The vector the plan partitions: the gradient on the wire, fp16 or fp32 as the manifest says."""
-    bytes_per_value = 2 if manifest.averaging.compression == "fp16" else 4
+    """The vector the plan partitions: the gradient on the wire, in the bytes per value of the run's codec."""
+    bytes_per_value = codec_for(manifest.averaging.compression).bytes_per_value
     return PlanProblem(vector_size_bytes=num_parameters * bytes_per_value, target_batch_size=manifest.target_batch_size)
 
 

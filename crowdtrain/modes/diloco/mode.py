@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from hivemind.averaging.control import StepControl
 
-from crowdtrain.averaging.compression import compression_for
+from crowdtrain.averaging.compression import codec_for
 from crowdtrain.averaging.error_feedback import ErrorFeedback, Kept
 from crowdtrain.averaging.groups import chunk_timeout_s, join_request_timeout_s, moshpit_bits, refresh_groups
 from crowdtrain.averaging.partition import EXPECTED_ROUND_FAILURES
@@ -119,8 +119,9 @@ class DiLoCoMode(RoundSync, OverlappedRounds, TrainingMode):
             nesterov=self.spec.outer_momentum > 0,
         )
         self.inner_optimizer = build_optimizer(self.parameters, manifest.optimizer)
+        self.codec = codec_for(self.spec.compression)
         self.feedback: ErrorFeedback | None = None
-        if self.spec.compression == "topk":
+        if self.codec.error_feedback:
             self.feedback = ErrorFeedback([parameter.shape for parameter in self.parameters], self.spec.topk_fraction)
         self.round_batches = self.spec.inner_steps
         """H in force: global batches per outer round (the manifest's, or as the peers last agreed)."""
@@ -143,7 +144,7 @@ class DiLoCoMode(RoundSync, OverlappedRounds, TrainingMode):
                 request_timeout=join_request_timeout_s(averaging),
                 allreduce_timeout=averaging.timeout_s,
                 next_chunk_timeout=chunk_timeout_s(averaging),
-                compression=compression_for(self.spec.compression),
+                compression=self.codec.make(),
                 client_mode=context.client_mode,
                 partial_counter=context.partial_counter,
                 traffic=context.traffic,
@@ -245,7 +246,7 @@ class DiLoCoMode(RoundSync, OverlappedRounds, TrainingMode):
 
     @property
     def compression(self) -> str:
-        return self.spec.compression
+        return self.codec.name
 
     def report(self, progress: Progress) -> None:
         progress.epoch = self.round
