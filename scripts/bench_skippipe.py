@@ -58,7 +58,7 @@ from skippipe_schedulers import full_pipeline, random_skipping
 from crowdtrain.data import WindowSampler, load_token_stream
 from crowdtrain.manifest import ModelSpec, RunManifest, demo
 from crowdtrain.models import ByteTokenizer, build_model
-from crowdtrain.modes.skippipe.schedule import (
+from crowdtrain.modes.skippipe.roster.schedule import (
     DEFAULT_LATENCY_S,
     NodeInfo,
     Schedule,

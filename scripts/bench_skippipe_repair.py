@@ -31,10 +31,10 @@ from benchlib import bench_parser, environment_json, print_table, say, write_jso
 
 from crowdtrain.manifest import RunManifest
 from crowdtrain.modes.skippipe import HopLimits, StageService
-from crowdtrain.modes.skippipe.drift import fingerprint, fingerprint_positions
 from crowdtrain.modes.skippipe.iteration import SkipPipeNode
-from crowdtrain.modes.skippipe.schedule import NodeInfo
-from crowdtrain.modes.skippipe.stage_state import STATE_PARTS
+from crowdtrain.modes.skippipe.replicas.drift import fingerprint, fingerprint_positions
+from crowdtrain.modes.skippipe.replicas.stage_state import STATE_PARTS
+from crowdtrain.modes.skippipe.roster.schedule import NodeInfo
 from crowdtrain.modes.skippipe.stages import StagedModel
 
 STAGE = 1

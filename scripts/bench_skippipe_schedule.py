@@ -40,7 +40,7 @@ from skippipe_schedulers import (
     searched,
 )
 
-from crowdtrain.modes.skippipe.schedule import NodeInfo, SkipPipeProblem, schedule_microbatches
+from crowdtrain.modes.skippipe.roster.schedule import NodeInfo, SkipPipeProblem, schedule_microbatches
 
 NUM_STAGES, REPLICAS, MICROBATCHES, SKIP_RATIO, MEMORY = 4, 2, 8, 0.25, 2
 

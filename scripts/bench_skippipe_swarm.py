@@ -132,10 +132,10 @@ from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blo
 from crowdtrain.manifest import ModelSpec, RunManifest, demo, llama_20m
 from crowdtrain.models import ByteTokenizer, build_model
 from crowdtrain.modes.skippipe import HopLimits, StageService
-from crowdtrain.modes.skippipe.gradient_exchange import BACKGROUND_SHARE
 from crowdtrain.modes.skippipe.iteration import IterationReport, SkipPipeNode
-from crowdtrain.modes.skippipe.membership import follow_cost
-from crowdtrain.modes.skippipe.schedule import (
+from crowdtrain.modes.skippipe.replicas.gradient_exchange import BACKGROUND_SHARE
+from crowdtrain.modes.skippipe.roster.membership import follow_cost
+from crowdtrain.modes.skippipe.roster.schedule import (
     NodeInfo,
     Schedule,
     SkipPipeProblem,

@@ -1,6 +1,6 @@
 """SkipPipe schedulers no node runs, for the benchmarks to compare with the greedy the nodes run.
 
-The greedy (`crowdtrain.modes.skippipe.schedule.schedule_microbatches`) balances each node's total load and the
+The greedy (`crowdtrain.modes.skippipe.roster.schedule.schedule_microbatches`) balances each node's total load and the
 start order, but not when the load comes, and leaves collisions to the nodes' queues. The schedulers here try to do
 better, or are the baselines; all are scored by the product's timeline (`simulate`) and use the greedy's
 internals, so they move with it. How much shorter each is than the greedy, in the model and across processes, is
@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 # The greedy's internals: these schedulers start from its stage sets and routes and score with its timeline.
-from crowdtrain.modes.skippipe.schedule import (
+from crowdtrain.modes.skippipe.roster.schedule import (
     _EPSILON_S,
     FORWARD_SHARE,
     IMPROVE_MIN_S,

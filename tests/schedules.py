@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from crowdtrain.modes.skippipe.schedule import NodeInfo, Schedule, SkipPipeProblem, num_visited_stages, simulate
+from crowdtrain.modes.skippipe.roster.schedule import NodeInfo, Schedule, SkipPipeProblem, num_visited_stages, simulate
 
 
 def node(peer_id: str, stage: int, seconds: float = 1.0, memory: int = 8) -> NodeInfo:

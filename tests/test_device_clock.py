@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from crowdtrain.modes.skippipe.device_clock import (
+from crowdtrain.modes.skippipe.hops.device_clock import (
     COST_DRIFT,
     DEVICE_SAMPLES,
     MIN_DRIFT_S,

@@ -29,7 +29,7 @@ def frame_cap() -> Iterator[None]:
 
 def test_the_daemon_cap_is_above_every_frame_we_send() -> None:
     from crowdtrain.links.protocol import CHUNK_BYTES as PROBE_CHUNK
-    from crowdtrain.modes.skippipe.hop_wire import CHUNK_BYTES as HOP_CHUNK
+    from crowdtrain.modes.skippipe.hops.hop_wire import CHUNK_BYTES as HOP_CHUNK
     from crowdtrain.modes.spes.expert_exchange import CHUNK_BYTES as EXPERT_CHUNK
 
     assert max(EXPERT_CHUNK, PROBE_CHUNK, HOP_CHUNK, 2**19) * 4 <= MAX_STREAM_FRAME_BYTES

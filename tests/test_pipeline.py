@@ -30,15 +30,15 @@ from crowdtrain.modes.skippipe import (
     HopRefusedError,
     PipelineDriver,
     StageService,
-    stage_service,
 )
-from crowdtrain.modes.skippipe.drift import drifted, fingerprint, fingerprint_positions, reference_replica
-from crowdtrain.modes.skippipe.gradient_exchange import BACKGROUND_NICE, lower_priority
-from crowdtrain.modes.skippipe.hop_wire import CHUNK_BYTES, MAX_PACED_S, NAMESPACE, PACED_CHUNK_BYTES, paced_rate
+from crowdtrain.modes.skippipe.hops import stage_service
+from crowdtrain.modes.skippipe.hops.hop_wire import CHUNK_BYTES, MAX_PACED_S, NAMESPACE, PACED_CHUNK_BYTES, paced_rate
+from crowdtrain.modes.skippipe.hops.stage_service import MAX_GRADIENT_WAITS
 from crowdtrain.modes.skippipe.iteration import IterationReport, SkipPipeNode
-from crowdtrain.modes.skippipe.schedule import NodeInfo, Route, Schedule, SkipPipeProblem, schedule_microbatches
-from crowdtrain.modes.skippipe.stage_service import MAX_GRADIENT_WAITS
-from crowdtrain.modes.skippipe.stage_state import STATE_PARTS, STATE_TIMEOUT_FLOOR_S, state_timeout_s
+from crowdtrain.modes.skippipe.replicas.drift import drifted, fingerprint, fingerprint_positions, reference_replica
+from crowdtrain.modes.skippipe.replicas.gradient_exchange import BACKGROUND_NICE, lower_priority
+from crowdtrain.modes.skippipe.replicas.stage_state import STATE_PARTS, STATE_TIMEOUT_FLOOR_S, state_timeout_s
+from crowdtrain.modes.skippipe.roster.schedule import NodeInfo, Route, Schedule, SkipPipeProblem, schedule_microbatches
 from crowdtrain.modes.skippipe.stages import StagedModel
 from crowdtrain.optimizer import build_optimizer
 
@@ -594,7 +594,7 @@ def test_a_request_for_a_gradient_not_yet_published_is_held_until_it_is_and_only
     """A replica done early asks for its twin's gradient before it is published: the request is answered when it is,
     not with none at once; while MAX_GRADIENT_WAITS requests are held, another is answered with none at once."""
     service = swarm.services[1]
-    monkeypatch.setattr("crowdtrain.modes.skippipe.stage_service.GRADIENT_WAIT_S", 60.0)
+    monkeypatch.setattr("crowdtrain.modes.skippipe.hops.stage_service.GRADIENT_WAIT_S", 60.0)
 
     async def first_answer(iteration: int) -> proto.StageHop:
         request = proto.StageHop(iteration=iteration, stage=1)

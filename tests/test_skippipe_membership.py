@@ -13,7 +13,7 @@ from crowdtrain.cli.status import render, summarize
 from crowdtrain.dht.records import PublishedManifest, RecordError, owner_marker, peer_id_of_owner
 from crowdtrain.dht.registry import RunListing
 from crowdtrain.manifest import SkipPipeSpec, demo, skippipe_demo
-from crowdtrain.modes.skippipe.membership import (
+from crowdtrain.modes.skippipe.roster.membership import (
     Membership,
     choose_stage,
     cost_changes,
@@ -28,7 +28,7 @@ from crowdtrain.modes.skippipe.membership import (
     spare_for_empty_stage,
     stage_zero_gone,
 )
-from crowdtrain.modes.skippipe.schedule import NodeInfo
+from crowdtrain.modes.skippipe.roster.schedule import NodeInfo
 
 
 def node(peer: str, stage: int, seconds: float = 1.0) -> NodeInfo:

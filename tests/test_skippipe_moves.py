@@ -27,13 +27,13 @@ from crowdtrain.dht.validator import make_validators
 from crowdtrain.manifest import RunManifest, load_run_file
 from crowdtrain.models import build_model, load_tokenizer
 from crowdtrain.modes.base import ModeContext, SwarmView
-from crowdtrain.modes.skippipe import declaration, membership, rostering
 from crowdtrain.modes.skippipe import iteration as pipeline_iteration
-from crowdtrain.modes.skippipe.driver import MicrobatchOutcome
+from crowdtrain.modes.skippipe.hops.driver import MicrobatchOutcome
 from crowdtrain.modes.skippipe.iteration import SkipPipeNode
-from crowdtrain.modes.skippipe.membership import membership_at
 from crowdtrain.modes.skippipe.mode import SkipPipeMode
-from crowdtrain.modes.skippipe.schedule import Schedule
+from crowdtrain.modes.skippipe.roster import declaration, membership, rostering
+from crowdtrain.modes.skippipe.roster.membership import membership_at
+from crowdtrain.modes.skippipe.roster.schedule import Schedule
 from crowdtrain.modes.skippipe.stages import Activations, StagedModel
 from crowdtrain.node.identity import load_or_create_identity
 from crowdtrain.optimizer import learning_rate_factor

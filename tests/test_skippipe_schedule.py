@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 from skippipe_schedulers import conflict_based, full_pipeline, greedy_in_order, planned, random_skipping, searched
 
-from crowdtrain.modes.skippipe import schedule as paths
-from crowdtrain.modes.skippipe.schedule import (
+from crowdtrain.modes.skippipe.roster import schedule as paths
+from crowdtrain.modes.skippipe.roster.schedule import (
     NodeInfo,
     Route,
     SkipPipeProblem,

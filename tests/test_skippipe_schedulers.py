@@ -9,8 +9,8 @@ import pytest
 import skippipe_schedulers as research
 from skippipe_schedulers import conflict_based, planned, searched
 
-from crowdtrain.modes.skippipe import schedule as paths
-from crowdtrain.modes.skippipe.schedule import SkipPipeProblem, schedule_microbatches
+from crowdtrain.modes.skippipe.roster import schedule as paths
+from crowdtrain.modes.skippipe.roster.schedule import SkipPipeProblem, schedule_microbatches
 from tests.schedules import check_balanced, check_constraints, four_by_two, node, problem, random_problem
 
 

@@ -40,8 +40,8 @@ from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import RunManifest, load_run_file, skippipe_spec
 from crowdtrain.models import build_model, load_tokenizer, model_kind
 from crowdtrain.modes.skippipe import HopFailedError, HopLimits, StageService
-from crowdtrain.modes.skippipe.membership import StageDirectory
-from crowdtrain.modes.skippipe.stage_state import STATE_PARTS, state_timeout_s
+from crowdtrain.modes.skippipe.replicas.stage_state import STATE_PARTS, state_timeout_s
+from crowdtrain.modes.skippipe.roster.membership import StageDirectory
 from crowdtrain.modes.skippipe.stages import StagedModel, check_path
 from crowdtrain.node.config import SwarmSettings
 from crowdtrain.node.membership import with_join_token

@@ -242,8 +242,8 @@ MAX_ROSTER_BYTES = 4 * 256 * 96
 
 
 def check_stage_declaration(subkey: bytes, value: bytes) -> proto.SkipPipeMember:
-    """A SkipPipe stage declaration: a SkipPipeMember of its signer within the size cap (modes/skippipe/membership.py
-    checks the rest against the run); RecordError otherwise."""
+    """A SkipPipe stage declaration: a SkipPipeMember of its signer within the size cap
+    (modes/skippipe/roster/membership.py checks the rest against the run); RecordError otherwise."""
     if len(value) > MAX_STAGE_DECLARATION_BYTES:
         raise RecordError(f"a stage declaration of {len(value)} bytes is over the {MAX_STAGE_DECLARATION_BYTES} cap")
     member = _parse(proto.SkipPipeMember, value)
@@ -255,8 +255,8 @@ def check_stage_declaration(subkey: bytes, value: bytes) -> proto.SkipPipeMember
 
 
 def check_roster(subkey: bytes, value: bytes) -> proto.SkipPipeRoster:
-    """A SkipPipe roster: a SkipPipeRoster signed by a node, within the size cap (modes/skippipe/membership.py checks
-    its memberships); RecordError otherwise."""
+    """A SkipPipe roster: a SkipPipeRoster signed by a node, within the size cap (modes/skippipe/roster/membership.py
+    checks its memberships); RecordError otherwise."""
     peer_id_of_owner(subkey)
     if len(value) > MAX_ROSTER_BYTES:
         raise RecordError(f"a roster of {len(value)} bytes is over the {MAX_ROSTER_BYTES} cap")

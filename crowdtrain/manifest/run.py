@@ -32,8 +32,8 @@ average, not a delta (averaging/traffic.py). 3: a sender ends its all-reduce str
 came back, and a reducer holds a zero-share sender's averages until all are ready, not until that end. 4: every
 step's gradient is clipped to `optimizer.max_grad_norm` (replicas that clip differently would drift apart). 5: a run
 may be invite-only (`admission`): its nodes then sign every DHT request with an access token (dht/admission.py). 6:
-SkipPipe's schedule weighs each node's published link (`SkipPipeMember.seconds_per_hop`, modes/skippipe/schedule.py),
-and
+SkipPipe's schedule weighs each node's published link (`SkipPipeMember.seconds_per_hop`,
+modes/skippipe/roster/schedule.py), and
 with `overlap_exchange` a replica computes on a look-ahead and serves and fingerprints its true state. 7: DiLoCo
 groups are keyed by outer round (modes/diloco/pseudo_gradients.py), and with `overlap_exchange` SkipPipe's schedule
 costs hops at the link the background exchange leaves (`SkipPipeProblem.background_share`)."""

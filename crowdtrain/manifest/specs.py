@@ -296,7 +296,7 @@ class SkipPipeSpec:
     """Whether the replicas' gradient exchange runs during the next iteration instead of between the two, leaving
     the iteration's critical path (on home links it was a third of a SkipPipe iteration). The replicas' true state
     still takes every iteration's exact sum, one iteration later; meanwhile each replica computes on that state
-    stepped by its own share of the gradient (a look-ahead, crowdtrain/modes/skippipe/gradient_exchange.py)."""
+    stepped by its own share of the gradient (a look-ahead, crowdtrain/modes/skippipe/replicas/gradient_exchange.py)."""
 
     def __post_init__(self) -> None:
         if not 2 <= self.stages <= MAX_SKIPPIPE_STAGES:

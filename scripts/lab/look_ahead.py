@@ -1,5 +1,5 @@
-"""One process doing what SkipPipe's nodes do with `overlap_exchange` (modes/skippipe/gradient_exchange.py): each
-stage's true state steps on the replicas' summed gradient one iteration late, and each replica computes on its
+"""One process doing what SkipPipe's nodes do with `overlap_exchange` (modes/skippipe/replicas/gradient_exchange.py):
+each stage's true state steps on the replicas' summed gradient one iteration late, and each replica computes on its
 look-ahead, the true state stepped on its own gradient times the stage's microbatches over its own, AdamW's moments
 kept.
 

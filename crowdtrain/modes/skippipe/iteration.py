@@ -48,11 +48,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from crowdtrain.modes.skippipe.drift import fingerprint_positions
-from crowdtrain.modes.skippipe.driver import MicrobatchOutcome, PipelineDriver
-from crowdtrain.modes.skippipe.gradient_exchange import BACKGROUND_SHARE, Gathered, GradientExchange
-from crowdtrain.modes.skippipe.schedule import NodeInfo, Schedule, SkipPipeProblem, schedule_microbatches
-from crowdtrain.modes.skippipe.stage_service import StageService
+from crowdtrain.modes.skippipe.hops.driver import MicrobatchOutcome, PipelineDriver
+from crowdtrain.modes.skippipe.hops.stage_service import StageService
+from crowdtrain.modes.skippipe.replicas.drift import fingerprint_positions
+from crowdtrain.modes.skippipe.replicas.gradient_exchange import BACKGROUND_SHARE, Gathered, GradientExchange
+from crowdtrain.modes.skippipe.roster.schedule import NodeInfo, Schedule, SkipPipeProblem, schedule_microbatches
 
 logger = logging.getLogger(__name__)
 

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
-from crowdtrain.modes.skippipe.drift import drifted, fingerprint, reference_replica
-from crowdtrain.modes.skippipe.hop_wire import HopFailedError
-from crowdtrain.modes.skippipe.stage_state import StageState
+from crowdtrain.modes.skippipe.hops.hop_wire import HopFailedError
+from crowdtrain.modes.skippipe.replicas.drift import drifted, fingerprint, reference_replica
+from crowdtrain.modes.skippipe.replicas.stage_state import StageState
 
 logger = logging.getLogger(__name__)
 

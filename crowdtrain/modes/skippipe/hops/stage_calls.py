@@ -21,7 +21,7 @@ from hivemind.p2p import PeerID
 
 from crowdtrain import proto
 from crowdtrain.dht.service import P2PService
-from crowdtrain.modes.skippipe.hop_wire import (
+from crowdtrain.modes.skippipe.hops.hop_wire import (
     BUSY,
     GRADIENT_DTYPES,
     MAX_FINGERPRINT,

@@ -25,11 +25,11 @@ import torch
 from crowdtrain.manifest import SkipPipeSpec
 from crowdtrain.models.device import available_memory_bytes
 from crowdtrain.modes.base import ModeContext
-from crowdtrain.modes.skippipe.device_clock import FOLLOW_EVERY_S
-from crowdtrain.modes.skippipe.hop_wire import WIRE_DTYPES
-from crowdtrain.modes.skippipe.membership import DECLARATION_RENEW_S, StageDirectory, choose_stage, restage
-from crowdtrain.modes.skippipe.schedule import NodeInfo, seconds_per_hop
-from crowdtrain.modes.skippipe.stage_service import StageService
+from crowdtrain.modes.skippipe.hops.device_clock import FOLLOW_EVERY_S
+from crowdtrain.modes.skippipe.hops.hop_wire import WIRE_DTYPES
+from crowdtrain.modes.skippipe.hops.stage_service import StageService
+from crowdtrain.modes.skippipe.roster.membership import DECLARATION_RENEW_S, StageDirectory, choose_stage, restage
+from crowdtrain.modes.skippipe.roster.schedule import NodeInfo, seconds_per_hop
 from crowdtrain.modes.skippipe.stages import StagedModel
 
 logger = logging.getLogger(__name__)

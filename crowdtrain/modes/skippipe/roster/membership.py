@@ -37,8 +37,8 @@ from crowdtrain import proto
 from crowdtrain.dht import keys
 from crowdtrain.dht.records import RecordError, check_roster, check_stage_declaration, peer_id_of_owner
 from crowdtrain.dht.registry import read_dictionary, store_signed
-from crowdtrain.modes.skippipe.device_clock import drifted
-from crowdtrain.modes.skippipe.schedule import MAX_SECONDS_PER_HOP, NodeInfo
+from crowdtrain.modes.skippipe.hops.device_clock import drifted
+from crowdtrain.modes.skippipe.roster.schedule import MAX_SECONDS_PER_HOP, NodeInfo
 
 logger = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ from concurrent.futures import Future
 import torch
 
 from crowdtrain import proto
-from crowdtrain.modes.skippipe.hop_wire import HopFailedError
-from crowdtrain.modes.skippipe.stage_service import StageService
+from crowdtrain.modes.skippipe.hops.hop_wire import HopFailedError
+from crowdtrain.modes.skippipe.hops.stage_service import StageService
 
 if typing.TYPE_CHECKING:
-    from crowdtrain.modes.skippipe.gradient_exchange import Gathered
+    from crowdtrain.modes.skippipe.replicas.gradient_exchange import Gathered
 
 logger = logging.getLogger(__name__)
 

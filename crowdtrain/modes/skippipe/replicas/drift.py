@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from crowdtrain.modes.skippipe.hop_wire import MAX_FINGERPRINT
+from crowdtrain.modes.skippipe.hops.hop_wire import MAX_FINGERPRINT
 
 DRIFT_TOLERANCE = 1e-4
 """Replicas whose fingerprints differ by more than this, relative to the fingerprint's norm, have drifted apart.

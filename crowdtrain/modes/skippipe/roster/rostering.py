@@ -27,10 +27,11 @@ import typing
 
 import torch
 
-from crowdtrain.modes.skippipe.declaration import StageDeclaration
-from crowdtrain.modes.skippipe.hop_wire import HopFailedError
+from crowdtrain.modes.skippipe.hops.hop_wire import HopFailedError
+from crowdtrain.modes.skippipe.hops.stage_ledger import MAX_ITERATIONS_AHEAD
 from crowdtrain.modes.skippipe.iteration import SkipPipeNode
-from crowdtrain.modes.skippipe.membership import (
+from crowdtrain.modes.skippipe.roster.declaration import StageDeclaration
+from crowdtrain.modes.skippipe.roster.membership import (
     DECLARATION_TTL_S,
     LOOKAHEAD,
     ROSTER_RENEW_S,
@@ -42,8 +43,7 @@ from crowdtrain.modes.skippipe.membership import (
     spare_for_empty_stage,
     stage_zero_gone,
 )
-from crowdtrain.modes.skippipe.schedule import NodeInfo
-from crowdtrain.modes.skippipe.stage_ledger import MAX_ITERATIONS_AHEAD
+from crowdtrain.modes.skippipe.roster.schedule import NodeInfo
 
 logger = logging.getLogger(__name__)
 

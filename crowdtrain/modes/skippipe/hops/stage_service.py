@@ -44,8 +44,8 @@ from hivemind.p2p import P2PContext
 from crowdtrain import proto
 from crowdtrain.dht.bulk import BulkGate, BulkLimits, Grant
 from crowdtrain.dht.service import drain, linger
-from crowdtrain.modes.skippipe.device_clock import DeviceClock, finish_of
-from crowdtrain.modes.skippipe.hop_wire import (
+from crowdtrain.modes.skippipe.hops.device_clock import DeviceClock, finish_of
+from crowdtrain.modes.skippipe.hops.hop_wire import (
     BUSY,
     CHUNK_BYTES,
     NAMESPACE,
@@ -61,8 +61,8 @@ from crowdtrain.modes.skippipe.hop_wire import (
     receive_frames,
     stream_values,
 )
-from crowdtrain.modes.skippipe.stage_calls import StageCalls
-from crowdtrain.modes.skippipe.stage_ledger import HeldForward, PublishedGradient, StageLedger
+from crowdtrain.modes.skippipe.hops.stage_calls import StageCalls
+from crowdtrain.modes.skippipe.hops.stage_ledger import HeldForward, PublishedGradient, StageLedger
 from crowdtrain.modes.skippipe.stages import StagedModel
 
 logger = logging.getLogger(__name__)

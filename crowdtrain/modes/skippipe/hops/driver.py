@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 from crowdtrain import proto
-from crowdtrain.modes.skippipe.hop_wire import WIRE_DTYPES, HopFailedError
-from crowdtrain.modes.skippipe.schedule import Route
-from crowdtrain.modes.skippipe.stage_service import StageService
+from crowdtrain.modes.skippipe.hops.hop_wire import WIRE_DTYPES, HopFailedError
+from crowdtrain.modes.skippipe.hops.stage_service import StageService
+from crowdtrain.modes.skippipe.roster.schedule import Route
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from crowdtrain import proto
-from crowdtrain.modes.skippipe.device_clock import DeviceClock
-from crowdtrain.modes.skippipe.hop_wire import GRADIENT_DTYPES, MAX_FINGERPRINT, wire_bytes, wire_values
+from crowdtrain.modes.skippipe.hops.device_clock import DeviceClock
+from crowdtrain.modes.skippipe.hops.hop_wire import GRADIENT_DTYPES, MAX_FINGERPRINT, wire_bytes, wire_values
 
 MAX_ITERATIONS_AHEAD = 64
 """Done messages are kept for at most this many iterations at once, from the open one on (the rest are dropped)."""
