@@ -14,7 +14,7 @@ from crowdtrain.dht.records import PublishedManifest, RecordError, owner_marker,
 from crowdtrain.dht.registry import RunListing
 from crowdtrain.manifest import SkipPipeSpec, demo, skippipe_demo
 from crowdtrain.modes.skippipe.roster.membership import (
-    Membership,
+    PipelineMembers,
     choose_stage,
     cost_changes,
     encode_roster,
@@ -56,20 +56,20 @@ def test_two_joiners_that_chose_one_stage_at_once_split_the_lower_peer_id_keeps_
 
 def test_the_roster_followed_starts_latest_is_from_a_stage_zero_member_and_ties_go_to_the_lowest() -> None:
     a, b, c = node("a", 0), node("b", 0), node("c", 1)
-    old = [Membership(0, (a, c))]
-    newer = [Membership(0, (a, c)), Membership(5, (a, b, c))]
+    old = [PipelineMembers(0, (a, c))]
+    newer = [PipelineMembers(0, (a, c)), PipelineMembers(5, (a, b, c))]
     assert pick_roster({a.peer_id: old, b.peer_id: newer}) == newer
-    assert pick_roster({b.peer_id: newer, a.peer_id: newer[:1] + [Membership(5, (a, c))]})[-1].members == (a, c)
+    assert pick_roster({b.peer_id: newer, a.peer_id: newer[:1] + [PipelineMembers(5, (a, c))]})[-1].members == (a, c)
     # a stage-1 node's roster is not followed, however new
-    assert pick_roster({a.peer_id: old, c.peer_id: [Membership(9, (c,))]}) == old
+    assert pick_roster({a.peer_id: old, c.peer_id: [PipelineMembers(9, (c,))]}) == old
     # once a node follows a roster, only its stage-0 members may publish the next, and not far ahead
     stranger = node("s", 0)
-    hijack = [Membership(0, (a, c)), Membership(6, (stranger, c))]
+    hijack = [PipelineMembers(0, (a, c)), PipelineMembers(6, (stranger, c))]
     assert pick_roster({a.peer_id: newer, stranger.peer_id: hijack}) == hijack  # a joiner knows no better
     assert pick_roster({a.peer_id: newer, stranger.peer_id: hijack}, current=newer, iteration=5) == newer
-    far = [*newer, Membership(5 + 2 + 64 + 1, (a, b))]
+    far = [*newer, PipelineMembers(5 + 2 + 64 + 1, (a, b))]
     assert pick_roster({b.peer_id: far, a.peer_id: newer}, current=newer, iteration=5) == newer
-    near = [*newer, Membership(7, (a, b))]
+    near = [*newer, PipelineMembers(7, (a, b))]
     assert pick_roster({b.peer_id: near, a.peer_id: newer}, current=newer, iteration=5) == near  # a successor
     assert membership_at(newer, 4) == newer[0] and membership_at(newer, 5) == newer[1]
     assert membership_at(newer[1:], 4) is None
@@ -79,7 +79,7 @@ def test_the_roster_followed_starts_latest_is_from_a_stage_zero_member_and_ties_
 
 def test_the_next_membership_keeps_live_members_adds_declared_ones_and_drops_the_given_up() -> None:
     a, b, c, d = node("a", 0), node("b", 1), node("c", 1), node("d", 0)
-    current = Membership(0, (a, b, c))
+    current = PipelineMembers(0, (a, b, c))
     declared = {n.peer_id: n for n in (a, c, d)}  # b's declaration expired
     assert next_members(current, declared, given_up=()) == (a, c, d)
     assert next_members(current, declared, given_up={c.peer_id}) == (a, d)
@@ -97,32 +97,33 @@ def test_the_next_membership_keeps_live_members_adds_declared_ones_and_drops_the
 
 def test_a_swarm_whose_stage_zero_is_gone_follows_the_roster_a_node_founds_again() -> None:
     a, b, c, d = node("a", 0), node("b", 0), node("c", 1), node("d", 1)
-    current = [Membership(0, (a, b, c, d))]
+    current = [PipelineMembers(0, (a, b, c, d))]
     assert stage_zero_gone(current[-1], {b.peer_id, c.peer_id}) == []  # one stage-0 node is enough
     assert stage_zero_gone(current[-1], {c.peer_id, d.peer_id}) == [a.peer_id, b.peer_id]
     moved = dataclasses.replace(d, stage=0)
-    refounded = [*current, Membership(9, (c, moved))]
+    refounded = [*current, PipelineMembers(9, (c, moved))]
     rosters = {a.peer_id: current, d.peer_id: refounded}
     assert pick_roster(rosters, current, iteration=7) == current, "d was no stage-0 member: not followed"
     assert pick_roster(rosters, current, iteration=7, orphaned=True) == refounded
-    far = [*current, Membership(7 + 2 + 64 + 1, (c, moved))]
+    far = [*current, PipelineMembers(7 + 2 + 64 + 1, (c, moved))]
     assert pick_roster({d.peer_id: far}, current, iteration=7, orphaned=True) == [], "nor far ahead"
 
 
 def test_a_stage_left_without_nodes_takes_the_highest_peer_id_of_the_most_replicated_stage() -> None:
     a, b, c, d, e = node("a", 0), node("b", 0), node("c", 1), node("d", 1), node("e", 2)
-    assert spare_for_empty_stage(Membership(0, (a, b, c, e)), 4) == (b.peer_id, 3)  # stage 0's non-leader
-    assert spare_for_empty_stage(Membership(0, (a, b, c, d)), 4) == (d.peer_id, 2)  # ties: the higher stage spares
-    assert spare_for_empty_stage(Membership(0, (a, c, e)), 4) is None  # no stage has a node to spare
-    assert spare_for_empty_stage(Membership(0, (a, b, c, e)), 3) is None  # no stage is empty
+    assert spare_for_empty_stage(PipelineMembers(0, (a, b, c, e)), 4) == (b.peer_id, 3)  # stage 0's non-leader
+    assert spare_for_empty_stage(PipelineMembers(0, (a, b, c, d)), 4) == (d.peer_id, 2)  # ties: the higher stage spares
+    assert spare_for_empty_stage(PipelineMembers(0, (a, c, e)), 4) is None  # no stage has a node to spare
+    assert spare_for_empty_stage(PipelineMembers(0, (a, b, c, e)), 3) is None  # no stage is empty
     # stage 0 (it drives every microbatch) takes one from any stage, even its only node; stage 0 first
-    assert spare_for_empty_stage(Membership(0, (c, d)), 2) == (d.peer_id, 0)
-    assert spare_for_empty_stage(Membership(0, (a, c, e)), 4, gone={a.peer_id}) == (e.peer_id, 0)
-    assert spare_for_empty_stage(Membership(0, (a, b, c, e)), 4, gone={a.peer_id}) is None  # b: stage 0's last
+    assert spare_for_empty_stage(PipelineMembers(0, (c, d)), 2) == (d.peer_id, 0)
+    assert spare_for_empty_stage(PipelineMembers(0, (a, c, e)), 4, gone={a.peer_id}) == (e.peer_id, 0)
+    assert spare_for_empty_stage(PipelineMembers(0, (a, b, c, e)), 4, gone={a.peer_id}) is None  # b: stage 0's last
     # a mover declares its new stage; the leader's next membership has it there, and it spares no more
     moved = dataclasses.replace(b, stage=3)
-    assert next_members(Membership(0, (a, b, c, e)), {n.peer_id: n for n in (a, moved, c, e)}, ()) == (a, moved, c, e)
-    assert spare_for_empty_stage(Membership(2, (a, moved, c, e)), 4) is None
+    declared = {n.peer_id: n for n in (a, moved, c, e)}
+    assert next_members(PipelineMembers(0, (a, b, c, e)), declared, ()) == (a, moved, c, e)
+    assert spare_for_empty_stage(PipelineMembers(2, (a, moved, c, e)), 4) is None
 
 
 def test_records_are_checked_before_use() -> None:
@@ -147,12 +148,12 @@ def test_records_are_checked_before_use() -> None:
             parse_declaration(marker, bad_link.SerializeToString(), num_stages=2)
 
     a, b = node("a", 0), dataclasses.replace(node("b", 1), seconds_per_hop=0.25)
-    good = [Membership(0, (a,)), Membership(3, (a, b))]
+    good = [PipelineMembers(0, (a,)), PipelineMembers(3, (a, b))]
     assert parse_roster(marker, encode_roster(good), num_stages=2) == good
     for history, reason in (
-        ([Membership(3, (a,)), Membership(3, (a, b))], "rising iterations"),
-        ([Membership(0, (a, a))], "twice"),
-        ([Membership(0, (a, b))], None),
+        ([PipelineMembers(3, (a,)), PipelineMembers(3, (a, b))], "rising iterations"),
+        ([PipelineMembers(0, (a, a))], "twice"),
+        ([PipelineMembers(0, (a, b))], None),
     ):
         value = encode_roster(history)
         if reason is None:

@@ -38,7 +38,7 @@ from crowdtrain.modes.base import ModeContext, SwarmView, TrainingMode
 from crowdtrain.modes.progress import Progress
 from crowdtrain.modes.skippipe import HopLimits, StageService
 from crowdtrain.modes.skippipe.iteration import IterationReport, SkipPipeNode
-from crowdtrain.modes.skippipe.roster.membership import Membership, StageDirectory, leader_of, membership_at
+from crowdtrain.modes.skippipe.roster.membership import PipelineMembers, StageDirectory, leader_of, membership_at
 from crowdtrain.modes.skippipe.roster.rostering import WAIT_FOR_ROSTER_S, Rostering
 from crowdtrain.modes.skippipe.stages import StagedModel
 from crowdtrain.optimizer import build_optimizer, set_scheduled_learning_rate
@@ -92,7 +92,7 @@ class SkipPipeMode(Rostering, TrainingMode):
         self.service.start()
         self._first_batch: torch.Tensor | None = None
         self.runner = self._stage_runner()
-        self.history: list[Membership] = []
+        self.history: list[PipelineMembers] = []
         self.iteration: int | None = None
         """The next iteration this node runs; None while it is not in the roster."""
         self.last_report: IterationReport | None = None
@@ -217,7 +217,7 @@ class SkipPipeMode(Rostering, TrainingMode):
             return batch
         return self.sampler.batch(iteration, self.context.micro_batch_size, microbatch)
 
-    def _describe(self, membership: Membership) -> str:
+    def _describe(self, membership: PipelineMembers) -> str:
         counts = [sum(node.stage == stage for node in membership.members) for stage in range(self.spec.stages)]
         return ", ".join(f"stage {stage}: {count}" for stage, count in enumerate(counts))
 

@@ -62,7 +62,7 @@ DHT_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
-class Membership:
+class PipelineMembers:
     """The nodes of a SkipPipe run from iteration `from_iteration` on, in peer-ID order."""
 
     from_iteration: int
@@ -121,13 +121,13 @@ def parse_declaration(subkey: bytes, value: bytes, num_stages: int) -> NodeInfo:
     return node_info(check_stage_declaration(subkey, value), num_stages)
 
 
-def parse_roster(subkey: bytes, value: bytes, num_stages: int) -> list[Membership]:
+def parse_roster(subkey: bytes, value: bytes, num_stages: int) -> list[PipelineMembers]:
     """A roster's memberships, oldest first; RecordError unless it is signed and each membership is well formed, in
     rising iterations, with distinct members and at most MAX_MEMBERS of them."""
     roster = check_roster(subkey, value)
     if not 1 <= len(roster.history) <= HISTORY:
         raise RecordError(f"a roster of {len(roster.history)} memberships; 1 to {HISTORY} expected")
-    history: list[Membership] = []
+    history: list[PipelineMembers] = []
     for entry in roster.history:
         if history and entry.from_iteration <= history[-1].from_iteration:
             raise RecordError("a roster's memberships are not in rising iterations")
@@ -136,11 +136,11 @@ def parse_roster(subkey: bytes, value: bytes, num_stages: int) -> list[Membershi
         members = tuple(sorted((node_info(member, num_stages) for member in entry.members), key=_peer))
         if len({node.peer_id for node in members}) != len(members):
             raise RecordError("a membership lists a node twice")
-        history.append(Membership(entry.from_iteration, members))
+        history.append(PipelineMembers(entry.from_iteration, members))
     return history
 
 
-def encode_roster(history: Sequence[Membership]) -> bytes:
+def encode_roster(history: Sequence[PipelineMembers]) -> bytes:
     """The roster record of `history`'s last HISTORY memberships."""
     return proto.SkipPipeRoster(history=[membership.to_proto() for membership in history[-HISTORY:]]).SerializeToString(
         deterministic=True
@@ -169,7 +169,7 @@ def restage(declared: Iterable[NodeInfo], stage: int, num_stages: int, me: str) 
 
 
 def spare_for_empty_stage(
-    membership: Membership, num_stages: int, gone: Collection[str] = ()
+    membership: PipelineMembers, num_stages: int, gone: Collection[str] = ()
 ) -> tuple[str, int] | None:
     """When a stage has no member but those `gone` (its last node left): (the member that moves there, the lowest
     such stage), the member being the highest peer ID of the stage with the most members (ties to the higher stage;
@@ -188,7 +188,7 @@ def spare_for_empty_stage(
     return max(members[crowded]), empty[0]
 
 
-def stage_zero_gone(membership: Membership, declared: Collection[str]) -> list[str]:
+def stage_zero_gone(membership: PipelineMembers, declared: Collection[str]) -> list[str]:
     """The stage-0 members of `membership` when none of them has a live declaration (`declared`: the peer IDs that
     have one): no node is left to drive microbatches or announce rosters. [] while one is there."""
     stage_zero = [node.peer_id for node in membership.members if node.stage == 0]
@@ -196,11 +196,11 @@ def stage_zero_gone(membership: Membership, declared: Collection[str]) -> list[s
 
 
 def pick_roster(
-    rosters: Mapping[str, Sequence[Membership]],
-    current: Sequence[Membership] = (),
+    rosters: Mapping[str, Sequence[PipelineMembers]],
+    current: Sequence[PipelineMembers] = (),
     iteration: int | None = None,
     orphaned: bool = False,
-) -> list[Membership]:
+) -> list[PipelineMembers]:
     """The roster every node follows among those found (publisher → history): the newest membership starting
     latest, ties to the lowest publisher; [] if none. Only from a stage-0 member of its own newest membership and,
     once this node follows a roster (`current`), of that roster's newest membership (a node that is not a stage-0
@@ -223,7 +223,7 @@ def pick_roster(
     return list(rosters[publisher])
 
 
-def membership_at(history: Sequence[Membership], iteration: int) -> Membership | None:
+def membership_at(history: Sequence[PipelineMembers], iteration: int) -> PipelineMembers | None:
     """The membership in force at `iteration`: the newest one starting at or before it; None before the first."""
     current = None
     for membership in history:
@@ -232,14 +232,14 @@ def membership_at(history: Sequence[Membership], iteration: int) -> Membership |
     return current
 
 
-def leader_of(membership: Membership, given_up: Collection[str]) -> str | None:
+def leader_of(membership: PipelineMembers, given_up: Collection[str]) -> str | None:
     """The node that announces changes: the stage-0 member with the lowest peer ID not in `given_up`."""
     candidates = sorted(node.peer_id for node in membership.members if node.stage == 0 and node.peer_id not in given_up)
     return candidates[0] if candidates else None
 
 
 def next_members(
-    current: Membership | None, declared: Mapping[str, NodeInfo], given_up: Collection[str]
+    current: PipelineMembers | None, declared: Mapping[str, NodeInfo], given_up: Collection[str]
 ) -> tuple[NodeInfo, ...]:
     """The nodes of the next membership: the current members whose declaration is still live and who were not
     given up on, then every other declared node; at most MAX_MEMBERS, members first. A member keeps the cost it is
@@ -265,7 +265,7 @@ def follow_cost(member: NodeInfo, declaration: NodeInfo) -> NodeInfo:
     return dataclasses.replace(member, seconds_per_microbatch=declaration.seconds_per_microbatch)
 
 
-def cost_changes(before: Membership, after: Iterable[NodeInfo]) -> list[str]:
+def cost_changes(before: PipelineMembers, after: Iterable[NodeInfo]) -> list[str]:
     """For a log line: the members of `after` whose seconds per microbatch differ from `before`'s."""
     old = {node.peer_id: node.seconds_per_microbatch for node in before.members}
     return [
@@ -309,11 +309,11 @@ class StageDirectory:
                 found[node.peer_id] = node
         return found
 
-    def publish_roster(self, history: Sequence[Membership]) -> bool:
+    def publish_roster(self, history: Sequence[PipelineMembers]) -> bool:
         key = keys.skippipe_roster_key(self.run_id)
         return store_signed(self.dht, key, encode_roster(history), self.owner, ROSTER_TTL_S, DHT_TIMEOUT_S)
 
-    def roster(self, current: Sequence[Membership] = (), iteration: int | None = None) -> list[Membership]:
+    def roster(self, current: Sequence[PipelineMembers] = (), iteration: int | None = None) -> list[PipelineMembers]:
         """The roster to follow (`pick_roster`, after `current`, by a node running `iteration`) among the valid ones
         found; [] if none. A roster from a node outside the current stage 0 is followed only when the declarations
         say that every node of the current stage 0 is gone (read only then)."""

@@ -35,7 +35,7 @@ from crowdtrain.modes.skippipe.roster.membership import (
     DECLARATION_TTL_S,
     LOOKAHEAD,
     ROSTER_RENEW_S,
-    Membership,
+    PipelineMembers,
     cost_changes,
     leader_of,
     membership_at,
@@ -65,7 +65,7 @@ class Rostering(StageDeclaration):
     """A `SkipPipeMode`'s place in the roster (see the module's doc); the mode sets what it reads."""
 
     runner: SkipPipeNode
-    history: list[Membership]
+    history: list[PipelineMembers]
     iteration: int | None
     _published_at: float
     _missing: dict[str, int]
@@ -87,7 +87,7 @@ class Rostering(StageDeclaration):
         serving = self.directory.declarations(serving_only=True) if not self.history and self.stage == 0 else {}
         if not self.history and self.stage == 0 and set(serving) <= {self.me.peer_id}:
             # no roster and no other node serving: the run's first node (else the roster is on its way: wait)
-            founding = Membership(0, (self.me,))
+            founding = PipelineMembers(0, (self.me,))
             if self.directory.publish_roster([founding]):
                 self.history = [founding]
                 self._published_at = time.monotonic()
@@ -143,7 +143,7 @@ class Rostering(StageDeclaration):
         logger.warning(f"no replica of stage {self.stage} served its state of iteration {first - 1}; starting as is")
         return first
 
-    def _lead(self, iteration: int, membership: Membership) -> None:
+    def _lead(self, iteration: int, membership: PipelineMembers) -> None:
         """As the leader, announce the membership of iteration + LOOKAHEAD when the declared nodes differ."""
         now = time.monotonic()
         self._given_up.update({peer: now + DECLARATION_TTL_S for peer in self.runner.suspected})
@@ -158,7 +158,7 @@ class Rostering(StageDeclaration):
         members = next_members(newest, self._live_declarations(newest), self._given_up)
         if set(members) == set(newest.members) or not any(node.stage == 0 for node in members):
             return
-        announced = Membership(iteration + LOOKAHEAD, members)
+        announced = PipelineMembers(iteration + LOOKAHEAD, members)
         if self.directory.publish_roster([*self.history, announced]):
             self.history, self._published_at = [*self.history, announced], time.monotonic()
             costs = cost_changes(newest, members)
@@ -231,7 +231,7 @@ class Rostering(StageDeclaration):
             self._renew_declaration()
         members = next_members(newest, {**declared, self.me.peer_id: self.me}, absent)
         start = max(iteration, newest.from_iteration, self._swarm_iteration()) + LOOKAHEAD  # no node is past it
-        announced = Membership(start, members)
+        announced = PipelineMembers(start, members)
         if not self.directory.publish_roster([*self.history, announced]):
             return False
         self.history, self._published_at = [*self.history, announced], now
@@ -255,7 +255,7 @@ class Rostering(StageDeclaration):
             "from this node's copy of them"
         )
 
-    def _live_declarations(self, newest: Membership) -> dict[str, NodeInfo]:
+    def _live_declarations(self, newest: PipelineMembers) -> dict[str, NodeInfo]:
         """The serving nodes' declarations, and the members' whose declaration was missing from fewer than
         MISSING_READS reads in a row: one read that misses records (a DHT node slow to answer) drops no one."""
         declared = self.directory.declarations(serving_only=True)
