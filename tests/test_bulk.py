@@ -3,9 +3,12 @@ a grant ends with its answer, or by itself once a hung answer's deadline and gra
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+
 import pytest
 
-from crowdtrain.dht.bulk import GRACE_S, BulkGate, BulkLimits
+from crowdtrain.dht.bulk import GRACE_S, BulkGate, BulkLimits, within_time
 
 
 class Clock:
@@ -62,3 +65,20 @@ def test_a_grant_ends_with_its_block_once_and_a_hung_one_ends_by_itself_after_it
 def test_limits_must_be_positive(name: str) -> None:
     with pytest.raises(ValueError, match=name):
         BulkLimits(**{name: 0})  # type: ignore[arg-type]
+
+
+def test_an_answer_ends_once_its_grant_has_run_out_of_time(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    grant = gate(clock).admit("a", 1)
+    assert grant is not None
+
+    async def messages() -> AsyncIterator[int]:
+        for number in range(5):
+            yield number
+            clock.now += 4.0  # the answer's time is 10 s
+
+    async def served() -> list[int]:
+        return [message async for message in within_time(grant, messages(), "an answer")]
+
+    assert asyncio.run(served()) == [0, 1, 2]
+    assert "an answer ran past its 10 s: cut short" in caplog.text

@@ -11,11 +11,17 @@ after its deadline: a peer can hold a slot no longer than that, however it behav
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 GRACE_S = 10.0
 """A grant whose answer outlived its deadline by this much no longer counts against the limits."""
@@ -127,3 +133,12 @@ class BulkGate:
             if not grant.released:
                 grant.released = True
                 self._grants.remove(grant)
+
+
+async def within_time(grant: Grant, messages: AsyncIterator[T], what: str) -> AsyncIterator[T]:
+    """`messages` until they end or the grant's time runs out (one warning naming `what`, then the answer ends)."""
+    async for message in messages:
+        if grant.expired():
+            logger.warning(f"{what} ran past its {grant.gate.limits.answer_time_s:g} s: cut short")
+            return
+        yield message

@@ -17,7 +17,7 @@ from typing import Any
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
-from crowdtrain.dht.bulk import BulkGate, BulkLimits
+from crowdtrain.dht.bulk import BulkGate, BulkLimits, within_time
 from crowdtrain.state.template import StateTemplate
 
 logger = logging.getLogger(__name__)
@@ -62,9 +62,7 @@ class StateServingMixin:
             logger.info(f"refused to serve its state to peer {peer[-8:]}: as many are being served as may be")
             return
         parent: Any = super()
+        answer = parent.rpc_download_state(request, context)
         with grant:
-            async for message in parent.rpc_download_state(request, context):
-                if grant.expired():
-                    logger.warning(f"its state for peer {peer[-8:]} took over {STATE_ANSWER_S:g} s: cut short")
-                    return
+            async for message in within_time(grant, answer, f"a state for peer {peer[-8:]}"):
                 yield message

@@ -40,7 +40,7 @@ import torch
 from hivemind.p2p import P2PContext, PeerID
 
 from crowdtrain import proto
-from crowdtrain.dht.bulk import BulkGate, BulkLimits, Grant
+from crowdtrain.dht.bulk import BulkGate, BulkLimits, within_time
 from crowdtrain.dht.service import P2PService, linger
 from crowdtrain.errors import CrowdtrainError
 
@@ -85,10 +85,6 @@ def _explained(error: Exception, peer_id: str, unit: int, round_: int, timeout_s
             f"peer {peer_id[-8:]} did not send expert {unit} of round {round_} within {timeout_s:.0f} s"
         )
     return ExpertFetchError(f"peer {peer_id[-8:]} could not send expert {unit}: {error!r}")
-
-
-_BUSY = object()
-"""An owner's answer that it serves as many requests as it may: ask again."""
 
 
 class _CutShort(ExpertFetchError):
@@ -197,19 +193,14 @@ class ExpertExchange(P2PService):
                 yield proto.SpesExpertChunk(found=False, busy=True)
             else:
                 with grant:
-                    async for chunk in self._answer(copy, as_change, grant):
+                    async for chunk in within_time(grant, self._answer(copy, as_change), "an answer of expert values"):
                         yield chunk
         await linger()  # the fetcher closes the stream once it has the answer (protocol v2)
 
-    async def _answer(
-        self, copy: Published, as_change: bool, grant: Grant
-    ) -> typing.AsyncIterator[proto.SpesExpertChunk]:
-        """The found copy's header, payload chunk by chunk and end marker; cut short past the grant's deadline."""
+    async def _answer(self, copy: Published, as_change: bool) -> typing.AsyncIterator[proto.SpesExpertChunk]:
+        """The found copy's header, payload chunk by chunk and end marker."""
         yield proto.SpesExpertChunk(found=True, num_values=copy.values.numel(), change=as_change, digest=copy.digest)
         for chunk in _payload_chunks(copy, as_change):
-            if grant.expired():
-                logger.warning(f"an answer of expert values ran past {ANSWER_LIMITS.answer_time_s:g} s: cut short")
-                return
             self.bytes_served += len(chunk)
             yield proto.SpesExpertChunk(payload=chunk)
         yield proto.SpesExpertChunk()  # the end of the answer: read by a fetcher only when it came short
@@ -312,20 +303,21 @@ class ExpertExchange(P2PService):
                 if cut_short > MAX_CUT_SHORT or time.monotonic() + RETRY_S > deadline:
                     raise ExpertFetchError(str(e)) from None
                 received = None
-            if isinstance(received, tuple):
-                return received
+            header, payload = received if received is not None else (None, None)
+            if header is not None and payload is not None:
+                return header, payload
             if time.monotonic() + RETRY_S > deadline:
                 unit, round_ = request.unit, request.round
-                if received is _BUSY:
+                if header is not None and header.busy:
                     raise ExpertFetchError(f"{where} was busy answering others until the deadline for expert {unit}")
                 raise ExpertFetchError(f"{where} has no expert {unit} of round {round_} (not its owner, or behind)")
             await asyncio.sleep(RETRY_S)
 
     async def _receive(
         self, peer: PeerID, request: proto.SpesExpertRequest, held: torch.Tensor, where: str
-    ) -> tuple[proto.SpesExpertChunk, bytes] | object | None:
-        """One ask: (the header, the payload), None when the owner has no such copy (yet), or _BUSY when it answers
-        as many requests as it may."""
+    ) -> tuple[proto.SpesExpertChunk, bytes | None]:
+        """One ask: the header and the payload; no payload when the owner has no such copy (yet) or is busy (the
+        header says which)."""
         stub: typing.Any = self.get_stub(self.require_p2p(), peer, namespace=NAMESPACE)
         responses = await stub.rpc_spes_expert(request)
         try:
@@ -335,7 +327,7 @@ class ExpertExchange(P2PService):
             if not header.found and header.not_owner:
                 raise ExpertFetchError(f"{where} did not own expert {request.unit} in round {request.round}")
             if not header.found:
-                return _BUSY if header.busy else None
+                return header, None
             size = self._expected_size(header, held, where, request.unit)
             received = bytearray()
             while len(received) < size:  # read to the announced size, then close the stream (the owner waits)
