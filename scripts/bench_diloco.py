@@ -54,8 +54,10 @@ learning_rate = 0.001
 warmup_steps = 0
 total_steps = 100000
 
-[averaging]
+[training]
 mode = "{mode}"
+
+[averaging]
 matchmaking_time_s = 3.0
 timeout_s = 60.0
 {diloco}

@@ -28,7 +28,7 @@ from lab.processes import await_condition
 
 from crowdtrain.data.corpus import load_token_stream
 from crowdtrain.data.sampler import WindowSampler
-from crowdtrain.manifest import DiLoCoSpec, RunManifest, llama_20m
+from crowdtrain.manifest import DiLoCoSpec, RunManifest, TrainingSpec, llama_20m
 from crowdtrain.models import build_model, load_tokenizer
 
 MIB = 2**20
@@ -109,7 +109,8 @@ def main() -> None:
         run = dataclasses.replace(
             base,
             run_id=f"wire-{compression}-{int(fraction * 1000)}",
-            averaging=dataclasses.replace(base.averaging, mode="diloco", group_size=4, matchmaking_time_s=2.0),
+            training=TrainingSpec(mode="diloco"),
+            averaging=dataclasses.replace(base.averaging, group_size=4, matchmaking_time_s=2.0),
             diloco=DiLoCoSpec(inner_steps=1, compression=compression, topk_fraction=fraction),
         )
         result = one_round(run, start, finals)

@@ -1,7 +1,7 @@
 """SkipPipe as a training mode, at a realistic size: the same daemons in `skippipe` and in `gradients` mode.
 
 Issue 17's daemon mode on a model of realistic shape: N `crowdtrain run` daemons on loopback (one founder, the
-rest joining), each with one torch thread, first with the model cut into stages (`averaging.mode = "skippipe"`:
+rest joining), each with one torch thread, first with the model cut into stages (`training.mode = "skippipe"`:
 each node takes a stage, the stage-0 nodes drive the iteration's microbatches along scheduled paths), then with
 the same model, micro-batch and samples per step trained data-parallel (`gradients`, DeDLOC: every node computes
 the whole model and the swarm averages gradients at each global step). After the swarm settles and a warm-up,
@@ -47,7 +47,7 @@ from lab.processes import ProcessGroups, await_condition, child_env
 from lab.swarm import StatusWatcher, start_swarm
 from lab.wanlab import Lab, Scenario
 
-from crowdtrain.manifest import PRESETS, AveragingSpec, RunManifest, SkipPipeSpec
+from crowdtrain.manifest import PRESETS, AveragingSpec, RunManifest, SkipPipeSpec, TrainingSpec
 
 STATUS_INTERVAL_S = 2.0
 SETTLE_TIMEOUT_S = 300.0
@@ -57,7 +57,7 @@ def manifest_for(args: Any, mode: str) -> RunManifest:
     """The preset at the benchmark's sequence length, in `mode`; a global step of `gradients` is one iteration's
     samples (M microbatches of B)."""
     preset = PRESETS[args.model]()
-    averaging = dataclasses.replace(preset.averaging, mode=mode)
+    averaging = preset.averaging
     skippipe = None
     if mode == "skippipe":
         skippipe = SkipPipeSpec(stages=args.stages, skip_ratio=args.skip_ratio, microbatches=args.microbatches)
@@ -66,6 +66,7 @@ def manifest_for(args: Any, mode: str) -> RunManifest:
     return dataclasses.replace(
         preset,
         run_id=f"bench-{mode}",
+        training=TrainingSpec(mode=mode),
         target_batch_size=args.microbatches * args.micro_batch,
         data=dataclasses.replace(preset.data, sequence_length=args.sequence_length),
         averaging=averaging,

@@ -42,7 +42,7 @@ from lab.procfs import peak_rss_kib
 
 from crowdtrain import proto
 from crowdtrain.data import WindowSampler, load_token_stream
-from crowdtrain.manifest import PRESETS, DiLoCoSpec, RunManifest, SPESSpec
+from crowdtrain.manifest import PRESETS, DiLoCoSpec, RunManifest, SPESSpec, TrainingSpec
 from crowdtrain.models import ByteTokenizer, build_model, training_loss
 from crowdtrain.modes.diloco.mode import DiLoCoMode
 from crowdtrain.modes.spes.mode import SPESMode
@@ -74,10 +74,8 @@ def run_for(args: argparse.Namespace, arm: str) -> RunManifest:
         base,
         run_id=f"bench-{arm}",
         target_batch_size=1_000_000_000,  # rounds end when the benchmark says: every arm takes the same steps
-        averaging=dataclasses.replace(
-            base.averaging, mode="spes" if arm.startswith("spes") else "diloco", group_size=4, matchmaking_time_s=2.0,
-            timeout_s=120.0,
-        ),
+        training=TrainingSpec(mode="spes" if arm.startswith("spes") else "diloco"),
+        averaging=dataclasses.replace(base.averaging, group_size=4, matchmaking_time_s=2.0, timeout_s=120.0),
         diloco=DiLoCoSpec(
             inner_steps=args.inner_steps,
             compression={"diloco-int8": "int8", "diloco-topk": "topk"}.get(arm, args.compression),

@@ -74,7 +74,7 @@ def test_status_without_daemon_exits_3(tmp_path: Path) -> None:
     [
         ("[optimizer]\nlearnig_rate = 1\n", ("unknown field 'optimizer.learnig_rate'",)),
         ('target_batch_size = "big"\n', ("target_batch_size", "integer")),
-        ('[averaging]\nmode = "magic"\n', ("averaging", "mode")),
+        ('[training]\nmode = "magic"\n', ("training", "mode")),
         ("run_id = [\n", ("not valid TOML",)),
     ],
 )

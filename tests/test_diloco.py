@@ -21,7 +21,7 @@ INNER_STEPS = 16
 RUN_FILE = tiny_run_file(
     "tiny-diloco",
     128,
-    averaging='mode = "diloco"',
+    mode="diloco",
     sections=f"""
 [diloco]
 inner_steps = {INNER_STEPS}

@@ -23,7 +23,7 @@ from lab.processes import await_condition
 
 from crowdtrain import proto
 from crowdtrain.averaging.error_feedback import keep_top_k_
-from crowdtrain.manifest import DiLoCoSpec, RunManifest, demo
+from crowdtrain.manifest import DiLoCoSpec, RunManifest, TrainingSpec, demo
 from crowdtrain.modes.diloco import pseudo_gradients
 from crowdtrain.modes.diloco.joining import (
     MAX_RESYNC_TRIES,
@@ -55,7 +55,8 @@ def manifest(
         run_id=f"outer-{num_peers}-{compression}{'-overlap' if overlap else ''}{'-adaptive' if adaptive else ''}"
         f"-{fragments}",
         target_batch_size=64,
-        averaging=dataclasses.replace(base.averaging, mode="diloco", group_size=4, matchmaking_time_s=2.0),
+        training=TrainingSpec(mode="diloco"),
+        averaging=dataclasses.replace(base.averaging, group_size=4, matchmaking_time_s=2.0),
         diloco=DiLoCoSpec(
             inner_steps=fragments,
             fragments=fragments,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from crowdtrain.averaging.error_feedback import ErrorFeedback, keep_top_k_, num_kept
-from crowdtrain.manifest import DiLoCoSpec, RunManifest, demo
+from crowdtrain.manifest import DiLoCoSpec, RunManifest, TrainingSpec, demo
 
 SHAPES = [torch.Size([64, 32]), torch.Size([32]), torch.Size([7, 3, 5])]
 
@@ -98,11 +98,12 @@ def test_a_kept_fraction_outside_zero_to_one_is_refused(fraction: float) -> None
 
 def test_topk_needs_the_mean_aggregation() -> None:
     base = demo()
-    averaging = dataclasses.replace(base.averaging, mode="diloco", aggregation="trimmed_mean")
+    training, averaging = TrainingSpec(mode="diloco"), dataclasses.replace(base.averaging, aggregation="trimmed_mean")
     with pytest.raises(ValueError, match="needs averaging.aggregation 'mean'"):
-        RunManifest(run_id="x", averaging=averaging, diloco=DiLoCoSpec(compression="topk"))
+        RunManifest(run_id="x", training=training, averaging=averaging, diloco=DiLoCoSpec(compression="topk"))
     run = dataclasses.replace(
         base,
+        training=training,
         averaging=dataclasses.replace(averaging, aggregation="mean"),
         diloco=DiLoCoSpec(compression="topk", topk_fraction=0.05),
     )

@@ -9,7 +9,7 @@ import torch
 from lab.diloco import diloco_peers
 
 from crowdtrain.errors import BadInputError
-from crowdtrain.manifest import PRESETS, DiLoCoSpec, RunManifest, demo
+from crowdtrain.manifest import PRESETS, DiLoCoSpec, RunManifest, TrainingSpec, demo
 from crowdtrain.modes.diloco.fragments import Fragments
 
 SHAPES = [torch.Size(shape) for shape in [(10, 4), (4,), (4, 4), (4, 4), (8, 2), (3,)]]
@@ -62,7 +62,7 @@ def test_the_manifest_takes_fragments_only_where_each_fragment_keeps_its_h() -> 
     base = demo()
     run = dataclasses.replace(
         base,
-        averaging=dataclasses.replace(base.averaging, mode="diloco"),
+        training=TrainingSpec(mode="diloco"),
         diloco=DiLoCoSpec(inner_steps=8, fragments=4),
     )
     assert RunManifest.from_bytes(run.to_bytes()).diloco == run.diloco, "fragments travel with the manifest"
@@ -81,7 +81,7 @@ def test_a_model_with_fewer_tensors_than_fragments_is_refused_in_one_sentence() 
     base = demo()
     run = dataclasses.replace(
         base,
-        averaging=dataclasses.replace(base.averaging, mode="diloco"),
+        training=TrainingSpec(mode="diloco"),
         diloco=DiLoCoSpec(inner_steps=4, fragments=4),
     )
     with pytest.raises(BadInputError, match="diloco.fragments doesn't fit its model: 4 fragments need 4 tensors"):

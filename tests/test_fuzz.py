@@ -56,7 +56,7 @@ from crowdtrain.dht.records import (
 )
 from crowdtrain.dht.validator import make_validators
 from crowdtrain.links.protocol import MAX_PLAUSIBLE_MBPS, dial_back_verdicts, retry_after_s, upload_sample
-from crowdtrain.manifest import PROTOCOL_VERSION, DiLoCoSpec, RunManifest, demo, demo_moe
+from crowdtrain.manifest import PROTOCOL_VERSION, DiLoCoSpec, RunManifest, TrainingSpec, demo, demo_moe
 from crowdtrain.moe.experts import MAX_BATCH_SEQUENCES
 from crowdtrain.moe.requests import (
     STREAM_CHUNK_BYTES,
@@ -205,9 +205,7 @@ def set_path(message: Any, path: str, value: Any) -> None:
 
 NON_FINITE = [NAN, INF, -INF]
 POSITIVE_FLOAT_ATTACKS = [*NON_FINITE, 0.0, -1.0, -5e-324]
-DILOCO = dataclasses.replace(
-    demo(), averaging=dataclasses.replace(demo().averaging, mode="diloco"), diloco=DiLoCoSpec()
-)
+DILOCO = dataclasses.replace(demo(), training=TrainingSpec(mode="diloco"), diloco=DiLoCoSpec())
 BASES = {"demo": demo(), "moe": demo_moe(), "diloco": DILOCO}
 BASE_BYTES = {name: manifest.to_bytes() for name, manifest in BASES.items()}
 MANIFEST_ATTACKS: list[tuple[str, str, list[Any]]] = [
@@ -229,7 +227,7 @@ MANIFEST_ATTACKS: list[tuple[str, str, list[Any]]] = [
     ("demo", "optimizer.warmup_steps", [10_001, 2**32 - 1]),
     ("demo", "optimizer.total_steps", [0, 9]),
     ("demo", "optimizer.max_grad_norm", [*NON_FINITE, -1.0, -5e-324]),
-    ("demo", "averaging.mode", ["", "GRADIENTS", "x" * 1000]),
+    ("demo", "training.mode", ["", "GRADIENTS", "x" * 1000]),
     ("demo", "averaging.compression", ["", "zip", "int8"]),
     ("demo", "averaging.aggregation", ["", "median", "x" * 1000]),
     ("demo", "averaging.group_size", [0, 1, 3, 6, 2**32 - 1]),

@@ -23,6 +23,7 @@ from crowdtrain.manifest import (
     OptimizerSpec,
     RunManifest,
     SkipPipeSpec,
+    TrainingSpec,
     demo,
     llama_85m,
     load_run_file,
@@ -60,7 +61,8 @@ def test_round_trip_keeps_every_spec_field() -> None:
         data=DataSpec(source="files", path="/data/corpus", text_field="body", sequence_length=512),
         optimizer=OptimizerSpec(name="sgd", learning_rate=0.5, weight_decay=0.0, warmup_steps=0, total_steps=3),
         target_batch_size=4096,
-        averaging=AveragingSpec(mode="parameters", group_size=4, grid_dims=8, compression="none", timeout_s=2.5),
+        training=TrainingSpec(mode="parameters"),
+        averaging=AveragingSpec(group_size=4, grid_dims=8, compression="none", timeout_s=2.5),
     )
     assert RunManifest.from_bytes(manifest.to_bytes()) == manifest
 
@@ -110,7 +112,7 @@ def test_new_architecture_with_its_config_is_accepted(tmp_path: Path) -> None:
         ("[optimizer]\nwarmup_steps = 1.5\n", "optimizer.warmup_steps"),
         ('[model]\ntokenizer = ["a"]\n', "model.tokenizer"),
         ('model = "llama"\n', "model"),
-        ('[averaging]\nmode = "magic"\n', "mode"),
+        ('[training]\nmode = "magic"\n', "mode"),
         ("[averaging]\ngroup_size = 1\n", "group_size"),
         ("[data]\nsequence_length = 0\n", "sequence_length"),
         ('[data]\nsource = "files"\n', "path"),
@@ -128,9 +130,23 @@ def test_bad_run_file_names_the_field(tmp_path: Path, text: str, field: str) -> 
     assert path in str(caught.value)
 
 
-def test_averaging_errors_say_which_table(tmp_path: Path) -> None:
-    with pytest.raises(BadInputError, match=r"\[averaging\].*mode.*'magic'"):
-        load_run_file(write_run_file(tmp_path, '[averaging]\nmode = "magic"\n'))
+def test_errors_say_which_table(tmp_path: Path) -> None:
+    with pytest.raises(BadInputError, match=r"\[training\].*mode.*'magic'"):
+        load_run_file(write_run_file(tmp_path, '[training]\nmode = "magic"\n'))
+    with pytest.raises(BadInputError, match=r"\[averaging\].*group_size"):
+        load_run_file(write_run_file(tmp_path, "[averaging]\ngroup_size = 3\n"))
+
+
+def test_a_run_file_with_the_old_averaging_mode_loads_and_says_what_to_write(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    old = load_run_file(write_run_file(tmp_path, '[averaging]\nmode = "diloco"\ngroup_size = 4\n'))
+    assert (old.training.mode, old.averaging.group_size) == ("diloco", 4)
+    assert [record.getMessage() for record in caplog.records] == [
+        "run file: averaging.mode is now training.mode; write [training] mode = 'diloco' instead"
+    ]
+    with pytest.raises(BadInputError, match="set the mode once, as training.mode"):
+        load_run_file(write_run_file(tmp_path, '[training]\nmode = "spes"\n[averaging]\nmode = "diloco"\n'))
 
 
 def test_bad_run_id_argument_with_a_run_file_is_bad_input(tmp_path: Path) -> None:
@@ -261,7 +277,7 @@ def test_every_preset_round_trips_through_protobuf() -> None:
 
 def test_diloco_overlap_defaults_on_reads_from_a_run_file_and_an_older_nodes_manifest_means_on(tmp_path: Path) -> None:
     assert DiLoCoSpec().overlap
-    text = '[averaging]\nmode = "diloco"\n[diloco]\ninner_steps = 4\noverlap = false\n'
+    text = '[training]\nmode = "diloco"\n[diloco]\ninner_steps = 4\noverlap = false\n'
     manifest = load_run_file(write_run_file(tmp_path, text))
     assert manifest.diloco is not None and not manifest.diloco.overlap
     assert RunManifest.from_bytes(manifest.to_bytes()) == manifest

@@ -31,9 +31,9 @@ def test_every_manifest_mode_has_exactly_one_training_mode() -> None:
 
 
 def test_the_daemon_and_the_loop_never_branch_on_the_mode_name() -> None:
-    # A new mode is a TrainingMode subclass: nothing above the seam compares `averaging.mode` to a name.
+    # A new mode is a TrainingMode subclass: nothing above the seam compares `training.mode` to a name.
     names = "|".join(MODES)
-    comparison = re.compile(rf"averaging\.mode\s*(==|!=|in\b)|\.name\s*(==|!=|in\b)|\"({names})\"")
+    comparison = re.compile(rf"training\.mode\s*(==|!=|in\b)|\.name\s*(==|!=|in\b)|\"({names})\"")
     places = [
         *(PACKAGE / "node").glob("*.py"),
         *(PACKAGE / "training").glob("*.py"),

@@ -67,11 +67,11 @@ def test_the_demo_run_clips_by_default() -> None:
 def test_a_diloco_or_spes_inner_step_takes_the_runs_optimizer_clipping_and_schedule(mode: str) -> None:
     from lab.diloco import computing_peers
 
-    from crowdtrain.manifest import AveragingSpec, spes_demo
+    from crowdtrain.manifest import TrainingSpec, spes_demo
     from crowdtrain.modes.diloco.mode import DiLoCoMode
     from crowdtrain.modes.spes.mode import SPESMode
 
-    base = spes_demo() if mode == "spes" else dataclasses.replace(demo(), averaging=AveragingSpec(mode="diloco"))
+    base = spes_demo() if mode == "spes" else dataclasses.replace(demo(), training=TrainingSpec(mode="diloco"))
     spec = dataclasses.replace(SPEC, max_grad_norm=1e-3, learning_rate=0.1)
     run = dataclasses.replace(base, optimizer=spec, target_batch_size=10_000)
     mode_class = SPESMode if mode == "spes" else DiLoCoMode

@@ -168,7 +168,7 @@ def test_records_are_checked_before_use() -> None:
 
 def test_the_manifest_section_is_checked_and_the_preset_is_a_skippipe_run() -> None:
     preset = skippipe_demo()
-    assert (preset.averaging.mode, preset.skippipe) == ("skippipe", SkipPipeSpec(stages=4, skip_ratio=0.25))
+    assert (preset.training.mode, preset.skippipe) == ("skippipe", SkipPipeSpec(stages=4, skip_ratio=0.25))
     assert type(preset).from_bytes(preset.to_bytes()) == preset
     exact = dataclasses.replace(preset, skippipe=SkipPipeSpec(gradient_dtype="float32", overlap_exchange=True))
     spec = type(exact).from_bytes(exact.to_bytes()).skippipe
@@ -186,7 +186,7 @@ def test_the_manifest_section_is_checked_and_the_preset_is_a_skippipe_run() -> N
     ):
         with pytest.raises(ValueError, match=reason):
             SkipPipeSpec(**bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="needs averaging.mode = 'skippipe'"):
+    with pytest.raises(ValueError, match="needs training.mode = 'skippipe'"):
         dataclasses.replace(demo(), skippipe=SkipPipeSpec())
     with pytest.raises(ValueError, match="num_hidden_layers >= 5"):
         dataclasses.replace(preset, skippipe=SkipPipeSpec(stages=5))

@@ -153,7 +153,7 @@ def two_stage_run(tmp_path: Path, name: str, overlap: bool = False) -> RunManife
         tiny_run_file(
             name,
             64,
-            averaging='mode = "skippipe"',
+            mode="skippipe",
             sections=sections + ("overlap_exchange = true\n" if overlap else ""),
         )
     )

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 RUN_FILE = tiny_run_file(
     "tiny-skippipe",
     64,
-    averaging='mode = "skippipe"',
+    mode="skippipe",
     sections="""
 [skippipe]
 stages = 2

@@ -53,8 +53,10 @@ learning_rate = 0.005
 warmup_steps = 0
 total_steps = 1000
 
-[averaging]
+[training]
 mode = "spes"
+
+[averaging]
 matchmaking_time_s = 2.0
 timeout_s = 15.0
 

@@ -13,8 +13,15 @@ import transformers
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, SPESSpec, demo, manifest_from_overrides, spes_demo
 from crowdtrain.modes.spes.expert_exchange import apply_change, change_bytes, encode_change
 from crowdtrain.modes.spes.expert_merging import merge_alpha, merged_experts
+from crowdtrain.modes.spes.gathered import gathered_capacity, gathered_dialable, gathered_rate, spes_gathered
 from crowdtrain.modes.spes.owned_experts import find_fused_experts, own, unit_experts, units_of
-from crowdtrain.modes.spes.ownership import MAX_WEIGHT_RATIO, assign_owners, assign_units, unit_shares
+from crowdtrain.modes.spes.ownership import (
+    MAX_WEIGHT_RATIO,
+    assign_owners,
+    assign_units,
+    owner_candidates,
+    unit_shares,
+)
 from crowdtrain.structured import FieldError
 
 PEERS = [f"peer-{index}" for index in range(4)]
@@ -109,6 +116,29 @@ def test_every_expert_gets_its_distinct_owners_even_where_the_rendezvous_order_c
         assert all(len(set(unit_owners)) == len(unit_owners) == copies for unit_owners in owners)
         counts = [sum(peer in unit_owners for unit_owners in owners) for peer, _ in peers]
         assert counts == unit_shares([weight for _, weight in peers], copies * units, [units] * count), seed
+
+
+def test_only_peers_others_can_dial_own_experts_and_a_lone_undialable_node_owns_them_all() -> None:
+    assert owner_candidates(PEERS, {"peer-1", "peer-3"}) == ["peer-0", "peer-2"]
+    owners = assign_units([(peer, 1.0) for peer in owner_candidates(PEERS, {"peer-1"})], 32)
+    assert "peer-1" not in owners and sorted(set(owners)) == ["peer-0", "peer-2", "peer-3"]
+    assert owner_candidates(PEERS, set()) == PEERS
+    # nobody can be dialed: as before (a lone node behind a NAT trains every expert; nobody fetches from it)
+    assert owner_candidates(["alone"], {"alone"}) == ["alone"]
+    assert owner_candidates(PEERS, set(PEERS)) == PEERS
+
+
+def test_gathered_values_are_checked_and_what_is_missing_reads_as_an_older_node_meant_it() -> None:
+    mine = spes_gathered([3, None, b"digest"], 12.5, 7, False)
+    assert (gathered_rate(mine), gathered_capacity(mine, 16), gathered_dialable(mine)) == (12.5, 7, False)
+    assert gathered_capacity(spes_gathered([3, None, b""], 1.0, None, True), 16) is None  # -1: not known
+    older = [3, None, b"digest", 12.5, 7]  # a node from before dialability was gathered
+    assert gathered_dialable(older) and gathered_capacity(older, 16) == 7
+    # forged or malformed values (relayed by the round's leader): each field falls back, none raises
+    for value in (None, "x", [], [3, None, b"", "fast", 99, "no"], [3, None, b"", True, -2, 0], {"a": 1}):
+        assert gathered_rate(value) == 0.0 and gathered_capacity(value, 16) is None
+        assert gathered_dialable(value), f"{value!r}: only an explicit False says undialable"
+    assert gathered_capacity([3, None, b"", 1.0, 17], 16) is None, "more experts than there are"
 
 
 # the merging warm-up
@@ -235,13 +265,13 @@ def test_a_change_rebuilds_the_same_bits_everywhere_and_stays_close() -> None:
 
 def test_spes_presets_round_trip_and_wrong_sections_are_refused() -> None:
     run = spes_demo()
-    assert run.averaging.mode == "spes" and run.spes is not None and run.spes.merge_every > 0
+    assert run.training.mode == "spes" and run.spes is not None and run.spes.merge_every > 0
     assert RunManifest.from_bytes(run.to_bytes()) == run
-    with pytest.raises(ValueError, match=r"\[spes\] section needs averaging.mode"):
+    with pytest.raises(ValueError, match=r"\[spes\] section needs training.mode"):
         dataclasses.replace(demo(), spes=SPESSpec())
     with pytest.raises(ValueError, match="merge_alpha"):
         SPESSpec(merge_alpha=1.5)
     spes_with_dense_settings = dataclasses.replace(run, diloco=DiLoCoSpec(inner_steps=7))
     assert spes_with_dense_settings.diloco is not None
     with pytest.raises(FieldError):
-        manifest_from_overrides({"averaging": {"mode": "spes"}, "spes": {"merge_neighbours": 0}})
+        manifest_from_overrides({"training": {"mode": "spes"}, "spes": {"merge_neighbours": 0}})

@@ -234,7 +234,7 @@ def test_restart_resumes_from_checkpoint(tmp_path: Path) -> None:
 
 def test_parameters_mode_trains_with_local_steps(tmp_path: Path) -> None:
     run_file = tmp_path / "tiny.toml"
-    run_file.write_text(tiny_run_file("tiny-moshpit", 1024, averaging='mode = "parameters"'))
+    run_file.write_text(tiny_run_file("tiny-moshpit", 1024, mode="parameters"))
     founder = start_daemon(tmp_path / "node0", "--run-file", str(run_file), env=TRAIN_ENV).await_ready()
     joiner = start_daemon(tmp_path / "node1", initial_peers=[founder.address], env=TRAIN_ENV).await_ready()
     await_epoch(founder, [founder, joiner], 4, timeout_s=150)

@@ -145,10 +145,10 @@ def evaluate(
 
 def _swarm_stages_count(manifest: RunManifest, num_stages: int) -> int:
     """The stages to score a SkipPipe swarm in: the run's (`--stages` may only repeat them)."""
-    if manifest.averaging.mode != "skippipe":
+    if manifest.training.mode != "skippipe":
         raise BadInputError(
             f"--initial-peers reads a SkipPipe run's stages from the swarm; run '{manifest.run_id}' is a "
-            f"{manifest.averaging.mode} run: pass a checkpoint instead."
+            f"{manifest.training.mode} run: pass a checkpoint instead."
         )
     stages = skippipe_spec(manifest).stages
     if num_stages not in (1, stages):

@@ -306,7 +306,7 @@ def summarize(run_id: str, listing: RunListing | None, statuses: list[proto.Peer
 
 
 def _skippipe(manifest: RunManifest | None, peers: Sequence[PeerView]) -> SkipPipeSummary | None:
-    if manifest is None or manifest.averaging.mode != "skippipe":
+    if manifest is None or manifest.training.mode != "skippipe":
         return None
     spec = skippipe_spec(manifest)
     replicas = [0] * spec.stages

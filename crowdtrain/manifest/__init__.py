@@ -57,6 +57,7 @@ from crowdtrain.manifest.specs import (
     OptimizerSpec,
     SkipPipeSpec,
     SPESSpec,
+    TrainingSpec,
 )
 
 __all__ = [
@@ -89,6 +90,7 @@ __all__ = [
     "RunManifest",
     "SPESSpec",
     "SkipPipeSpec",
+    "TrainingSpec",
     "demo",
     "demo_moe",
     "expert_uid_prefix",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,6 +17,8 @@ from crowdtrain.errors import BadInputError
 from crowdtrain.manifest.presets import PRESETS, preset_manifest, preset_summaries
 from crowdtrain.manifest.run import RunManifest
 from crowdtrain.structured import FieldError, from_mapping
+
+logger = logging.getLogger(__name__)
 
 
 def preset_run_file(name: str) -> str:
@@ -70,7 +73,7 @@ def load_run_file(name_or_path: str, *, run_id: str | None = None) -> RunManifes
 def manifest_from_overrides(overrides: Mapping[str, Any]) -> RunManifest:
     """Layer a run file's tables over the preset its `preset` key names (`demo` when it names none); raises
     FieldError naming the field. `preset` itself is no manifest field: it only chooses the base."""
-    tables = dict(overrides)
+    tables = _renamed_mode(dict(overrides))
     preset = tables.pop("preset", "demo")
     base = _as_plain_dict(preset_manifest(preset))
     model = tables.get("model")
@@ -80,6 +83,22 @@ def manifest_from_overrides(overrides: Mapping[str, Any]) -> RunManifest:
             raise FieldError(f"model.config is required when model.architecture differs from the {preset} preset's")
         base["model"]["config"] = {}
     return from_mapping(RunManifest, _merge(base, tables))
+
+
+def _renamed_mode(tables: dict[str, Any]) -> dict[str, Any]:
+    """A run file written before `training.mode` named the mode `averaging.mode`: it is read as `training.mode`,
+    with one line saying what to write instead."""
+    averaging = tables.get("averaging")
+    if not isinstance(averaging, Mapping) or "mode" not in averaging:
+        return tables
+    training = tables.get("training", {})
+    if isinstance(training, Mapping) and "mode" in training:
+        raise FieldError("averaging.mode is the old name of training.mode: set the mode once, as training.mode")
+    mode = averaging["mode"]
+    logger.warning(f"run file: averaging.mode is now training.mode; write [training] mode = {mode!r} instead")
+    averaging = {key: value for key, value in averaging.items() if key != "mode"}
+    training = {**training, "mode": mode} if isinstance(training, Mapping) else training
+    return {**tables, "averaging": averaging, "training": training}
 
 
 def _as_plain_dict(manifest: RunManifest) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from crowdtrain.manifest.specs import (
     OptimizerSpec,
     SkipPipeSpec,
     SPESSpec,
+    TrainingSpec,
 )
 from crowdtrain.structured import FieldError
 
@@ -41,7 +42,8 @@ def demo() -> RunManifest:
         data=DataSpec(source="embedded", sequence_length=128),
         optimizer=OptimizerSpec(name="adamw", learning_rate=1e-3, warmup_steps=10, total_steps=10_000),
         target_batch_size=1024,
-        averaging=AveragingSpec(mode="gradients", group_size=16, grid_dims=2, compression="fp16"),
+        training=TrainingSpec(mode="gradients"),
+        averaging=AveragingSpec(group_size=16, grid_dims=2, compression="fp16"),
     )
 
 
@@ -62,7 +64,8 @@ def llama_20m() -> RunManifest:
         data=DataSpec(source="embedded", sequence_length=128),
         optimizer=OptimizerSpec(name="adamw", learning_rate=1e-3, warmup_steps=20, total_steps=10_000),
         target_batch_size=256,
-        averaging=AveragingSpec(mode="gradients", group_size=16, grid_dims=2, compression="fp16"),
+        training=TrainingSpec(mode="gradients"),
+        averaging=AveragingSpec(group_size=16, grid_dims=2, compression="fp16"),
     )
 
 
@@ -77,7 +80,8 @@ def llama_85m() -> RunManifest:
         optimizer=OptimizerSpec(name="adamw", learning_rate=6e-4, warmup_steps=50, total_steps=10_000),
         target_batch_size=512,
         # 170 MB of fp16 gradients per round: over 50 Mbit/s home uplinks a round takes about 30 s.
-        averaging=AveragingSpec(mode="gradients", group_size=16, grid_dims=2, compression="fp16", timeout_s=60.0),
+        training=TrainingSpec(mode="gradients"),
+        averaging=AveragingSpec(group_size=16, grid_dims=2, compression="fp16", timeout_s=60.0),
     )
 
 
@@ -92,7 +96,8 @@ def llama_350m() -> RunManifest:
         optimizer=OptimizerSpec(name="adamw", learning_rate=3e-4, warmup_steps=100, total_steps=10_000),
         target_batch_size=512,
         # 0.7 GB of fp16 gradients per round: over 100 Mbit/s links a round takes about a minute.
-        averaging=AveragingSpec(mode="gradients", group_size=16, grid_dims=2, compression="fp16", timeout_s=90.0),
+        training=TrainingSpec(mode="gradients"),
+        averaging=AveragingSpec(group_size=16, grid_dims=2, compression="fp16", timeout_s=90.0),
     )
 
 
@@ -101,7 +106,8 @@ def skippipe_demo() -> RunManifest:
     return dataclasses.replace(
         demo(),
         run_id="skippipe-demo",
-        averaging=AveragingSpec(mode="skippipe", group_size=16, grid_dims=2, compression="fp16"),
+        training=TrainingSpec(mode="skippipe"),
+        averaging=AveragingSpec(group_size=16, grid_dims=2, compression="fp16"),
         skippipe=SkipPipeSpec(stages=4, skip_ratio=0.25, reorder=True, microbatches=8, wire_dtype="float16"),
     )
 
@@ -114,7 +120,8 @@ def spes_demo() -> RunManifest:
         data=DataSpec(source="embedded", sequence_length=128),
         optimizer=OptimizerSpec(name="adamw", learning_rate=1e-3, warmup_steps=10, total_steps=10_000),
         target_batch_size=256,
-        averaging=AveragingSpec(mode="spes", group_size=16, grid_dims=2, compression="fp16"),
+        training=TrainingSpec(mode="spes"),
+        averaging=AveragingSpec(group_size=16, grid_dims=2, compression="fp16"),
         diloco=DiLoCoSpec(inner_steps=20, compression="fp16", overlap=False),
         spes=SPESSpec(merge_every=10, merge_neighbours=2, merge_alpha=0.1, merge_warmup_steps=200),
     )
@@ -138,7 +145,8 @@ def spes_250m() -> RunManifest:
         data=DataSpec(source="embedded", sequence_length=512),
         optimizer=OptimizerSpec(name="adamw", learning_rate=6e-4, warmup_steps=50, total_steps=10_000),
         target_batch_size=512,
-        averaging=AveragingSpec(mode="spes", group_size=16, grid_dims=2, compression="fp16", timeout_s=60.0),
+        training=TrainingSpec(mode="spes"),
+        averaging=AveragingSpec(group_size=16, grid_dims=2, compression="fp16", timeout_s=60.0),
         diloco=DiLoCoSpec(inner_steps=50, compression="fp16", overlap=False),
     )
 

@@ -23,10 +23,11 @@ from crowdtrain.manifest.specs import (
     OptimizerSpec,
     SkipPipeSpec,
     SPESSpec,
+    TrainingSpec,
 )
 from crowdtrain.structured import FieldError, from_message, to_message
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Bumped when nodes of different versions can no longer train together. 2: a reducer sends back the encoded
 average, not a delta (averaging/traffic.py). 3: a sender ends its all-reduce stream only after every average
 came back, and a reducer holds a zero-share sender's averages until all are ready, not until that end. 4: every
@@ -36,7 +37,8 @@ SkipPipe's schedule weighs each node's published link (`SkipPipeMember.seconds_p
 modes/skippipe/roster/schedule.py), and
 with `overlap_exchange` a replica computes on a look-ahead and serves and fingerprints its true state. 7: DiLoCo
 groups are keyed by outer round (modes/diloco/pseudo_gradients.py), and with `overlap_exchange` SkipPipe's schedule
-costs hops at the link the background exchange leaves (`SkipPipeProblem.background_share`)."""
+costs hops at the link the background exchange leaves (`SkipPipeProblem.background_share`). 8: the training mode
+is `training.mode` (RunManifest.training), no longer `training.mode`."""
 
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 MAX_CREATED_AT = 1e10
@@ -59,15 +61,16 @@ class RunManifest:
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     target_batch_size: int = 256
     """Samples the whole swarm accumulates per global step."""
+    training: TrainingSpec = field(default_factory=TrainingSpec)
     averaging: AveragingSpec = field(default_factory=AveragingSpec)
     moe: MoESpec | None = None
     """DMoE runs only: the expert grid that replaces the model's FFNs; None for a dense run."""
     diloco: DiLoCoSpec | None = None
     """DiLoCo runs, and SPES runs for their dense part; None there means DiLoCoSpec's defaults."""
     spes: SPESSpec | None = None
-    """SPES runs only (`averaging.mode = "spes"`); None there means SPESSpec's defaults."""
+    """SPES runs only (`training.mode = "spes"`); None there means SPESSpec's defaults."""
     skippipe: SkipPipeSpec | None = None
-    """SkipPipe runs only (`averaging.mode = "skippipe"`); None there means SkipPipeSpec's defaults."""
+    """SkipPipe runs only (`training.mode = "skippipe"`); None there means SkipPipeSpec's defaults."""
     admission: str = "open"
     """`open`: anyone who reaches the swarm may join; `invite`: only nodes holding a join token the founder issued
     (`crowdtrain invite`), checked on every DHT request and every RPC (crowdtrain/dht/admission.py)."""
@@ -97,22 +100,22 @@ class RunManifest:
 
     def _check_mode_sections(self) -> None:
         """The [diloco], [spes] and [moe] sections fit the training mode."""
-        if self.diloco is not None and self.averaging.mode not in ("diloco", "spes"):
-            raise ValueError(f"a [diloco] section needs averaging.mode 'diloco' or 'spes', not {self.averaging.mode!r}")
-        if self.spes is not None and self.averaging.mode != "spes":
-            raise ValueError(f"a [spes] section needs averaging.mode = 'spes', not {self.averaging.mode!r}")
-        if self.skippipe is not None and self.averaging.mode != "skippipe":
-            raise ValueError(f"a [skippipe] section needs averaging.mode = 'skippipe', not {self.averaging.mode!r}")
-        if self.averaging.mode == "skippipe":
+        if self.diloco is not None and self.training.mode not in ("diloco", "spes"):
+            raise ValueError(f"a [diloco] section needs training.mode 'diloco' or 'spes', not {self.training.mode!r}")
+        if self.spes is not None and self.training.mode != "spes":
+            raise ValueError(f"a [spes] section needs training.mode = 'spes', not {self.training.mode!r}")
+        if self.skippipe is not None and self.training.mode != "skippipe":
+            raise ValueError(f"a [skippipe] section needs training.mode = 'skippipe', not {self.training.mode!r}")
+        if self.training.mode == "skippipe":
             _check_skippipe_model(self)
             if self.optimizer.name != "adamw":
                 raise ValueError(
                     "a SkipPipe run keeps each stage's AdamW state to repair drift and look ahead: "
                     f"optimizer.name must be 'adamw', not {self.optimizer.name!r}"
                 )
-        if self.averaging.mode == "spes" and self.diloco is not None and self.diloco.fragments > 1:
+        if self.training.mode == "spes" and self.diloco is not None and self.diloco.fragments > 1:
             raise ValueError("a SPES run averages its dense part every round: diloco.fragments must be 1")
-        if self.averaging.mode == "spes" and self.moe is not None:
+        if self.training.mode == "spes" and self.moe is not None:
             raise ValueError("a SPES run trains the model's own experts: it can't have a [moe] section (DMoE)")
         if self.diloco is not None and self.diloco.compression == "topk" and self.averaging.aggregation != "mean":
             # a robust rule sees each peer's top-k values as outliers against the others' zeros: it drops them

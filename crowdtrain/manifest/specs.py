@@ -103,17 +103,29 @@ class OptimizerSpec:
 
 
 TRAINING_MODES = ("gradients", "parameters", "diloco", "spes", "skippipe")
-"""The values of `averaging.mode`: one per training mode (crowdtrain.modes.MODES)."""
+"""The values of `training.mode`: one per training mode (crowdtrain.modes.MODES)."""
 AGGREGATION_RULES = ("mean", "trimmed_mean", "centered_clip")
 """The values of `averaging.aggregation` (crowdtrain.averaging.robust)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class AveragingSpec:
-    """How peers average: DeDLOC gradient averaging or Moshpit parameter averaging."""
+class TrainingSpec:
+    """How the swarm trains: the training mode, whose own settings are in its section ([diloco], [spes],
+    [skippipe])."""
 
     mode: str = "gradients"
-    """`gradients` (average gradients every global step) or `parameters` (local steps, then average)."""
+    """`gradients` (DeDLOC: average gradients every global step), `parameters` (Moshpit SGD: local steps, then
+    average parameters), `diloco`, `spes` or `skippipe` (docs/modes/)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in TRAINING_MODES:
+            raise ValueError(f"mode must be {' or '.join(map(repr, TRAINING_MODES))}, got {self.mode!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AveragingSpec:
+    """How peers average, in every mode that averages: Moshpit groups, the wire encoding, timeouts, the rule."""
+
     group_size: int = 16
     """Peers per all-reduce group (M in Moshpit SGD)."""
     grid_dims: int = 2
@@ -130,8 +142,6 @@ class AveragingSpec:
     and outsized parts are dropped under every rule (crowdtrain.averaging.robust)."""
 
     def __post_init__(self) -> None:
-        if self.mode not in TRAINING_MODES:
-            raise ValueError(f"mode must be {' or '.join(map(repr, TRAINING_MODES))}, got {self.mode!r}")
         if self.aggregation not in AGGREGATION_RULES:
             raise ValueError(f"aggregation must be one of {', '.join(AGGREGATION_RULES)}, got {self.aggregation!r}")
         if self.group_size < 2:
@@ -155,7 +165,7 @@ DILOCO_COMPRESSIONS = ("fp16", "int8", "topk", "none")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DiLoCoSpec:
-    """DiLoCo runs (`averaging.mode = "diloco"`): local inner steps, then an outer step on averaged pseudo-gradients."""
+    """DiLoCo runs (`training.mode = "diloco"`): local inner steps, then an outer step on averaged pseudo-gradients."""
 
     inner_steps: int = 50
     """H: an outer round ends when the swarm has processed H global batches (`target_batch_size` samples each)
@@ -234,7 +244,7 @@ MAX_SPES_REPLICAS = 8
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SPESSpec:
-    """SPES runs (`averaging.mode = "spes"`): each node trains the dense parameters (averaged as in DiLoCo, with the
+    """SPES runs (`training.mode = "spes"`): each node trains the dense parameters (averaged as in DiLoCo, with the
     [diloco] settings) and only the routed experts it owns; the others come from their owners every round."""
 
     merge_every: int = 0
@@ -273,7 +283,7 @@ SKIPPIPE_ARCHITECTURES = ("LlamaForCausalLM",)
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SkipPipeSpec:
-    """SkipPipe runs (`averaging.mode = "skippipe"`): the model's layers cut into stages held by different nodes;
+    """SkipPipe runs (`training.mode = "skippipe"`): the model's layers cut into stages held by different nodes;
     each microbatch visits stage 0 and a share of the others, in an order a scheduler picks
     (crowdtrain/modes/skippipe)."""
 

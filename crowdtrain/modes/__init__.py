@@ -9,7 +9,7 @@ spes/          `spes`: DiLoCo rounds over the dense parameters; each node trains
 skippipe/      `skippipe`: stages on different nodes, microbatches along scheduled paths that skip and reorder them
 
 Each mode's code lives in its module or sub-package; only this registry names them all. A new mode is one more
-TrainingMode subclass registered in MODES and a value of the manifest's `averaging.mode`; the daemon and the
+TrainingMode subclass registered in MODES and a value of the manifest's `training.mode`; the daemon and the
 training loop do not change.
 
 May import: `averaging`, `planning`, `links`, `moe`, `models`, `data`, `dht`, `manifest`, `optimizer`, `proto`,
@@ -32,7 +32,7 @@ MODES: dict[str, type[TrainingMode]] = {
 
 def mode_class(manifest: RunManifest) -> type[TrainingMode]:
     """The training mode a run's manifest names (the manifest's own validation admits only these)."""
-    return MODES[manifest.averaging.mode]
+    return MODES[manifest.training.mode]
 
 
 __all__ = [

@@ -71,10 +71,10 @@ class ModeContext:
 
 
 class TrainingMode(abc.ABC):
-    """How the peers of a run combine their work; one implementation per `averaging.mode` of the manifest."""
+    """How the peers of a run combine their work; one implementation per `training.mode` of the manifest."""
 
     name: ClassVar[str]
-    """The manifest's `averaging.mode` value."""
+    """The manifest's `training.mode` value."""
     has_auxiliary_aggregators: ClassVar[bool] = False
     """Whether the plan may make a peer aggregate without computing (DeDLOC's auxiliary peers)."""
     holds_whole_model: ClassVar[bool] = True

@@ -41,7 +41,7 @@ class Progress:
     averaging_bytes_received: int = 0
     """Serialized tensor-part bytes this node received in averaging rounds since it started, B."""
     mode: str = ""
-    """The run's training mode (`averaging.mode`); "" until training started."""
+    """The run's training mode (`training.mode`); "" until training started."""
     compression: str = ""
     """The wire encoding of the mode's averaging rounds."""
     inner_step: int = 0

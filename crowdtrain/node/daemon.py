@@ -453,7 +453,7 @@ def _check_role_fits(role: Role | None, manifest: RunManifest) -> None:
         )
     if role == Role.AGGREGATOR and not mode_class(manifest).has_auxiliary_aggregators:
         raise BadInputError(
-            f"Run {manifest.run_id!r} trains in {manifest.averaging.mode} mode, where every peer steps its own "
+            f"Run {manifest.run_id!r} trains in {manifest.training.mode} mode, where every peer steps its own "
             "replica, so --role aggregator has nothing to aggregate; use --role auto or trainer."
         )
 

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunManifest(_message.Message):
-    __slots__ = ("run_id", "protocol_version", "created_at", "model", "data", "optimizer", "target_batch_size", "averaging", "moe", "diloco", "admission", "spes", "skippipe")
+    __slots__ = ("run_id", "protocol_version", "created_at", "model", "data", "optimizer", "target_batch_size", "averaging", "moe", "diloco", "admission", "spes", "skippipe", "training")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class RunManifest(_message.Message):
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
     SPES_FIELD_NUMBER: _ClassVar[int]
     SKIPPIPE_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     protocol_version: int
     created_at: float
@@ -35,7 +36,14 @@ class RunManifest(_message.Message):
     admission: str
     spes: SpesSpec
     skippipe: SkipPipeSpec
-    def __init__(self, run_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., created_at: _Optional[float] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., target_batch_size: _Optional[int] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., moe: _Optional[_Union[MoESpec, _Mapping]] = ..., diloco: _Optional[_Union[DiLoCoSpec, _Mapping]] = ..., admission: _Optional[str] = ..., spes: _Optional[_Union[SpesSpec, _Mapping]] = ..., skippipe: _Optional[_Union[SkipPipeSpec, _Mapping]] = ...) -> None: ...
+    training: TrainingSpec
+    def __init__(self, run_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., created_at: _Optional[float] = ..., model: _Optional[_Union[ModelSpec, _Mapping]] = ..., data: _Optional[_Union[DataSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., target_batch_size: _Optional[int] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., moe: _Optional[_Union[MoESpec, _Mapping]] = ..., diloco: _Optional[_Union[DiLoCoSpec, _Mapping]] = ..., admission: _Optional[str] = ..., spes: _Optional[_Union[SpesSpec, _Mapping]] = ..., skippipe: _Optional[_Union[SkipPipeSpec, _Mapping]] = ..., training: _Optional[_Union[TrainingSpec, _Mapping]] = ...) -> None: ...
+
+class TrainingSpec(_message.Message):
+    __slots__ = ("mode",)
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    def __init__(self, mode: _Optional[str] = ...) -> None: ...
 
 class SkipPipeSpec(_message.Message):
     __slots__ = ("stages", "skip_ratio", "reorder", "microbatches", "wire_dtype", "gradient_dtype", "overlap_exchange")
@@ -132,22 +140,20 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., total_steps: _Optional[int] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
 class AveragingSpec(_message.Message):
-    __slots__ = ("mode", "group_size", "grid_dims", "compression", "timeout_s", "matchmaking_time_s", "aggregation")
-    MODE_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("group_size", "grid_dims", "compression", "timeout_s", "matchmaking_time_s", "aggregation")
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     GRID_DIMS_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MATCHMAKING_TIME_S_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
-    mode: str
     group_size: int
     grid_dims: int
     compression: str
     timeout_s: float
     matchmaking_time_s: float
     aggregation: str
-    def __init__(self, mode: _Optional[str] = ..., group_size: _Optional[int] = ..., grid_dims: _Optional[int] = ..., compression: _Optional[str] = ..., timeout_s: _Optional[float] = ..., matchmaking_time_s: _Optional[float] = ..., aggregation: _Optional[str] = ...) -> None: ...
+    def __init__(self, group_size: _Optional[int] = ..., grid_dims: _Optional[int] = ..., compression: _Optional[str] = ..., timeout_s: _Optional[float] = ..., matchmaking_time_s: _Optional[float] = ..., aggregation: _Optional[str] = ...) -> None: ...
 
 class MoESpec(_message.Message):
     __slots__ = ("grid", "layers", "expert", "expert_hidden_size", "k", "k_min", "forward_timeout_s", "backward_timeout_s", "timeout_after_k_min_s", "uid_prefix")

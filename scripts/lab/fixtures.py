@@ -18,9 +18,11 @@ sequence_length = 32
 benchmarks' tiny runs and the tests' (tests/harness.py) are built from it."""
 
 
-def tiny_run_file(run_id: str, target_batch_size: int, *, averaging: str = "", sections: str = "") -> str:
-    """A whole run file for the tiny model: a fast optimizer, short averaging timeouts; `averaging` adds lines to
-    the [averaging] table, `sections` adds tables after it."""
+def tiny_run_file(
+    run_id: str, target_batch_size: int, *, mode: str = "gradients", averaging: str = "", sections: str = ""
+) -> str:
+    """A whole run file for the tiny model in training `mode`: a fast optimizer, short averaging timeouts;
+    `averaging` adds lines to the [averaging] table, `sections` adds tables after it."""
     return f"""
 run_id = "{run_id}"
 target_batch_size = {target_batch_size}
@@ -29,6 +31,9 @@ target_batch_size = {target_batch_size}
 learning_rate = 0.005
 warmup_steps = 0
 total_steps = 1000
+
+[training]
+mode = "{mode}"
 
 [averaging]
 matchmaking_time_s = 2.0
