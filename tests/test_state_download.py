@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind reads typing's AsyncIterator as a stream)
@@ -125,6 +126,18 @@ class DonorStateAverager(PlannedStateAverager):
         return super().get_current_state()
 
 
+class HeldDonorStateAverager(DonorStateAverager):
+    """A donor whose answers wait for the test's word before the state is read: an admitted answer can't end (and
+    free its slot) before the requests that should be refused beside it have arrived."""
+
+    release = threading.Event()
+
+    def get_current_state(self) -> Any:
+        if not self.release.wait(timeout=60):
+            raise AssertionError("the test never released the held donor")
+        return super().get_current_state()
+
+
 class PoisonedStateAverager(DonorStateAverager):
     """A donor that serves NaN parameters at a huge epoch, and declares the highest priority to be asked first."""
 
@@ -213,7 +226,7 @@ def test_a_donor_serves_one_state_per_peer_and_few_in_all_and_the_rest_get_an_em
     second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers, use_ipfs=False)
     averagers: list[Any] = []
     try:
-        donor, donor_model = make_averager(DonorStateAverager, first, seed=1, priority=1.0)
+        donor, donor_model = make_averager(HeldDonorStateAverager, first, seed=1, priority=1.0)
         joiner, joiner_model = make_averager(PlannedStateAverager, second, seed=3)
         averagers += [donor, joiner]
         donor.local_epoch = 4
@@ -224,8 +237,15 @@ def test_a_donor_serves_one_state_per_peer_and_few_in_all_and_the_rest_get_an_em
             try:
                 stub: Any = DonorStateAverager.get_stub(p2p, first.peer_id, namespace="verified_state_test")
                 streams = [await stub.rpc_download_state(averaging_pb2.DownloadRequest()) for _ in range(count)]
-                firsts = [await anext(stream, None) for stream in streams]
-                assert sum(message is not None for message in firsts) == 1, "one answer per peer at once"
+                firsts = [asyncio.ensure_future(anext(stream, None)) for stream in streams]
+                async with asyncio.timeout(30):  # the refused answers end while the admitted one waits
+                    while sum(first.done() for first in firsts) < count - 1:
+                        await asyncio.wait([first for first in firsts if not first.done()],
+                                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                assert all(first.result() is None for first in firsts if first.done()), "refused: an empty answer"
+                HeldDonorStateAverager.release.set()
+                answers = await asyncio.wait_for(asyncio.gather(*firsts), timeout=30)
+                assert sum(message is not None for message in answers) == 1, "one answer per peer at once"
                 assert donor.served == 1, "no copy of the state was made for the refused ones"
                 # the donor's second slot is another peer's: the joiner loads the whole state meanwhile
                 loaded = await asyncio.to_thread(joiner.load_state_from_peers, timeout=30)
