@@ -99,6 +99,10 @@ class PeerView:
     one."""
     excluded_peers: tuple[tuple[str, str, float], ...]
     """(peer ID, reason, seconds left) of each peer this peer keeps out of its averaging groups."""
+    more: dict[str, Any]
+    """Every other field of the record but those `status` leaves out (_NOT_SHOWN), by name, as in the message: a
+    field added to PeerStatus shows in `status --json` with no code here (the bound it carries in crowdtrain.proto
+    was checked when the record was read)."""
 
     @classmethod
     def from_status(cls, status: proto.PeerStatus) -> PeerView:
@@ -132,6 +136,7 @@ class PeerView:
             phase_times=PhaseTimes.from_proto(status.phase_times) if status.HasField("phase_times") else None,
             training=_copy(status.training) if status.HasField("training") else None,
             excluded_peers=tuple((entry.peer_id, entry.reason, entry.remaining_s) for entry in status.excluded_peers),
+            more=message_json(status, leave_out=_NOT_SHOWN | _VIEWED),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -159,21 +164,37 @@ class PeerView:
             "partial_averages": self.partial_averages,
             "local_steps": self.local_steps,
             "phase_times_s": None if self.phase_times is None else self.phase_times.to_json(),
-            "training": None if self.training is None else _training_json(self.training),
+            "training": None if self.training is None else message_json(self.training),
             "excluded_peers": [
                 {"peer_id": peer_id, "reason": reason, "remaining_s": remaining_s}
                 for peer_id, reason, remaining_s in self.excluded_peers
             ],
+            **self.more,
         }
 
 
-def _training_json(training: proto.TrainingStatus) -> dict[str, Any]:
-    """A peer's `training` object in `status --json`: the message's fields, by name, in their order (the record
-    validation has bounded them: names of at most 16 characters, inner step <= H, utilisation in [0, 1])."""
+_NOT_SHOWN = frozenset({"state", "run_id", "observed_uploads"})
+"""PeerStatus fields `status` leaves out: offline records are dropped, the run is the report's, and the uploads a
+peer timed are the plan's input (their effect shows in upload_mbps and the plan)."""
+_VIEWED = frozenset(field.name for field in dataclasses.fields(PeerView)) - {"more"}
+
+
+def message_json(message: Any, leave_out: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """A message's fields by name, in their order, as JSON values: an unset optional field is null, a message an
+    object, a repeated field a list (the record validation has bounded every one)."""
     return {
-        field.name: getattr(training, field.name) if not field.has_presence or training.HasField(field.name) else None
-        for field in training.DESCRIPTOR.fields
+        field.name: _field_json(message, field) for field in message.DESCRIPTOR.fields if field.name not in leave_out
     }
+
+
+def _field_json(message: Any, field: Any) -> Any:
+    value = getattr(message, field.name)
+    as_json = message_json if field.message_type is not None else lambda item: item
+    if field.is_repeated:
+        return [as_json(item) for item in value]
+    if field.has_presence and not message.HasField(field.name):
+        return None
+    return as_json(value)
 
 
 def _copy(training: proto.TrainingStatus) -> proto.TrainingStatus:

@@ -2,6 +2,7 @@
 
 keys       key names of every record crowdtrain stores
 records    encode, sign, decode and verify records (manifests, peer statuses)
+bounds     the bounds crowdtrain.proto writes beside record fields, checked in one pass
 validator  the DHT record validator: parses every value, caps sizes, rejects forgeries
 registry   read and write the run's records: manifests and peer statuses
 swarm      join the DHT (server or client) with bounded time and plain errors

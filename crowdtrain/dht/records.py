@@ -7,7 +7,6 @@ content, and checks that the record's owner key is the key that wrote it.
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,33 +21,35 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from crowdtrain import proto
+from crowdtrain.dht.bounds import OutOfBoundsError, bound_count, bound_max, check_bounds
 from crowdtrain.manifest import RunManifest
 from crowdtrain.structured import FieldError
 
 MAX_MANIFEST_RECORD_BYTES = 64 * 1024
 """Cap on a SignedManifest: the model config is capped at 16 KiB, the rest is small."""
 MAX_PEER_STATUS_BYTES = 16 * 1024
-MAX_PLAN_DIGEST_CHARS = 32
 """Cap on a PeerStatus: ample for a node with a few hundred experts and a dozen addresses."""
-MAX_PHASE_SECONDS = 86_400.0
+# The bounds below are written once, beside their fields in crowdtrain.proto, and checked there (dht/bounds.py).
+MAX_PLAN_DIGEST_CHARS = bound_count(proto.PeerStatus, "plan_digest")
+MAX_PHASE_SECONDS = bound_max(proto.PhaseTimes, "compute_s")
 """Cap on each phase time of a global step in a PeerStatus: a day; writers clamp to it, readers reject more."""
-MAX_MODE_NAME_CHARS = 16
+MAX_MODE_NAME_CHARS = bound_count(proto.TrainingStatus, "mode")
 """Cap on a PeerStatus's training mode and compression names."""
-MAX_EXCLUDED_PEERS = 64
+MAX_EXCLUDED_PEERS = bound_count(proto.PeerStatus, "excluded_peers")
 """Cap on the peers one status record says its node keeps out of its averaging groups."""
-MAX_EXCLUSION_REASON_CHARS = 200
+MAX_EXCLUSION_REASON_CHARS = bound_count(proto.ExcludedPeer, "reason")
 """Cap on the reason given for keeping a peer out."""
-MAX_EXCLUSION_S = 6 * 3600.0
+MAX_EXCLUSION_S = bound_max(proto.ExcludedPeer, "remaining_s")
 """The longest a node keeps a peer out of its groups (averaging/quarantine.py)."""
-MAX_PEER_ID_CHARS = 64
+MAX_PEER_ID_CHARS = bound_count(proto.ExcludedPeer, "peer_id")
 """A base58 peer ID of an RSA or Ed25519 key is 46-52 characters."""
-MAX_OBSERVED_UPLOADS = 8
+MAX_OBSERVED_UPLOADS = bound_count(proto.PeerStatus, "observed_uploads")
 """Cap on the peers whose upload one status record says its node timed (links/observations.py)."""
-MAX_INNER_STEPS = 1_000_000
+MAX_INNER_STEPS = int(bound_max(proto.TrainingStatus, "inner_steps"))
 """Cap on a PeerStatus's inner steps per outer round: the manifest's own bound on `diloco.inner_steps`."""
-MAX_SPES_EXPERTS = 65536
+MAX_SPES_EXPERTS = int(bound_max(proto.TrainingStatus, "experts_total"))
 """Cap on the experts a SPES node's status may count (all layers)."""
-MAX_SKIPPIPE_STAGES = 64
+MAX_SKIPPIPE_STAGES = int(bound_max(proto.TrainingStatus, "skippipe_stage")) + 1
 """Cap on a SkipPipe run's stages: the manifest's own bound on `skippipe.stages`."""
 
 M = TypeVar("M", proto.PeerStatus, proto.SignedManifest)
@@ -136,15 +137,10 @@ median, in the plan (planning/planner.py) and in progress claims (averaging/prog
 claiming a huge value would otherwise idle the others, take every round's aggregation or fill the batch's ETA.
 An honest GPU among CPUs can be this much faster: it then counts as if it were 64x."""
 
-PHYSICAL_LIMITS = {
-    "samples_per_second": 1e7,
-    "measured_samples_per_second": 1e7,
-    "upload_mbps": 400_000.0,
-    "download_mbps": 400_000.0,
-    "aggregation_share": 1.0,
-}
-"""No honest node reports more: a record beyond one of these is refused, not trusted (a claimed 1e308 samples/s
-idled every honest node's plan, 1e9 Mbit/s made its sender the aggregator)."""
+_PHYSICAL = ("samples_per_second", "measured_samples_per_second", "upload_mbps", "download_mbps", "aggregation_share")
+PHYSICAL_LIMITS = {name: bound_max(proto.PeerStatus, name) for name in _PHYSICAL}
+"""No honest node reports more (their bounds in crowdtrain.proto): a record beyond one of these is refused, not
+trusted (a claimed 1e308 samples/s idled every honest node's plan, 1e9 Mbit/s made its sender the aggregator)."""
 
 MAX_GLOBAL_STEPS_PER_S = 20.0
 """No run makes global steps faster than this (the demo model on one CPU makes about 3 per second)."""
@@ -173,67 +169,34 @@ def decode_peer_status(data: bytes, owner: bytes) -> proto.PeerStatus:
     status = _parse(proto.PeerStatus, data)
     if status.peer_id != peer_id_of_owner(owner).to_base58():
         raise RecordError("peer status names a peer_id that is not its owner's")
-    for name in (
-        "samples_per_second",
-        "loss",
-        "upload_mbps",
-        "download_mbps",
-        "last_seen",
-        "measured_samples_per_second",
-        "aggregation_share",
-    ):
-        value = getattr(status, name)
-        if not math.isfinite(value) or (value < 0 and name != "loss") or value > PHYSICAL_LIMITS.get(name, math.inf):
-            raise RecordError(f"peer status has an invalid {name}: {value}")
-    if len(status.plan_digest) > MAX_PLAN_DIGEST_CHARS:
-        raise RecordError(f"peer status has a plan_digest longer than {MAX_PLAN_DIGEST_CHARS} characters")
-    for field in status.phase_times.DESCRIPTOR.fields:
-        seconds = getattr(status.phase_times, field.name)
-        if not (math.isfinite(seconds) and 0.0 <= seconds <= MAX_PHASE_SECONDS):
-            raise RecordError(f"peer status has an invalid phase_times.{field.name}: {seconds}")
+    try:
+        check_bounds(status)  # every field's bound, as crowdtrain.proto writes it
+    except OutOfBoundsError as e:
+        raise RecordError(f"peer status has {e}") from None
     _check_training_status(status.training)
-    _check_excluded_peers(status.excluded_peers)
     _check_observed_uploads(status.observed_uploads)
     return status
 
 
 def _check_observed_uploads(observed: Sequence[proto.ObservedUpload]) -> None:
-    if len(observed) > MAX_OBSERVED_UPLOADS:
-        raise RecordError(f"peer status observes {len(observed)} peers, over the {MAX_OBSERVED_UPLOADS} cap")
+    """What the fields' bounds can't say: one entry per peer, a named peer, a rate above 0."""
     if len({entry.peer_id for entry in observed}) < len(observed):
         raise RecordError("peer status observes one peer twice")
-    limit_mbps = PHYSICAL_LIMITS["upload_mbps"]
     for entry in observed:
-        if not 0 < len(entry.peer_id) <= MAX_PEER_ID_CHARS:
-            raise RecordError("peer status has an observed upload with an empty or overlong peer ID")
-        if not (math.isfinite(entry.upload_mbps) and 0.0 < entry.upload_mbps <= limit_mbps):
-            raise RecordError(f"peer status has an observed upload with an invalid upload_mbps: {entry.upload_mbps}")
-
-
-def _check_excluded_peers(excluded: Sequence[proto.ExcludedPeer]) -> None:
-    if len(excluded) > MAX_EXCLUDED_PEERS:
-        raise RecordError(f"peer status excludes {len(excluded)} peers, over the {MAX_EXCLUDED_PEERS} cap")
-    for entry in excluded:
-        if len(entry.peer_id) > MAX_PEER_ID_CHARS or len(entry.reason) > MAX_EXCLUSION_REASON_CHARS:
-            raise RecordError("peer status has an excluded peer with an overlong peer ID or reason")
-        if not (math.isfinite(entry.remaining_s) and 0.0 <= entry.remaining_s <= MAX_EXCLUSION_S):
-            raise RecordError(f"peer status has an excluded peer with an invalid remaining_s: {entry.remaining_s}")
+        if not entry.peer_id:
+            raise RecordError("peer status has an observed upload with an empty peer ID")
+        if entry.upload_mbps == 0.0:
+            raise RecordError("peer status has an observed upload with an invalid upload_mbps: 0")
 
 
 def _check_training_status(training: proto.TrainingStatus) -> None:
-    for name in ("mode", "compression"):
-        if len(getattr(training, name)) > MAX_MODE_NAME_CHARS:
-            raise RecordError(f"peer status has a training.{name} longer than {MAX_MODE_NAME_CHARS} characters")
-    if training.inner_steps > MAX_INNER_STEPS or training.inner_step > training.inner_steps:
+    """What the fields' bounds can't say: how the fields of one training status fit together."""
+    if training.inner_step > training.inner_steps:
         raise RecordError(f"peer status has an invalid inner step {training.inner_step} of {training.inner_steps}")
-    if not (math.isfinite(training.compute_utilisation) and 0.0 <= training.compute_utilisation <= 1.0):
-        raise RecordError(f"peer status has an invalid training.compute_utilisation: {training.compute_utilisation}")
-    if training.experts_total > MAX_SPES_EXPERTS or training.experts_owned > training.experts_total:
+    if training.experts_owned > training.experts_total:
         raise RecordError(f"peer status owns an invalid {training.experts_owned} of {training.experts_total} experts")
     if training.HasField("experts_capacity") and training.experts_capacity > training.experts_total:
         raise RecordError(f"peer status has room for {training.experts_capacity} of {training.experts_total} experts")
-    if training.HasField("skippipe_stage") and training.skippipe_stage >= MAX_SKIPPIPE_STAGES:
-        raise RecordError(f"peer status serves an invalid SkipPipe stage {training.skippipe_stage}")
 
 
 MAX_STAGE_DECLARATION_BYTES = 256

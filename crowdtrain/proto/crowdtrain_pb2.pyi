@@ -1,3 +1,4 @@
+from google.protobuf import descriptor_pb2 as _descriptor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -6,6 +7,18 @@ from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+BOUND_FIELD_NUMBER: _ClassVar[int]
+bound: _descriptor.FieldDescriptor
+
+class FieldBound(_message.Message):
+    __slots__ = ("min", "max", "max_count")
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    MAX_COUNT_FIELD_NUMBER: _ClassVar[int]
+    min: float
+    max: float
+    max_count: int
+    def __init__(self, min: _Optional[float] = ..., max: _Optional[float] = ..., max_count: _Optional[int] = ...) -> None: ...
 
 class RunManifest(_message.Message):
     __slots__ = ("run_id", "protocol_version", "created_at", "model", "data", "optimizer", "target_batch_size", "averaging", "moe", "diloco", "admission", "spes", "skippipe", "training")
