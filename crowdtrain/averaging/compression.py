@@ -14,8 +14,9 @@ k-sparse parts is at most (group size × k)-sparse, and goes back in the same en
 
 `encode_int8_blocks` / `decode_int8_blocks` are a flat vector in blocks of INT8_BLOCK values, each block's values
 rounded to int8 steps of its largest magnitude / 127 (one float32 scale per block): SkipPipe's gradient exchange
-in a quarter of float32's bytes. Unlike the uniform codebook above (one per part, six deviations wide, values
-beyond clipped), nothing is clipped, and an outlier coarsens only its own block.
+and SPES's expert changes (in blocks of 256) in a quarter of float32's bytes. Unlike the uniform codebook above
+(one per part, six deviations wide, values beyond clipped), nothing is clipped, and an outlier coarsens only its
+own block.
 """
 
 from __future__ import annotations
@@ -166,43 +167,40 @@ hivemind_serialization._BASE_COMPRESSION_TYPES[runtime_pb2.CompressionType.Name(
 
 
 INT8_BLOCK = 4096
-"""Values per block of `encode_int8_blocks` (one float32 scale each: 0.1% more bytes than int8 alone)."""
+"""Values per block of `encode_int8_blocks` by default (one float32 scale each: 0.1% more bytes than int8 alone)."""
 
 
-def int8_blocks_size(numel: int) -> int:
-    """The bytes of `numel` values encoded by `encode_int8_blocks`."""
-    return numel + 4 * _int8_blocks(numel)
+def int8_blocks_size(numel: int, block: int = INT8_BLOCK) -> int:
+    """The bytes of `numel` values encoded by `encode_int8_blocks` in blocks of `block` values."""
+    return numel + 4 * -(-numel // block)
 
 
-def _int8_blocks(numel: int) -> int:
-    return -(-numel // INT8_BLOCK)
-
-
-def encode_int8_blocks(flat: torch.Tensor) -> bytes:
-    """A flat float tensor as its blocks' scales (little-endian float32, one per INT8_BLOCK values: the block's
-    largest magnitude / 127), then its values as int8 multiples of their block's scale, rounded to nearest."""
+def encode_int8_blocks(flat: torch.Tensor, block: int = INT8_BLOCK) -> bytes:
+    """A flat float tensor as its blocks' scales (little-endian float32, one per `block` values: the block's largest
+    magnitude / 127), then its values as int8 multiples of their block's scale, rounded to nearest: no value is
+    clipped, each is off by at most half its block's step."""
     flat = flat.detach().to("cpu", torch.float32).reshape(-1)
-    blocks = _int8_blocks(flat.numel())
-    padded = torch.nn.functional.pad(flat, (0, blocks * INT8_BLOCK - flat.numel())).view(blocks, INT8_BLOCK)
+    blocks = -(-flat.numel() // block)
+    padded = torch.nn.functional.pad(flat, (0, blocks * block - flat.numel())).view(blocks, block)
     scales = padded.abs().amax(dim=1) / 127.0
     steps = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)  # an all-zero block stays zero
     values = torch.round(padded / steps).clamp_(-127, 127).to(torch.int8).reshape(-1)[: flat.numel()]
     return scales.numpy().astype("<f4").tobytes() + values.numpy().tobytes()
 
 
-def decode_int8_blocks(payload: bytes | bytearray, numel: int) -> torch.Tensor:
-    """The float32 values `encode_int8_blocks` encoded, `numel` of them; ValueError unless `payload` is exactly
-    their bytes with finite, non-negative scales and values within ±127."""
-    if len(payload) != int8_blocks_size(numel):
+def decode_int8_blocks(payload: bytes | bytearray, numel: int, block: int = INT8_BLOCK) -> torch.Tensor:
+    """The float32 values `encode_int8_blocks` encoded in blocks of `block`, `numel` of them; ValueError unless
+    `payload` is exactly their bytes with finite, non-negative scales and values within ±127."""
+    if len(payload) != int8_blocks_size(numel, block):
         raise ValueError(f"{len(payload)} bytes of int8 blocks do not hold {numel} values")
-    blocks = _int8_blocks(numel)
+    blocks = -(-numel // block)
     scales = torch.from_numpy(np.frombuffer(payload, dtype="<f4", count=blocks).astype(np.float32))
     if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
         raise ValueError("int8 blocks with a negative or non-finite scale")
     values = torch.from_numpy(np.frombuffer(payload, dtype=np.int8, offset=4 * blocks).copy())
     if bool((values == -128).any()):
         raise ValueError("int8 blocks with a value outside ±127")
-    padded = torch.nn.functional.pad(values.float(), (0, blocks * INT8_BLOCK - numel)).view(blocks, INT8_BLOCK)
+    padded = torch.nn.functional.pad(values.float(), (0, blocks * block - numel)).view(blocks, block)
     return (padded * scales.unsqueeze(1)).reshape(-1)[:numel]
 
 

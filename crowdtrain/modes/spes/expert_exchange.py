@@ -40,6 +40,7 @@ import torch
 from hivemind.p2p import P2PContext, PeerID
 
 from crowdtrain import proto
+from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blocks, int8_blocks_size
 from crowdtrain.dht.bulk import BulkGate, BulkLimits, within_time
 from crowdtrain.dht.service import P2PService, linger
 from crowdtrain.errors import CrowdtrainError
@@ -69,7 +70,6 @@ DIGEST_BYTES = 16
 BLOCK = 256
 """Values per int8 block of a change (each block has its own scale)."""
 _FULL_DTYPE = np.dtype("<f4")
-_SCALE_DTYPE = np.dtype("<f4")
 
 
 class ExpertFetchError(CrowdtrainError):
@@ -106,33 +106,15 @@ class Published:
 
 
 def encode_change(base: torch.Tensor, target: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-    """The int8 change from `base` toward `target` (float32, flattened), and the copy it makes: base + change.
-
-    Blockwise absmax: each block of `BLOCK` values is scaled by its largest magnitude / 127 and rounded, so no
-    value is clipped and each is off by at most half its block's step. Layout: the blocks' float32 scales, then
-    one int8 per value."""
-    delta = (target.float() - base).reshape(-1)
-    count = delta.numel()
-    blocks = torch.nn.functional.pad(delta, (0, -count % BLOCK)).view(-1, BLOCK)
-    scales = blocks.abs().amax(dim=1) / 127
-    steps = torch.where(scales > 0, scales, torch.ones_like(scales))
-    quantized = torch.round(blocks / steps[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:count]
-    buffer = scales.numpy().astype(_SCALE_DTYPE).tobytes() + quantized.numpy().tobytes()
+    """The int8 change from `base` toward `target` (float32, flattened) in blocks of BLOCK values
+    (`encode_int8_blocks`), and the copy it makes: base + change."""
+    buffer = encode_int8_blocks((target.float() - base).reshape(-1), block=BLOCK)
     return buffer, apply_change(base, buffer)
 
 
 def apply_change(base: torch.Tensor, buffer: bytes) -> torch.Tensor:
     """base + the int8 change in `buffer`; ValueError for a buffer that is not one for base's size."""
-    count = base.numel()
-    num_blocks = -(-count // BLOCK)
-    if len(buffer) != change_bytes(count):
-        raise ValueError(f"a change of {len(buffer)} bytes for {count} values (expected {change_bytes(count)})")
-    scales = torch.from_numpy(np.frombuffer(buffer, dtype=_SCALE_DTYPE, count=num_blocks).astype(np.float32))
-    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
-        raise ValueError("a change with a negative or non-finite scale")
-    quantized = torch.from_numpy(np.frombuffer(buffer, dtype=np.int8, offset=4 * num_blocks).astype(np.float32))
-    padded = torch.nn.functional.pad(quantized, (0, -count % BLOCK)).view(-1, BLOCK)
-    return base + (padded * scales[:, None]).reshape(-1)[:count]
+    return base + decode_int8_blocks(buffer, base.numel(), block=BLOCK)
 
 
 def copy_digest(values: torch.Tensor) -> bytes:
@@ -142,7 +124,7 @@ def copy_digest(values: torch.Tensor) -> bytes:
 
 def change_bytes(num_values: int) -> int:
     """The size of an int8 change of `num_values` values: a float32 scale per block, a byte per value."""
-    return 4 * -(-num_values // BLOCK) + num_values
+    return int8_blocks_size(num_values, block=BLOCK)
 
 
 class ExpertExchange(P2PService):
