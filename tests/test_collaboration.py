@@ -35,7 +35,7 @@ from crowdtrain.collaboration.factory import (
     make_optimizer,
     reuses_grad_buffers,
 )
-from crowdtrain.collaboration.hivemind_optimizer import _Optimizer
+from crowdtrain.collaboration.hivemind_optimizer import CrowdtrainOptimizer
 from crowdtrain.manifest import AveragingSpec, demo
 from crowdtrain.node.logs import setup_logging
 from crowdtrain.state.catch_up import ANNOUNCE_FOR_S, HoldBudget, catch_up_key
@@ -77,7 +77,7 @@ OWN_KEY, JOINER_KEY = b"[owner:this]", b"[owner:joiner]"
 
 
 def bare_optimizer(num_peers: int, scheduled: FakeStepControl | None = None) -> Any:
-    optimizer: Any = object.__new__(_Optimizer)
+    optimizer: Any = object.__new__(CrowdtrainOptimizer)
     optimizer.tracker = SimpleNamespace(
         global_progress=SimpleNamespace(num_peers=num_peers),
         global_epoch=0,

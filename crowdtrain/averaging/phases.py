@@ -1,7 +1,7 @@
 """Where the time of a global step goes: per-phase seconds, accumulated by the training thread and hivemind's hooks.
 
-Every phase is time the training process spent *blocked* in it, measured where it is spent: the trainer
-times forward/backward, `collaboration.hivemind_optimizer._Optimizer` times the phases inside hivemind.Optimizer.
+Every phase is time the training process spent *blocked* in it, measured where it is spent: the trainer times
+forward/backward, `collaboration.hivemind_optimizer.CrowdtrainOptimizer` the phases inside hivemind.Optimizer.
 Work that overlaps training (a parameter-averaging round hivemind runs in the background) shows in no phase.
 """
 

@@ -26,7 +26,7 @@ from crowdtrain.averaging.partition import PlanSharesMixin
 from crowdtrain.averaging.phases import PhaseAccumulator
 from crowdtrain.averaging.quarantine import Verdict
 from crowdtrain.averaging.traffic import AggregationSettings, AveragingTraffic, TrafficCountingAverager
-from crowdtrain.collaboration.hivemind_optimizer import CountingGradientAverager, _Optimizer
+from crowdtrain.collaboration.hivemind_optimizer import CountingGradientAverager, CrowdtrainOptimizer
 from crowdtrain.manifest import AveragingSpec, RunManifest
 from crowdtrain.optimizer import build_optimizer, build_scheduler
 
@@ -91,7 +91,7 @@ def make_optimizer(
     elif reuse_grad_buffers:
         raise ValueError("only a gradients-mode run accumulates gradients: parameters mode steps every micro-batch")
     with keep_sigint_handler():
-        return _Optimizer(
+        return CrowdtrainOptimizer(
             dht=dht,
             run_id=f"crowdtrain-{manifest.run_id}",
             target_batch_size=manifest.target_batch_size,

@@ -1,6 +1,6 @@
 """hivemind.Optimizer and its two averagers, subclassed: workarounds, phase times, verified state, catch-up holds.
 
-`_Optimizer` honours an explicit client mode, times each phase of a global step, works around hivemind's
+`CrowdtrainOptimizer` honours an explicit client mode, times each phase of a global step, works around hivemind's
 pre-scheduled rounds that expire or go alone, replaces a replica that stepped alone, and holds its global step for
 a peer that announces it downloads the swarm's state (state/catch_up.py), announcing its own downloads likewise.
 Its state averager (`PlannedStateAverager`) partitions rounds by the plan and verifies a downloaded state
@@ -78,7 +78,7 @@ class PlannedStateAverager(
 
     def step(self, **kwargs: Any) -> Any:
         # Wraps TrainingStateAverager.step: a parameter-averaging round it runs in line (not delayed) blocks the
-        # training thread. The optimizer step inside it is measured on its own (_Optimizer's hooks), so not here.
+        # training thread. The optimizer step inside it is measured on its own (CrowdtrainOptimizer's hooks).
         if kwargs.get("averaging_round") and not kwargs.get("delay_averaging"):
             with self.phases.measure(Phase.STATE_AVERAGING):
                 return super().step(**kwargs)
@@ -113,7 +113,7 @@ class CountingGradientAverager(ExactGradientAverager, TrafficCountingAverager):
         return None
 
 
-class _Optimizer(hivemind.Optimizer):
+class CrowdtrainOptimizer(hivemind.Optimizer):
     """hivemind.Optimizer that honours an explicit `client_mode`.
 
     Symptom worked around: hivemind 1.1.12 reads `client_mode if client_mode is None else
