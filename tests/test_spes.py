@@ -239,6 +239,34 @@ def test_a_round_whose_group_held_part_of_the_swarm_leaves_ownership_to_the_stat
         assert {owner for owners in mode._next_owners() for owner in owners} == set(ids[:2])
 
 
+def test_a_peer_others_cant_dial_owns_no_expert_by_its_round_or_its_status_record() -> None:
+    with spes_peers(manifest("undialable"), 2) as modes:
+        mode, (public, home) = modes[0], [m.context.peer_id for m in modes]
+        mode.round = 1
+        statuses = [proto.PeerStatus(peer_id=peer, epoch=1, reachable=True) for peer in (public, home)]
+        mode.apply_swarm_view(SwarmView(plan_share=None, statuses=statuses))
+        mode.round_group = sorted((public, home))
+        digest = bytes(START_DIGEST_BYTES)
+        mode.round_gathered = {peer: [1, None, digest, 1.0, -1, peer == public] for peer in (public, home)}
+        assert set(mode._next_owners()) == {(public,)}, "the round said it can't be dialed"
+        # from status records: measured unreachable, or a declared client
+        statuses[1] = proto.PeerStatus(peer_id=home, epoch=1, reachable=False, reachability_measured=True)
+        mode.apply_swarm_view(SwarmView(plan_share=None, statuses=statuses))
+        assert set(mode._assign_from_statuses([public, home])) == {(public,)}
+        statuses[1] = proto.PeerStatus(peer_id=home, epoch=1, role_override="client")
+        mode.apply_swarm_view(SwarmView(plan_share=None, statuses=statuses))
+        assert set(mode._assign_from_statuses([public, home])) == {(public,)}
+        statuses[1] = proto.PeerStatus(peer_id=home, epoch=1)  # says nothing of its reachability: as before
+        mode.apply_swarm_view(SwarmView(plan_share=None, statuses=statuses))
+        assert set(mode._assign_from_statuses([public, home])) == {(public,), (home,)}
+        # this node itself a client: it gives itself none, and all of them when it is alone
+        mode.context = dataclasses.replace(mode.context, client_mode=True)
+        assert set(mode._assign_from_statuses([public, home])) == {(home,)}
+        assert set(mode._assign_from_statuses([public])) == {(public,)}
+        gathered = mode._gather()
+        assert gathered[-1] is False and len(gathered) == 6, "and its round says so"
+
+
 def test_nodes_that_disagreed_about_owners_hold_the_owners_copies_after_the_next_round() -> None:
     with spes_peers(manifest("disagree"), 2) as modes:
         first, second = modes

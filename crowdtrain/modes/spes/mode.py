@@ -29,6 +29,10 @@ moments fit MEMORY_SHARE of its device's free memory (`_unit_capacity`), and no 
 given more than that while the others have room (modes/spes/ownership.py). Peers known from their status records
 (a swarm larger than a group) are capped by what their records say (`experts_capacity`, as of their last round).
 
+Only peers others can dial own experts (modes/spes/ownership.py, `owner_candidates`): a member of an averaged round
+says with its round whether it can be dialed, a peer known from its status record by its `reachable`. A node that
+can't be dialed (a client: behind a NAT) trains the dense parameters and uses the experts it fetches.
+
 Replicas (`spes.replicas = R`): each expert has R owners (modes/spes/ownership.py, `assign_owners`), each training it
 on its own samples from the round's common copy; at the round's end every node, the owners too, fetches each
 owner's copy and makes the expert the mean of the copies that came, summed in the order of the owners' peer IDs
@@ -48,6 +52,7 @@ from typing import Any
 
 import torch
 
+from crowdtrain import proto
 from crowdtrain.manifest import SPESSpec
 from crowdtrain.models.device import available_memory_bytes
 from crowdtrain.modes.base import ModeContext, SwarmView
@@ -60,6 +65,7 @@ from crowdtrain.modes.spes.expert_exchange import (
     encode_change,
 )
 from crowdtrain.modes.spes.expert_merging import merge_alpha, merged_experts
+from crowdtrain.modes.spes.gathered import gathered_capacity, gathered_dialable, gathered_rate, spes_gathered
 from crowdtrain.modes.spes.owned_experts import (
     expert_parameter_ids,
     find_fused_experts,
@@ -67,8 +73,9 @@ from crowdtrain.modes.spes.owned_experts import (
     unit_experts,
     units_of,
 )
-from crowdtrain.modes.spes.ownership import assign_owners
+from crowdtrain.modes.spes.ownership import assign_owners, owner_candidates
 from crowdtrain.optimizer import build_optimizer
+from crowdtrain.roles import Role
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +119,11 @@ class SPESMode(DiLoCoMode):
         except BaseException:
             self.exchange.close()
             raise
+        if context.client_mode:
+            logger.info(
+                "peers can't dial this node, so it owns no experts while a peer they can dial takes part: it trains "
+                "the dense parameters as a client and uses the experts it fetches from their owners"
+            )
         self._take_ownership()
 
     @property
@@ -185,8 +197,11 @@ class SPESMode(DiLoCoMode):
         if group is not None and known <= set(group):
             # every member computes from the same gathered rates and capacities (status records differ between
             # readers)
-            caps = {peer: self._gathered_capacity(peer) for peer in group}
-            rates = [(peer, self._gathered_rate(peer)) for peer in group]
+            gathered = self.round_gathered
+            undialable = {peer for peer in group if not gathered_dialable(gathered.get(peer))}
+            members = owner_candidates(group, undialable)
+            caps = {peer: gathered_capacity(gathered.get(peer), self.num_units) for peer in members}
+            rates = [(peer, gathered_rate(gathered.get(peer))) for peer in members]
             return assign_owners(rates, self.num_units, self.spes.replicas, caps)
         if started and self.tracker.global_progress.num_peers <= 1:
             peers = [me]
@@ -205,32 +220,28 @@ class SPESMode(DiLoCoMode):
         return {status.peer_id for status in self._view.statuses if status.epoch > 0 or not started}
 
     def _assign_from_statuses(self, peers: list[str]) -> list[tuple[str, ...]]:
-        """Ownership among `peers` by the compute and memory their status records (last re-planning read) say."""
+        """Ownership among `peers` by the compute, memory and reachability their status records (last re-planning
+        read) say; this node's own reachability is its averager's."""
+        peers = owner_candidates(peers, self._undialable(peers))
         caps = {peer: self._capacity_of(peer) for peer in peers}
         rates = [(peer, self._compute_of(peer)) for peer in peers]
         return assign_owners(rates, self.num_units, self.spes.replicas, caps)
 
+    def _undialable(self, peers: list[str]) -> set[str]:
+        """The `peers` that can't be dialed: this node if its averager is a client, another whose status record says
+        it measured so or is a declared client (a peer with no record counts as dialable, as before)."""
+        me = self.context.peer_id
+        said = {status.peer_id for status in self._view.statuses if status.peer_id != me and _undialable(status)}
+        return {peer for peer in peers if peer in said or (peer == me and self.context.client_mode)}
+
     def _gather(self) -> Any:
         """DiLoCo's round, proposed H and θ₀ digest (the dense parameters': the lineage check), then this node's
-        samples/s in the round and how many experts it can train (-1: not known), for every member to see alike."""
+        samples/s in the round, how many experts it can train and whether peers can dial it, for every member to
+        see alike (modes/spes/gathered.py)."""
         elapsed = time.monotonic() - self._round_started_at
         self._capacity = capacity = self._unit_capacity()
         rate = float(self.samples) / elapsed if elapsed > 0 else 0.0
-        return [*super()._gather(), rate, -1 if capacity is None else capacity]
-
-    def _gathered_rate(self, peer: str) -> float:
-        """The samples/s `peer` gathered in the last averaged round; 0 (counted as the median) if not a number."""
-        value = self.round_gathered.get(peer)
-        rate = value[3] if isinstance(value, list | tuple) and len(value) >= 4 else None
-        return float(rate) if isinstance(rate, int | float) and not isinstance(rate, bool) else 0.0
-
-    def _gathered_capacity(self, peer: str) -> int | None:
-        """How many experts `peer` said it can train in the last averaged round; None (no cap) if it did not say
-        or said something else than an integer in 0..num_units."""
-        value = self.round_gathered.get(peer)
-        capacity = value[4] if isinstance(value, list | tuple) and len(value) >= 5 else None
-        valid = isinstance(capacity, int) and not isinstance(capacity, bool) and 0 <= capacity <= self.num_units
-        return capacity if valid else None
+        return spes_gathered(super()._gather(), rate, capacity, not self.context.client_mode)
 
     def _unit_capacity(self) -> int | None:
         """The experts this node can train: those it owns (their state is allocated) and as many more as fit
@@ -394,3 +405,9 @@ class SPESMode(DiLoCoMode):
                 merged = merged_experts(rows, targets, self.spes.merge_neighbours, alpha)
                 for index, values in zip(targets, merged, strict=True):
                     self._write(layer.layer * per_layer + index, values)
+
+
+def _undialable(status: proto.PeerStatus) -> bool:
+    """Whether a status record says peers can't dial its node: measured so, or a declared client (a record that sets
+    neither, proto3's default `reachable`, says nothing)."""
+    return not status.reachable and (status.reachability_measured or status.role_override == Role.CLIENT)

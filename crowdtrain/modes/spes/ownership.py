@@ -17,6 +17,11 @@ Memory: a peer's share is capped by the units whose gradients and AdamW moments 
 the swarm as a whole can't hold every unit, the caps are dropped and the units go by compute alone (an expert
 nobody trains would stall for good; an owner short of memory fails loudly and leaves its experts to the others).
 
+Dialability: every node fetches the copies of the experts it does not own from their owners, so only a peer that
+others can dial owns experts (`owner_candidates`); one that can't (behind a NAT, a client) trains the dense
+parameters and uses the experts it fetches. Where no peer can be dialed, all own as before: a lone node behind a
+NAT trains every expert itself, as nobody needs to fetch from it.
+
 Stability: units go to peers in order of a rendezvous hash of (unit, peer), each peer taking units until its
 share is full. A peer that joins or leaves moves few units: the others keep most of theirs, and with them
 their optimizer state.
@@ -27,10 +32,16 @@ from __future__ import annotations
 import hashlib
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 MAX_WEIGHT_RATIO = 4.0
 """A peer's compute counts as at most this many times the median peer's."""
+
+
+def owner_candidates(peers: Sequence[str], undialable: Collection[str]) -> list[str]:
+    """The peers that may own experts: those the others can dial; all of `peers` when none can."""
+    dialable = [peer for peer in peers if peer not in undialable]
+    return dialable or list(peers)
 
 
 def unit_shares(weights: Sequence[float], num_units: int, caps: Sequence[int | None] | None = None) -> list[int]:
