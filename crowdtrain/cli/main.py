@@ -9,10 +9,13 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from crowdtrain import __version__
 from crowdtrain.errors import CrowdtrainError
+
+if TYPE_CHECKING:
+    from crowdtrain.node.addresses import JoinAddress
 
 logger = logging.getLogger(__name__)
 
@@ -181,11 +184,32 @@ def _print_ready(info: Any, state_dir: str) -> None:
     print("Visible addresses:")
     for address in info.multiaddrs:
         print(f"  {address}")
-    print("To join from another machine, run:")
-    print(f"  crowdtrain run --initial-peers {info.join_address} --run-key {info.run_key}")
+    for line in join_lines(info.join, info.run_key):
+        print(line)
     print("To watch the swarm from this machine, run:")
     state_flag = "" if state_dir == "~/.crowdtrain" else f" --state-dir {state_dir}"
     print(f"  crowdtrain status --watch 2{state_flag}", flush=True)
+
+
+def join_lines(joining: JoinAddress, run_key: str) -> list[str]:
+    """The join command, with where it works: a public address as it is; the peer this node joined through; or
+    this node's own private address, with how to make the node reachable from the internet."""
+    from crowdtrain.node.addresses import JoinVia
+
+    command = f"  crowdtrain run --initial-peers {joining.address} --run-key {run_key}"
+    if joining.via == JoinVia.OWN:
+        return ["To join from another machine, run:", command]
+    if joining.via == JoinVia.INITIAL_PEER:
+        return ["To join from another machine, run (it names the peer this node joined through, as this node's "
+                "own addresses are private):", command]  # fmt: skip
+    where = "this machine" if joining.on_loopback else "this node's own network"
+    port = joining.port or "<port>"
+    return [
+        f"To join from {'this machine' if joining.on_loopback else 'another machine on this network'}, run:",
+        command,
+        f"This address works only on {where}; to be reachable from the internet, forward TCP port {port} of "
+        f"your router to this machine and restart with --announce /ip4/<your public IP>/tcp/{port}.",
+    ]
 
 
 def _status(args: dict[str, Any]) -> int:

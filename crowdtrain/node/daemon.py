@@ -42,7 +42,7 @@ from crowdtrain.models.device import describe_device, resolve_device
 from crowdtrain.modes import mode_class
 from crowdtrain.modes.progress import Progress
 from crowdtrain.moe import ExpertSupervisor
-from crowdtrain.node.addresses import resolve_listen, shareable_address
+from crowdtrain.node.addresses import JoinAddress, join_address, resolve_listen
 from crowdtrain.node.config import NodeConfig
 from crowdtrain.node.expert_host import make_expert_supervisor
 from crowdtrain.node.identity import Identity, load_or_create_identity
@@ -82,7 +82,9 @@ class ReadyInfo:
     run_id: str
     founded: bool
     multiaddrs: tuple[str, ...]
-    join_address: str
+    join: JoinAddress
+    """The address the join command names, and whose it is (`node.addresses.join_address`): never this node's LAN
+    address when it joined through a peer that reaches farther."""
     role: Role | None
     """The role `--role` fixed, or None when measurement and the plan choose it (`--role auto`)."""
     device: str
@@ -151,14 +153,15 @@ class Daemon:
         heartbeat.authorizer = self.authorizer
         heartbeat.beat()
         state_path = self.config.state_path
-        write_node_file(state_path, _node_info(identity, multiaddrs, run_id))
+        joining = join_address(multiaddrs, self.config.initial_peers)
+        write_node_file(state_path, _node_info(identity, multiaddrs, run_id, joining.address))
         self.on_ready(
             ReadyInfo(
                 peer_id=identity.peer_id.to_base58(),
                 run_id=run_id,
                 founded=membership.founded,
                 multiaddrs=multiaddrs,
-                join_address=shareable_address(list(multiaddrs)),
+                join=joining,
                 role=self.config.fixed_role,
                 device=device,
                 run_key=membership.founder_peer_id,
@@ -463,11 +466,12 @@ def _is_auxiliary(roles: NodeRoles, manifest: RunManifest) -> bool:
     return not roles.computes and not roles.is_client and mode_class(manifest).has_auxiliary_aggregators
 
 
-def _node_info(identity: Identity, multiaddrs: tuple[str, ...], run_id: str) -> dict[str, object]:
+def _node_info(identity: Identity, multiaddrs: tuple[str, ...], run_id: str, join: str) -> dict[str, object]:
     return {
         "pid": os.getpid(),
         "peer_id": identity.peer_id.to_base58(),
         "multiaddrs": list(multiaddrs),
+        "join_address": join,
         "run_id": run_id,
         "version": __version__,
         "started_at": time.time(),
