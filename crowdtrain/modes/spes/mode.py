@@ -206,7 +206,9 @@ class SPESMode(DiLoCoMode):
         if started and self.tracker.global_progress.num_peers <= 1:
             peers = [me]
         elif started and group is None:
-            peers = sorted(known - {me}) or [me]
+            # left to the others that can be dialed: one that can't serves no copy (then this node keeps them)
+            others = sorted(known - {me})
+            peers = [peer for peer in others if peer not in self._undialable(others)] or [me]
         else:
             peers = sorted(known)
         return self._assign_from_statuses(peers)
