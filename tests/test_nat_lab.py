@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ pytestmark = [
 DILOCO = tiny_run_file(
     "nat-diloco",
     128,
-    averaging='mode = "diloco"',
+    mode="diloco",
     sections="""
 [diloco]
 inner_steps = 16
@@ -39,6 +40,51 @@ outer_momentum = 0.9
 compression = "int8"
 """,
 )
+SPES = """
+run_id = "nat-spes"
+target_batch_size = 32
+
+[model]
+architecture = "OlmoeForCausalLM"
+
+[model.config]
+vocab_size = 260
+hidden_size = 64
+intermediate_size = 64
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 4
+num_experts = 8
+num_experts_per_tok = 2
+output_router_logits = true
+router_aux_loss_coef = 0.01
+max_position_embeddings = 64
+bos_token_id = 256
+eos_token_id = 257
+pad_token_id = 258
+tie_word_embeddings = true
+
+[data]
+sequence_length = 32
+
+[optimizer]
+learning_rate = 0.005
+warmup_steps = 0
+total_steps = 1000
+
+[training]
+mode = "spes"
+
+[averaging]
+matchmaking_time_s = 2.0
+timeout_s = 15.0
+
+[diloco]
+inner_steps = 2
+compression = "fp16"
+overlap = false
+"""
+"""A tiny OLMoE (2 layers of 8 experts: 16 to own), as tests/test_spes_swarm.py runs it."""
 ENV = {**os.environ, **DAEMON_ENV, "CROWDTRAIN_MICRO_BATCH_SIZE": "8"}
 SCENARIO = Scenario(
     name="nat",
@@ -69,31 +115,83 @@ def status_from(host: Host, state_dir: Path) -> dict[str, Any]:
     return json.loads(shown.stdout)
 
 
+@dataclass(frozen=True)
+class Pair:
+    """A founder on the lab's public host and a volunteer behind the NAT that joined it, each logging to a file."""
+
+    founder: subprocess.Popen
+    joiner: subprocess.Popen
+    founder_log: Path
+    joiner_log: Path
+    founded: dict[str, Any]
+    """The founder's node.json."""
+    address: str
+    """The founder's lab address, the one the volunteer joined through."""
+
+    def await_rounds_together(self, num_rounds: int, timeout_s: float) -> None:
+        """Wait until both averaged `num_rounds` outer rounds together; fail at once if either daemon exits."""
+
+        def averaged_together() -> bool:
+            for process, log in ((self.founder, self.founder_log), (self.joiner, self.joiner_log)):
+                assert process.poll() is None, f"a daemon exited ({process.returncode}):\n{log.read_text()[-3000:]}"
+            return len(averaged_rounds(self.founder_log) & averaged_rounds(self.joiner_log)) >= num_rounds
+
+        await_condition(averaged_together, timeout_s, f"{num_rounds} outer rounds averaged with the NATed joiner")
+
+
+def start_pair(lab: Lab, tmp_path: Path, run_file: Path, founder_env: dict[str, str] = ENV) -> Pair:
+    """Found a run of `run_file` on the public host and join it from the NATed one."""
+    public, home = lab.hosts
+    founder_log, joiner_log = tmp_path / "founder.log", tmp_path / "joiner.log"
+    founder = lab.spawn(public, [sys.executable, "-m", "crowdtrain", "run", "--state-dir", str(tmp_path / "a"),
+                                 "--run-file", str(run_file)],
+                        stdout=founder_log.open("w"), stderr=subprocess.STDOUT, env=founder_env)  # fmt: skip
+    founded = await_condition(lambda: node_file(tmp_path / "a"), 90, "the founder's node.json")
+    address = next(address for address in founded["multiaddrs"] if f"/ip4/{public.address}/" in address)
+    joiner = lab.spawn(home, [sys.executable, "-m", "crowdtrain", "run", "--state-dir", str(tmp_path / "b"),
+                              "--initial-peers", address],
+                       stdout=joiner_log.open("w"), stderr=subprocess.STDOUT, env=ENV)  # fmt: skip
+    return Pair(founder, joiner, founder_log, joiner_log, founded, address)
+
+
 def test_a_diloco_volunteer_behind_nat_averages_outer_rounds_with_a_public_founder(tmp_path: Path) -> None:
     run_file = tmp_path / "diloco.toml"
     run_file.write_text(DILOCO)
     with Lab(SCENARIO) as lab:
-        public, home = lab.hosts
-        founder_log, joiner_log = tmp_path / "founder.log", tmp_path / "joiner.log"
-        founder = lab.spawn(public, [sys.executable, "-m", "crowdtrain", "run", "--state-dir", str(tmp_path / "a"),
-                                     "--run-file", str(run_file)],
-                            stdout=founder_log.open("w"), stderr=subprocess.STDOUT, env=ENV)  # fmt: skip
-        founded = await_condition(lambda: node_file(tmp_path / "a"), 90, "the founder's node.json")
-        address = next(address for address in founded["multiaddrs"] if f"/ip4/{public.address}/" in address)
-        joiner = lab.spawn(home, [sys.executable, "-m", "crowdtrain", "run", "--state-dir", str(tmp_path / "b"),
-                                  "--initial-peers", address],
-                           stdout=joiner_log.open("w"), stderr=subprocess.STDOUT, env=ENV)  # fmt: skip
-
-        def both_averaged_two_rounds() -> bool:
-            for process, log in ((founder, founder_log), (joiner, joiner_log)):
-                assert process.poll() is None, f"a daemon exited ({process.returncode}):\n{log.read_text()[-3000:]}"
-            return len(averaged_rounds(founder_log) & averaged_rounds(joiner_log)) >= 2
-
-        await_condition(both_averaged_two_rounds, 180, "two outer rounds averaged by the founder and the NATed joiner")
+        home = lab.hosts[1]
+        pair = start_pair(lab, tmp_path, run_file)
+        pair.await_rounds_together(2, 180)
         joined = node_file(tmp_path / "b")
         assert joined is not None
+        # the join command it prints names the founder it joined through, never its own LAN address
+        printed = re.findall(r"crowdtrain run --initial-peers (\S+)", pair.joiner_log.read_text())
+        assert printed == [pair.address], f"the NATed joiner printed {printed}"
+        assert joined["join_address"] == pair.address, "node.json holds the address it printed"
+        assert "works only on this node's own network" in pair.founder_log.read_text(), "the lab's 10.x is private"
         shown = status_from(home, tmp_path / "b")  # both have published their status for rounds by now
         peers = {peer["peer_id"]: peer for peer in shown["peers"]}
         assert peers[joined["peer_id"]]["reachable"] is False, "peers can't dial it, and it knows"
         assert peers[joined["peer_id"]]["reachability_measured"] is True
-        assert peers[founded["peer_id"]]["reachable"] is True
+        assert peers[pair.founded["peer_id"]]["reachable"] is True
+
+
+@pytest.mark.timeout(420)
+def test_a_spes_volunteer_behind_nat_owns_no_expert_and_every_round_gets_every_copy(tmp_path: Path) -> None:
+    run_file = tmp_path / "spes.toml"
+    run_file.write_text(SPES)
+    with Lab(SCENARIO) as lab:
+        home = lab.hosts[1]
+        pair = start_pair(lab, tmp_path, run_file)
+        pair.await_rounds_together(2, 300)
+        joined = node_file(tmp_path / "b")
+        assert joined is not None
+        shown = status_from(home, tmp_path / "b")
+        trained = {peer["peer_id"]: peer["training"] for peer in shown["peers"]}
+        assert trained[joined["peer_id"]]["experts_owned"] == 0, "nobody could fetch an expert it owned"
+        assert trained[pair.founded["peer_id"]]["experts_owned"] == 16
+        assert "did not come" not in pair.founder_log.read_text(), "no copy was asked of the NATed node"
+        # The joiner's first exchange asks for the round of the state it took, which the founder (alone, rounds
+        # well under a second) may have left by then: those copies are "behind", never undialable.
+        assert "failed to dial" not in pair.joiner_log.read_text()
+        assert pair.joiner_log.read_text().count("peers can't dial this node, so it owns no experts") == 1, "said once"
+        assert "owns 16 of 16 experts" in pair.founder_log.read_text()
