@@ -133,3 +133,26 @@ def test_a_gradients_or_parameters_run_steps_the_runs_optimizer_clipping_and_sch
     finally:
         optimizer.shutdown()
         dht.shutdown()
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.parametrize("poison", [float("inf"), float("nan"), 3e38])
+def test_a_step_on_a_gradient_that_is_not_finite_is_skipped(
+    name: str, poison: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Clipping an infinite norm made the gradient NaN and the step wrote NaN into the weights for good: now the
+    step is skipped (3e38 twice: finite values whose norm overflows), in one line, and the next one is taken."""
+    spec = dataclasses.replace(SPEC, name=name, max_grad_norm=1.0)
+    parameter = torch.nn.Parameter(torch.ones(3))
+    optimizer = build_optimizer([parameter], spec)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # wraps `step`: still works
+    parameter.grad = torch.tensor([poison, poison, 1.0])
+    with caplog.at_level("WARNING", logger="crowdtrain.optimizer"):
+        optimizer.step()
+    assert torch.equal(parameter.detach(), torch.ones(3)) and not optimizer.state
+    assert torch.equal(parameter.grad, torch.zeros(3)), "the skipped gradient is zeroed"
+    assert len(caplog.records) == 1 and "skipped an optimizer step" in caplog.records[0].getMessage()
+    parameter.grad = torch.tensor([1.0, 0.0, 0.0])
+    optimizer.step()
+    scheduler.step()
+    assert bool(torch.isfinite(parameter).all()) and parameter[0] < 1.0, "the next finite step is taken"
