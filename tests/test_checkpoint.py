@@ -4,6 +4,7 @@ in the background on an interval, from a snapshot, failures logged and the older
 from __future__ import annotations
 
 import errno
+import io
 import logging
 import os
 import threading
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from crowdtrain import files as files_module
-from crowdtrain.files import write_atomically
+from crowdtrain.files import write_atomically, write_checksummed
 from crowdtrain.manifest import OptimizerSpec, demo
 from crowdtrain.modes.progress import Progress
 from crowdtrain.optimizer import learning_rate_factor
@@ -23,6 +24,7 @@ from crowdtrain.training.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     load_latest_checkpoint,
+    parameter_shapes,
     save_checkpoint,
 )
 from crowdtrain.training.checkpoint_writer import (
@@ -352,3 +354,46 @@ def test_trainer_checkpoints_on_the_interval_never_at_epoch_0_and_never_waits_fo
     closer.join(DEADLINE_S)
     assert not closer.is_alive()
     assert [path.name for path in list_checkpoints(tmp_path)] == ["epoch-00000001.pt", "epoch-00000003.pt"]
+
+
+def poisoned(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with one weight NaN, as a step on an infinite gradient left it before steps were checked."""
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] = float("nan")
+    return model
+
+
+def test_a_state_that_is_not_finite_is_never_saved(
+    tmp_path: Path, writers: list[CheckpointWriter], caplog: pytest.LogCaptureFixture
+) -> None:
+    save_checkpoint(tmp_path, 1, make_model(0), {}, keep=3)
+    with pytest.raises(CheckpointError, match="holds NaN or infinite values .*: not saved"):
+        save_checkpoint(tmp_path, 2, poisoned(make_model(0)), {}, keep=3)
+    model = make_model(0)
+    state = optimizer_state(model)
+    state["state"][0]["exp_avg"].view(-1)[0] = float("inf")
+    with pytest.raises(CheckpointError, match=r"state\.0\.exp_avg"):
+        save_checkpoint(tmp_path, 2, model, state, keep=3)
+    writer = CheckpointWriter(directory=tmp_path, keep=1)
+    writers.append(writer)
+    with caplog.at_level(logging.WARNING):
+        assert writer.submit(take_snapshot(3, poisoned(make_model(0)).state_dict(), {}))
+        assert writer.wait_idle(DEADLINE_S)
+    assert writer.num_failed == 1 and "not saved; training goes on" in caplog.text and "Traceback" not in caplog.text
+    assert [path.name for path in list_checkpoints(tmp_path)] == ["epoch-00000001.pt"], "keep=1 rotated nothing away"
+
+
+def test_a_checkpoint_with_weights_that_are_not_finite_is_refused_at_load(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    save_checkpoint(tmp_path, 1, make_model(0), {}, keep=3)
+    model = poisoned(make_model(0))  # written as a version without the check wrote it
+    buffer = io.BytesIO()
+    torch.save({"epoch": 2, "model": model.state_dict(), "optimizer": {}, "shapes": parameter_shapes(model)}, buffer)
+    path = tmp_path / "epoch-00000002.pt"
+    write_checksummed(path, buffer.getbuffer(), write_atomically)
+    with pytest.raises(CheckpointError, match="epoch-00000002.pt holds NaN or infinite values .*, so it is not used"):
+        load_checkpoint(path, make_model(0))
+    with caplog.at_level(logging.WARNING):
+        chosen = load_latest_checkpoint(tmp_path, make_model(0))
+    assert chosen is not None and chosen.epoch == 1, "the finite checkpoint before it is used"

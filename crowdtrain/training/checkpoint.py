@@ -2,7 +2,9 @@
 
 A checkpoint is one torch file `epoch-<N>.pt` holding the model and optimizer state, the local
 epoch and the parameter shapes; a SHA-256 of its bytes sits beside it in `epoch-<N>.pt.sha256`, so a
-truncated or bit-flipped file is detected before torch reads it.
+truncated or bit-flipped file is detected before torch reads it. A state holding a NaN or an infinity (weights or
+optimizer moments) is never written, and a checkpoint holding one is refused at load: a node whose weights a
+poisoned step ruined would otherwise keep them across a restart.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ _NAME = re.compile(r"epoch-(\d{8})\.pt")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that can't be used: corrupt, truncated, or for another model."""
+    """A checkpoint that can't be used (corrupt, truncated, for another model, not finite), or a state that can't
+    be saved (not finite)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +64,10 @@ def write_checkpoint(
 ) -> Path:
     """Write epoch-<epoch>.pt of these states atomically with its checksum, then delete all but the newest
     `keep`. `write_file` (default: an atomic write with fsync) is a seam for tests. On an error the older
-    checkpoints are untouched."""
+    checkpoints are untouched; a state that is not finite is CheckpointError, and nothing is written."""
+    unfit = _not_finite(model_state) or _not_finite(optimizer_state)
+    if unfit is not None:
+        raise CheckpointError(f"the state of epoch {epoch} holds NaN or infinite values ({unfit}): not saved")
     directory.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     payload = {"epoch": epoch, "model": model_state, "optimizer": optimizer_state, "shapes": _shapes(model_state)}
@@ -93,6 +99,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module) -> Checkpoint:
         raise CheckpointError(f"checkpoint {path} can't be read by torch: {e}") from None
     if payload.get("shapes") != parameter_shapes(model):
         raise CheckpointError(f"checkpoint {path} is for a model of another shape")
+    unfit = _not_finite(payload["model"]) or _not_finite(payload["optimizer"])
+    if unfit is not None:
+        raise CheckpointError(f"checkpoint {path} holds NaN or infinite values ({unfit}), so it is not used")
     return Checkpoint(
         epoch=int(payload["epoch"]), model_state=payload["model"], optimizer_state=payload["optimizer"], path=path
     )
@@ -112,6 +121,25 @@ def remove_temporaries(directory: Path) -> None:
     """Delete what writes cut short (by a crash or a kill) left staged in `directory`."""
     for path in directory.glob(".epoch-*.tmp"):
         path.unlink(missing_ok=True)
+
+
+def _not_finite(state: Any, name: str = "") -> str | None:
+    """The name of the first floating-point tensor in `state` (nested dicts and lists, as a state_dict holds them)
+    that holds a NaN or an infinity; None if none does."""
+    if isinstance(state, torch.Tensor):
+        finite = not state.is_floating_point() or bool(torch.isfinite(state).all())
+        return None if finite else name or "a tensor"
+    if isinstance(state, dict):
+        items: Any = state.items()
+    elif isinstance(state, list | tuple):
+        items = enumerate(state)
+    else:
+        return None
+    for key, value in items:
+        found = _not_finite(value, f"{name}.{key}" if name else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 def _shapes(state: dict[str, torch.Tensor]) -> dict[str, list[int]]:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from crowdtrain.files import write_atomically
-from crowdtrain.training.checkpoint import remove_temporaries, write_checkpoint
+from crowdtrain.training.checkpoint import CheckpointError, remove_temporaries, write_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +174,9 @@ class CheckpointWriter:
                 keep=self.keep,
                 write_file=self._write_file,
             )
+        except CheckpointError as e:
+            self.num_failed += 1
+            logger.warning(f"{e}; training goes on and the older checkpoints are kept")
         except OSError as e:
             self.num_failed += 1
             logger.warning(
