@@ -3,7 +3,8 @@
 Every node computes the iteration's schedule from the same inputs (`schedule.schedule_microbatches`:
 the swarm's nodes, seeded by the iteration), so no message carries it. An iteration on a node of stage s:
 
-1. open the iteration: forwards of it are served from now on (`StageService.open_iteration`);
+1. open the iteration: forwards of it are served from now on, from the roster's stage-0 nodes only, in the run's wire
+   dtype (`StageService.open_iteration`, `hop_callers`);
 2. a stage-0 node runs the routes whose source it is (`PipelineDriver`, up to `in_flight` at once), then tells
    every other node it is done with the iteration (`rpc_stage_done`);
 3. every node waits until its share of the iteration's gradient is whole: the backwards of the routes the
@@ -49,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from crowdtrain.modes.skippipe.hops.driver import MicrobatchOutcome, PipelineDriver
+from crowdtrain.modes.skippipe.hops.hop_callers import IterationCallers
 from crowdtrain.modes.skippipe.hops.stage_service import StageService
 from crowdtrain.modes.skippipe.replicas.drift import fingerprint_positions
 from crowdtrain.modes.skippipe.replicas.gradient_exchange import BACKGROUND_SHARE, Gathered, GradientExchange
@@ -210,7 +212,10 @@ class SkipPipeNode(GradientExchange):
             )
         )
         sources = sorted({route.source for route in schedule.routes})
-        self.service.open_iteration(iteration)
+        stage_zero = [node.peer_id for node in self.nodes if node.stage == 0]
+        self.service.open_iteration(
+            iteration, IterationCallers.of(iteration, stage_zero, self.num_microbatches, self.wire_dtype)
+        )
         outcomes, driven = self._drive(iteration, schedule) if self.driver is not None else ([], 0)
         phases["microbatches"] = time.perf_counter() - started
         mark = time.perf_counter()

@@ -89,6 +89,7 @@ class SkipPipeMode(Rostering, TrainingMode):
         # No forward is served before this node runs its first iteration: one served then (a source ahead of it)
         # would be stepped over before its backward ("modified by an inplace operation", seen in a test run).
         self.service.hold(-1)
+        self.service.set_members((), -1)  # no hop or done message is taken from anyone before a roster is read
         self.service.start()
         self._first_batch: torch.Tensor | None = None
         self.runner = self._stage_runner()
@@ -164,6 +165,9 @@ class SkipPipeMode(Rostering, TrainingMode):
 
     def train_micro_batch(self, batch: torch.Tensor) -> float | None:
         self.history = self.directory.roster(self.history, self.iteration) or self.history
+        if self.history:
+            members = {peer for membership in self.history for peer in membership.peers()}
+            self.service.set_members(members, self.history[-1].from_iteration)
         if self.iteration is None and not self._take_place():
             time.sleep(WAIT_FOR_ROSTER_S)
             return None

@@ -4,6 +4,8 @@ stage_service      StageService: the hops a node serves for its stage (forward, 
                    state), bounded and checked
 stage_ledger       what a stage node keeps of its iterations: forwards held for their backward, done messages,
                    gradients
+hop_callers        who may call a stage node: hops only from the iteration's sources, done messages only from
+                   the roster, losses bounded
 stage_calls        the calls a node makes on other nodes' stages: hops, done messages, pings, gradients, states
 hop_wire           a tensor as a stream of proto.StageHop frames: wire dtypes, bounds checked on receipt, pacing
 driver             PipelineDriver: a stage-0 node runs its microbatches along their routes and back, rerouting a

@@ -5,7 +5,8 @@ iteration: the backwards run here, the sources that said they are done and their
 forward, and the last two gradients it published for its stage's other replicas. `StageService`'s handlers fill it;
 the node's iteration (`iteration.SkipPipeNode`) opens and holds iterations on it, waits on it for its sources, and
 forgets an iteration once it has stepped. Done messages are kept for at most MAX_ITERATIONS_AHEAD iterations at
-once, so that no peer can make a node keep a crowd of them.
+once, so that no peer can make a node keep a crowd of them, and only from the roster's nodes, for iterations at
+most MAX_ITERATIONS_AHEAD past the node's own or, while it is held, past the newest roster's (`hop_callers`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from crowdtrain import proto
 from crowdtrain.modes.skippipe.hops.device_clock import DeviceClock
+from crowdtrain.modes.skippipe.hops.hop_callers import IterationCallers
 from crowdtrain.modes.skippipe.hops.hop_wire import GRADIENT_DTYPES, MAX_FINGERPRINT, wire_bytes, wire_values
 
 MAX_ITERATIONS_AHEAD = 64
@@ -57,6 +59,9 @@ class StageLedger:
     _losses: dict[int, dict[str, tuple[float, int]]]
     _rows: Counter[int]
     _gradients: OrderedDict[int, PublishedGradient]
+    _callers: IterationCallers | None
+    _members: frozenset[str] | None
+    _done_ceiling: int | None
 
     def set_stage(self, stage: int, memory_microbatches: int) -> None:
         """Serve `stage` from now on (between iterations: forwards held and gradients published are dropped)."""
@@ -68,10 +73,18 @@ class StageLedger:
             self.device.clear()
             self._gradients.clear()
 
-    def open_iteration(self, iteration: int) -> None:
-        """Serve forwards of `iteration` from now on (and refuse those of others)."""
+    def open_iteration(self, iteration: int, callers: IterationCallers | None = None) -> None:
+        """Serve forwards of `iteration` from now on (and refuse those of others), its hops only from `callers`
+        (None: from any peer, in any wire dtype: a tool's service, not a daemon's)."""
         with self._held_lock:
             self._open = self._done_from = iteration
+            self._callers = callers
+
+    def set_members(self, members: typing.Collection[str], newest_iteration: int) -> None:
+        """Keep done messages only from `members` (every node of the rosters this node knows) and, while held, of
+        iterations at most MAX_ITERATIONS_AHEAD past `newest_iteration` (the newest roster's first iteration)."""
+        with self._held_lock:
+            self._members, self._done_ceiling = frozenset(members), newest_iteration + MAX_ITERATIONS_AHEAD
 
     def hold(self, iteration: int) -> None:
         """While this node runs no iteration (starting, joining, or left out of the roster) and does not know its
@@ -162,9 +175,12 @@ class StageLedger:
     def _keeps_done(self, iteration: int) -> bool:
         """Whether a done message of `iteration` is kept: while this node runs iterations, from the open one on,
         within MAX_ITERATIONS_AHEAD; before its first one and while it is held (`hold`), the newest
-        MAX_ITERATIONS_AHEAD iterations' (older ones are dropped). Under the lock."""
+        MAX_ITERATIONS_AHEAD iterations' (older ones are dropped), none past the newest roster's first iteration by
+        more than MAX_ITERATIONS_AHEAD (`set_members`). Under the lock."""
         if self._done_from is not None:
             return self._done_from <= iteration <= self._done_from + MAX_ITERATIONS_AHEAD
+        if self._done_ceiling is not None and iteration > self._done_ceiling:
+            return False
         if iteration in self._done or len(self._done) < MAX_ITERATIONS_AHEAD:
             return True
         oldest = min(self._done)

@@ -8,9 +8,12 @@ of that output (`rpc_stage_backward`); the node runs its layers' backward, which
 causal mask are rebuilt from the shape (`StagedModel.activations`), as every layer of a decoder LM computes them.
 
 Everything a caller sends is bounded and checked before it runs (`hop_wire`): a header first (`proto.StageHop`:
-iteration, microbatch, stage, shape, wire dtype), the stage must be this node's, the shape [batch, sequence, hidden]
-within `HopLimits`, the payload exactly the shape's bytes (refused as soon as it runs over), every value finite; a
-backward must name a forward this node holds for the same caller, with the output's shape. Once its header is
+iteration, microbatch, stage, shape, wire dtype), the caller must be a source of the iteration in this node's roster
+and the microbatch one of the iteration's, the wire dtype the run's (`hop_callers`), the stage this node's, the shape
+[batch, sequence, hidden] within `HopLimits`, the payload exactly the shape's bytes (refused as soon as it runs
+over), every value finite; a backward must name a forward this node holds for the same caller, with the output's
+shape, and a microbatch's forward is served once per iteration. An answer that is not finite (an overflow in the
+stage's layers) is refused rather than sent. Once its header is
 checked, and before a byte of its payload is read, a hop takes a grant of its bytes (`hop_limits`, dht/bulk.py):
 past the hops a node receives at once, in all or from one caller, it is refused busy at once, and its payload must
 come within HOP_TIME_S. A node holds at most
@@ -29,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 import typing
@@ -45,6 +47,7 @@ from crowdtrain import proto
 from crowdtrain.dht.bulk import BulkGate, BulkLimits, Grant
 from crowdtrain.dht.service import drain, linger
 from crowdtrain.modes.skippipe.hops.device_clock import DeviceClock, finish_of
+from crowdtrain.modes.skippipe.hops.hop_callers import RefusalLog, done_loss, done_refusal, hop_refusal
 from crowdtrain.modes.skippipe.hops.hop_wire import (
     BUSY,
     CHUNK_BYTES,
@@ -139,6 +142,11 @@ class StageService(StageLedger, StageCalls):
         self._done_from: int | None = None
         """Done messages are kept from this iteration on (`_keeps_done`); None: the newest ones."""
         self._done: dict[int, set[str]] = {}
+        self._callers = None
+        self._members: frozenset[str] | None = None
+        self._done_ceiling: int | None = None
+        self._refusals, self._loss_refusals = RefusalLog(), RefusalLog()
+        """Peers whose refused place (`hop_callers`), or refused loss, was logged already."""
         self._losses: dict[int, dict[str, tuple[float, int]]] = {}
         self._rows: Counter[int] = Counter()
         self._gradients: OrderedDict[int, PublishedGradient] = OrderedDict()
@@ -168,6 +176,8 @@ class StageService(StageLedger, StageCalls):
             await self._reserve(key, context)
             try:
                 outputs = await asyncio.to_thread(self._forward, key, inputs)
+                if not bool(torch.isfinite(outputs).all()):
+                    self._refuse("its hidden states overflowed in this stage's layers", "forward", context)
             except BaseException:
                 with self._held_lock:
                     self._held.pop(key, None)
@@ -200,15 +210,25 @@ class StageService(StageLedger, StageCalls):
             with self._backwards_changed:
                 self._backwards.setdefault(header.iteration, set()).add((key[0], header.microbatch))
                 self._backwards_changed.notify_all()
+            if not bool(torch.isfinite(grad_inputs).all()):  # the stage's step then sees it, and is skipped
+                self._refuse("its gradient overflowed in this stage's layers", "backward", context)
             for frame in encode_frames(grad_inputs, _reply_header(header), header.dtype):
                 self.bytes_sent += len(frame.payload)
                 yield frame
         await linger()
 
     async def rpc_stage_done(self, request: proto.StageHop, context: P2PContext) -> proto.StageHop:
-        """A source says it ran every microbatch of `request.iteration` it will: no more backwards from it."""
+        """A source says it ran every microbatch of `request.iteration` it will: no more backwards from it. Kept only
+        from a node of the roster (`hop_callers`), its loss only where an honest source could report it."""
+        peer = context.remote_id.to_base58()
+        callers = self._callers
+        members = self._members if self._members is not None else callers.sources if callers is not None else None
+        refusal = done_refusal(members, peer)
+        if refusal is not None:  # answered all the same: a source of a roster this node has not read yet is honest
+            if self._refusals.first(peer):
+                logger.warning(f"left out a done message from peer {peer[-8:]} (said once per peer): {refusal}")
+            return proto.StageHop(iteration=request.iteration, stage=self.stage)
         with self._backwards_changed:
-            peer = context.remote_id.to_base58()
             kept = self._keeps_done(request.iteration)
             if kept:
                 self._done.setdefault(request.iteration, set()).add(peer)
@@ -217,8 +237,14 @@ class StageService(StageLedger, StageCalls):
             # sources' done messages come, and reports the loss of the iteration before (`sources_losses`)
             just_finished = self._done_from is not None and request.iteration == self._done_from - 1
             if kept or just_finished:
-                if math.isfinite(request.loss) and 0 < request.microbatches <= MAX_DONE_MICROBATCHES:
-                    self._losses.setdefault(request.iteration, {})[peer] = (request.loss, request.microbatches)
+                loss = done_loss(request, callers.num_microbatches if callers is not None else MAX_DONE_MICROBATCHES)
+                if loss is not None:
+                    self._losses.setdefault(request.iteration, {})[peer] = loss
+                elif request.microbatches and self._loss_refusals.first(peer):
+                    logger.warning(
+                        f"left out the loss {request.loss:.3g} over {request.microbatches} microbatches that peer "
+                        f"{peer[-8:]} reported: no honest source reports it"
+                    )
         return proto.StageHop(iteration=request.iteration, stage=self.stage)
 
     async def rpc_stage_ping(self, request: proto.StageHop, context: P2PContext) -> proto.StageHop:
@@ -328,6 +354,8 @@ class StageService(StageLedger, StageCalls):
                     del self._held[old]
                 if key in self._held:
                     self._refuse(f"microbatch {key[2]} of iteration {key[1]} is already held", "forward", context)
+                if (key[0], key[2]) in self._backwards.get(key[1], ()):
+                    self._refuse(f"microbatch {key[2]} of iteration {key[1]} ran here already", "forward", context)
                 if len(self._held) < self.memory_microbatches:
                     empty = torch.empty(0)
                     self._held[key] = HeldForward(inputs=empty, outputs=empty, since=now)
@@ -360,13 +388,14 @@ class StageService(StageLedger, StageCalls):
 
         first = await anext(requests, None)
         try:
-            if first is not None and wait_open:
-                await self._wait_open(first.iteration, context)
+            if first is not None:
+                await self._check_place(first, call, context, wait_open)
+            dtypes = WIRE_DTYPES if self._callers is None else (self._callers.wire_dtype,)
             frames = prepend(first, requests) if first is not None else requests
             try:
                 async with asyncio.timeout(HOP_TIME_S):
                     header, shape, payload = await receive_frames(
-                        frames, self.limits.check_shape, refused, expected_stage=self.stage, admit=admit
+                        frames, self.limits.check_shape, refused, self.stage, dtypes=dtypes, admit=admit
                     )
             except TimeoutError:
                 raise refused(f"the hop's payload did not come within {HOP_TIME_S:g} s") from None
@@ -379,6 +408,23 @@ class StageService(StageLedger, StageCalls):
             raise
         self.bytes_received += tensor.numel() * WIRE_DTYPES[header.dtype].itemsize
         return header, tensor, granted[0]
+
+    async def _check_place(self, header: proto.StageHop, call: str, context: P2PContext, wait_open: bool) -> None:
+        """With `wait_open`, wait for the hop's iteration (`_wait_open`: a node that has not read the roster that
+        makes its caller a source yet reads it meanwhile), then refuse it unless that iteration's callers include
+        its caller (`hop_refusal`)."""
+        peer = context.remote_id.to_base58()
+        if wait_open:
+            await self._wait_open(header.iteration, context)
+        refusal = hop_refusal(self._callers, peer, header)
+        if refusal is not None:
+            self._refuse_place(refusal, call, peer)
+
+    def _refuse_place(self, reason: str, call: str, peer: str) -> NoReturn:
+        """Refuse a call for the caller's place (`hop_callers`), logged once per peer."""
+        if self._refusals.first(peer):
+            logger.warning(f"refused a stage {call} from peer {peer[-8:]} (said once per peer): {reason}")
+        raise HopRefusedError(f"stage {call} refused: {reason}")
 
     def _refuse(self, reason: str, call: str, context: P2PContext) -> NoReturn:
         logger.warning(f"refused a stage {call} from peer {context.remote_id.to_base58()[-8:]}: {reason}")

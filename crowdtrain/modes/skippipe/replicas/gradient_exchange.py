@@ -179,9 +179,27 @@ class GradientExchange(StageState):
         that small would never move. Touches nothing but the error carried: it may run in the background."""
         if self.gradient_dtype == "int8" and self._unsent is not None:
             own = own + self._unsent
-        sent = self.service.publish_gradient(iteration, own, own_fingerprint, self.gradient_dtype)
+        if not bool(torch.isfinite(own).all()):
+            return self._publish_none(iteration, own, own_fingerprint, "holds NaN or infinite values")
+        try:
+            sent = self.service.publish_gradient(iteration, own, own_fingerprint, self.gradient_dtype)
+        except ValueError as e:  # finite values past the wire dtype's range (rounded to infinity)
+            return self._publish_none(iteration, own, own_fingerprint, str(e))
         self._unsent = own - sent if self.gradient_dtype == "int8" else None
         return sent
+
+    def _publish_none(
+        self, iteration: int, own: torch.Tensor, own_fingerprint: torch.Tensor, reason: str
+    ) -> torch.Tensor:
+        """Publish zeros in place of a gradient of `iteration` that can't be sent (`reason`): the replicas, this
+        one included, sum the others' gradients and never this one's, and none waits for it."""
+        logger.warning(
+            f"this node's gradient of iteration {iteration} is not published ({reason}): the stage's replicas "
+            "step on the others' gradients"
+        )
+        self._unsent = None
+        zeros = torch.zeros_like(own)
+        return self.service.publish_gradient(iteration, zeros, own_fingerprint, self.gradient_dtype)
 
     def _publish_and_gather(
         self,
