@@ -134,13 +134,13 @@ from crowdtrain.models import ByteTokenizer, build_model
 from crowdtrain.modes.skippipe import HopLimits, StageService
 from crowdtrain.modes.skippipe.iteration import IterationReport, SkipPipeNode
 from crowdtrain.modes.skippipe.replicas.gradient_exchange import BACKGROUND_SHARE
+from crowdtrain.modes.skippipe.roster.costs import seconds_per_hop
 from crowdtrain.modes.skippipe.roster.membership import follow_cost
 from crowdtrain.modes.skippipe.roster.schedule import (
     NodeInfo,
     Schedule,
     SkipPipeProblem,
     schedule_microbatches,
-    seconds_per_hop,
 )
 from crowdtrain.modes.skippipe.stages import StagedModel
 from crowdtrain.node.logs import setup_logging

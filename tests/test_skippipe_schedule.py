@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 from skippipe_schedulers import conflict_based, full_pipeline, greedy_in_order, planned, random_skipping, searched
 
+from crowdtrain.modes.skippipe.roster import costs
 from crowdtrain.modes.skippipe.roster import schedule as paths
 from crowdtrain.modes.skippipe.roster.schedule import (
     NodeInfo,
@@ -104,6 +105,20 @@ def test_with_the_exchange_in_the_background_hops_cost_the_link_it_leaves_and_th
         count for peer, count in Counter(p for r in before.routes for p in r.path[1:]).items() if peer.endswith("b")
     )
     check_constraints(shared, after)
+
+
+def test_a_replica_declaring_near_zero_cost_draws_at_most_four_times_a_median_nodes_share() -> None:
+    """Issue 47, finding 12: s2b declares 5e-324 s a microbatch. Uncounted, it drew every visit of stage 2; counted
+    as the median's / 4, it draws about 4/5 of them and its honest twin the rest, as if it had declared 0.25 s."""
+    liar = tuple(
+        dataclasses.replace(n, seconds_per_microbatch=5e-324) if n.peer_id == "s2b" else n for n in four_by_two()
+    )
+    visits = schedule_microbatches(problem(liar, num_microbatches=40, skip_ratio=0.0)).microbatches_per_node
+    assert visits["s2a"] + visits["s2b"] == 40
+    assert 6 <= visits["s2a"] <= 10, visits
+    honest = tuple(dataclasses.replace(n, seconds_per_microbatch=0.25) if n.peer_id == "s2b" else n for n in liar)
+    assert schedule_microbatches(problem(honest, num_microbatches=40, skip_ratio=0.0)).microbatches_per_node == visits
+    assert [n.seconds_per_microbatch for n in costs.counted_compute(liar)] == [1.0] * 5 + [0.25] + [1.0] * 2
 
 
 def test_constraints_hold_on_random_topologies() -> None:
@@ -280,8 +295,8 @@ def test_bad_nodes_are_refused(fields: dict[str, object]) -> None:
 
 def test_a_nodes_seconds_per_hop_comes_from_its_slower_link() -> None:
     # 4 rows x 128 tokens x 512 wide in fp16: 524288 bytes, 4.19 Mbit
-    assert paths.seconds_per_hop(524288, 100.0, 25.0) == pytest.approx(0.16777216)
-    assert paths.seconds_per_hop(524288, 25.0, 100.0) == pytest.approx(0.16777216)
-    assert paths.seconds_per_hop(524288, None, 25.0) == 0.0  # not measured: latencies only
-    assert paths.seconds_per_hop(524288, 100.0, 0.0) == 0.0
-    assert paths.seconds_per_hop(10**12, 0.001, 0.001) == paths.MAX_SECONDS_PER_HOP
+    assert costs.seconds_per_hop(524288, 100.0, 25.0) == pytest.approx(0.16777216)
+    assert costs.seconds_per_hop(524288, 25.0, 100.0) == pytest.approx(0.16777216)
+    assert costs.seconds_per_hop(524288, None, 25.0) == 0.0  # not measured: latencies only
+    assert costs.seconds_per_hop(524288, 100.0, 0.0) == 0.0
+    assert costs.seconds_per_hop(10**12, 0.001, 0.001) == costs.MAX_SECONDS_PER_HOP

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from typing import Any
 
 import pytest
 import skippipe_schedulers as research
@@ -56,10 +57,11 @@ def test_planned_routes_by_prioritized_planning_where_it_ends_before_the_greedy(
 
 
 def brute_force_done_s(
-    p: SkipPipeProblem, path: tuple[str, ...], forbidden: dict[str, list[tuple[float, float]]]
+    p: SkipPipeProblem, swarm: Any, path: tuple[str, ...], forbidden: dict[str, list[tuple[float, float]]]
 ) -> float:
-    """When a microbatch along `path` ends, each op at the earliest moment it overlaps no forbidden span there."""
-    cost = {n.peer_id: n.seconds_per_microbatch for n in p.nodes}
+    """When a microbatch along `path` ends, each op at the earliest moment it overlaps no forbidden span there, at
+    the costs the swarm counts (`roster/costs.py`)."""
+    cost = {peer: n.seconds_per_microbatch for peer, n in swarm.nodes.items()}
     third = 1.0 / 3.0
     ops = [(path[0], third * cost[path[0]])]
     ops += [(peer, third * cost[peer]) for peer in path[1:]]
@@ -97,12 +99,12 @@ def test_a_star_finds_the_route_that_ends_first_around_the_spans_it_must_leave_f
         plan = research._Planner(p, swarm).plan(0, stages, forbidden)
         orders = itertools.permutations(sorted(stages)) if p.reorder else [tuple(sorted(stages))]
         best_s = min(
-            brute_force_done_s(p, path, forbidden)
+            brute_force_done_s(p, swarm, path, forbidden)
             for order in orders
             for path in itertools.product(*(swarm.replicas[stage] for stage in (0, *order)))
         )
         assert plan.done_s == pytest.approx(best_s)
-        assert plan.done_s == pytest.approx(brute_force_done_s(p, plan.route.path, forbidden))
+        assert plan.done_s == pytest.approx(brute_force_done_s(p, swarm, plan.route.path, forbidden))
         assert sorted(plan.route.stages[1:]) == sorted(stages)
 
 

@@ -28,8 +28,9 @@ from crowdtrain.modes.base import ModeContext
 from crowdtrain.modes.skippipe.hops.device_clock import FOLLOW_EVERY_S
 from crowdtrain.modes.skippipe.hops.hop_wire import WIRE_DTYPES
 from crowdtrain.modes.skippipe.hops.stage_service import StageService
+from crowdtrain.modes.skippipe.roster.costs import seconds_per_hop
 from crowdtrain.modes.skippipe.roster.membership import DECLARATION_RENEW_S, StageDirectory, choose_stage, restage
-from crowdtrain.modes.skippipe.roster.schedule import NodeInfo, seconds_per_hop
+from crowdtrain.modes.skippipe.roster.schedule import NodeInfo
 from crowdtrain.modes.skippipe.stages import StagedModel
 
 logger = logging.getLogger(__name__)

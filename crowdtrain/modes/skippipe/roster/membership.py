@@ -38,7 +38,8 @@ from crowdtrain.dht import keys
 from crowdtrain.dht.records import RecordError, check_roster, check_stage_declaration, peer_id_of_owner
 from crowdtrain.dht.registry import read_dictionary, store_signed
 from crowdtrain.modes.skippipe.hops.device_clock import drifted
-from crowdtrain.modes.skippipe.roster.schedule import MAX_SECONDS_PER_HOP, NodeInfo
+from crowdtrain.modes.skippipe.roster.costs import MAX_SECONDS_PER_HOP, counted_compute
+from crowdtrain.modes.skippipe.roster.schedule import NodeInfo
 
 logger = logging.getLogger(__name__)
 
@@ -149,10 +150,10 @@ def encode_roster(history: Sequence[PipelineMembers]) -> bytes:
 
 def choose_stage(declared: Iterable[NodeInfo], num_stages: int, me: str) -> int:
     """The stage a node takes: the fewest replicas among the other nodes' declarations, then the least compute
-    (microbatches per second summed over its replicas), then the lowest stage."""
+    (microbatches per second summed over its replicas, each counted as `costs` bounds it), then the lowest stage."""
     replicas, compute = [0] * num_stages, [0.0] * num_stages
-    for node in declared:
-        if node.peer_id != me and node.stage < num_stages:
+    for node in counted_compute([node for node in declared if node.peer_id != me]):
+        if node.stage < num_stages:
             replicas[node.stage] += 1
             compute[node.stage] += 1.0 / node.seconds_per_microbatch
     return min(range(num_stages), key=lambda stage: (replicas[stage], compute[stage], stage))

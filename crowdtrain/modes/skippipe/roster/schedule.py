@@ -32,25 +32,26 @@ the microbatches whose path holds the slowest visit first (`_slowest_first`; the
 that order is kept only where the timeline below ends it sooner than the greedy's, so in the model it never ends
 later.
 
-Taking the least-visited stages keeps every stage's visit count within one of every other's (the counts
-are c or c+1 before a step and c+1 or c+2 after one). Choosing the replica with the earliest finish (list
-scheduling) gives a replica c times slower about 1/c of the share. Dead nodes (`exclude`) are never chosen;
-a stage with no live replica is skipped by every path and named in `Schedule.missing_stages`, counting
-among the skipped ones; with no live stage-0 node nothing can be scheduled (`StageZeroUnavailableError`).
-The schedulers the benchmarks compare against (the full pipeline, random skipping, the paper's conflict-based
-search and others) live outside the package, in scripts/skippipe_schedulers.py, and use this module's timeline.
+Taking the least-visited stages keeps every stage's visit count within one of every other's (the counts are c or
+c+1 before a step and c+1 or c+2 after one). Choosing the replica with the earliest finish (list scheduling) gives a
+replica c times slower about 1/c of the share (a declared c counts as at least the median's / 4: `costs`). Dead
+nodes (`exclude`) are never chosen; a stage with no live replica is skipped by every path and named in
+`Schedule.missing_stages`, counting among the skipped ones; with no live stage-0 node nothing can be scheduled
+(`StageZeroUnavailableError`). The schedulers the benchmarks compare against (the full pipeline, random skipping, the
+paper's conflict-based search and others) live outside the package, in scripts/skippipe_schedulers.py, and use this
+module's timeline.
 
-The timeline (`simulate`): a visit's forward takes FORWARD_SHARE of c_n and its backward the rest; at stage
-0 the backward is split evenly between the head, run when the last forward comes back, and the first layers'
-backward at the very end. A microbatch's ops run in the order forward along the path, head, backward along
-the path in reverse, each hop between two nodes taking its latency and the transfer over the slower of their
-links (max(h_a, h_b); the timeline hops from node to node, not through the source, and a link carries any
-number of transfers at once, so it sees less of a slow link than the greedy's load does). A node runs one op at a
-time, never idles while an op is ready, and picks backwards first (they free memory), then heads, forwards, and new
-microbatches, lowest microbatch first. A source starts its microbatches in order, each only when every node
-on its path has a free slot of its `memory_microbatches`; the slot is held until the backward there ends.
-Reserving the whole path up front cannot deadlock, even when reordered paths cross. The makespan is when
-the last backward ends; a node's peak memory is the most microbatches whose activations it held at once.
+The timeline (`simulate`): a visit's forward takes FORWARD_SHARE of c_n and its backward the rest; at stage 0 the
+backward is split evenly between the head, run when the last forward comes back, and the first layers' backward at
+the very end. A microbatch's ops run in the order forward along the path, head, backward along the path in reverse,
+each hop between two nodes taking its latency and the transfer over the slower of their links (max(h_a, h_b); the
+timeline hops from node to node, not through the source, and a link carries any number of transfers at once, so it
+sees less of a slow link than the greedy's load does). A node runs one op at a time, never idles while an op is
+ready, and picks backwards first (they free memory), then heads, forwards, and new microbatches, lowest microbatch
+first. A source starts its microbatches in order, each only when every node on its path has a free slot of its
+`memory_microbatches`; the slot is held until the backward there ends. Reserving the whole path up front cannot
+deadlock, even when reordered paths cross. The makespan is when the last backward ends; a node's peak memory is the
+most microbatches whose activations it held at once.
 
 Everything is in peer-ID order and ties go by hashes, so every node computes the same schedule bit for bit
 from the same inputs, whatever their order, and can check the one a leader announces.
@@ -64,10 +65,10 @@ from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 
+from crowdtrain.modes.skippipe.roster.costs import MAX_SECONDS_PER_HOP, counted_compute
+
 DEFAULT_LATENCY_S = 0.05
 """The one-way latency between two nodes with no measured one, in seconds."""
-MAX_SECONDS_PER_HOP = 600.0
-"""Cap on a node's link seconds per hop (a node that slow gets no microbatch anyway)."""
 FORWARD_SHARE = 1.0 / 3.0
 """The forward's share of a microbatch's compute at a node; the backward costs about twice as much."""
 
@@ -215,14 +216,6 @@ class _Swarm:
     num_visited: int
 
 
-def seconds_per_hop(payload_bytes: int, upload_mbps: float | None, download_mbps: float | None) -> float:
-    """A node's `NodeInfo.seconds_per_hop`: `payload_bytes` (one microbatch's hidden states on the wire) at the slower
-    of its upload and download, at most MAX_SECONDS_PER_HOP; 0 where either is not measured (None or not > 0)."""
-    if upload_mbps is None or download_mbps is None or not (upload_mbps > 0 and download_mbps > 0):
-        return 0.0
-    return min(8 * payload_bytes / (min(upload_mbps, download_mbps) * 1e6), MAX_SECONDS_PER_HOP)
-
-
 def num_visited_stages(num_stages: int, skip_ratio: float) -> int:
     """V, how many of stages 1..S-1 a path visits: S-1 less k·(S-1) rounded half up, at least 1."""
     num_others = num_stages - 1
@@ -320,8 +313,8 @@ def foreground_nodes(problem: SkipPipeProblem) -> dict[str, NodeInfo]:
 
 def _live_swarm(problem: SkipPipeProblem) -> _Swarm:
     foreground = foreground_nodes(problem)
-    live = sorted((foreground[node.peer_id] for node in problem.nodes if node.peer_id not in problem.exclude),
-                  key=lambda n: n.peer_id)  # fmt: skip
+    live = counted_compute(sorted((foreground[n.peer_id] for n in problem.nodes if n.peer_id not in problem.exclude),
+                                  key=lambda n: n.peer_id))  # fmt: skip
     replicas: dict[int, tuple[str, ...]] = {}
     for stage in range(problem.num_stages):
         peers = tuple(node.peer_id for node in live if node.stage == stage)
