@@ -15,6 +15,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from crowdtrain import proto
 from crowdtrain.cli.invite import make_invite, parse_duration
 from crowdtrain.dht.admission import (
+    MAX_VALIDITY_S,
     TOKEN_PREFIX,
     AccessChecker,
     AdmissionError,
@@ -75,6 +76,21 @@ def test_an_access_token_never_outlives_its_certificate() -> None:
     assert checker.expiry(token) <= time.time() + 60
     with pytest.raises(AdmissionError, match="expired"):
         checker.expiry(token, now=time.time() + 61)
+
+
+def test_a_certificate_refused_by_a_clock_behind_the_founders_is_admitted_once_the_clock_is_there() -> None:
+    """Issue 47, finding 14: a year-long token checked first by a node whose clock is 5 s behind the founder's was
+    refused, and the refusal cached for good."""
+    node = joiner(valid_for_s=MAX_VALIDITY_S)
+    checker = AccessChecker("demo", RUN_KEY)
+    with pytest.raises(AdmissionError, match="further away than a join token may last"):
+        checker.expiry(node.access_token(), now=time.time() - 5)
+    assert checker.expiry(node.access_token()) > time.time()
+    forged = joiner(founder=RSAPrivateKey()).access_token()
+    for _ in range(2):  # a refusal no clock explains is remembered
+        with pytest.raises(AdmissionError):
+            checker.expiry(forged)
+    assert len([c for c in checker._certificates.values() if c is None]) == 1
 
 
 def test_an_expired_or_damaged_join_token_is_one_sentence() -> None:

@@ -123,6 +123,20 @@ def parse_join_token(text: str, now: float | None = None) -> Invite:
     return Invite(certificate=certificate, certificate_bytes=certificate_bytes, invite_key=invite_key, run_key=run_key)
 
 
+def _check_expiry(expires_at: float, now: float) -> None:
+    """Raise AdmissionError unless a certificate expiring at `expires_at` is valid at `now`."""
+    if not math.isfinite(expires_at):
+        raise AdmissionError("the certificate's expiry is not a plausible time")
+    if expires_at > now + MAX_VALIDITY_S:  # this node's clock may be behind the founder's
+        raise ClockSkewError("the certificate's expiry is further away than a join token may last")
+    if expires_at <= now:
+        raise AdmissionError(f"it expired at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(expires_at))}")
+
+
+class ClockSkewError(AdmissionError):
+    """A refusal that a clock a little behind the founder's may have caused: checked again later, never cached."""
+
+
 def verify_certificate(
     data: bytes, run_key: str | None, now: float | None = None
 ) -> tuple[proto.InviteCertificate, str]:
@@ -138,13 +152,7 @@ def verify_certificate(
         raise AdmissionError("the certificate names no valid run")
     if len(certificate.invite_public_key) != 32 or len(certificate.label) > MAX_LABEL_CHARS:
         raise AdmissionError("the certificate's invite key or label is malformed")
-    now = time.time() if now is None else now
-    if not math.isfinite(certificate.expires_at) or certificate.expires_at > now + MAX_VALIDITY_S:
-        raise AdmissionError("the certificate's expiry is not a plausible time")
-    if certificate.expires_at <= now:
-        raise AdmissionError(
-            f"it expired at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(certificate.expires_at))}"
-        )
+    _check_expiry(certificate.expires_at, time.time() if now is None else now)
     try:
         founder_key = load_public_key(certificate.founder_public_key)
     except RecordError as e:
@@ -232,6 +240,8 @@ class AccessChecker:
             certificate, _ = verify_certificate(data, self.run_key, now)
             if certificate.run_id != self.run_id:
                 raise AdmissionError(f"the certificate is for run {certificate.run_id!r}, not {self.run_id!r}")
+        except ClockSkewError:
+            raise  # not remembered: the same certificate is checked again at the next token, by a later clock
         except AdmissionError:
             self._remember(data, None)
             raise
