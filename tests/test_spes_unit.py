@@ -9,11 +9,25 @@ import random
 import pytest
 import torch
 import transformers
+from hivemind.utils.crypto import RSAPrivateKey
 
+from crowdtrain.dht.records import load_public_key, peer_id_of_public_key
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, SPESSpec, demo, manifest_from_overrides, spes_demo
 from crowdtrain.modes.spes.expert_exchange import apply_change, change_bytes, encode_change
 from crowdtrain.modes.spes.expert_merging import merge_alpha, merged_experts
-from crowdtrain.modes.spes.gathered import gathered_capacity, gathered_dialable, gathered_rate, spes_gathered
+from crowdtrain.modes.spes.gathered import (
+    AUTHOR,
+    CAPACITY,
+    DIALABLE,
+    MAX_PUBLIC_KEY_BYTES,
+    RATE,
+    UNSIGNED,
+    MemberClaims,
+    owners_by_claims,
+    read_member,
+    read_round,
+    spes_gathered,
+)
 from crowdtrain.modes.spes.owned_experts import find_fused_experts, own, unit_experts, units_of
 from crowdtrain.modes.spes.ownership import (
     MAX_WEIGHT_RATIO,
@@ -25,6 +39,7 @@ from crowdtrain.modes.spes.ownership import (
 from crowdtrain.structured import FieldError
 
 PEERS = [f"peer-{index}" for index in range(4)]
+RUN = "spes-test"
 
 
 # ownership
@@ -128,17 +143,101 @@ def test_only_peers_others_can_dial_own_experts_and_a_lone_undialable_node_owns_
     assert owner_candidates(PEERS, set(PEERS)) == PEERS
 
 
-def test_gathered_values_are_checked_and_what_is_missing_reads_as_an_older_node_meant_it() -> None:
-    mine = spes_gathered([3, None, b"digest"], 12.5, 7, False)
-    assert (gathered_rate(mine), gathered_capacity(mine, 16), gathered_dialable(mine)) == (12.5, 7, False)
-    assert gathered_capacity(spes_gathered([3, None, b""], 1.0, None, True), 16) is None  # -1: not known
-    older = [3, None, b"digest", 12.5, 7]  # a node from before dialability was gathered
-    assert gathered_dialable(older) and gathered_capacity(older, 16) == 7
-    # forged or malformed values (relayed by the round's leader): each field falls back, none raises
-    for value in (None, "x", [], [3, None, b"", "fast", 99, "no"], [3, None, b"", True, -2, 0], {"a": 1}):
-        assert gathered_rate(value) == 0.0 and gathered_capacity(value, 16) is None
-        assert gathered_dialable(value), f"{value!r}: only an explicit False says undialable"
-    assert gathered_capacity([3, None, b"", 1.0, 17], 16) is None, "more experts than there are"
+# the gathered claims: signed by their authors, since the round's leader relays them
+
+
+@pytest.fixture(scope="module")
+def members() -> list[tuple[str, RSAPrivateKey]]:
+    """Four members of a round: peer ID and identity key (the key the peer ID derives from)."""
+    keys = [RSAPrivateKey() for _ in range(4)]
+    return sorted((peer_id_of_public_key(load_public_key(key.get_public_key().to_bytes())).to_base58(), key)
+                  for key in keys)  # fmt: skip
+
+
+def signed_round(
+    members: list[tuple[str, RSAPrivateKey]], claims: list[tuple[float, int | None, bool]], round_: int = 3
+) -> dict[str, list]:
+    """Each member's gathered entry of round `round_` of RUN, as its `_gather` signs it."""
+    return {
+        peer: spes_gathered([round_, None, b"digest"], rate, cap, dialable, run_id=RUN, peer_id=peer, private_key=key)
+        for (peer, key), (rate, cap, dialable) in zip(members, claims, strict=True)
+    }
+
+
+def unchecked_owners(gathered: dict[str, list], num_units: int, replicas: int = 1) -> list[tuple[str, ...]]:
+    """Ownership as it was computed before entries were signed: from the relayed values as they came."""
+    group = sorted(gathered)
+    candidates = owner_candidates(group, {peer for peer in group if gathered[peer][DIALABLE] is False})
+    caps = {peer: None if gathered[peer][CAPACITY] < 0 else gathered[peer][CAPACITY] for peer in candidates}
+    return assign_owners([(peer, gathered[peer][RATE]) for peer in candidates], num_units, replicas, caps)
+
+
+def test_a_signed_round_reads_as_its_members_said_and_gives_the_owners_it_gave_before(members) -> None:
+    claims = [(12.5, 7, True), (3.0, None, True), (40.0, 64, False), (8.0, 30, True)]
+    gathered = signed_round(members, claims)
+    read = read_round(gathered, RUN, 3, 64)
+    for (peer, _), (rate, cap, dialable) in zip(members, claims, strict=True):
+        assert read[peer] == MemberClaims(rate=rate, capacity=cap, dialable=dialable, signed=True)
+    group = sorted(gathered)
+    for replicas in (1, 2):
+        assert owners_by_claims(group, read, 64, replicas) == unchecked_owners(gathered, 64, replicas)
+    assert read_member(members[0][0], gathered[members[0][0]], RUN, 3, 4).capacity is None, "more than there are"
+
+
+def test_a_leader_rewriting_the_others_capacities_to_zero_owns_only_its_honest_share(members) -> None:
+    gathered = signed_round(members, [(1.0, None, True)] * 4)
+    leader, group = members[0][0], sorted(gathered)
+    honest = owners_by_claims(group, read_round(gathered, RUN, 3, 64), 64, 1)
+    assert sum(leader in owners for owners in honest) == 16
+    forged = {peer: value if peer == leader else [*value[:CAPACITY], 0, *value[CAPACITY + 1 :]]
+              for peer, value in gathered.items()}  # fmt: skip
+    assert sum(leader in owners for owners in unchecked_owners(forged, 64)) == 64, "the attack, unchecked"
+    read = read_round(forged, RUN, 3, 64)
+    assert [read[peer].signed for peer in group] == [peer == leader for peer in group]
+    assert owners_by_claims(group, read, 64, 1) == honest, "each forged entry claims nothing: no cap, median"
+    # nor by saying the others can't be dialed, or by stripping their signatures
+    for field, lie in ((DIALABLE, False), (AUTHOR, None)):
+        forged = {peer: value if peer == leader else [*value[:field], lie, *value[field + 1 :]]
+                  for peer, value in gathered.items()}  # fmt: skip
+        assert owners_by_claims(group, read_round(forged, RUN, 3, 64), 64, 1) == honest
+    # nor a lie in its own signed entry beyond MAX_WEIGHT_RATIO medians, with the others' entries forged
+    own = signed_round(members, [(1e9, None, True)] + [(1.0, None, True)] * 3)
+    forged = {
+        peer: value if peer == leader else [*value[:RATE], 1e-9, *value[RATE + 1 :]] for peer, value in own.items()
+    }
+    owned = sum(leader in owners for owners in owners_by_claims(group, read_round(forged, RUN, 3, 64), 64, 1))
+    assert owned == 16, "the forged ones count as the median, the leader's own claim"
+
+
+def test_an_entry_its_member_did_not_sign_for_this_run_and_round_claims_nothing(members) -> None:
+    (peer, key), (other, other_key) = members[0], members[1]
+    gathered = signed_round(members, [(5.0, 2, False)] * 4)
+    mine = gathered[peer]
+    assert read_member(peer, mine, RUN, 3, 64).signed
+    entries = {
+        "another run's": spes_gathered(
+            [3, None, b"digest"], 5.0, 2, False, run_id="other-run", peer_id=peer, private_key=key
+        ),
+        "another round's": signed_round(members, [(5.0, 2, False)] * 4, round_=2)[peer],
+        "relabelled to this round": [3, *signed_round(members, [(5.0, 2, False)] * 4, round_=2)[peer][1:]],
+        "another member's": gathered[other],
+        "signed by another key": [*mine[:AUTHOR], [mine[AUTHOR][0], other_key.sign(b"anything")]],
+        "another member's key and signature": [*mine[:AUTHOR], gathered[other][AUTHOR]],
+        "a rewritten rate": [mine[0], None, b"digest", 50.0, *mine[CAPACITY:]],
+        "a rate sent as an int": [mine[0], None, b"digest", 5, *mine[CAPACITY:]],
+        "a capacity sent as a bool": [*mine[:CAPACITY], True, *mine[DIALABLE:]],
+        "a huge round": [2**64, *mine[1:]],
+        "a capacity below -1": [*mine[:CAPACITY], -2, *mine[DIALABLE:]],
+        "unsigned (an older version)": mine[:AUTHOR],
+        "an oversized key": [*mine[:AUTHOR], [mine[AUTHOR][0] + b" " * MAX_PUBLIC_KEY_BYTES, mine[AUTHOR][1]]],
+        "an oversized signature": [*mine[:AUTHOR], [mine[AUTHOR][0], mine[AUTHOR][1] * 4]],
+        "a key that is not one": [*mine[:AUTHOR], [b"ssh-rsa AAAA", mine[AUTHOR][1]]],
+        "an author of three": [*mine[:AUTHOR], [*mine[AUTHOR], b""]],
+        "too many items": [*mine, None, None],
+    }
+    for what, value in {**entries, "None": None, "a string": "x", "empty": [], "a dict": {"a": 1}}.items():
+        assert read_member(peer, value, RUN, 3, 64) == UNSIGNED, what
+    assert UNSIGNED == MemberClaims(rate=0.0, capacity=None, dialable=True, signed=False)
 
 
 # the merging warm-up

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import tempfile
 from collections.abc import Iterator, Sequence
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 
 import hivemind
 import torch
@@ -26,20 +28,40 @@ from crowdtrain.modes.base import ModeContext, SwarmView
 from crowdtrain.modes.compute import LocalCompute
 from crowdtrain.modes.diloco.mode import DiLoCoMode
 from crowdtrain.modes.spes.mode import SPESMode
+from crowdtrain.node.identity import load_or_create_identity
 
 M = TypeVar("M", bound=DiLoCoMode)
 
 
+_IDENTITY_KEYS: dict[str, RSAPrivateKey] = {}
+"""The identity key of each DHT `loopback_dhts` started, by its peer ID (base58)."""
+
+
 def loopback_dhts(count: int) -> list[hivemind.DHT]:
-    """`count` DHTs on loopback, every one after the first bootstrapped from it."""
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
-    others = [
-        hivemind.DHT(
-            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), use_ipfs=False
+    """`count` DHTs on loopback, every one after the first bootstrapped from it, each with an identity key of its own
+    (`identity_key`), as a node's daemon has."""
+    first = _loopback_dht([])
+    return [first, *(_loopback_dht(first.get_visible_maddrs()) for _ in range(count - 1))]
+
+
+def identity_key(dht: hivemind.DHT) -> RSAPrivateKey:
+    """The key `dht`'s peer ID derives from (what a node signs with); a fresh key for a DHT not started here."""
+    return _IDENTITY_KEYS.get(dht.peer_id.to_base58()) or RSAPrivateKey()
+
+
+def _loopback_dht(initial_peers: Sequence[Any]) -> hivemind.DHT:
+    with tempfile.TemporaryDirectory() as directory:  # p2pd reads the key as it starts
+        identity = load_or_create_identity(Path(directory) / "identity.key")
+        dht = hivemind.DHT(
+            start=True,
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            initial_peers=list(initial_peers),
+            use_ipfs=False,
+            identity_path=str(identity.path),
+            check_if_identity_free=False,
         )
-        for _ in range(count - 1)
-    ]
-    return [first, *others]
+    _IDENTITY_KEYS[dht.peer_id.to_base58()] = identity.private_key
+    return dht
 
 
 @contextlib.contextmanager
@@ -132,7 +154,7 @@ def _context(
         dht=dht,
         manifest=run,
         peer_id=status.peer_id,
-        private_key=RSAPrivateKey(),
+        private_key=identity_key(dht),
         parameters=parameters,
         compute=compute,
         micro_batch_size=micro_batch_size,

@@ -26,7 +26,9 @@ With `spes.merge_every` set, each owner runs the expert-merging warm-up on its e
 
 Ownership is weighted by memory too: each node gathers, with its round, how many experts' gradients and AdamW
 moments fit MEMORY_SHARE of its device's free memory (`_unit_capacity`), and no member of an averaged round is
-given more than that while the others have room (modes/spes/ownership.py). Peers known from their status records
+given more than that while the others have room (modes/spes/ownership.py). What a member gathers is signed with its
+identity key, since the round's leader relays it: an entry its member did not sign claims nothing (median compute,
+no cap, dialable; modes/spes/gathered.py). Peers known from their status records
 (a swarm larger than a group) are capped by what their records say (`experts_capacity`, as of their last round).
 
 Only peers others can dial own experts (modes/spes/ownership.py, `owner_candidates`): a member of an averaged round
@@ -65,7 +67,7 @@ from crowdtrain.modes.spes.expert_exchange import (
     encode_change,
 )
 from crowdtrain.modes.spes.expert_merging import merge_alpha, merged_experts
-from crowdtrain.modes.spes.gathered import gathered_capacity, gathered_dialable, gathered_rate, spes_gathered
+from crowdtrain.modes.spes.gathered import MemberClaims, owners_by_claims, read_round, spes_gathered
 from crowdtrain.modes.spes.owned_experts import (
     expert_parameter_ids,
     find_fused_experts,
@@ -105,6 +107,8 @@ class SPESMode(DiLoCoMode):
         self.bases: dict[int, torch.Tensor] = {}
         """Owned expert → the copy every other node holds of it (float32, flattened); its trained weights are
         the model's."""
+        self.round_claims: dict[str, MemberClaims] = {}
+        """Each member's claims in the last averaged round (`_note_round`), by peer ID; what ownership reads."""
         self._capacity: int | None = None
         """The experts this node said it can train, at its last round's end (`_unit_capacity`)."""
         self.fetch_failures = 0
@@ -195,14 +199,8 @@ class SPESMode(DiLoCoMode):
             # or cut off): its status record may last status_ttl_s more, its experts go to the group now.
             known -= self.exchange.unreachable - set(group)
         if group is not None and known <= set(group):
-            # every member computes from the same gathered rates and capacities (status records differ between
-            # readers)
-            gathered = self.round_gathered
-            undialable = {peer for peer in group if not gathered_dialable(gathered.get(peer))}
-            members = owner_candidates(group, undialable)
-            caps = {peer: gathered_capacity(gathered.get(peer), self.num_units) for peer in members}
-            rates = [(peer, gathered_rate(gathered.get(peer))) for peer in members]
-            return assign_owners(rates, self.num_units, self.spes.replicas, caps)
+            # every member computes from the same signed gathered claims (status records differ between readers)
+            return owners_by_claims(group, self.round_claims, self.num_units, self.spes.replicas)
         if started and self.tracker.global_progress.num_peers <= 1:
             peers = [me]
         elif started and group is None:
@@ -243,7 +241,22 @@ class SPESMode(DiLoCoMode):
         elapsed = time.monotonic() - self._round_started_at
         self._capacity = capacity = self._unit_capacity()
         rate = float(self.samples) / elapsed if elapsed > 0 else 0.0
-        return spes_gathered(super()._gather(), rate, capacity, not self.context.client_mode)
+        context = self.context
+        return spes_gathered(super()._gather(), rate, capacity, not context.client_mode, run_id=context.manifest.run_id,
+                             peer_id=context.peer_id, private_key=context.private_key)  # fmt: skip
+
+    def _note_round(self, gathered: dict[Any, Any], allreduce_s: float) -> None:
+        """DiLoCo's, then every member's claims for ownership (`round_claims`), each checked against its author's
+        signature; the members whose entry was not theirs are named in one line."""
+        super()._note_round(gathered, allreduce_s)
+        self.round_claims = read_round(self.round_gathered, self.context.manifest.run_id, self.round, self.num_units)
+        unsigned = sorted(peer for peer, claims in self.round_claims.items() if not claims.signed)
+        if unsigned:
+            named = ", ".join(f"peer {peer[-8:]}" for peer in unsigned[:4]) + (", ..." if len(unsigned) > 4 else "")
+            logger.warning(f"outer round {self.round}: the gathered entries of {len(unsigned)} of "
+                           f"{len(self.round_claims)} members ({named}) are not signed by them (forged by the round's "
+                           "leader, or from an older version): each counts as a median peer without a memory cap, "
+                           "dialable")  # fmt: skip
 
     def _unit_capacity(self) -> int | None:
         """The experts this node can train: those it owns (their state is allocated) and as many more as fit
