@@ -1,12 +1,15 @@
 """Hostile peers against a SkipPipe stage node, through its real handlers on loopback p2p daemons (issue 47, findings
-1, 8 and 16): a peer outside the roster writes no gradient into a stage, a roster member's hop in another wire dtype
-is refused, a gradient that overflows never becomes a NaN weight, a gradient that can't be published does not stop
-the iterations, and done messages from outsiders, for far iterations or with absurd losses are not kept."""
+1, 8, 10 and 16): a peer outside the roster writes no gradient into a stage, a roster member's hop in another wire
+dtype is refused, a gradient that overflows never becomes a NaN weight, a gradient that can't be published does not
+stop the iterations, done messages from outsiders, for far iterations or with absurd losses are not kept, and a peer
+that stops reading a stage's state holds no other asker's slot."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -241,3 +244,31 @@ def test_done_messages_from_outsiders_far_iterations_or_absurd_losses_are_not_ke
         source.say_done([joiner.peer_id], iteration, 10.0)
     assert joiner.wait_sources(41, [source.peer_id, outsider.peer_id], 0.0) == {source.peer_id}
     assert joiner.wait_sources(10**6, [source.peer_id], 0.0) == set()
+
+
+def test_a_peer_that_stops_reading_a_stage_state_holds_no_other_askers_slot(swarm: Swarm) -> None:
+    """Finding 10: one caller that never read held `rpc_stage_state`'s only slot, so every joiner's and drift
+    repair's fetch from that node timed out. Now each asker has its own slot, for the time the state may take."""
+    victim, attacker, joiner = swarm.services[REPLICA], swarm.services[OUTSIDER], swarm.services[SOURCE]
+    values = torch.randn(8 * 2**20, generator=torch.Generator().manual_seed(3))  # 32 MiB, past the streams' buffers
+    victim.set_state_source(lambda: (3, 7, values), answer_s=60.0)
+    reading = threading.Event()
+
+    async def read_one_frame_then_stop() -> None:
+        answers = await attacker._stub(victim.peer_id).rpc_stage_state(proto.StageHop(stage=1))
+        try:
+            await anext(answers)
+            reading.set()
+            await asyncio.sleep(150)
+        finally:
+            await answers.aclose()
+
+    held = asyncio.run_coroutine_threadsafe(read_one_frame_then_stop(), attacker._loop)
+    try:
+        assert reading.wait(30)
+        with pytest.raises(HopFailedError, match="had no state"):
+            attacker.fetch_state(victim.peer_id, values.numel(), 1.0, stage=1)  # its one slot is held: still busy
+        header, got = joiner.fetch_state(victim.peer_id, values.numel(), 30.0, stage=1)
+        assert (header.iteration, header.optimizer_steps) == (3, 7) and torch.equal(got, values)
+    finally:
+        held.cancel()

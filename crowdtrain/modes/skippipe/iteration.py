@@ -158,7 +158,7 @@ class SkipPipeNode(GradientExchange):
         self._own: torch.Tensor | None = None
         """With overlap_exchange: this node's gradient of the iteration (flat, as computed: the published one is
         rounded to gradient_dtype in the background), for its look-ahead."""
-        self.service.set_state_source(self._state)
+        self.service.set_state_source(self._state, self.state_timeout_s())
         if self.overlap_exchange and self.upload_bytes_per_s:
             self.service.background_bytes_per_s = BACKGROUND_SHARE * self.upload_bytes_per_s
         self.peer_id = self.service.peer_id

@@ -85,6 +85,8 @@ MAX_DONE_MICROBATCHES = 1 << 20
 """A done message's count of microbatches above this is not believed (its loss is left out)."""
 DEFAULT_HOLD_S = 120.0
 """A forward whose backward has not come after this long is dropped (its source died or gave up)."""
+MAX_STATE_ANSWERS = 2
+"""States of its stage this node serves at once, one per peer (each a whole copy of the stage's state in memory)."""
 HOP_TIME_S = 60.0
 """A hop's payload must have come, and its answer gone, within this many seconds of its header: a caller that stops
 sending midway holds what it took no longer."""
@@ -152,7 +154,8 @@ class StageService(StageLedger, StageCalls):
         self._gradients: OrderedDict[int, PublishedGradient] = OrderedDict()
         """Published gradients by iteration: (how many values, their wire bytes, fingerprint, wire dtype)."""
         self._state_source: Callable[[], tuple[int, int, torch.Tensor]] | None = None
-        self._state_reads = asyncio.Semaphore(1)  # one state snapshot at a time: each copies the whole stage
+        self._state_answers: BulkGate | None = None
+        """Admission of the states this node serves (`set_state_source`): each answer copies the whole stage."""
         self._gradient_waits = 0
         """Gradient requests held now (`rpc_stage_gradient`), at most MAX_GRADIENT_WAITS; only the service's loop
         touches it."""
@@ -287,17 +290,23 @@ class StageService(StageLedger, StageCalls):
         """This node's state of its stage for a joining replica (`set_state_source`): a header naming the last
         finished iteration and the optimizer's steps, then float32 values; a header with no shape if none, or if
         the last finished iteration is before the one asked for (`request.iteration`)."""
-        source = self._state_source
-        if request.stage != self.stage or source is None:
+        source, gate, peer = self._state_source, self._state_answers, context.remote_id.to_base58()
+        grant = None
+        if request.stage == self.stage and source is not None and gate is not None:
+            grant = gate.admit(peer, 1)  # counted in answers, not bytes
+        if grant is None or source is None:  # none served, or busy: asked again until the asker's deadline
             yield proto.StageHop(stage=self.stage)
         else:
-            async with self._state_reads:
+            with grant:
                 iteration, steps, values = await asyncio.to_thread(self._snapshot, source)
                 if iteration < max(request.iteration, 0):  # none taken (nothing a joiner can't build), or too old
                     yield proto.StageHop(stage=self.stage)
                 else:
                     header = proto.StageHop(iteration=iteration, stage=self.stage, optimizer_steps=steps)
                     for frame in encode_frames(values, header, "float32"):
+                        if grant.expired():
+                            logger.warning(f"a stage state for peer {peer[-8:]} ran past its time: cut short")
+                            break
                         self.bytes_sent += len(frame.payload)
                         yield frame
         await linger()
@@ -306,10 +315,14 @@ class StageService(StageLedger, StageCalls):
         with self.model_lock:  # between steps: parameters and optimizer state of one iteration
             return source()
 
-    def set_state_source(self, source: Callable[[], tuple[int, int, torch.Tensor]] | None) -> None:
+    def set_state_source(self, source: Callable[[], tuple[int, int, torch.Tensor]] | None, answer_s: float) -> None:
         """Serve `source()` to joining replicas: (the last finished iteration, the optimizer's steps, float32
-        values), read under `model_lock`; None: serve nothing."""
-        self._state_source = source
+        values), read under `model_lock`; None: serve nothing. At most MAX_STATE_ANSWERS at once, one per peer, each
+        within `answer_s` (what the state takes on a slow home uplink): a peer that stops reading holds its slot no
+        longer than that and the gate's grace (dht/bulk.py), and never the other askers'."""
+        limits = BulkLimits(max_answers=MAX_STATE_ANSWERS, max_answers_per_peer=1, max_bytes=MAX_STATE_ANSWERS,
+                            answer_time_s=answer_s)  # fmt: skip
+        self._state_source, self._state_answers = source, BulkGate(limits)
 
     async def _wait_open(self, iteration: int, context: P2PContext) -> None:
         """With iterations opened (`open_iteration`): a forward of the next one waits until it opens (this node
