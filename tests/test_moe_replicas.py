@@ -3,6 +3,8 @@ one's weights, and replicas averaging theirs."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from crowdtrain import proto
 from crowdtrain.manifest import RunManifest, expert_uids, manifest_from_overrides
 from crowdtrain.moe import ExpertSupervisor, HostOptions, SupervisorOptions
 from crowdtrain.moe.replicas import ReplicaError, ReplicaService, flat_parameters, mix_into, num_values
@@ -70,6 +73,46 @@ def test_parameters_travel_exactly_and_bad_answers_are_refused(two_dhts: tuple[h
     finally:
         client.close()
         server.close()
+
+
+def test_a_peer_that_stops_reading_a_copy_holds_one_chunk_and_no_other_askers_slot() -> None:
+    """Each answer holds one 1 MiB chunk (the values are read as they are sent), not a whole copy made before any
+    bound; one per peer at once: a peer that stops reading is busy to itself, and another peer gets its copy."""
+    dhts = [hivemind.DHT(start=True, host_maddrs=LOOPBACK)]
+    dhts += [hivemind.DHT(start=True, host_maddrs=LOOPBACK, initial_peers=dhts[0].get_visible_maddrs()) for _ in "ab"]
+    torch.manual_seed(4)
+    served = {"run-ffn0.0": nn.Sequential(nn.Linear(1024, 4096), nn.Linear(4096, 1024))}  # 8.4M values, 32 MiB
+    server, attacker, other = (
+        ReplicaService(dht, served.get if i == 0 else lambda uid: None) for i, dht in enumerate(dhts)
+    )
+    reading = threading.Event()
+
+    async def read_header_then_stop() -> None:
+        stub = attacker.get_stub(attacker.require_p2p(), dhts[0].peer_id, namespace="crowdtrain.experts.v1")
+        answers = await stub.rpc_expert_parameters(proto.ExpertParametersRequest(uid="run-ffn0.0"))
+        try:
+            await anext(answers)
+            reading.set()
+            await asyncio.sleep(110)
+        finally:
+            await answers.aclose()
+
+    for service in (server, attacker, other):
+        service.start()
+    held = asyncio.run_coroutine_threadsafe(read_header_then_stop(), attacker._loop)
+    try:
+        expected = flat_parameters(served["run-ffn0.0"])
+        assert reading.wait(30)
+        assert server.answers.num_answers == 1 and server.answers.bytes_held == 2**20
+        with pytest.raises(ReplicaError, match="as many expert copies as it may"):
+            attacker.fetch(server.peer_id, "run-ffn0.0", expected.numel())
+        assert torch.equal(other.fetch(server.peer_id, "run-ffn0.0", expected.numel()), expected)
+    finally:
+        held.cancel()
+        for service in (other, attacker, server):
+            service.close()
+        for dht in dhts:
+            dht.shutdown()
 
 
 def tiny_moe(grid_size: int = 2) -> RunManifest:

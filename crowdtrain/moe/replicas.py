@@ -10,14 +10,17 @@ converge to a common value, and the experts' optimizers keep their own state).
 Reads and writes of an expert's parameters are not synchronised with hivemind's runtime, which
 steps the expert's optimizer in its own thread: a copy may mix the weights before and after one
 step, the same tolerance hivemind's averagers have for parameters updated while they average.
+
+An answer is admitted like every bulk answer (crowdtrain/dht/bulk.py: ANSWER_LIMITS) before a value is read, and
+encodes the parameters one chunk at a time as it sends them, so it holds one chunk, never a whole copy; past the
+limits the asker is answered busy at once, and an answer that runs past its time is cut short.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import hivemind
 import numpy as np
@@ -26,6 +29,7 @@ from hivemind.p2p import P2PContext, PeerID
 from torch import nn
 
 from crowdtrain import proto
+from crowdtrain.dht.bulk import BulkGate, BulkLimits
 from crowdtrain.dht.service import P2PService
 from crowdtrain.errors import CrowdtrainError
 
@@ -35,8 +39,9 @@ NAMESPACE = "crowdtrain.experts.v1"
 """Prefix of the expert RPCs' protocol names; a new, incompatible protocol gets a new one."""
 CHUNK_VALUES = 256 * 1024
 """float32 values per streamed message (1 MiB)."""
-MAX_CONCURRENT_READS = 2
-"""Parameter requests this host answers at once; others wait their turn."""
+ANSWER_LIMITS = BulkLimits(max_answers=4, max_answers_per_peer=1, max_bytes=4 * CHUNK_VALUES * 4, answer_time_s=120.0)
+"""What answering parameter requests may take of this host at once: four answers, one to any one peer, each holding
+one chunk."""
 FETCH_TIMEOUT_S = 60.0
 _WIRE_DTYPE = np.dtype("<f4")
 
@@ -74,23 +79,28 @@ class ReplicaService(P2PService):
     def __init__(self, dht: hivemind.DHT, lookup: Callable[[str], nn.Module | None]):
         super().__init__(dht, NAMESPACE, thread_name="expert-replicas")
         self.lookup = lookup
-        self._reads: asyncio.Semaphore | None = None
+        self.answers = BulkGate(ANSWER_LIMITS)
 
     async def rpc_expert_parameters(
         self, request: proto.ExpertParametersRequest, context: P2PContext
     ) -> typing.AsyncIterator[proto.ExpertParametersChunk]:
-        """Stream the current parameters of the requested expert, or `found: false` if not served here."""
+        """Stream the current parameters of the requested expert, `found: false` if not served here, or `busy`."""
         module = self.lookup(request.uid)
         if module is None:
             yield proto.ExpertParametersChunk(found=False)
             return
-        if self._reads is None:
-            self._reads = asyncio.Semaphore(MAX_CONCURRENT_READS)
-        async with self._reads:
-            values = await asyncio.to_thread(lambda: flat_parameters(module).numpy().astype(_WIRE_DTYPE))
-        yield proto.ExpertParametersChunk(found=True, num_values=values.size)
-        for offset in range(0, values.size, CHUNK_VALUES):
-            yield proto.ExpertParametersChunk(payload=values[offset : offset + CHUNK_VALUES].tobytes())
+        peer = context.remote_id.to_base58()
+        grant = self.answers.admit(peer, CHUNK_VALUES * _WIRE_DTYPE.itemsize)
+        if grant is None:
+            yield proto.ExpertParametersChunk(found=True, busy=True)
+            return
+        with grant:
+            yield proto.ExpertParametersChunk(found=True, num_values=num_values(module))
+            for payload in _chunks(module):
+                if grant.expired():
+                    logger.warning(f"expert {request.uid}'s copy for peer {peer[-8:]} ran past its time: cut short")
+                    return
+                yield proto.ExpertParametersChunk(payload=payload)
 
     def fetch(self, peer_id: str, uid: str, expected_values: int, timeout_s: float = FETCH_TIMEOUT_S) -> torch.Tensor:
         """Expert `uid`'s parameters as served by `peer_id`; raises ReplicaError with a sentence why not."""
@@ -112,6 +122,8 @@ class ReplicaService(P2PService):
             header = await anext(responses)
             if not header.found:
                 raise ReplicaError(f"{where} does not serve expert {uid}")
+            if header.busy:
+                raise ReplicaError(f"{where} is sending as many expert copies as it may: asked again later")
             if header.num_values != expected_values:
                 raise ReplicaError(
                     f"{where} has {header.num_values} parameters for expert {uid}, not {expected_values}: "
@@ -130,3 +142,14 @@ class ReplicaService(P2PService):
         if not bool(torch.isfinite(values).all()):
             raise ReplicaError(f"{where} sent non-finite parameters for expert {uid}")
         return values
+
+
+def _chunks(module: nn.Module) -> Iterator[bytes]:
+    """The module's parameters as little-endian float32 bytes, CHUNK_VALUES values at most a chunk, each read as it
+    is sent."""
+    with torch.no_grad():
+        for parameter in module.parameters():
+            flat = parameter.detach().reshape(-1)
+            for offset in range(0, flat.numel(), CHUNK_VALUES):
+                part = flat[offset : offset + CHUNK_VALUES].to("cpu", torch.float32)
+                yield part.numpy().astype(_WIRE_DTYPE, copy=False).tobytes()

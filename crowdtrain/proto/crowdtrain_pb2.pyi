@@ -421,14 +421,16 @@ class ExpertParametersRequest(_message.Message):
     def __init__(self, uid: _Optional[str] = ...) -> None: ...
 
 class ExpertParametersChunk(_message.Message):
-    __slots__ = ("found", "num_values", "payload")
+    __slots__ = ("found", "num_values", "payload", "busy")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     NUM_VALUES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
     found: bool
     num_values: int
     payload: bytes
-    def __init__(self, found: _Optional[bool] = ..., num_values: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    busy: bool
+    def __init__(self, found: _Optional[bool] = ..., num_values: _Optional[int] = ..., payload: _Optional[bytes] = ..., busy: _Optional[bool] = ...) -> None: ...
 
 class SpesExpertRequest(_message.Message):
     __slots__ = ("unit", "round", "base_digest")
