@@ -1,34 +1,39 @@
 """Other donors corroborate a downloaded state with digests of their own: asked for by a joiner, served by donors.
 
 A well-formed state can still be wrong (random weights, weights scaled by 0.5), so other donors corroborate it where
-peers at one epoch hold one state (`states_agree_at_epoch`: DeDLOC's gradient mode and DiLoCo's outer state, where
-every peer applies the same averaged step; not Moshpit SGD's parameter mode, where peers step alone between rounds;
-nor a DiLoCo peer resyncing after a round it stepped alone, as others may have too). The joiner draws a random seed
-and, as the download starts (training moves on while a large state streams), asks up to NUM_CORROBORATORS other
-donors for a sketch of their state (`rpc_state_digest`, served beside hivemind's `rpc_download_state` by every
-averager that serves its state; state/digest.py), and compares each answer with the same sketch of the
-downloaded state. An answer at another epoch can't corroborate (training moved on) and is skipped; when none came
-at the state's epoch, the donors that answered from an earlier one (their step to it still to come) are asked again
-as they catch up, CATCH_UP_TRIES times CATCH_UP_S apart. A donor whose state at that epoch is one it downloaded
-itself serves no digest of it (`echoes`): it would only repeat its own donor. Every answer at
-the state's epoch agrees: the state is loaded. One disagrees: one further donor is asked, and the state is loaded
-only if a majority of the sketches at its epoch, its own included, agree with it; otherwise it is refused with a
+peers at one epoch hold one state (`states_agree_at_epoch`: DeDLOC's gradient mode and DiLoCo's outer state, where every
+peer applies the same averaged step; not Moshpit SGD's parameter mode, where peers step alone between rounds), whatever
+the joiner's own last round was: no caller can switch it off. The joiner draws a random seed and, as the download starts
+(training moves on while a large state streams), asks up to NUM_CORROBORATORS other donors for a sketch of their state
+(`rpc_state_digest`, served beside hivemind's `rpc_download_state` by every averager that serves its state;
+state/digest.py), and compares each answer with the same sketch of the downloaded state. An answer at another epoch
+can't corroborate (training moved on) and is skipped; when none came at the state's epoch, the donors that answered from
+an earlier one (their step to it still to come) are asked again as they catch up, CATCH_UP_TRIES times CATCH_UP_S apart.
+A donor whose state at that epoch is one it downloaded itself serves no digest of it (`echoes`): it would only repeat
+its own donor; nor does a DiLoCo or SPES donor whose state at that epoch is its own outer step of a round it was not
+averaged in (its metadata's "alone"): several whose round failed together would each refuse the others' states. Every
+answer at the state's epoch agrees: the state is loaded. One disagrees: one further donor is asked, and the state is
+loaded only if a majority of the sketches at its epoch, its own included, agree with it; otherwise it is refused with a
 warning and the next donor is tried, and if a majority agree with each other against it, its donor is marked bad as
-well. No other donor, or none answering at the state's epoch by DIGEST_GRACE_S after the download: the state is
-loaded with an INFO line saying it was not corroborated, since a swarm of two has nobody to compare with and refusing
-would leave its joiners with no state.
+well. None answering at the state's epoch: its epoch must be the swarm's. If a majority of the other donors that
+answered did so from more than MAX_EPOCH_LEAD epochs before it, the state names an epoch nobody else reached (a liar
+dodging comparison by labelling its state honest epoch + 5) and is refused the same way (its donor marked bad when two
+or more answers say so). No other donor, or none answering by DIGEST_GRACE_S after the download: the state is loaded
+with an INFO line saying it was not corroborated, since a swarm of two has nobody to compare with and refusing would
+leave its joiners with no state.
 
 Measured so far: in fresh-clone runs of the daemon swarm tests (gradient mode, 3-4 peers) 6 of 17 downloads with
 other donors were corroborated, then 1 of 4; with the catch-up asks and no echoed digests, 2 of 5 and 3 of 7. The
 rest found no digest at the state's epoch in time (donors ahead, or catching up themselves) and loaded
 uncorroborated, so a liar's well-formed state can still be loaded then.
 
-What this does not stop: a state changed in a few values only (the sketch samples 16 per tensor); sybils that serve
-the liar's state outvote the honest donors. And honest donors can disagree at one epoch: briefly in gradient mode (a
-peer that stepped alone until it resyncs; a parameter-averaging round, which leaves the epoch as it was, done on one
-peer before another), where the joiner then tries the next donor, and for good in a swarm larger than one averaging
-group, where a joiner may find no majority, load nothing and try again later.
-"""
+What this does not stop: a state changed in a few values only (the sketch samples 16 per tensor); sybils that serve the
+liar's state outvote the honest donors; a liar ranked first after a round every honest member stepped alone (none of
+them is a witness then, so its state at that epoch loads uncorroborated, as in a swarm of two). And honest donors can
+disagree at one epoch: briefly in gradient mode (a peer that stepped alone until it resyncs; a parameter-averaging
+round, which leaves the epoch as it was, done on one peer before another), where the joiner then tries the next donor,
+and for good in a swarm larger than one averaging group, where a joiner may find no majority, load nothing and try again
+later."""
 
 from __future__ import annotations
 
@@ -41,12 +46,14 @@ from hivemind.p2p import P2PContext, PeerID
 
 from crowdtrain import proto
 from crowdtrain.state.digest import (
+    MAX_EPOCH_LEAD,
     Corroboration,
     DigestLimiter,
     Judgement,
     MalformedDigestError,
     Sketch,
     judge,
+    judge_epoch,
     read_digest,
     sketch_state,
     sketches_agree,
@@ -84,8 +91,11 @@ class StateCorroborationMixin:
     serializer: Any
 
     @staticmethod
-    def _accept(donor: PeerID, epoch: int, judgement: Judgement, bad_donors: set[PeerID]) -> bool:
-        """Whether a state others' digests judged so may be loaded; a refuted donor is not asked again."""
+    def _accept(
+        donor: PeerID, epoch: int, judgement: Judgement, answered: Sequence[int], bad_donors: set[PeerID]
+    ) -> bool:
+        """Whether a state of `epoch` that others' digests judged so, and whose other donors answered from the epochs
+        `answered`, may be loaded; a refuted donor is not asked again."""
         counts = f"{judgement.num_agreeing} of {judgement.num_sketches} sketches at epoch {epoch} agree with it"
         if judgement.verdict is Corroboration.REFUTED:
             bad_donors.add(donor)
@@ -94,6 +104,17 @@ class StateCorroborationMixin:
             return False
         if judgement.verdict is Corroboration.DISPUTED:
             logger.warning(f"refused the state of peer {donor} for now: only {counts}")
+            return False
+        # Corroborated: another donor holds that state at that epoch. Otherwise its epoch must be the swarm's.
+        ahead = judge_epoch(epoch, answered) if judgement.verdict is Corroboration.UNCORROBORATED else None
+        if ahead is not None:
+            behind = sum(answer < epoch - MAX_EPOCH_LEAD for answer in answered)
+            refuted = ahead is Corroboration.REFUTED
+            if refuted:
+                bad_donors.add(donor)
+            logger.warning(f"refused the state of peer {donor}{'' if refuted else ' for now'}: its epoch {epoch} is "
+                           f"more than {MAX_EPOCH_LEAD} past those {behind} of the {len(answered)} other donors "
+                           f"answered from{'; it will not be asked again' if refuted else ''}")  # fmt: skip
             return False
         return True
 
@@ -108,19 +129,21 @@ class StateCorroborationMixin:
     ) -> tuple[Judgement, list[int]]:
         """What others say of a downloaded state of `epoch` whose sketch is `mine`: the answers of `first`; those
         that answered from an earlier epoch asked again as they catch up; after a disagreement one more answer at
-        `epoch` from `further`. Answers at another epoch don't count; their epochs come back for the log."""
+        `epoch` from `further`. Answers at another epoch don't count here; the epoch each donor last answered from
+        comes back, for `_accept`'s bound on how far the state may be ahead of them."""
         if first:  # asked as the download started: what has not come DIGEST_GRACE_S after it does not count
             await asyncio.wait([task for _, task in first], timeout=DIGEST_GRACE_S)
         finished = [(peer, task.result()) for peer, task in first if task.done() and not task.cancelled()]
         answered = [(peer, answer) for peer, answer in finished if answer is not None]
+        epochs = {peer: answer_epoch for peer, (answer_epoch, _) in answered}  # each donor's latest answer
         sketches = [sketch for _, (answer_epoch, sketch) in answered if answer_epoch == epoch]
-        elsewhere = [answer_epoch for _, (answer_epoch, _) in answered if answer_epoch != epoch]
         behind = [peer for peer, (answer_epoch, _) in answered if answer_epoch < epoch]
         for _ in range(CATCH_UP_TRIES if not sketches else 0):
             if not behind:
                 break
             await asyncio.sleep(CATCH_UP_S)
             again = await asyncio.gather(*(self._ask_digest(peer, seed, sizes) for peer in behind))
+            epochs.update((peer, answer[0]) for peer, answer in zip(behind, again, strict=True) if answer is not None)
             sketches = [answer[1] for answer in again if answer is not None and answer[0] == epoch]
             if sketches:
                 break
@@ -128,10 +151,12 @@ class StateCorroborationMixin:
         disputed = any(not sketches_agree(mine, sketch) for sketch in sketches)
         for peer in further if disputed else []:
             answer = await self._ask_digest(peer, seed, sizes)
+            if answer is not None:
+                epochs[peer] = answer[0]
             if answer is not None and answer[0] == epoch:
                 sketches.append(answer[1])
                 break
-        return judge(mine, sketches), elsewhere
+        return judge(mine, sketches), list(epochs.values())
 
     async def _ask_digest(self, peer: PeerID, seed: int, sizes: list[int]) -> DigestAnswer:
         """`peer`'s (epoch, sketch of its state for `seed`) if it answers in time and well-formed; else None."""
@@ -147,7 +172,8 @@ class StateCorroborationMixin:
         return None
 
     async def rpc_state_digest(self, request: proto.StateDigestRequest, context: P2PContext) -> proto.StateDigest:
-        """A sketch, drawn with the asker's seed, of the state rpc_download_state would stream now."""
+        """A sketch, drawn with the asker's seed, of the state rpc_download_state would stream now; none of a state
+        this node copied (`echoes`) or stepped to alone (its metadata's "alone")."""
         averager: Any = self
         limiter: DigestLimiter = self.__dict__.setdefault("_digest_limiter", DigestLimiter())
         if not averager.allow_state_sharing or not limiter.admit(context.remote_id.to_base58()):
@@ -155,7 +181,8 @@ class StateCorroborationMixin:
         metadata, tensors, _ = await averager._get_current_state_from_host_process()
         metadata = self.serializer.loads(metadata)
         epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
-        if type(epoch) is not int or not 0 <= epoch < 2**64 or self.echoes(epoch):
+        alone = isinstance(metadata, dict) and metadata.get("alone") is True
+        if type(epoch) is not int or not 0 <= epoch < 2**64 or self.echoes(epoch) or alone:
             return proto.StateDigest(served=False)
         sketch = await asyncio.get_running_loop().run_in_executor(None, sketch_state, tensors, request.seed)
         return to_digest(epoch, sketch)

@@ -5,7 +5,8 @@ of a state is, per tensor, its sum, its L2 norm and its values at `SKETCH_SAMPLE
 150 bytes per tensor, one pass over the values. Two sketches agree when every number is within
 `SKETCH_RELATIVE_TOLERANCE` of its scale. A state scaled, shifted or replaced in bulk is caught; a few values changed
 among millions slip past the samples (a full hash can't serve: honest peers' last bits differ across hardware).
-`judge` applies the majority rule of state/corroboration.py to one downloaded state and other donors' sketches.
+`judge` applies the majority rule of state/corroboration.py to one downloaded state and other donors' sketches,
+`judge_epoch` to its epoch and the epochs other donors answered from.
 """
 
 from __future__ import annotations
@@ -177,6 +178,25 @@ def judge(downloaded: Sketch, others: Sequence[Sketch]) -> Judgement:
     else:
         verdict = Corroboration.DISPUTED
     return Judgement(verdict, num_agreeing, num_sketches)
+
+
+MAX_EPOCH_LEAD = 2
+"""How many epochs a downloaded state may be ahead of what most other donors answered from: honest peers of one
+swarm are within one or two (a DiLoCo donor's next round in flight with overlap; a gradient-mode peer's step to the
+joiner's epoch still to come), so a state further ahead names an epoch nobody else reached. Slack beyond 2 would only
+let a liar's state escape comparison at that many epochs ahead."""
+
+
+def judge_epoch(epoch: int, answered: Sequence[int]) -> Corroboration | None:
+    """What other donors' answer epochs say of a downloaded state of `epoch`: REFUTED when a majority of all the
+    epochs, the state's own included, are more than MAX_EPOCH_LEAD behind it (two or more answers against it),
+    DISPUTED when a majority of the answers are; None (its epoch is plausible, or nobody answered) otherwise."""
+    behind = sum(answer < epoch - MAX_EPOCH_LEAD for answer in answered)
+    if 2 * behind > len(answered) + 1:
+        return Corroboration.REFUTED
+    if 2 * behind > len(answered):
+        return Corroboration.DISPUTED
+    return None
 
 
 class DigestLimiter:

@@ -118,14 +118,14 @@ class VerifiedStateDownloadMixin(StateCorroborationMixin):
         wait: bool = True,
         timeout: float | None = None,
         above_priority: float | None = None,
-        corroborate: bool = True,
     ) -> Any:
         """hivemind's DecentralizedAverager.load_state_from_peers, verified; returns (metadata, tensors) or None.
-        `above_priority`: ask only donors that declared a higher priority than this. `corroborate`: have other
-        donors corroborate the state (with `states_agree_at_epoch`); False where they may differ from it honestly."""
+        `above_priority`: ask only donors that declared a higher priority than this. Other donors corroborate the
+        state wherever honest ones hold one state per epoch (`states_agree_at_epoch`): no caller can switch that off
+        (a round that failed must not open the door to an unverified state)."""
         future: MPFuture = MPFuture()
         template = self.state_template()
-        corroborate = corroborate and self.states_agree_at_epoch
+        corroborate = self.states_agree_at_epoch
         self.last_loaded_epoch = None  # until this download loads one: a timed-out one must not report the last's
         # The averager gives up a little before this caller would: a late answer is lost, and hivemind logs the
         # caller's TimeoutError with a traceback.
@@ -223,18 +223,18 @@ class VerifiedStateDownloadMixin(StateCorroborationMixin):
             seconds = time.monotonic() - started
             further = (others or [])[NUM_CORROBORATORS:MAX_DIGEST_REQUESTS]
             mine = await asyncio.get_running_loop().run_in_executor(None, sketch_state, tensors, seed) if first else ()
-            judgement, elsewhere = await self._corroborate(epoch, mine, first, further, seed, sizes)
+            judgement, answered = await self._corroborate(epoch, mine, first, further, seed, sizes)
         finally:
             for _, task in first:
                 task.cancel()
-        if not self._accept(donor, epoch, judgement, bad_donors):
+        if not self._accept(donor, epoch, judgement, answered, bad_donors):
             return None
+        elsewhere = sorted(answer for answer in answered if answer != epoch)
         if judgement.verdict is Corroboration.CORROBORATED:
             corroboration = f"corroborated: {judgement.num_agreeing} of {judgement.num_sketches} sketches agree"
         elif others:
-            answered = f" (answers at epochs {', '.join(map(str, sorted(elsewhere)))})" if elsewhere else ""
             corroboration = f"not corroborated: none of the {len(first)} other donors asked answered at its epoch"
-            corroboration += answered
+            corroboration += f" (answers at epochs {', '.join(map(str, elsewhere))})" if elsewhere else ""
         elif others is not None:
             corroboration = "not corroborated: no other donor to ask"
         else:

@@ -47,6 +47,7 @@ class DiLoCoInternals(Protocol):
     _said_waiting_for_state: bool
     _resync: bool
     _resync_tries: int
+    _alone_round: int | None
 
     @property
     def training_round(self) -> int: ...
@@ -58,6 +59,8 @@ class DiLoCoInternals(Protocol):
     def fragment_members(self) -> tuple[int, ...]: ...
 
     def _rank(self) -> float: ...
+
+    def _stepped_alone(self) -> None: ...
 
     def _priority(self) -> float: ...
 

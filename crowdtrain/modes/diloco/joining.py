@@ -1,5 +1,5 @@
 """How a DiLoCo peer keeps to the swarm's rounds: when it is behind, takes the swarm's state, waits for the donors'
-next round, joins the swarm's round without a state, and resyncs when its θ₀ differs from a higher-ranked member's.
+next round, joins the swarm's round without a state, and resyncs when its θ₀ differs from its group's.
 
 A mixin of DiLoCoMode (modes/diloco/mode.py): its methods read and write the mode's round, tracker and averager.
 """
@@ -56,25 +56,48 @@ def _gathered_digest(value: Any) -> bytes | None:
     return digest if isinstance(digest, bytes) and len(digest) == START_DIGEST_BYTES else None
 
 
+def group_start_digest(digests: dict[str, bytes | None]) -> bytes | None:
+    """The θ₀ digest of a group's lineage, from each member's gathered one (None: it sent none): the one most members
+    hold, between as many the one of the highest-ranked member (`_tiebreak`). One member, however it ranks, can't
+    outvote the others; of two that differ, the lower-ranked one follows the other."""
+    holders: dict[bytes, list[str]] = {}
+    for peer, digest in digests.items():
+        if digest is not None:
+            holders.setdefault(digest, []).append(peer)
+    if not holders:
+        return None
+    return max(holders, key=lambda digest: (len(holders[digest]), max(map(_tiebreak, holders[digest]))))
+
+
 class RoundSync:
     """DiLoCoMode's joining and resyncing (see the module's doc)."""
 
     _catch_up_round: int | None
+    _alone_round: int | None = None
+    """The round whose θ₀ this peer stepped to alone while the swarm had others; None once it took a state."""
+
+    def _stepped_alone(self: DiLoCoInternals) -> None:
+        """This peer's outer step to the next round is its own (the round was not averaged, the swarm has others):
+        it takes a state next, and serves no digest of this one (`_outer_state`'s "alone"; state/corroboration.py):
+        others that stepped alone too hold states of their own at that round, and none is a witness of another's."""
+        self.diverged = True
+        self._alone_round = self.round + 1
 
     def _check_lineage(self: DiLoCoInternals) -> None:
-        """After an averaged round: when this peer's θ₀ differed from that of a member ranked above it, take a state
-        next (`_resync`). Two peers that each stepped a round alone in the same round (neither saw the other yet)
-        would average every round after and apply the same Δ to different θ₀: their states would never agree again,
-        and a joiner could corroborate neither."""
+        """After an averaged round: when this peer's θ₀ differed from the group's (`group_start_digest`), take a
+        state next (`_resync`). Two peers that each stepped a round alone in the same round (neither saw the other
+        yet) would average every round after and apply the same Δ to different θ₀: their states would never agree
+        again, and a joiner could corroborate neither."""
         digests = {peer: _gathered_digest(value) for peer, value in self.round_gathered.items()}
         mine = digests.get(self.context.peer_id)
         if mine is None:
             return
-        rank = _tiebreak(self.context.peer_id)
-        above = [peer for peer, digest in digests.items() if digest not in (None, mine) and _tiebreak(peer) > rank]
-        if above:
-            logger.warning(f"this node's global parameters differ from those of {len(above)} peer(s) of its last "
-                           "averaged round ranked above it (each stepped a round apart): it takes a state")  # fmt: skip
+        group = group_start_digest(digests)
+        if group != mine:
+            differ = sum(digest not in (None, mine) for digest in digests.values())
+            logger.warning(f"this node's global parameters differ from those of {differ} of the {len(digests)} "
+                           "peers of its last averaged round, the group's (each stepped a round apart): it takes a "
+                           "state")  # fmt: skip
             self._resync, self._resync_tries = True, 0
 
     def _start_digest(self: DiLoCoInternals) -> bytes:
@@ -133,7 +156,8 @@ class RoundSync:
 
     def _load_state_from_peers(self: DiLoCoInternals) -> bool:
         """Take the swarm's global parameters, outer momentum and round; inner optimizer state stays this peer's.
-        Only a state at least as new as this peer's round, from a donor ranked above it, is taken. False when
+        Only a state at least as new as this peer's round, from a donor ranked above it (resyncing: of its round), is
+        taken. False when
         no donor had one."""
         self._sync_not_before = time.monotonic() + (CATCH_UP_RETRY_S if self._catching_up() else SYNC_RETRY_S)
         if self._in_flight is not None:  # applied first, so that a failed download leaves a consistent state
@@ -141,13 +165,13 @@ class RoundSync:
         claimed_at_start = self.tracker.global_epoch
         resyncing = self._resync and not self.diverged
         self._resync = False  # asked again after the next averaged round, if its θ₀ still differs
+        # Corroborated always: peers that stepped a round alone serve no digest of it (`_stepped_alone`), so they
+        # don't refuse each other's states, while those that averaged it refute a state that is not theirs. A resync
+        # follows its group's θ₀, which peers of its round ranked below it may hold too.
+        above = float(self.round) if resyncing else self._rank()
         with self.context.phases.measure(Phase.STATE_DOWNLOAD):
             loaded = self.averager.load_state_from_peers(
-                timeout=LOAD_STATE_TIMEOUT_S,
-                above_priority=self._rank() if self.round > 0 else None,
-                # After a round this peer stepped alone, others may have too: their states differ honestly at one
-                # round, and asking them to corroborate would leave every such peer refusing every other's state.
-                corroborate=not self.diverged,
+                timeout=LOAD_STATE_TIMEOUT_S, above_priority=above if self.round > 0 else None
             )
         if loaded is None:
             self.diverged = False  # nobody to take a state from: go on with this one
@@ -171,7 +195,7 @@ class RoundSync:
                 self.feedback.reset()  # kept back from the trajectory this peer leaves for the swarm's
         self._take_round_batches(metadata.get("inner_steps"))
         self._enter_round(self.round)
-        self.diverged = False
+        self.diverged, self._alone_round = False, None
         logger.info(f"took the swarm's state of outer round {self.round}")
         # The swarm's newest state still short of the round some peer claims: the claim is not backed, and rounds
         # more than one past this node's are ignored for a while (averaging/progress_bounds.py); else a liar's round

@@ -106,8 +106,8 @@ class DiLoCoMode(RoundSync, OverlappedRounds, TrainingMode):
         self._said_left_behind = False
         self._said_waiting_for_state = False
         self._resync = False
-        """This peer's θ₀ differed from a higher-ranked member's in its last averaged round: take a state, corroborated
-        (a member lying about its digest must not make honest peers take its state unchecked)."""
+        """This peer's θ₀ differed from its group's in its last averaged round: take a state, corroborated (a member
+        lying about its digest must not make honest peers take its state unchecked)."""
         self._resync_tries = 0
         self._lock = threading.Lock()  # the outer state, between the training thread and a joiner's request
         with torch.no_grad():
@@ -315,7 +315,7 @@ class DiLoCoMode(RoundSync, OverlappedRounds, TrainingMode):
                 self._write_pseudo_gradient(flush_residuals=True)
                 if together:
                     self.num_local_rounds += 1
-                    self.diverged = True  # the others stepped without this peer: take their state next
+                    self._stepped_alone()  # the others stepped without this peer: take their state next
             with self.context.phases.measure(Phase.OPTIMIZER_STEP):
                 self._outer_step()
             self.samples = 0
@@ -475,7 +475,8 @@ class DiLoCoMode(RoundSync, OverlappedRounds, TrainingMode):
         with self._lock:
             momenta = [self._momentum(start) for start in self.global_parameters]
             tensors = [start.detach().cpu().clone() for start in self.global_parameters] + momenta
-            return {"epoch": self.round, "inner_steps": self.round_batches}, tensors
+            alone = self._alone_round == self.round  # a state of its own: no witness of another's (`_stepped_alone`)
+            return {"epoch": self.round, "inner_steps": self.round_batches, "alone": alone}, tensors
 
     def _momentum(self, start: torch.Tensor) -> torch.Tensor:
         buffer = self.outer_optimizer.state.get(start, {}).get("momentum_buffer")

@@ -90,7 +90,7 @@ class OverlappedRounds:
                     if self.feedback is not None:
                         self.feedback.flush_(buffers)
                 self.num_local_rounds += 1
-                self.diverged = True  # the others stepped without this peer: take their state next
+                self._stepped_alone()  # the others stepped without this peer: take their state next
             starts = [self.global_parameters[index] for index in self.fragment_members]
             ends = [start - delta for start, delta in zip(starts, flight.pseudo_gradients, strict=True)]
             with self.context.phases.measure(Phase.OPTIMIZER_STEP):
