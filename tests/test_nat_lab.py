@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lab.fixtures import tiny_run_file
+from lab.fixtures import tiny_run_file, tiny_spes_run_file
 from lab.processes import await_condition
 from lab.wanlab import Host, HostSpec, Lab, Scenario
 
@@ -40,50 +40,7 @@ outer_momentum = 0.9
 compression = "int8"
 """,
 )
-SPES = """
-run_id = "nat-spes"
-target_batch_size = 32
-
-[model]
-architecture = "OlmoeForCausalLM"
-
-[model.config]
-vocab_size = 260
-hidden_size = 64
-intermediate_size = 64
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 4
-num_experts = 8
-num_experts_per_tok = 2
-output_router_logits = true
-router_aux_loss_coef = 0.01
-max_position_embeddings = 64
-bos_token_id = 256
-eos_token_id = 257
-pad_token_id = 258
-tie_word_embeddings = true
-
-[data]
-sequence_length = 32
-
-[optimizer]
-learning_rate = 0.005
-warmup_steps = 0
-total_steps = 1000
-
-[training]
-mode = "spes"
-
-[averaging]
-matchmaking_time_s = 2.0
-timeout_s = 15.0
-
-[diloco]
-inner_steps = 2
-compression = "fp16"
-overlap = false
-"""
+SPES = tiny_spes_run_file("nat-spes")
 """A tiny OLMoE (2 layers of 8 experts: 16 to own), as tests/test_spes_swarm.py runs it."""
 ENV = {**os.environ, **DAEMON_ENV, "CROWDTRAIN_MICRO_BATCH_SIZE": "8"}
 SCENARIO = Scenario(

@@ -13,6 +13,7 @@ import signal
 from pathlib import Path
 
 import pytest
+from lab.fixtures import tiny_spes_run_file
 from lab.processes import await_condition
 from lab.swarm import Daemon
 
@@ -21,50 +22,7 @@ from tests.harness import start_daemon
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 
 NUM_EXPERTS = 16
-RUN_FILE = """
-run_id = "tiny-spes"
-target_batch_size = 32
-
-[model]
-architecture = "OlmoeForCausalLM"
-
-[model.config]
-vocab_size = 260
-hidden_size = 64
-intermediate_size = 64
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 4
-num_experts = 8
-num_experts_per_tok = 2
-output_router_logits = true
-router_aux_loss_coef = 0.01
-max_position_embeddings = 64
-bos_token_id = 256
-eos_token_id = 257
-pad_token_id = 258
-tie_word_embeddings = true
-
-[data]
-sequence_length = 32
-
-[optimizer]
-learning_rate = 0.005
-warmup_steps = 0
-total_steps = 1000
-
-[training]
-mode = "spes"
-
-[averaging]
-matchmaking_time_s = 2.0
-timeout_s = 15.0
-
-[diloco]
-inner_steps = 2
-compression = "fp16"
-overlap = false
-"""
+RUN_FILE = tiny_spes_run_file("tiny-spes")
 # A killed node's status record outlives the test (it lasted 20 s, up to 10 rounds here, and a CI run failed on it):
 # its experts must go to the survivors by what their round shows, not by the record expiring.
 ENV = {"CROWDTRAIN_MICRO_BATCH_SIZE": "8", "CROWDTRAIN_NUM_THREADS": "1", "CROWDTRAIN_STATUS_TTL_S": "600"}

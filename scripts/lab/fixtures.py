@@ -40,3 +40,55 @@ matchmaking_time_s = 2.0
 timeout_s = 15.0
 {averaging}
 {sections}"""
+
+
+TINY_OLMOE_TOML = """
+[model]
+architecture = "OlmoeForCausalLM"
+
+[model.config]
+vocab_size = 260
+hidden_size = 64
+intermediate_size = 64
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 4
+num_experts = 8
+num_experts_per_tok = 2
+output_router_logits = true
+router_aux_loss_coef = 0.01
+max_position_embeddings = 64
+bos_token_id = 256
+eos_token_id = 257
+pad_token_id = 258
+tie_word_embeddings = true
+
+[data]
+sequence_length = 32
+"""
+"""A tiny OLMoE's model and data tables: 2 layers of 8 experts, 16 experts for a SPES run's nodes to own."""
+
+
+def tiny_spes_run_file(run_id: str) -> str:
+    """A whole SPES run file for the tiny OLMoE: two inner steps a round, fp16 exchanges, short timeouts."""
+    return f"""
+run_id = "{run_id}"
+target_batch_size = 32
+{TINY_OLMOE_TOML}
+[optimizer]
+learning_rate = 0.005
+warmup_steps = 0
+total_steps = 1000
+
+[training]
+mode = "spes"
+
+[averaging]
+matchmaking_time_s = 2.0
+timeout_s = 15.0
+
+[diloco]
+inner_steps = 2
+compression = "fp16"
+overlap = false
+"""
