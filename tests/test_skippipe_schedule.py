@@ -119,6 +119,8 @@ def test_a_replica_declaring_near_zero_cost_draws_at_most_four_times_a_median_no
     honest = tuple(dataclasses.replace(n, seconds_per_microbatch=0.25) if n.peer_id == "s2b" else n for n in liar)
     assert schedule_microbatches(problem(honest, num_microbatches=40, skip_ratio=0.0)).microbatches_per_node == visits
     assert [n.seconds_per_microbatch for n in costs.counted_compute(liar)] == [1.0] * 5 + [0.25] + [1.0] * 2
+    pair = [node("s0a", 0, 5e-324), node("s0b", 0, 1.0)]  # a liar in a pair can't move its own bound
+    assert [n.seconds_per_microbatch for n in costs.counted_compute(pair)] == [0.25, 1.0]
 
 
 def test_constraints_hold_on_random_topologies() -> None:

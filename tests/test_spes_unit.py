@@ -57,6 +57,8 @@ def test_a_peer_claiming_huge_compute_counts_as_at_most_four_medians() -> None:
     honest, liar = unit_shares([1.0, 1.0, 1.0, 1e9], 64)[:3], unit_shares([1.0, 1.0, 1.0, 1e9], 64)[3]
     assert liar == unit_shares([1.0, 1.0, 1.0, MAX_WEIGHT_RATIO], 64)[3] == 35  # 4/7 of the experts, not all
     assert min(honest) >= 9
+    # in a pair the liar can't move its own bound (issue 47, finding 13: the mean of the two gave it 7/8, 56 of 64)
+    assert unit_shares([1.0, 1e9], 64) == unit_shares([1.0, MAX_WEIGHT_RATIO], 64) == [13, 51]
     # unmeasured (0) and garbage (nan, inf, negative) weights count as the median
     assert unit_shares([0.0, float("nan"), -3.0, 2.0], 8) == [2, 2, 2, 2]
 

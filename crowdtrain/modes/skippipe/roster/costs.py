@@ -26,10 +26,11 @@ MAX_SPEEDUP = 4.0
 
 
 def counted_compute(nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
-    """`nodes`, in their order, each with its seconds per microbatch raised to at least the median's / MAX_SPEEDUP."""
+    """`nodes`, in their order, each with its seconds per microbatch raised to at least the median's / MAX_SPEEDUP (of
+    an even count the higher middle one, so that a liar in a pair can't move its own bound)."""
     if not nodes:
         return []
-    floor = statistics.median(node.seconds_per_microbatch for node in nodes) / MAX_SPEEDUP
+    floor = statistics.median_high([node.seconds_per_microbatch for node in nodes]) / MAX_SPEEDUP
     return [
         node if node.seconds_per_microbatch >= floor else replace(node, seconds_per_microbatch=floor) for node in nodes
     ]
