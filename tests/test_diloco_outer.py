@@ -250,13 +250,14 @@ def test_peers_at_different_rounds_never_meet_and_the_others_average_without_the
         assert [mode.averager.excluded_peers() for mode in modes] == [{}] * 4, "an honest peer was quarantined"
 
 
-def test_a_group_whose_members_gathered_different_rounds_skips_its_all_reduce_and_quarantines_nobody(
+def test_a_member_that_gathers_another_round_than_its_key_costs_one_round_and_is_kept_out(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A peer can still join another round's key (it lies about its round, or runs other code): here every peer's
-    averager looks for its group under round 0's key while one gathers round 1, with a pseudo-gradient 100x the
-    others'. Such a round is never applied, so nothing is sent for it, and the reducers' norm check must not drop
-    and quarantine an honest peer for it: it used to, keeping a late joiner out of its groups for 10 min."""
+    """A peer can still join another round's key (it lies about its round): here every peer's averager looks for
+    its group under round 0's key while one gathers round 1, with a pseudo-gradient 100x the others'. Such a round is
+    never applied, so nothing is sent for it, and the reducers' norm check must not drop and quarantine an honest
+    peer for it (it used to, keeping a late joiner out of its groups for 10 min). The liar is kept out of the honest
+    peers' groups instead (issue 47, finding 3: it aborted every round), so the next round they average without it."""
     monkeypatch.setattr(pseudo_gradients, "_step_round", lambda serializer, step: 0)  # before the averagers fork
     start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
     with diloco_peers(manifest(4, "none"), 4, [start]) as modes:
@@ -266,8 +267,19 @@ def test_a_group_whose_members_gathered_different_rounds_skips_its_all_reduce_an
         modes[3].round = 1
         run_one_outer_round(modes, start, deltas, [8, 8, 8, 8])
         assert [mode.num_local_rounds for mode in modes] == [1, 1, 1, 1], "a round of mixed rounds is not applied"
-        assert [mode.averager.excluded_peers() for mode in modes] == [{}] * 4, "an honest peer was quarantined"
+        liar = str(modes[3].averager.peer_id)
+        excluded = [set(await_excluded(mode)) for mode in modes[:3]]
+        assert excluded == [{liar}] * 3 and modes[3].averager.excluded_peers() == {}, "only the liar is kept out"
         assert [mode.context.traffic.sent_bytes.value for mode in modes] == [0] * 4, "the skipped all-reduce sent"
+        modes[3].round = modes[0].round + 1  # it lies again
+        run_one_outer_round(modes, modes[0].global_parameters[0].clone(), deltas, [8, 8, 8, 8])
+        assert [mode.num_local_rounds for mode in modes] == [1, 1, 1, 2], "the honest three averaged without it"
+
+
+def await_excluded(mode: DiLoCoMode) -> dict[str, object]:
+    """The peers `mode`'s averager keeps out, once it keeps one (its verdicts come from the averager's process)."""
+    await_condition(lambda: bool(mode.averager.excluded_peers()), 10, "a verdict")
+    return dict(mode.averager.excluded_peers())
 
 
 def end_round_together(modes: list[DiLoCoMode], samples: int) -> None:

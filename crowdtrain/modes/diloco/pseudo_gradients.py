@@ -69,9 +69,14 @@ class PseudoGradientAverager(
         # its all-reduce is skipped: no bytes for nothing, and no honest member dropped and quarantined by the
         # reducers' norm check for a pseudo-gradient of another round's length. Every member holds the same
         # gathered data (the leader sends it to all), so every member skips the same all-reduce. Honest peers
-        # never meet another round's (RoundKeyManager); one that lies about its round in the key can still.
+        # never meet another round's (RoundKeyManager): a member that gathers another round than the key's lied in
+        # one of them, so this node keeps it out of its groups for a while (`disputers`), and the lie costs the
+        # swarm one round, not every round.
+        keys = self._matchmaking.group_key_manager
         gathered = _members_gathered(self.serializer, group_info)
         if gathered is not None and len({gathered_round(value) for value in gathered.values()}) > 1:
+            for peer, claimed in disputers(gathered, keys.round if isinstance(keys, RoundKeyManager) else None):
+                self._quarantine_sender(str(peer), f"gathered round {claimed} in a group of round {keys.round}")
             return gathered
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
 
@@ -97,6 +102,14 @@ def gathered_round(value: Any) -> int | None:
     if isinstance(value, list | tuple) and 2 <= len(value) <= MAX_GATHERED:
         value = value[0]
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def disputers(gathered: dict[Any, Any], round_: int | None) -> list[tuple[Any, int | None]]:
+    """The members of a group of round `round_` (its key's) that gathered another round, with the round each
+    gathered; [] when this node's round is not known."""
+    if round_ is None:
+        return []
+    return [(peer, gathered_round(value)) for peer, value in gathered.items() if gathered_round(value) != round_]
 
 
 class RoundKeyManager(GroupKeyManager):
