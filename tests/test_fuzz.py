@@ -17,15 +17,18 @@ import binascii
 import dataclasses
 import enum
 import functools
+import hashlib
 import itertools
 import json
 import math
 import random
 import re
 import struct
-from collections.abc import Callable, Iterator, Sequence
+import time
+import types
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy
 import pytest
@@ -35,6 +38,7 @@ from google.protobuf.message import DecodeError
 from hivemind.compression import serialize_torch_tensor
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord
+from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
@@ -42,7 +46,13 @@ from hivemind.utils.streaming import split_for_streaming
 from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
 from crowdtrain import proto
-from crowdtrain.averaging.compression import MAX_SPARSE_PART_VALUES, SPARSE_WIRE_TYPE, BoundedInt8, SparseFloat16
+from crowdtrain.averaging.compression import (
+    INT8_BLOCK,
+    MAX_SPARSE_PART_VALUES,
+    SPARSE_WIRE_TYPE,
+    BoundedInt8,
+    SparseFloat16,
+)
 from crowdtrain.dht import keys, records
 from crowdtrain.dht.records import (
     MAX_INNER_STEPS,
@@ -52,11 +62,58 @@ from crowdtrain.dht.records import (
     MAX_PEER_STATUS_BYTES,
     MAX_PHASE_SECONDS,
     MAX_PLAN_DIGEST_CHARS,
+    MAX_ROSTER_BYTES,
+    MAX_SKIPPIPE_STAGES,
+    MAX_STAGE_DECLARATION_BYTES,
     PHYSICAL_LIMITS,
 )
 from crowdtrain.dht.validator import make_validators
 from crowdtrain.links.protocol import MAX_PLAUSIBLE_MBPS, dial_back_verdicts, retry_after_s, upload_sample
 from crowdtrain.manifest import PROTOCOL_VERSION, DiLoCoSpec, RunManifest, TrainingSpec, demo, demo_moe
+from crowdtrain.modes.diloco.pseudo_gradients import MAX_GATHERED
+from crowdtrain.modes.skippipe.hops.hop_callers import MAX_DONE_LOSS, IterationCallers, done_loss, hop_refusal
+from crowdtrain.modes.skippipe.hops.hop_wire import (
+    CHUNK_BYTES,
+    GRADIENT_DTYPES,
+    WIRE_DTYPES,
+    HopLimits,
+    HopRefusedError,
+    payload_frames,
+    receive_frames,
+    stream_values,
+    wire_bytes,
+)
+from crowdtrain.modes.skippipe.roster.costs import MAX_SECONDS_PER_HOP
+from crowdtrain.modes.skippipe.roster.membership import (
+    HISTORY,
+    MAX_MEMBERS,
+    PipelineMembers,
+    encode_roster,
+    member_proto,
+    node_info,
+    parse_declaration,
+    parse_roster,
+)
+from crowdtrain.modes.skippipe.roster.schedule import NodeInfo
+from crowdtrain.modes.spes.expert_exchange import (
+    BLOCK,
+    DIGEST_BYTES,
+    ExpertExchange,
+    ExpertFetchError,
+    encode_change,
+)
+from crowdtrain.modes.spes.gathered import (
+    AUTHOR,
+    CAPACITY,
+    DIALABLE,
+    MAX_PUBLIC_KEY_BYTES,
+    MAX_SIGNATURE_BYTES,
+    RATE,
+    UNSIGNED,
+    MemberClaims,
+    read_round,
+    spes_gathered,
+)
 from crowdtrain.moe.experts import MAX_BATCH_SEQUENCES
 from crowdtrain.moe.requests import (
     STREAM_CHUNK_BYTES,
@@ -85,6 +142,7 @@ SEED = 20_251
 CASES_PER_TYPE = 10_000
 RUN_ID = "demo"
 NAN, INF = float("nan"), float("inf")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -1436,6 +1494,1006 @@ def test_expert_streams_off_the_schema_or_over_their_bounds_are_refused() -> Non
     their chunking within the frames, run."""
     tally = fuzz("StreamedRequest", take_stream, (RefusedRequestError,), stream_cases(random.Random(f"{SEED}:stream")))
     assert_all_refused("StreamedRequest", tally, min_benign_accepted=1_000)
+
+
+# --- SkipPipe declarations and rosters -----------------------------------------------------------------------
+
+NUM_STAGES = 4
+MAX_DECLARED_MICROBATCHES = 4096
+"""node_info's bound on a member's memory_microbatches."""
+
+
+def synthetic_peer_id(index: int) -> str:
+    """A 46-character string shaped like a base58 peer ID (roster members are checked by shape, not by key)."""
+    return f"QmRosterMember{index:032d}"
+
+
+def member_within_contract(member: proto.SkipPipeMember, num_stages: int) -> bool:
+    """node_info's contract restated: a peer ID of 40 to 60 characters, a stage of the run, 1 to 4096 microbatches,
+    a finite seconds per microbatch above 0, a finite seconds per hop 0..MAX_SECONDS_PER_HOP (unset: 0)."""
+    compute, hop = member.seconds_per_microbatch, member.seconds_per_hop
+    return (
+        40 <= len(member.peer_id) <= 60
+        and member.stage < num_stages
+        and 1 <= member.memory_microbatches <= MAX_DECLARED_MICROBATCHES
+        and math.isfinite(compute)
+        and compute > 0
+        and math.isfinite(hop)
+        and 0 <= hop <= MAX_SECONDS_PER_HOP
+    )
+
+
+def parsed(message_type: type[Any], data: bytes) -> Any:
+    """`data` as a `message_type`, or None where protobuf refuses it."""
+    try:
+        return message_type.FromString(data)
+    except (DecodeError, RuntimeWarning):
+        return None
+
+
+def declaration_within_contract(subkey: bytes, value: bytes, owners: dict[bytes, str], num_stages: int | None) -> bool:
+    """check_stage_declaration's contract restated (`num_stages` None), or with it parse_declaration's: at most
+    MAX_STAGE_DECLARATION_BYTES, a SkipPipeMember naming its signer (`owners`: marker → peer ID) on a stage below
+    MAX_SKIPPIPE_STAGES; and a valid node of a run of `num_stages` (member_within_contract)."""
+    member = parsed(proto.SkipPipeMember, value) if len(value) <= MAX_STAGE_DECLARATION_BYTES else None
+    if member is None or owners.get(subkey) != member.peer_id or member.stage >= MAX_SKIPPIPE_STAGES:
+        return False
+    return num_stages is None or member_within_contract(member, num_stages)
+
+
+def hostile_compute(rng: random.Random) -> float:
+    return rng.choice([0.0, -0.0, 5e-324, 1e308, rng.uniform(1e-9, 1e3)]) if rng.random() < 0.3 else hostile_float(rng)
+
+
+MEMBER_ATTACKS: list[tuple[str, Callable[[random.Random], Any]]] = [
+    ("peer_id", lambda rng: rng.choice(["", "x" * 39, "x" * 61, "Qm" + "x" * rng.randrange(100, 3000), "é" * 45])),
+    ("stage", lambda rng: rng.choice([NUM_STAGES, MAX_SKIPPIPE_STAGES, 2**32 - 1, rng.randrange(2**32)])),
+    ("seconds_per_microbatch", hostile_compute),
+    (
+        "memory_microbatches",
+        lambda rng: rng.choice([0, MAX_DECLARED_MICROBATCHES + 1, 2**32 - 1, rng.randrange(2**32)]),
+    ),
+    ("seconds_per_hop", hostile_float),
+    ("seconds_per_hop", lambda rng: MAX_SECONDS_PER_HOP * rng.choice([1.0, 1.0000001, rng.uniform(1, 1e9)])),
+]
+
+
+def attack_member(rng: random.Random, member: proto.SkipPipeMember) -> str:
+    path, make = rng.choice(MEMBER_ATTACKS)
+    value = make(rng)
+    set_path(member, path, value)
+    return f"{path}={str(value)[:40]!r}"
+
+
+def unknown_field(num_bytes: int) -> bytes:
+    """An unknown length-delimited field 15 of `num_bytes` bytes: parsers skip it, size caps count it."""
+    header = bytes([15 << 3 | 2])
+    length = bytearray()
+    size = num_bytes
+    while True:
+        length.append(size & 0x7F | (0x80 if size > 0x7F else 0))
+        size >>= 7
+        if not size:
+            return header + bytes(length) + b"u" * num_bytes
+
+
+def valid_members(rng: random.Random, peer_ids: Sequence[str]) -> list[proto.SkipPipeMember]:
+    return [
+        member_proto(
+            NodeInfo(
+                peer_id=peer_id,
+                stage=rng.randrange(NUM_STAGES),
+                seconds_per_microbatch=rng.uniform(1e-3, 5.0),
+                memory_microbatches=rng.randint(1, 16),
+                seconds_per_hop=rng.choice([0.0, rng.uniform(1e-3, 2.0)]),
+            )
+        )
+        for peer_id in peer_ids
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class Signers:
+    """The owner markers records are signed under, and the peer ID each derives."""
+
+    owner: bytes
+    peer_id: str
+    other: bytes
+    peer_ids: dict[bytes, str]
+    garbage: tuple[bytes, ...] = (
+        b"",
+        b"garbage",
+        b"[owner:]",
+        b"[owner:ssh-rsa AAAA]",
+        b"[owner:" + b"A" * 3000 + b"]",
+    )
+
+
+@pytest.fixture(scope="module")
+def signers(signed: Keys) -> Signers:
+    owner, other = records.owner_marker(signed.founder), records.owner_marker(signed.other)
+    peer_ids = {marker: records.peer_id_of_owner(marker).to_base58() for marker in (owner, other)}
+    return Signers(owner=owner, peer_id=peer_ids[owner], other=other, peer_ids=peer_ids)
+
+
+def declaration_cases(rng: random.Random, signers: Signers, num_stages: int | None) -> Iterator[Case]:
+    valid = valid_members(rng, [signers.peer_id] * 6)
+    for member in valid[::2]:
+        member.serving = True
+    donors = [member.SerializeToString() for member in valid]
+    while True:
+        member = proto.SkipPipeMember()
+        member.CopyFrom(rng.choice(valid))
+        subkey, roll = signers.owner, rng.random()
+        if roll < 0.45:
+            label = ", ".join(attack_member(rng, member) for _ in range(rng.randrange(1, 3)))
+            data = member.SerializeToString()
+        elif roll < 0.8:
+            label, data = mutate(rng, member.SerializeToString(), donors)
+        elif roll < 0.88:
+            padding = rng.choice([1, rng.randrange(MAX_STAGE_DECLARATION_BYTES), rng.randrange(256, 100_000)])
+            label, data = f"padded by {padding} unknown bytes", member.SerializeToString() + unknown_field(padding)
+        elif roll < 0.95:
+            label, data = "random bytes", random_bytes(rng)
+        else:
+            subkey = rng.choice([signers.other, *signers.garbage, random_bytes(rng, 64)])
+            label, data = f"under subkey {subkey[:40]!r}", member.SerializeToString()
+        hostile = not declaration_within_contract(subkey, data, signers.peer_ids, num_stages)
+        yield Case(label, (subkey, data), hostile=hostile)
+
+
+def test_check_stage_declaration_refuses_every_hostile_record(signers: Signers) -> None:
+    """check_stage_declaration's contract (dht/records.py): a declaration is at most MAX_STAGE_DECLARATION_BYTES, a
+    SkipPipeMember whose peer ID is its signer's, on a stage below MAX_SKIPPIPE_STAGES; else RecordError."""
+    tally = fuzz(
+        "check_stage_declaration",
+        lambda pair: records.check_stage_declaration(*pair) is not None,
+        (records.RecordError,),
+        declaration_cases(random.Random(f"{SEED}:check_stage_declaration"), signers, None),
+    )
+    assert_all_refused("check_stage_declaration", tally, min_benign_accepted=1_000)
+
+
+def take_declaration(pair: tuple[bytes, bytes]) -> bool:
+    node = parse_declaration(*pair, NUM_STAGES)
+    member = proto.SkipPipeMember.FromString(pair[1])
+    expected = (member.peer_id, member.stage, member.seconds_per_microbatch, member.memory_microbatches)
+    if (node.peer_id, node.stage, node.seconds_per_microbatch, node.memory_microbatches) != expected:
+        raise AssertionError(f"accepted as {node}, not as declared")
+    return True
+
+
+def test_parse_declaration_refuses_every_hostile_declaration(signers: Signers) -> None:
+    """parse_declaration's contract (modes/skippipe/roster/membership.py): check_stage_declaration's, then a node of
+    the run (member_within_contract); else RecordError. An accepted one is the node it declares."""
+    tally = fuzz(
+        "parse_declaration",
+        take_declaration,
+        (records.RecordError,),
+        declaration_cases(random.Random(f"{SEED}:parse_declaration"), signers, NUM_STAGES),
+    )
+    assert_all_refused("parse_declaration", tally, min_benign_accepted=1_000)
+
+
+def roster_within_contract(subkey: bytes, value: bytes, owners: dict[bytes, str], num_stages: int | None) -> bool:
+    """check_roster's contract restated (`num_stages` None: an owner marker's, at most MAX_ROSTER_BYTES, a
+    SkipPipeRoster), or with it parse_roster's: 1 to HISTORY memberships in rising iterations, each of at most
+    MAX_MEMBERS distinct members, each a valid node of a run of `num_stages`."""
+    roster = parsed(proto.SkipPipeRoster, value) if subkey in owners and len(value) <= MAX_ROSTER_BYTES else None
+    if roster is None or num_stages is None:
+        return roster is not None
+    history = list(roster.history)
+    return (
+        1 <= len(history) <= HISTORY
+        and all(older.from_iteration < newer.from_iteration for older, newer in itertools.pairwise(history))
+        and all(
+            len(entry.members) <= MAX_MEMBERS
+            and len({member.peer_id for member in entry.members}) == len(entry.members)
+            and all(member_within_contract(member, num_stages) for member in entry.members)
+            for entry in history
+        )
+    )
+
+
+@functools.cache
+def crowd() -> list[proto.SkipPipeMember]:
+    """Valid members no roster of the cases lists otherwise, made once: to crowd a membership or fill new ones."""
+    return valid_members(random.Random(f"{SEED}:crowd"), [synthetic_peer_id(1000 + i) for i in range(400)])
+
+
+def attack_roster(rng: random.Random, roster: proto.SkipPipeRoster) -> str:
+    """One attack on a roster's memberships, in place; its description."""
+    history = roster.history
+    how = rng.choice(["member", "member", "iteration", "count", "crowd", "twice"])
+    entry = rng.choice(history) if history else None
+    if how == "member" and entry is not None and entry.members:
+        return f"a member's {attack_member(rng, rng.choice(entry.members))}"
+    if how == "iteration" and entry is not None:
+        entry.from_iteration = rng.choice([0, 1, 2**64 - 1, history[0].from_iteration, rng.randrange(2**64)])
+        return f"a membership from iteration {entry.from_iteration}"
+    if how == "crowd" and entry is not None:
+        extra = rng.choice([MAX_MEMBERS + 1 - len(entry.members), rng.randrange(1, 400)])
+        entry.members.extend(crowd()[:extra])
+        return f"{extra} more members"
+    if how == "twice" and entry is not None and entry.members:
+        twin = proto.SkipPipeMember()
+        twin.CopyFrom(rng.choice(entry.members))
+        twin.stage = rng.randrange(NUM_STAGES)
+        entry.members.append(twin)
+        return "a member listed twice"
+    count = rng.choice([0, HISTORY + 1, rng.randrange(HISTORY + 1, 40)])
+    del history[count:]
+    while len(history) < count:
+        history.add(from_iteration=(history[-1].from_iteration + 1) % 2**64 if history else 0).members.extend(
+            crowd()[: rng.randint(1, 3)]
+        )
+    return f"{count} memberships"
+
+
+def roster_cases(rng: random.Random, signers: Signers, num_stages: int | None) -> Iterator[Case]:
+    valid = []
+    for _ in range(8):
+        members = [synthetic_peer_id(i) for i in range(rng.randrange(2, 12))] + [signers.peer_id]
+        history: list[PipelineMembers] = []
+        start = rng.randrange(10**6)
+        for number in range(rng.randint(1, HISTORY)):
+            nodes = [node_info(member, NUM_STAGES) for member in valid_members(rng, rng.sample(members, 3))]
+            history.append(PipelineMembers(start + 2 * number, tuple(sorted(nodes, key=lambda node: node.peer_id))))
+        valid.append(encode_roster(history))
+    while True:
+        data, subkey, roll = rng.choice(valid), signers.owner, rng.random()
+        if roll < 0.45:
+            roster = proto.SkipPipeRoster.FromString(data)
+            label = ", ".join(attack_roster(rng, roster) for _ in range(rng.randrange(1, 3)))
+            data = roster.SerializeToString()
+        elif roll < 0.8:
+            label, data = mutate(rng, data, valid)
+        elif roll < 0.86:
+            padding = rng.choice(
+                [rng.randrange(MAX_ROSTER_BYTES - len(data)), rng.randrange(MAX_ROSTER_BYTES, 200_000)]
+            )
+            label, data = f"padded by {padding} unknown bytes", data + unknown_field(padding)
+        elif roll < 0.95:
+            label, data = "random bytes", random_bytes(rng, 2048)
+        else:
+            subkey = rng.choice([*signers.garbage, random_bytes(rng, 64)])
+            label = f"under subkey {subkey[:40]!r}"
+        yield Case(
+            label, (subkey, data), hostile=not roster_within_contract(subkey, data, signers.peer_ids, num_stages)
+        )
+
+
+def test_check_roster_refuses_every_hostile_record(signers: Signers) -> None:
+    """check_roster's contract (dht/records.py): a roster is signed under an owner marker, at most
+    MAX_ROSTER_BYTES, a SkipPipeRoster; else RecordError."""
+    tally = fuzz(
+        "check_roster",
+        lambda pair: records.check_roster(*pair) is not None,
+        (records.RecordError,),
+        roster_cases(random.Random(f"{SEED}:check_roster"), signers, None),
+    )
+    assert_all_refused("check_roster", tally, min_benign_accepted=1_000)
+
+
+def take_roster(pair: tuple[bytes, bytes]) -> bool:
+    history = parse_roster(*pair, NUM_STAGES)
+    roster = proto.SkipPipeRoster.FromString(pair[1])
+    expected = [(entry.from_iteration, sorted(member.peer_id for member in entry.members)) for entry in roster.history]
+    if [(entry.from_iteration, [node.peer_id for node in entry.members]) for entry in history] != expected:
+        raise AssertionError("accepted as other memberships than the roster's")
+    return True
+
+
+def test_parse_roster_refuses_every_hostile_roster(signers: Signers) -> None:
+    """parse_roster's contract (modes/skippipe/roster/membership.py): check_roster's, then 1 to HISTORY memberships
+    in rising iterations, each of at most MAX_MEMBERS distinct valid nodes; else RecordError. An accepted roster
+    holds the memberships it lists, their members in peer-ID order."""
+    tally = fuzz(
+        "parse_roster",
+        take_roster,
+        (records.RecordError,),
+        roster_cases(random.Random(f"{SEED}:parse_roster"), signers, NUM_STAGES),
+    )
+    assert_all_refused("parse_roster", tally, min_benign_accepted=1_000)
+
+
+# --- SkipPipe hops: who may call, what a done message may say, what a stream may carry ------------------------
+
+HOP_SOURCES = (synthetic_peer_id(0), synthetic_peer_id(1))
+HOP_CALLERS = IterationCallers.of(7, HOP_SOURCES, 8, "float16")
+PEER_ATTACKS = ["", synthetic_peer_id(2), synthetic_peer_id(0)[:-1], synthetic_peer_id(0) + "x", "x" * 10_000]
+
+
+def hop_served_by_contract(callers: IterationCallers | None, peer: str, header: proto.StageHop) -> bool:
+    """hop_refusal's contract restated: no hop asks for stage 0; with callers, only from a source of the iteration,
+    for a microbatch 0..M-1."""
+    if header.stage == 0:
+        return False
+    return callers is None or (peer in callers.sources and header.microbatch < callers.num_microbatches)
+
+
+def hop_header_cases(rng: random.Random) -> Iterator[Case]:
+    valid = proto.StageHop(iteration=7, microbatch=3, stage=2, shape=[2, 16, 8], dtype="float16")
+    while True:
+        header, peer, callers = proto.StageHop(), rng.choice(HOP_SOURCES), HOP_CALLERS
+        header.CopyFrom(valid)
+        roll, label = rng.random(), "an honest header"
+        if roll < 0.2:
+            header.stage, header.microbatch = rng.randrange(1, 2**32), rng.randrange(HOP_CALLERS.num_microbatches)
+            header.iteration, label = rng.randrange(2**64), "another iteration, stage and microbatch"
+        elif roll < 0.45:
+            field_name, value = rng.choice([("stage", 0), ("microbatch", rng.choice([8, 9, 2**32 - 1]))])
+            setattr(header, field_name, value)
+            label = f"{field_name}={value}"
+        elif roll < 0.75:
+            how, data = mutate(rng, valid.SerializeToString(), [valid.SerializeToString()])
+            mutated = parsed(proto.StageHop, data)
+            if mutated is None:
+                continue
+            header, label = mutated, how
+        elif roll < 0.95:
+            peer = rng.choice([*PEER_ATTACKS, random_bytes(rng, 60).decode("latin-1")])
+            label = f"from peer {peer[:20]!r}"
+        if rng.random() < 0.1:
+            callers, label = None, f"{label}, in a tool's service"
+        yield Case(label, (callers, peer, header), hostile=not hop_served_by_contract(callers, peer, header))
+
+
+def test_hop_refusal_serves_only_the_iteration_sources_hops() -> None:
+    """hop_refusal's contract (modes/skippipe/hops/hop_callers.py): a hop asks for a stage 1..S-1, and, in an
+    iteration, comes from one of its sources for one of its microbatches; else a sentence why not."""
+    tally = fuzz(
+        "hop_refusal", lambda case: hop_refusal(*case) is None, (), hop_header_cases(random.Random(f"{SEED}:hop"))
+    )
+    assert_all_refused("hop_refusal", tally, min_benign_accepted=1_000)
+
+
+def done_cases(rng: random.Random) -> Iterator[Case]:
+    valid = proto.StageHop(iteration=7, stage=1, loss=3.25, microbatches=8)
+    while True:
+        request, roll = proto.StageHop(), rng.random()
+        request.CopyFrom(valid)
+        if roll < 0.6:
+            request.loss = rng.choice([
+                hostile_float(rng), rng.uniform(0, 20), 0.0, -0.0, MAX_DONE_LOSS, math.nextafter(MAX_DONE_LOSS, INF),
+                5e-324, MAX_DONE_LOSS * rng.uniform(1, 1e300),
+            ])  # fmt: skip
+            if rng.random() < 0.5:
+                request.microbatches = rng.choice([0, 1, 8, 9, 2**32 - 1, rng.randrange(2**32)])
+            label = f"loss {request.loss!r} over {request.microbatches} microbatches"
+        elif roll < 0.95:
+            label, data = mutate(rng, valid.SerializeToString(), [valid.SerializeToString()])
+            mutated = parsed(proto.StageHop, data)
+            if mutated is None:
+                continue
+            request = mutated
+        else:
+            request.microbatches, label = 0, "no microbatches"
+        loss, count = request.loss, request.microbatches
+        within = math.isfinite(loss) and 0 <= loss <= MAX_DONE_LOSS and 0 < count <= HOP_CALLERS.num_microbatches
+        yield Case(label, request, hostile=not within)
+
+
+def take_done(request: proto.StageHop) -> bool:
+    kept = done_loss(request, HOP_CALLERS.num_microbatches)
+    if kept is not None and kept != (request.loss, request.microbatches):
+        raise AssertionError(f"kept {kept}, not what the message said")
+    return kept is not None
+
+
+def test_done_loss_keeps_only_a_loss_an_honest_source_can_report() -> None:
+    """done_loss's contract (modes/skippipe/hops/hop_callers.py): a done message's loss is kept only where it is
+    finite, 0..MAX_DONE_LOSS, over 1..M microbatches, and then as it was sent; else None."""
+    tally = fuzz("done_loss", take_done, (), done_cases(random.Random(f"{SEED}:done")))
+    assert_all_refused("done_loss", tally, min_benign_accepted=1_000)
+
+
+class HopStreamRefusal(Exception):
+    """What a reader's `refused` callback makes of a refusal (the stage service's and the callers' do likewise)."""
+
+
+HOP_LIMITS = HopLimits(max_batch=4, max_sequence=16, hidden_size=8)
+HOP_STAGE = 2
+GRADIENT_VALUES = 300
+"""A stage's gradient in the test (in int8: one partial block)."""
+
+
+def flat_gradient(shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape check of a gradient or state answer (stage_calls): one vector of GRADIENT_VALUES."""
+    if list(shape) != [GRADIENT_VALUES]:
+        raise HopRefusedError(f"a gradient of shape {list(shape)[:4]}, not [{GRADIENT_VALUES}]")
+    return (GRADIENT_VALUES,)
+
+
+@dataclass(frozen=True, slots=True)
+class HopReader:
+    """One way a node reads a hop stream (receive_frames' arguments)."""
+
+    name: str
+    check_shape: Callable[[Sequence[int]], tuple[int, ...]]
+    expected_stage: int | None
+    to_end: bool
+    dtypes: tuple[str, ...]
+
+
+HOP_READERS = (
+    HopReader("a forward", HOP_LIMITS.check_shape, HOP_STAGE, True, ("float16",)),
+    HopReader("a tool's backward", HOP_LIMITS.check_shape, HOP_STAGE, True, tuple(WIRE_DTYPES)),
+    HopReader("a gradient answer", flat_gradient, None, False, GRADIENT_DTYPES),
+)
+NON_FINITE_WIRE = {
+    "float32": [struct.pack("<f", value) for value in NON_FINITE],
+    "float16": [b"\x00\x7c", b"\x00\xfc", b"\x01\x7e"],
+    "bfloat16": [b"\x80\x7f", b"\x80\xff", b"\xc0\x7f"],
+}
+
+
+def int8_values(payload: bytes, numel: int, block: int) -> numpy.ndarray | None:
+    """decode_int8_blocks' contract restated: float32 scales (finite, >= 0), then int8s within ±127; None else."""
+    blocks = -(-numel // block)
+    if len(payload) != numel + 4 * blocks:
+        return None
+    scales = numpy.frombuffer(payload, "<f4", count=blocks)
+    values = numpy.frombuffer(payload, numpy.int8, offset=4 * blocks)
+    if not numpy.isfinite(scales).all() or (scales < 0).any() or (values == -128).any():
+        return None
+    padded = numpy.zeros(blocks * block, numpy.float32)
+    padded[:numel] = values
+    with numpy.errstate(over="ignore"):
+        return (padded.reshape(blocks, block) * scales[:, None]).reshape(-1)[:numel]
+
+
+def wire_array(payload: bytes, numel: int, dtype: str) -> numpy.ndarray | None:
+    """The float32 values `payload` carries in wire dtype `dtype`; None where it is not their exact bytes."""
+    if dtype == "int8":
+        return int8_values(payload, numel, INT8_BLOCK)
+    itemsize = 4 if dtype == "float32" else 2
+    if len(payload) != numel * itemsize:
+        return None
+    if dtype == "bfloat16":
+        return (numpy.frombuffer(payload, "<u2").astype("<u4") << 16).view("<f4")
+    return numpy.frombuffer(payload, "<f4" if dtype == "float32" else "<f2").astype(numpy.float32)
+
+
+def hop_values_by_contract(frames: Sequence[proto.StageHop], reader: HopReader) -> numpy.ndarray | None:
+    """receive_frames' and stream_values' contract restated: a first frame with the expected stage, an allowed
+    dtype, no values and a shape within the reader's bounds, then exactly the shape's bytes (a request: to the end
+    of the stream; an answer: read up to them), every value finite. The values, or None where it must be refused."""
+    if not frames:
+        return None
+    header, shape = frames[0], list(frames[0].shape)
+    if reader.expected_stage is not None and header.stage != reader.expected_stage:
+        return None
+    if header.dtype not in reader.dtypes or header.payload:
+        return None
+    if reader.expected_stage is None and shape != [GRADIENT_VALUES]:
+        return None
+    limits = HOP_LIMITS
+    if reader.expected_stage is not None and not (
+        len(shape) == 3
+        and 1 <= shape[0] <= limits.max_batch
+        and 1 <= shape[1] <= limits.max_sequence
+        and shape[2] == limits.hidden_size
+    ):
+        return None
+    numel = math.prod(shape)
+    size = (
+        numel + 4 * -(-numel // INT8_BLOCK)
+        if header.dtype == "int8"
+        else numel * (4 if header.dtype == "float32" else 2)
+    )
+    received = b""
+    for frame in frames[1:]:
+        received += frame.payload
+        if len(received) > size:
+            return None
+        if len(received) == size and not reader.to_end:
+            break
+    values = wire_array(received, numel, header.dtype) if len(received) == size else None
+    return values if values is not None and numpy.isfinite(values).all() else None
+
+
+@functools.cache
+def honest_hops(reader: HopReader) -> list[tuple[bytes, ...]]:
+    """Streams as honest nodes send them to `reader`, made once: in each of its dtypes, of several shapes and chunk
+    sizes, each frame serialized (a case parses its own copy)."""
+    rng, streams = random.Random(f"{SEED}:{reader.name}"), []
+    for _ in range(48):
+        dtype = rng.choice(reader.dtypes)
+        if reader.expected_stage is None:
+            tensor = torch.randn(GRADIENT_VALUES)
+        else:
+            tensor = torch.randn(rng.randint(1, HOP_LIMITS.max_batch), rng.randint(1, HOP_LIMITS.max_sequence), 8)
+        header = proto.StageHop(iteration=7, microbatch=3, stage=HOP_STAGE if reader.expected_stage else 5)
+        chunk_bytes = rng.choice([16, 64, 256, CHUNK_BYTES])
+        frames = payload_frames(wire_bytes(tensor, dtype), list(tensor.shape), header, dtype, chunk_bytes)
+        streams.append(tuple(frame.SerializeToString() for frame in frames))
+    return streams
+
+
+def run_now(coroutine: Coroutine[Any, Any, T]) -> T:
+    """The result of a coroutine that never waits (it reads from a list): run without an event loop, ~20 times
+    faster than run_until_complete over 10,000 cases."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coroutine.close()
+    raise AssertionError("the coroutine waited for something")
+
+
+def attack_hop_header(rng: random.Random, header: proto.StageHop) -> str:
+    how = rng.choice(["stage", "dtype", "shape", "shape", "payload"])
+    if how == "stage":
+        header.stage = rng.choice([0, 1, 3, 2**32 - 1])
+    elif how == "dtype":
+        header.dtype = rng.choice(["", "float64", "int8", "FLOAT16", "float16\x00", "bool", *GRADIENT_DTYPES])
+    elif how == "shape":
+        header.shape[:] = rng.choice([
+            [], [1], [2, 8], [1, 1, 8, 1], [0, 4, 8], [5, 4, 8], [1, 17, 8], [1, 4, 7], [1, 4, 9], [2**32 - 1, 1, 8],
+            [GRADIENT_VALUES], [GRADIENT_VALUES + 1], [GRADIENT_VALUES - 1], [1, GRADIENT_VALUES], [2**32 - 1],
+            [rng.randrange(2**32) for _ in range(rng.randrange(5))],
+        ])  # fmt: skip
+    else:
+        header.payload = random_bytes(rng, 64) or b"\x00"
+    return f"header {how}"
+
+
+def attack_hop_value(rng: random.Random, frames: list[proto.StageHop], index: int, dtype: str) -> str:
+    """A value of frame `index` made non-finite (or, in int8, a byte or the first scale changed), in place."""
+    frame = frames[index]
+    if dtype == "int8":
+        at = rng.randrange(len(frame.payload))
+        frame.payload = frame.payload[:at] + rng.choice([b"\x80", rng.randbytes(1)]) + frame.payload[at + 1 :]
+        scale = struct.pack("<f", rng.choice([*NON_FINITE, -1.0, 3e38, 0.0]))
+        if rng.random() < 0.5 and len(frames[1].payload) >= 4:
+            frames[1].payload = scale + frames[1].payload[4:]
+        return "int8 bytes changed"
+    special = rng.choice(NON_FINITE_WIRE[dtype]) if dtype in NON_FINITE_WIRE else rng.randbytes(2)
+    at = len(special) * rng.randrange(max(1, len(frame.payload) // len(special)))
+    frame.payload = frame.payload[:at] + special + frame.payload[at + len(special) :]
+    return f"a value {special.hex()} at byte {at} of frame {index}"
+
+
+def attack_hop_frames(rng: random.Random, frames: list[proto.StageHop], dtype: str) -> str:
+    """One attack on a stream's frames, in place; its description."""
+    how = rng.choice(["header", "header", "value", "value", "drop", "twice", "swap", "empty", "extra", "cut", "bytes"])
+    body = [index for index in range(1, len(frames)) if frames[index].payload]
+    if how == "header":
+        return attack_hop_header(rng, frames[0])
+    if how == "value" and body:
+        return attack_hop_value(rng, frames, rng.choice(body), dtype)
+    if how in ("drop", "twice", "swap") and frames:
+        index = rng.randrange(len(frames))
+        if how == "drop":
+            del frames[index]
+        elif how == "twice":
+            frames.insert(index, frames[index])
+        else:
+            other = rng.randrange(len(frames))
+            frames[index], frames[other] = frames[other], frames[index]
+        return f"frame {index} {how}"
+    if how == "empty":
+        frames.insert(rng.randint(1, len(frames)), proto.StageHop(stage=rng.randrange(4), dtype="float32"))
+        return "an empty frame with header fields"
+    if how == "extra":
+        frames.append(proto.StageHop(payload=random_bytes(rng, 64) or b"\x00"))
+        return "an extra frame"
+    if how == "cut" and body:
+        index = rng.choice(body)
+        frames[index] = proto.StageHop(payload=frames[index].payload[: rng.randrange(len(frames[index].payload))])
+        return f"frame {index} cut"
+    index = rng.randrange(len(frames)) if frames else 0
+    data = frames[index].SerializeToString() if frames else b""
+    how, data = mutate(rng, data, [data])
+    mutated = parsed(proto.StageHop, data)
+    if mutated is not None and frames:
+        frames[index] = mutated
+    return f"frame {index}: {how}"
+
+
+def hop_stream_cases(rng: random.Random) -> Iterator[Case]:
+    while True:
+        reader = rng.choice(HOP_READERS)
+        frames = [proto.StageHop.FromString(data) for data in rng.choice(honest_hops(reader))]
+        dtype = frames[0].dtype
+        labels = [
+            attack_hop_frames(rng, frames, dtype) for _ in range(rng.randrange(0, 3) if rng.random() < 0.9 else 0)
+        ]
+        expected = hop_values_by_contract(frames, reader)
+        label = f"{reader.name} in {dtype}: {', '.join(labels) or 'honest'}"
+        yield Case(label, (reader, frames, expected), hostile=expected is None)
+
+
+async def read_hop(reader: HopReader, frames: Sequence[proto.StageHop]) -> torch.Tensor:
+    async def stream() -> AsyncIterator[proto.StageHop]:
+        for frame in frames:
+            yield frame
+
+    header, shape, payload = await receive_frames(
+        stream(),
+        reader.check_shape,
+        HopStreamRefusal,
+        reader.expected_stage,
+        to_end=reader.to_end,
+        dtypes=reader.dtypes,
+    )
+    return stream_values(header, shape, payload, HopStreamRefusal)
+
+
+def test_hop_streams_off_their_header_or_bounds_are_refused() -> None:
+    """receive_frames' and stream_values' contract (modes/skippipe/hops/hop_wire.py), for a forward or backward
+    request and for a gradient's answer: see hop_values_by_contract; else the `refused` callback's error. An
+    accepted stream gives its values exactly."""
+
+    def take(case: tuple[HopReader, list[proto.StageHop], numpy.ndarray | None]) -> bool:
+        reader, frames, expected = case
+        values = run_now(read_hop(reader, frames))
+        if expected is not None and not numpy.array_equal(values.numpy().reshape(-1), expected):
+            raise AssertionError("accepted other values than the stream's")
+        return True
+
+    tally = fuzz("receive_frames", take, (HopStreamRefusal,), hop_stream_cases(random.Random(f"{SEED}:hops")))
+    assert_all_refused("receive_frames", tally, min_benign_accepted=1_000)
+
+
+# --- SPES: gathered entries and expert answers ----------------------------------------------------------------
+
+SPES_UNITS = 64
+SPES_ROUND = 12
+
+
+@dataclass(frozen=True, slots=True)
+class SignedEntry:
+    """A member's genuine gathered entry, and what it must read as (under its peer ID, run and round only)."""
+
+    peer_id: str
+    round_: int
+    value: list[Any]
+    claims: MemberClaims
+
+
+@pytest.fixture(scope="module")
+def gathered_entries(signed: Keys, signers: Signers) -> list[SignedEntry]:
+    rng, entries = random.Random(f"{SEED}:spes_entries"), []
+    for key, marker in [(signed.founder, signers.owner), (signed.other, signers.other)] * 4:
+        round_, peer_id = rng.choice([SPES_ROUND, SPES_ROUND + 1]), signers.peer_ids[marker]
+        rate, capacity, dialable = rng.uniform(0.1, 500), rng.choice([None, 0, 5, SPES_UNITS, 100]), rng.random() < 0.7
+        diloco = [round_, rng.randrange(1, 64), rng.randbytes(16)]
+        value = spes_gathered(diloco, rate, capacity, dialable, run_id=RUN_ID, peer_id=peer_id, private_key=key)
+        counted = capacity if capacity is not None and capacity <= SPES_UNITS else None
+        entries.append(SignedEntry(peer_id, round_, value, MemberClaims(rate, counted, dialable, signed=True)))
+    return entries
+
+
+def same_key(mutated: Any, genuine: bytes) -> bool:
+    try:
+        key = serialization.load_ssh_public_key(mutated)
+        return key.public_numbers() == serialization.load_ssh_public_key(genuine).public_numbers()  # type: ignore[union-attr]
+    except Exception:
+        return False
+
+
+def same_signature(mutated: Any, genuine: bytes) -> bool:
+    try:
+        return base64.b64decode(mutated) == base64.b64decode(genuine)
+    except (binascii.Error, TypeError, ValueError):
+        return False
+
+
+def entry_still_signed(peer_id: str, run_id: str, round_: int, value: Any, entry: SignedEntry) -> bool:
+    """read_member's contract restated for a case made from `entry`: it reads as `entry`'s claims only when read
+    under its peer ID, run and round, as a list or tuple of AUTHOR + 1 to MAX_GATHERED items whose round, rate,
+    capacity and dialability are the signed ones (the same types, the same bits) and whose author is the same key
+    (at most MAX_PUBLIC_KEY_BYTES) and signature (at most MAX_SIGNATURE_BYTES), as bytes; else as UNSIGNED."""
+    if (peer_id, run_id, round_) != (entry.peer_id, RUN_ID, entry.round_):
+        return False
+    if not isinstance(value, list | tuple) or not AUTHOR < len(value) <= MAX_GATHERED:
+        return False
+    genuine = entry.value
+    same_fields = all(
+        type(value[index]) is type(genuine[index])
+        and struct.pack(">d", value[index]) == struct.pack(">d", genuine[index])
+        if index == RATE
+        else type(value[index]) is type(genuine[index]) and value[index] == genuine[index]
+        for index in (0, RATE, CAPACITY, DIALABLE)
+    )
+    author = value[AUTHOR]
+    if not same_fields or not isinstance(author, list | tuple) or len(author) != 2:
+        return False
+    key, signature = author
+    return (
+        isinstance(key, bytes)
+        and isinstance(signature, bytes)
+        and len(key) <= MAX_PUBLIC_KEY_BYTES
+        and len(signature) <= MAX_SIGNATURE_BYTES
+        and same_key(key, genuine[AUTHOR][0])
+        and same_signature(signature, genuine[AUTHOR][1])
+    )
+
+
+HOSTILE_ENTRY_VALUES: dict[int, list[Any]] = {
+    0: [SPES_ROUND - 1, -1, 2**63, 2**64, True, float(SPES_ROUND), str(SPES_ROUND), None, [SPES_ROUND]],
+    RATE: [NAN, INF, -INF, -0.0, 0.0, 1e308, 5e-324, 1, "1.5", None, True, numpy.float64(1.5), [1.5]],
+    CAPACITY: [-2, -1, 0, SPES_UNITS + 1, 2**63, 2**64, -(2**63), True, 5.0, "5", None],
+    DIALABLE: [0, 1, None, "true", b"\x01", [True]],
+}
+
+
+def attack_author(rng: random.Random, author: list[Any], entries: Sequence[SignedEntry]) -> str:
+    """One attack on an entry's [public key, signature], in place; its description."""
+    other = rng.choice(entries).value[AUTHOR]
+    how = rng.choice(["key", "signature", "flip key", "flip signature", "cut", "comment", "pad", "type"])
+    if how in ("key", "signature"):
+        author[how == "signature"] = other[how == "signature"]
+    elif how.startswith("flip"):
+        index = int(how == "flip signature")
+        at = rng.randrange(len(author[index]))
+        author[index] = (
+            author[index][:at] + bytes([author[index][at] ^ rng.randrange(1, 256)]) + author[index][at + 1 :]
+        )
+    elif how == "cut":
+        index = rng.randrange(2)
+        author[index] = author[index][: rng.randrange(len(author[index]))]
+    elif how == "comment":
+        author[0] += b" " + b"c" * rng.choice([1, 100, MAX_PUBLIC_KEY_BYTES])
+    elif how == "pad":
+        author[1] += b"=" * rng.choice([1, 2, MAX_SIGNATURE_BYTES])
+    else:
+        index = rng.randrange(2)
+        author[index] = rng.choice(
+            [author[index].decode("latin-1"), None, 7, [author[index]], bytearray(author[index])]
+        )
+    return f"author's {how}"
+
+
+def attack_entry(rng: random.Random, value: list[Any], entries: Sequence[SignedEntry]) -> tuple[str, Any]:
+    """One attack on a gathered entry (a copy); its description and the entry."""
+    how = rng.choice(["field", "field", "field", "author", "author", "length", "container", "unsigned"])
+    if how == "field":
+        index = rng.choice(list(HOSTILE_ENTRY_VALUES))
+        value[index] = rng.choice(HOSTILE_ENTRY_VALUES[index])
+        return f"item {index} = {str(value[index])[:30]}", value
+    if how == "author":
+        value[AUTHOR] = list(value[AUTHOR])
+        return attack_author(rng, value[AUTHOR], entries), value
+    if how == "length":
+        count = rng.choice([0, 1, AUTHOR, AUTHOR + 2, MAX_GATHERED, MAX_GATHERED + 1, 1000])
+        value = (value + [rng.randbytes(4)] * count)[:count]
+        return f"{count} items", value
+    if how == "container":
+        container = rng.choice([tuple, lambda items: dict(enumerate(items)), str, bytes, lambda items: None])
+        try:
+            made = container(value)
+        except (TypeError, ValueError):
+            made = repr(value)
+        return f"a {type(made).__name__}", made
+    value[rng.choice([1, 2])] = rng.choice([None, -1, 2**70, "x" * 1000, [1, 2], NAN])
+    return "DiLoCo's unsigned items changed", value
+
+
+def gathered_cases(rng: random.Random, entries: Sequence[SignedEntry]) -> Iterator[Case]:
+    peers = sorted({entry.peer_id for entry in entries})
+    while True:
+        entry = rng.choice(entries)
+        peer_id, run_id, round_ = entry.peer_id, RUN_ID, entry.round_
+        value: Any = [*entry.value[:AUTHOR], list(entry.value[AUTHOR]), *entry.value[AUTHOR + 1 :]]
+        roll, labels = rng.random(), []
+        if roll < 0.75:
+            for _ in range(rng.randint(1, 2)):
+                label, value = attack_entry(rng, value, entries)
+                labels.append(label)
+                intact = isinstance(value, list) and len(value) > AUTHOR and isinstance(value[AUTHOR], list)
+                if not intact or not all(isinstance(part, bytes) and part for part in value[AUTHOR]):
+                    break  # a second attack needs an entry shaped as signed
+        elif roll < 0.9:
+            peer_id, run_id, round_ = rng.choice([
+                (next(peer for peer in peers if peer != entry.peer_id), run_id, round_),
+                (peer_id, run_id, round_ + rng.choice([-1, 1, 2**40])),
+                (peer_id, rng.choice(["other", "demo2", "", "Demo"]), round_),
+            ])  # fmt: skip
+            labels.append(f"read under {peer_id[-6:]}, run {run_id!r}, round {round_}")
+        elif roll < 0.97:
+            value = rng.choice([None, 7, "x", b"", [], [None] * 7, [[1] * 3] * 7, {"a": 1}, random_bytes(rng, 64)])
+            labels.append(f"{str(value)[:30]}")
+        hostile = not entry_still_signed(peer_id, run_id, round_, value, entry)
+        yield Case(", ".join(labels) or "as signed", (peer_id, value, run_id, round_, entry), hostile=hostile)
+
+
+def take_gathered(case: tuple[str, Any, str, int, SignedEntry]) -> bool:
+    peer_id, value, run_id, round_, entry = case
+    claims = read_round({peer_id: value}, run_id, round_, SPES_UNITS)[peer_id]
+    if claims != (entry.claims if claims.signed else UNSIGNED):
+        raise AssertionError(f"read as {claims}, neither {entry.claims} nor UNSIGNED")
+    return claims.signed
+
+
+def test_gathered_entries_read_as_signed_only_as_their_member_signed_them(gathered_entries: list[SignedEntry]) -> None:
+    """read_member's contract (modes/spes/gathered.py), through read_round: never raises; an entry reads as its
+    member's signed claims only as they were signed (entry_still_signed), else as UNSIGNED, never as other claims."""
+    for entry in gathered_entries:
+        assert read_round({entry.peer_id: entry.value}, RUN_ID, entry.round_, SPES_UNITS) == {
+            entry.peer_id: entry.claims
+        }
+    tally = fuzz("read_round", take_gathered, (), gathered_cases(random.Random(f"{SEED}:gathered"), gathered_entries))
+    assert_all_refused("read_round", tally, min_benign_accepted=1_000)
+
+
+EXPERT_VALUES = 600
+"""An expert of the test: three blocks of a change, the last one partial."""
+EXPERT_OWNER = PeerID(b"\x12\x20" + bytes(32))
+
+
+class ScriptedOwner(ExpertExchange):
+    """An exchange whose every owner answers `answer`'s chunks, as read from a stream (no p2p daemon)."""
+
+    def __init__(self) -> None:
+        super().__init__(dht=None)  # type: ignore[arg-type]  # never started: it only fetches, from the script
+        self.answer: Sequence[proto.SpesExpertChunk] = ()
+
+    def require_p2p(self) -> Any:
+        return None
+
+    def get_stub(self, p2p: Any, peer: PeerID, *, namespace: str | None = None) -> Any:  # type: ignore[override]
+        async def rpc_spes_expert(request: proto.SpesExpertRequest) -> AsyncIterator[proto.SpesExpertChunk]:
+            async def stream() -> AsyncIterator[proto.SpesExpertChunk]:
+                for chunk in self.answer:
+                    yield chunk
+
+            return stream()
+
+        return types.SimpleNamespace(rpc_spes_expert=rpc_spes_expert)
+
+
+def expert_by_contract(chunks: Sequence[proto.SpesExpertChunk], held: numpy.ndarray) -> numpy.ndarray | None:
+    """The fetcher's contract restated (modes/spes/expert_exchange.py, `_fetch`): a found header of the held
+    expert's values with a 16-byte digest; chunks read up to the header's size (a change: int8 blocks of BLOCK
+    values; else float32), none empty before it, none over it; the copy (held + the change, or the values) finite
+    and of that digest. The copy, or None where it must be refused."""
+    header = chunks[0] if chunks else None
+    if header is None or not header.found or header.num_values != len(held) or len(header.digest) != DIGEST_BYTES:
+        return None
+    size = len(held) + 4 * -(-len(held) // BLOCK) if header.change else 4 * len(held)
+    received = b""
+    for chunk in chunks[1:]:
+        if len(received) >= size:
+            break
+        if not chunk.payload or len(received + chunk.payload) > size:
+            return None
+        received += chunk.payload
+    if len(received) != size:
+        return None
+    change = int8_values(received, len(held), BLOCK) if header.change else None
+    if header.change and change is None:
+        return None
+    with numpy.errstate(over="ignore", invalid="ignore"):
+        values = held + change if change is not None else numpy.frombuffer(received, "<f4")
+    if not numpy.isfinite(values).all():
+        return None
+    digest = hashlib.blake2b(values.astype(numpy.float32).tobytes(), digest_size=DIGEST_BYTES).digest()
+    return values if digest == header.digest else None
+
+
+def expert_answer(values: numpy.ndarray, payload: bytes, change: bool, rng: random.Random) -> list[Any]:
+    """An answer as an owner streams it: the header naming `values`' digest, `payload` in chunks, the end marker."""
+    digest = hashlib.blake2b(values.astype(numpy.float32).tobytes(), digest_size=DIGEST_BYTES).digest()
+    header = proto.SpesExpertChunk(found=True, num_values=EXPERT_VALUES, change=change, digest=digest)
+    chunk_bytes = rng.choice([100, 1000, CHUNK_BYTES])
+    chunks = [
+        proto.SpesExpertChunk(payload=payload[at : at + chunk_bytes]) for at in range(0, len(payload), chunk_bytes)
+    ]
+    return [header, *chunks, proto.SpesExpertChunk()]
+
+
+def honest_expert_answer(rng: random.Random, held: torch.Tensor) -> tuple[list[Any], str]:
+    """The change from `held` (as an owner answers a fetcher whose copy it knows) or the full values of a copy."""
+    target = held + 0.01 * torch.randn(EXPERT_VALUES, generator=torch.Generator().manual_seed(rng.randrange(2**32)))
+    if rng.random() < 0.6:
+        change, copy = encode_change(held, target)
+        return expert_answer(copy.numpy(), change, True, rng), "a change"
+    return expert_answer(target.numpy(), target.numpy().astype("<f4").tobytes(), False, rng), "full values"
+
+
+def attack_expert_header(rng: random.Random, header: proto.SpesExpertChunk) -> str:
+    how = rng.choice(["found", "num_values", "digest", "digest", "change"])
+    if how == "found":
+        header.found, header.not_owner, header.busy = False, rng.random() < 0.5, rng.random() < 0.5
+    elif how == "num_values":
+        header.num_values = rng.choice([0, EXPERT_VALUES - 1, EXPERT_VALUES + 1, 2**32, 2**64 - 1])
+    elif how == "digest":
+        at = rng.randrange(DIGEST_BYTES)
+        header.digest = rng.choice([b"", header.digest[:15], header.digest + b"\x00", header.digest[:at] + b"?"])
+    else:
+        header.change = not header.change
+    return f"header {how}"
+
+
+def poisoned_expert_answer(rng: random.Random, held: torch.Tensor) -> tuple[list[Any], str]:
+    """An owner's consistent answer: non-finite, or other values, its header naming their digest."""
+    if rng.random() < 0.5:
+        values = held.numpy() + numpy.float32(rng.uniform(-1, 1))  # another copy: a dishonest owner's to send
+        if rng.random() < 0.6:
+            values[rng.randrange(EXPERT_VALUES)] = rng.choice(NON_FINITE)
+        return expert_answer(values, values.astype("<f4").tobytes(), False, rng), "consistent values"
+    change, copy = encode_change(held, held + 0.01)
+    blocks = -(-EXPERT_VALUES // BLOCK)
+    scales, steps = bytearray(change[: 4 * blocks]), bytearray(change[4 * blocks :])
+    if rng.random() < 0.5:
+        at = 4 * rng.randrange(blocks)
+        scales[at : at + 4] = struct.pack("<f", rng.choice([*NON_FINITE, -1.0, 3e38]))
+    else:
+        steps[rng.randrange(EXPERT_VALUES)] = rng.choice([0x80, rng.randrange(256)])
+    poisoned = bytes(scales + steps)
+    decoded = int8_values(poisoned, EXPERT_VALUES, BLOCK)
+    with numpy.errstate(over="ignore", invalid="ignore"):
+        values = held.numpy() + decoded if decoded is not None else copy.numpy()
+    return expert_answer(values, poisoned, True, rng), "a consistent change"
+
+
+def attack_expert_chunks(rng: random.Random, chunks: list[Any]) -> str:
+    how = rng.choice(["header", "header", "drop", "twice", "swap", "empty", "padded", "cut", "bytes"])
+    index = rng.randrange(len(chunks))
+    if how == "header" or not chunks:
+        return attack_expert_header(rng, chunks[0])
+    if how == "drop":
+        del chunks[index]
+    elif how == "twice":
+        chunks.insert(index, chunks[index])
+    elif how == "swap":
+        other = rng.randrange(len(chunks))
+        chunks[index], chunks[other] = chunks[other], chunks[index]
+    elif how == "empty":
+        chunks.insert(rng.randint(1, len(chunks)), proto.SpesExpertChunk(found=True))
+    elif how in ("padded", "cut"):
+        payload = chunks[index].payload
+        payload = (
+            payload + random_bytes(rng, 64) + b"\x00" if how == "padded" else payload[: rng.randrange(len(payload) + 1)]
+        )
+        chunks[index] = proto.SpesExpertChunk(payload=payload)
+    else:
+        data = chunks[index].SerializeToString()
+        how, data = mutate(rng, data, [data])
+        chunks[index] = parsed(proto.SpesExpertChunk, data) or chunks[index]
+    return f"chunk {index} {how}"
+
+
+def expert_answer_pool(rng: random.Random, held: torch.Tensor) -> list[tuple[str, list[bytes]]]:
+    """Honest and consistently poisoned answers, made once (encoding a change is the costly part), serialized."""
+    pool = []
+    for number in range(96):
+        chunks, label = (poisoned_expert_answer if number % 4 == 0 else honest_expert_answer)(rng, held)
+        pool.append((label, [chunk.SerializeToString() for chunk in chunks]))
+    return pool
+
+
+def expert_answer_cases(rng: random.Random, held: torch.Tensor) -> Iterator[Case]:
+    pool = expert_answer_pool(rng, held)
+    while True:
+        label, serialized = rng.choice(pool)
+        chunks = [proto.SpesExpertChunk.FromString(data) for data in serialized]
+        if rng.random() < 0.75:
+            label += ", " + ", ".join(attack_expert_chunks(rng, chunks) for _ in range(rng.randint(1, 2)))
+        expected = expert_by_contract(chunks, held.numpy())
+        yield Case(label, (chunks, expected), hostile=expected is None)
+
+
+def test_expert_answers_off_their_header_size_or_digest_are_refused() -> None:
+    """A fetcher's contract (modes/spes/expert_exchange.py): an owner's answer is taken only as expert_by_contract
+    says (else ExpertFetchError), and then as the copy its digest names, exactly. A dishonest owner's finite copy
+    with its own digest is its to send: accepted."""
+    owner, held = ScriptedOwner(), torch.randn(EXPERT_VALUES, generator=torch.Generator().manual_seed(SEED))
+
+    def take(case: tuple[list[Any], numpy.ndarray | None]) -> bool:
+        owner.answer, expected = case
+        copy = run_now(owner._fetch(EXPERT_OWNER, 3, SPES_ROUND, held, deadline=time.monotonic() - 1.0))
+        if expected is not None and not numpy.array_equal(copy.numpy(), expected):
+            raise AssertionError("took another copy than the answer's")
+        return True
+
+    tally = fuzz(
+        "ExpertExchange._fetch", take, (ExpertFetchError,), expert_answer_cases(random.Random(f"{SEED}:expert"), held)
+    )
+    assert_all_refused("ExpertExchange._fetch", tally, min_benign_accepted=1_000)
 
 
 # --- what the fuzzer found, kept as plain cases ----------------------------------------------------------------
