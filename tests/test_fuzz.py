@@ -1998,12 +1998,14 @@ def honest_hops(reader: HopReader) -> list[tuple[bytes, ...]]:
     """Streams as honest nodes send them to `reader`, made once: in each of its dtypes, of several shapes and chunk
     sizes, each frame serialized (a case parses its own copy)."""
     rng, streams = random.Random(f"{SEED}:{reader.name}"), []
+    generator = torch.Generator().manual_seed(rng.randrange(2**32))
     for _ in range(48):
         dtype = rng.choice(reader.dtypes)
         if reader.expected_stage is None:
-            tensor = torch.randn(GRADIENT_VALUES)
+            shape: tuple[int, ...] = (GRADIENT_VALUES,)
         else:
-            tensor = torch.randn(rng.randint(1, HOP_LIMITS.max_batch), rng.randint(1, HOP_LIMITS.max_sequence), 8)
+            shape = (rng.randint(1, HOP_LIMITS.max_batch), rng.randint(1, HOP_LIMITS.max_sequence), 8)
+        tensor = torch.randn(shape, generator=generator)
         header = proto.StageHop(iteration=7, microbatch=3, stage=HOP_STAGE if reader.expected_stage else 5)
         chunk_bytes = rng.choice([16, 64, 256, CHUNK_BYTES])
         frames = payload_frames(wire_bytes(tensor, dtype), list(tensor.shape), header, dtype, chunk_bytes)
