@@ -83,7 +83,7 @@ from crowdtrain.modes.skippipe.hops.hop_wire import (
     stream_values,
     wire_bytes,
 )
-from crowdtrain.modes.skippipe.roster.costs import MAX_SECONDS_PER_HOP
+from crowdtrain.modes.skippipe.roster.costs import MAX_SECONDS_PER_HOP, MAX_SECONDS_PER_MICROBATCH
 from crowdtrain.modes.skippipe.roster.membership import (
     HISTORY,
     MAX_MEMBERS,
@@ -1510,14 +1510,14 @@ def synthetic_peer_id(index: int) -> str:
 
 def member_within_contract(member: proto.SkipPipeMember, num_stages: int) -> bool:
     """node_info's contract restated: a peer ID of 40 to 60 characters, a stage of the run, 1 to 4096 microbatches,
-    a finite seconds per microbatch above 0, a finite seconds per hop 0..MAX_SECONDS_PER_HOP (unset: 0)."""
+    seconds per microbatch above 0 and at most MAX_SECONDS_PER_MICROBATCH, seconds per hop 0..MAX_SECONDS_PER_HOP
+    (unset: 0)."""
     compute, hop = member.seconds_per_microbatch, member.seconds_per_hop
     return (
         40 <= len(member.peer_id) <= 60
         and member.stage < num_stages
         and 1 <= member.memory_microbatches <= MAX_DECLARED_MICROBATCHES
-        and math.isfinite(compute)
-        and compute > 0
+        and 0 < compute <= MAX_SECONDS_PER_MICROBATCH
         and math.isfinite(hop)
         and 0 <= hop <= MAX_SECONDS_PER_HOP
     )

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 MAX_SECONDS_PER_HOP = 600.0
 """Cap on a node's link seconds per hop (a node that slow gets no microbatch anyway)."""
+MAX_SECONDS_PER_MICROBATCH = 600.0
+"""Cap on a node's declared seconds per microbatch: one slower trains nothing useful, and a declared 1e308 (half a
+pair's members) would raise the others' counted costs with it (`counted_compute`)."""
 MAX_SPEEDUP = 4.0
 """A node's compute counts as at most this many times the median node's."""
 

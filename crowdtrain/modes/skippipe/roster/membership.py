@@ -38,7 +38,7 @@ from crowdtrain.dht import keys
 from crowdtrain.dht.records import RecordError, check_roster, check_stage_declaration, peer_id_of_owner
 from crowdtrain.dht.registry import read_dictionary, store_signed
 from crowdtrain.modes.skippipe.hops.device_clock import drifted
-from crowdtrain.modes.skippipe.roster.costs import MAX_SECONDS_PER_HOP, counted_compute
+from crowdtrain.modes.skippipe.roster.costs import MAX_SECONDS_PER_HOP, MAX_SECONDS_PER_MICROBATCH, counted_compute
 from crowdtrain.modes.skippipe.roster.schedule import NodeInfo
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,10 @@ def node_info(member: proto.SkipPipeMember, num_stages: int) -> NodeInfo:
         raise RecordError(f"a SkipPipe member serves stage {member.stage} of a run of {num_stages}")
     if not member.memory_microbatches <= 4096:
         raise RecordError(f"a SkipPipe member holds {member.memory_microbatches} microbatches, over 4096")
+    if not member.seconds_per_microbatch <= MAX_SECONDS_PER_MICROBATCH:  # NaN fails here too
+        raise RecordError(
+            f"a SkipPipe member takes {member.seconds_per_microbatch} s a microbatch, over {MAX_SECONDS_PER_MICROBATCH}"
+        )
     if not member.seconds_per_hop <= MAX_SECONDS_PER_HOP:  # NaN fails here too
         raise RecordError(
             f"a SkipPipe member's link takes {member.seconds_per_hop} s a hop, over {MAX_SECONDS_PER_HOP}"
