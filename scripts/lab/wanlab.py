@@ -105,8 +105,14 @@ class Host:
 class Lab:
     """The namespaces, veths, bridge and caps of one scenario; everything is removed on exit."""
 
-    def __init__(self, scenario: Scenario, lab_id: str | None = None):
+    def __init__(self, scenario: Scenario, lab_id: str | None = None, public_octet: int = 10):
+        """`public_octet`: the first octet of the bridge's addresses. 10 makes them private, as libp2p sees them;
+        a public one (11) makes a host on the bridge look like an internet host to libp2p, whose circuit relay
+        client drops a relay's private addresses."""
+        if not 1 <= public_octet <= 223 or public_octet == 127:
+            raise ValueError(f"public_octet must be a unicast first octet other than 127, got {public_octet}")
         self.scenario = scenario
+        self.public_octet = public_octet
         self.lab_id = lab_id or secrets.token_hex(2)
         self.bridge = f"{PREFIX}{self.lab_id}br"
         self.subnet_octet = int(self.lab_id, 16) % 200 + 20
@@ -131,7 +137,7 @@ class Lab:
 
     def _add_host(self, name: str, index: int, spec: HostSpec) -> Host:
         namespace = f"{PREFIX}{self.lab_id}-{name}"
-        public = f"10.{self.subnet_octet}.0.{index}"
+        public = f"{self.public_octet}.{self.subnet_octet}.0.{index}"
         # the namespace on the bridge: the host itself, or its router
         edge = f"{namespace}-nat" if spec.nat else namespace
         outer, inner = f"{PREFIX}{self.lab_id}v{index}", f"{PREFIX}{self.lab_id}i{index}"
