@@ -145,7 +145,7 @@ async def main(args: argparse.Namespace) -> None:
             stored = dht.store(args.announce_as, p2p.peer_id.to_base58(), get_dht_time() + 3600)
             events.write("announced", key=args.announce_as, ok=bool(stored))
         seen: list[str] = []
-        called = False
+        called, next_echo = False, 0.0
         deadline = time.monotonic() + args.lifetime_s
         while time.monotonic() < deadline:
             maddrs = sorted(str(a) for a in await p2p.get_visible_maddrs(latest=True))
@@ -160,6 +160,10 @@ async def main(args: argparse.Namespace) -> None:
                     target = PeerID.from_base58(found.value)
                     await call(p2p, events, target, args.bulk_bytes, args.call_timeout_s, args.dialback)
                     events.write("done")
+                    next_echo = time.monotonic() + args.echo_every_s
+            if called and args.echo_every_s and time.monotonic() >= next_echo:
+                await call(p2p, events, target, 0, args.call_timeout_s)
+                next_echo = time.monotonic() + args.echo_every_s
             await asyncio.sleep(0.5)
     finally:
         dht.shutdown()
@@ -177,6 +181,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--p2pd-args", default="", help="space-separated, e.g. '-relayDataLimit=1073741824'")
     parser.add_argument("--announce-as")
     parser.add_argument("--call")
+    parser.add_argument("--echo-every-s", type=float, default=0.0, help="after the call, echo again this often")
     parser.add_argument("--dialback", action="store_true", help="ask the called node to dial us first")
     parser.add_argument("--bulk-bytes", type=int, default=10_000_000)
     parser.add_argument("--call-timeout-s", type=float, default=60.0)
