@@ -11,7 +11,8 @@ events are printed at the end. Run as root from the repository's root:
 
 What it showed with hivemind 1.1.12's p2pd (tests/test_nat_relay.py keeps the part that works):
 - with the bridge on 10.x, N reserved a slot on A after 180 s and never announced a /p2p-circuit address; on 11.x
-  (public to libp2p) it did, 180-195 s after start, forced reachability or not (autorelay's 3-minute boot delay);
+  (public to libp2p) it did, 180-195 s after start, forced reachability or not (autorelay's 3-minute boot delay,
+  waited out when it knows fewer than 4 relay candidates: with 4 public nodes it reserved on 2 of them in 15 s);
 - B (public) and M (NATed) found N by its DHT key and called it through A;
 - 10 MB pulls through A ran at 74-88 Mbit/s on 100 Mbit/s links (direct: 84-93), 230-280 on 300 Mbit/s links,
   and on 1 Gbit/s links 7 pulls of 8 were reset after at most 128 KiB (the other ran at 348 Mbit/s), also with
