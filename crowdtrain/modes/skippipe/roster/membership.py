@@ -103,7 +103,8 @@ def node_info(member: proto.SkipPipeMember, num_stages: int) -> NodeInfo:
         raise RecordError(f"a SkipPipe member holds {member.memory_microbatches} microbatches, over 4096")
     if not member.seconds_per_microbatch <= MAX_SECONDS_PER_MICROBATCH:  # NaN fails here too
         raise RecordError(
-            f"a SkipPipe member takes {member.seconds_per_microbatch} s a microbatch, over {MAX_SECONDS_PER_MICROBATCH}"
+            f"a SkipPipe member's seconds_per_microbatch is {member.seconds_per_microbatch}, "
+            f"not a number of seconds up to {MAX_SECONDS_PER_MICROBATCH}"
         )
     if not member.seconds_per_hop <= MAX_SECONDS_PER_HOP:  # NaN fails here too
         raise RecordError(
