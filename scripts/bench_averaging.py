@@ -154,14 +154,21 @@ def _gloo_worker(args: argparse.Namespace, tensor: Any) -> tuple[Any, dict[str, 
 
 
 def _hivemind_worker(args: argparse.Namespace, tensor: Any) -> tuple[Any, dict[str, Any], Any]:
+    import tempfile
+
     import hivemind
 
-    dht = hivemind.DHT(
-        initial_peers=[args.initial_peer] if args.initial_peer else None,
-        host_maddrs=[f"/ip4/{args.address}/tcp/0"],
-        use_ipfs=False,
-        start=True,
-    )
+    from crowdtrain.node.identity import load_or_create_identity
+
+    with tempfile.TemporaryDirectory() as directory:  # p2pd reads the key as it starts
+        identity = load_or_create_identity(Path(directory) / "identity.key")
+        dht = hivemind.DHT(
+            initial_peers=[args.initial_peer] if args.initial_peer else None,
+            host_maddrs=[f"/ip4/{args.address}/tcp/0"],
+            use_ipfs=False,
+            identity_path=str(identity.path),
+            start=True,
+        )
     current: dict[str, Any] = {}
 
     def switch(variant: dict[str, Any]) -> None:
@@ -171,7 +178,7 @@ def _hivemind_worker(args: argparse.Namespace, tensor: Any) -> tuple[Any, dict[s
         print(f"averager for variant {variant['name']}", file=sys.stderr, flush=True)
         timing = mp.Array("d", 2)  # (start, end) of this peer's last all-reduce, written in the averager's process
         current["timing"] = timing
-        current["averager"] = make_averager(args, variant, tensor, dht, timing)
+        current["averager"] = make_averager(args, variant, tensor, dht, timing, identity.private_key)
 
     def run_round(value: float) -> dict[str, Any]:
         averager, timing = current["averager"], current["timing"]
@@ -202,8 +209,11 @@ def _hivemind_worker(args: argparse.Namespace, tensor: Any) -> tuple[Any, dict[s
     return run_round, {"maddrs": maddrs}, switch
 
 
-def make_averager(args: argparse.Namespace, variant: dict[str, Any], tensor: Any, dht: Any, timing: Any) -> Any:
-    """The averager of the variant, timed: crowdtrain's settings or hivemind's defaults."""
+def make_averager(
+    args: argparse.Namespace, variant: dict[str, Any], tensor: Any, dht: Any, timing: Any, key: Any
+) -> Any:
+    """The averager of the variant, timed: crowdtrain's settings or hivemind's defaults; crowdtrain's signs what it
+    gathers with `key`, the one `dht`'s peer ID derives from."""
     from hivemind.averaging import DecentralizedAverager
     from hivemind.compression import NoCompression
 
@@ -236,7 +246,8 @@ def make_averager(args: argparse.Namespace, variant: dict[str, Any], tensor: Any
     }
     if variant["partition"] == "bandwidth":
         return Timed(**common, **settings, bandwidth=args.bandwidth)
-    return TimedPlanned(**common, **settings, share=args.share if variant["partition"] == "plan" else None)
+    share = args.share if variant["partition"] == "plan" else None
+    return TimedPlanned(**common, **settings, share=share, author=key)
 
 
 # --- The parent: hosts, workers, rounds --------------------------------------------------------------------------

@@ -21,9 +21,10 @@ import pytest
 import torch
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.utils import ValueWithExpiration, get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
+from lab.diloco import identity_key, loopback_dht
 from lab.processes import await_condition
 
+from crowdtrain.averaging.authored import Entry
 from crowdtrain.averaging.exact import new_partial_counter, require_complete
 from crowdtrain.averaging.groups import chunk_timeout_s, join_request_timeout_s
 from crowdtrain.averaging.partition import PartialAverageError, PlanSharesMixin
@@ -345,11 +346,17 @@ class FailingAverager(PlanSharesMixin):
     """The partition mixin over an all-reduce that comes back partial."""
 
     total_size = 1000
-    bandwidth = None
-    serializer = SimpleNamespace(loads=lambda data: data)
 
     def __init__(self, error: BaseException):
         self.error = error
+
+    @property
+    def _authored(self) -> Any:
+        return self
+
+    @staticmethod
+    def authored_entries(group_info: Any) -> list[Entry]:
+        return [Entry(share=0.5, mode=0, value={}) for _ in group_info.peer_ids]
 
     @staticmethod
     def get_tensors() -> Any:
@@ -370,7 +377,7 @@ def restore_logging() -> Iterator[None]:
 
 
 def run_partial_round(error: BaseException) -> MatchmakingException:
-    group = SimpleNamespace(gathered=[(0.5, 0, b"{}"), (0.5, 0, b"{}")], peer_ids=["a", "b"])
+    group = SimpleNamespace(peer_ids=["a", "b"])
     with pytest.raises(MatchmakingException) as raised:
         asyncio.run(FailingAverager(error)._aggregate_with_group(group, 0))  # type: ignore[arg-type]
     return raised.value
@@ -414,7 +421,7 @@ def _one_global_step(
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     inputs = torch.randn(8, 2, 4)
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
+    dht = loopback_dht([])
     optimizer = make_optimizer(
         dht=dht,
         manifest=manifest,
@@ -422,7 +429,7 @@ def _one_global_step(
         micro_batch_size=2,
         client_mode=False,
         group_bits="",
-        private_key=RSAPrivateKey(),
+        private_key=identity_key(dht),
         partial_counter=new_partial_counter(),
         reuse_grad_buffers=reuse_grad_buffers,
     )

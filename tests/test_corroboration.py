@@ -16,10 +16,10 @@ import threading
 from types import SimpleNamespace
 from typing import Any
 
-import hivemind
 import pytest
 import torch
 from hivemind.p2p import PeerID
+from lab.diloco import loopback_dhts
 
 from crowdtrain import proto
 from crowdtrain.collaboration.hivemind_optimizer import PlannedStateAverager
@@ -249,12 +249,7 @@ class AheadStateAverager(DonorStateAverager):
 @pytest.mark.swarm
 @pytest.mark.timeout(90)
 def test_real_donors_refute_a_state_labelled_past_their_epoch() -> None:
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
-    peers = [str(maddr) for maddr in first.get_visible_maddrs()]
-    dhts = [first] + [
-        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers, use_ipfs=False)
-        for _ in range(3)
-    ]
+    dhts = loopback_dhts(4)
     averagers: list[Any] = []
     try:
         liar, _ = make_averager(AheadStateAverager, dhts[0], seed=1, priority=1e9)

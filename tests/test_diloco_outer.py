@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from lab.diloco import close_peers, computing_peer, diloco_peers, loopback_dhts
+from hivemind.utils.crypto import RSAPrivateKey
+from lab.diloco import close_peers, computing_peer, diloco_peers, identity_key, loopback_dhts
 from lab.processes import await_condition
 
 from crowdtrain import proto
@@ -274,6 +275,25 @@ def test_a_member_that_gathers_another_round_than_its_key_costs_one_round_and_is
         modes[3].round = modes[0].round + 1  # it lies again
         run_one_outer_round(modes, modes[0].global_parameters[0].clone(), deltas, [8, 8, 8, 8])
         assert [mode.num_local_rounds for mode in modes] == [1, 1, 1, 2], "the honest three averaged without it"
+
+
+def test_a_member_whose_entry_is_not_its_own_costs_its_group_the_round_and_nobody_is_kept_out() -> None:
+    """What every member sees when the leader rewrites a member's gathered entry (it relays them all; issue 47,
+    finding 3): here one member's entry is signed by a key its peer ID does not derive from. The group averages
+    nothing, and nobody is kept out, since a forgery and a malformed entry can't be told apart: signing with its
+    own key again, the member averages the next round with all."""
+    start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    with diloco_peers(manifest(4, "none"), 4, [start]) as modes:
+        generator = torch.Generator().manual_seed(7)
+        deltas = [torch.randn(3, 4, generator=generator) for _ in modes]
+        modes[3].averager._author = RSAPrivateKey()  # its step signs in this process
+        run_one_outer_round(modes, start, deltas, [8, 8, 8, 8])
+        assert [mode.num_local_rounds for mode in modes] == [1, 1, 1, 1], "no member applied the round"
+        assert [mode.context.traffic.sent_bytes.value for mode in modes] == [0] * 4, "nothing was sent for it"
+        modes[3].averager._author = identity_key(modes[3].context.dht)
+        run_one_outer_round(modes, modes[0].global_parameters[0].clone(), deltas, [8, 8, 8, 8])
+        assert [mode.round for mode in modes] == [2] * 4
+        assert [mode.num_local_rounds for mode in modes] == [1, 1, 1, 1], "all four averaged the next round"
 
 
 def await_excluded(mode: DiLoCoMode) -> dict[str, object]:

@@ -103,13 +103,10 @@ from crowdtrain.modes.spes.expert_exchange import (
     encode_change,
 )
 from crowdtrain.modes.spes.gathered import (
-    AUTHOR,
     CAPACITY,
     DIALABLE,
-    MAX_PUBLIC_KEY_BYTES,
-    MAX_SIGNATURE_BYTES,
+    NO_CLAIMS,
     RATE,
-    UNSIGNED,
     MemberClaims,
     read_round,
     spes_gathered,
@@ -2146,177 +2143,128 @@ SPES_ROUND = 12
 
 
 @dataclass(frozen=True, slots=True)
-class SignedEntry:
-    """A member's genuine gathered entry, and what it must read as (under its peer ID, run and round only)."""
+class SpesEntry:
+    """A member's gathered entry as `spes_gathered` makes it, and what it must read as in its round."""
 
-    peer_id: str
     round_: int
     value: list[Any]
     claims: MemberClaims
 
 
 @pytest.fixture(scope="module")
-def gathered_entries(signed: Keys, signers: Signers) -> list[SignedEntry]:
+def gathered_entries() -> list[SpesEntry]:
     rng, entries = random.Random(f"{SEED}:spes_entries"), []
-    for key, marker in [(signed.founder, signers.owner), (signed.other, signers.other)] * 4:
-        round_, peer_id = rng.choice([SPES_ROUND, SPES_ROUND + 1]), signers.peer_ids[marker]
+    for _ in range(8):
+        round_ = rng.choice([SPES_ROUND, SPES_ROUND + 1])
         rate, capacity, dialable = rng.uniform(0.1, 500), rng.choice([None, 0, 5, SPES_UNITS, 100]), rng.random() < 0.7
-        diloco = [round_, rng.randrange(1, 64), rng.randbytes(16)]
-        value = spes_gathered(diloco, rate, capacity, dialable, run_id=RUN_ID, peer_id=peer_id, private_key=key)
-        counted = capacity if capacity is not None and capacity <= SPES_UNITS else None
-        entries.append(SignedEntry(peer_id, round_, value, MemberClaims(rate, counted, dialable, signed=True)))
+        value = spes_gathered([round_, rng.randrange(1, 64), rng.randbytes(16)], rate, capacity, dialable)
+        entries.append(SpesEntry(round_, value, MemberClaims(rate, counted_capacity(capacity), dialable, True)))
     return entries
 
 
-def same_key(mutated: Any, genuine: bytes) -> bool:
-    try:
-        key = serialization.load_ssh_public_key(mutated)
-        return key.public_numbers() == serialization.load_ssh_public_key(genuine).public_numbers()  # type: ignore[union-attr]
-    except Exception:
-        return False
+def counted_capacity(capacity: int | None) -> int | None:
+    """A well-formed capacity as ownership counts it: a cap of 0 to SPES_UNITS, else none."""
+    return capacity if capacity is not None and 0 <= capacity <= SPES_UNITS else None
 
 
-def same_signature(mutated: Any, genuine: bytes) -> bool:
-    try:
-        return base64.b64decode(mutated) == base64.b64decode(genuine)
-    except (binascii.Error, TypeError, ValueError):
-        return False
-
-
-def entry_still_signed(peer_id: str, run_id: str, round_: int, value: Any, entry: SignedEntry) -> bool:
-    """read_member's contract restated for a case made from `entry`: it reads as `entry`'s claims only when read
-    under its peer ID, run and round, as a list or tuple of AUTHOR + 1 to MAX_GATHERED items whose round, rate,
-    capacity and dialability are the signed ones (the same types, the same bits) and whose author is the same key
-    (at most MAX_PUBLIC_KEY_BYTES) and signature (at most MAX_SIGNATURE_BYTES), as bytes; else as UNSIGNED."""
-    if (peer_id, run_id, round_) != (entry.peer_id, RUN_ID, entry.round_):
-        return False
-    if not isinstance(value, list | tuple) or not AUTHOR < len(value) <= MAX_GATHERED:
-        return False
-    genuine = entry.value
-    same_fields = all(
-        type(value[index]) is type(genuine[index])
-        and struct.pack(">d", value[index]) == struct.pack(">d", genuine[index])
-        if index == RATE
-        else type(value[index]) is type(genuine[index]) and value[index] == genuine[index]
-        for index in (0, RATE, CAPACITY, DIALABLE)
-    )
-    author = value[AUTHOR]
-    if not same_fields or not isinstance(author, list | tuple) or len(author) != 2:
-        return False
-    key, signature = author
+def same_claims(read: MemberClaims, expected: MemberClaims) -> bool:
+    """Equal, the rate bit for bit (NaN included) and every field of the same type."""
     return (
-        isinstance(key, bytes)
-        and isinstance(signature, bytes)
-        and len(key) <= MAX_PUBLIC_KEY_BYTES
-        and len(signature) <= MAX_SIGNATURE_BYTES
-        and same_key(key, genuine[AUTHOR][0])
-        and same_signature(signature, genuine[AUTHOR][1])
+        type(read.rate) is float
+        and struct.pack(">d", read.rate) == struct.pack(">d", expected.rate)
+        and (type(read.capacity), read.capacity) == (type(expected.capacity), expected.capacity)
+        and (type(read.dialable), read.dialable) == (type(expected.dialable), expected.dialable)
+        and read.well_formed is expected.well_formed
     )
 
 
-HOSTILE_ENTRY_VALUES: dict[int, list[Any]] = {
-    0: [SPES_ROUND - 1, -1, 2**63, 2**64, True, float(SPES_ROUND), str(SPES_ROUND), None, [SPES_ROUND]],
-    RATE: [NAN, INF, -INF, -0.0, 0.0, 1e308, 5e-324, 1, "1.5", None, True, numpy.float64(1.5), [1.5]],
-    CAPACITY: [-2, -1, 0, SPES_UNITS + 1, 2**63, 2**64, -(2**63), True, 5.0, "5", None],
-    DIALABLE: [0, 1, None, "true", b"\x01", [True]],
+WELL_FORMED_FIELD_VALUES: dict[int, list[Any]] = {
+    RATE: [NAN, INF, -INF, -0.0, 0.0, 1e308, 5e-324, -1.5],
+    CAPACITY: [-1, 0, 1, SPES_UNITS, SPES_UNITS + 1, 2**63 - 1],
+    DIALABLE: [True, False],
 }
+"""Values of a SPES field that an entry reads as (type and range right, whatever they claim)."""
+MALFORMED_FIELD_VALUES: dict[int, list[Any]] = {
+    0: [-1, 2**63, 2**64, True, None, [SPES_ROUND], "12", 12.0],  # and its round ± 1, as a float or string
+    RATE: [1, "1.5", None, True, numpy.float64(1.5), [1.5], b"1.5"],
+    CAPACITY: [-2, 2**63, 2**64, -(2**63), True, False, 5.0, "5", None, numpy.int64(5)],
+    DIALABLE: [0, 1, None, "true", b"\x01", [True], numpy.bool_(True)],
+}
+"""Values of an entry's round or a SPES field that make the entry claim nothing."""
 
 
-def attack_author(rng: random.Random, author: list[Any], entries: Sequence[SignedEntry]) -> str:
-    """One attack on an entry's [public key, signature], in place; its description."""
-    other = rng.choice(entries).value[AUTHOR]
-    how = rng.choice(["key", "signature", "flip key", "flip signature", "cut", "comment", "pad", "type"])
-    if how in ("key", "signature"):
-        author[how == "signature"] = other[how == "signature"]
-    elif how.startswith("flip"):
-        index = int(how == "flip signature")
-        at = rng.randrange(len(author[index]))
-        author[index] = (
-            author[index][:at] + bytes([author[index][at] ^ rng.randrange(1, 256)]) + author[index][at + 1 :]
-        )
-    elif how == "cut":
-        index = rng.randrange(2)
-        author[index] = author[index][: rng.randrange(len(author[index]))]
-    elif how == "comment":
-        author[0] += b" " + b"c" * rng.choice([1, 100, MAX_PUBLIC_KEY_BYTES])
-    elif how == "pad":
-        author[1] += b"=" * rng.choice([1, 2, MAX_SIGNATURE_BYTES])
-    else:
-        index = rng.randrange(2)
-        author[index] = rng.choice(
-            [author[index].decode("latin-1"), None, 7, [author[index]], bytearray(author[index])]
-        )
-    return f"author's {how}"
-
-
-def attack_entry(rng: random.Random, value: list[Any], entries: Sequence[SignedEntry]) -> tuple[str, Any]:
-    """One attack on a gathered entry (a copy); its description and the entry."""
-    how = rng.choice(["field", "field", "field", "author", "author", "length", "container", "unsigned"])
-    if how == "field":
-        index = rng.choice(list(HOSTILE_ENTRY_VALUES))
-        value[index] = rng.choice(HOSTILE_ENTRY_VALUES[index])
-        return f"item {index} = {str(value[index])[:30]}", value
-    if how == "author":
-        value[AUTHOR] = list(value[AUTHOR])
-        return attack_author(rng, value[AUTHOR], entries), value
+def attack_entry(rng: random.Random, value: list[Any], round_: int, expected: MemberClaims) -> tuple[str, Any, Any]:
+    """One attack on a well-formed entry (a list, changed in place or replaced): its description, the entry and
+    what it must read as by construction (None: NO_CLAIMS)."""
+    how = rng.choice(["good field", "good field", "bad field", "bad field", "length", "container", "diloco"])
+    if how == "good field":
+        index = rng.choice(list(WELL_FORMED_FIELD_VALUES))
+        value[index] = rng.choice(WELL_FORMED_FIELD_VALUES[index])
+        field = {RATE: "rate", CAPACITY: "capacity", DIALABLE: "dialable"}[index]
+        counted = counted_capacity(value[index]) if index == CAPACITY else value[index]
+        return f"item {index} = {value[index]!r}", value, dataclasses.replace(expected, **{field: counted})
+    if how == "bad field":
+        index = rng.choice(list(MALFORMED_FIELD_VALUES))
+        if index == 0 and rng.random() < 0.5:
+            value[0] = rng.choice([round_ - 1, round_ + 1, float(round_), str(round_)])
+        else:
+            value[index] = rng.choice(MALFORMED_FIELD_VALUES[index])
+        return f"item {index} = {str(value[index])[:30]}", value, None
     if how == "length":
-        count = rng.choice([0, 1, AUTHOR, AUTHOR + 2, MAX_GATHERED, MAX_GATHERED + 1, 1000])
-        value = (value + [rng.randbytes(4)] * count)[:count]
-        return f"{count} items", value
+        count = rng.choice([0, 1, RATE, DIALABLE, DIALABLE + 1, DIALABLE + 2, MAX_GATHERED, MAX_GATHERED + 1, 1000])
+        made = (value + [rng.randbytes(4)] * count)[:count]
+        return f"{count} items", made, expected if DIALABLE < count <= MAX_GATHERED else None
     if how == "container":
         container = rng.choice([tuple, lambda items: dict(enumerate(items)), str, bytes, lambda items: None])
         try:
             made = container(value)
         except (TypeError, ValueError):
             made = repr(value)
-        return f"a {type(made).__name__}", made
+        return f"a {type(made).__name__}", made, expected if isinstance(made, tuple) else None
     value[rng.choice([1, 2])] = rng.choice([None, -1, 2**70, "x" * 1000, [1, 2], NAN])
-    return "DiLoCo's unsigned items changed", value
+    return "DiLoCo's items changed", value, expected  # DiLoCo reads them (pseudo_gradients.py, joining.py)
 
 
-def gathered_cases(rng: random.Random, entries: Sequence[SignedEntry]) -> Iterator[Case]:
-    peers = sorted({entry.peer_id for entry in entries})
+def gathered_cases(rng: random.Random, entries: Sequence[SpesEntry]) -> Iterator[Case]:
     while True:
         entry = rng.choice(entries)
-        peer_id, run_id, round_ = entry.peer_id, RUN_ID, entry.round_
-        value: Any = [*entry.value[:AUTHOR], list(entry.value[AUTHOR]), *entry.value[AUTHOR + 1 :]]
-        roll, labels = rng.random(), []
-        if roll < 0.75:
-            for _ in range(rng.randint(1, 2)):
-                label, value = attack_entry(rng, value, entries)
+        round_, value, labels = entry.round_, list(entry.value), []
+        expected: MemberClaims | None = entry.claims
+        roll = rng.random()
+        if roll < 0.8:
+            for _ in range(rng.randint(1, 3)):
+                label, value, expected = attack_entry(rng, value, round_, expected)
                 labels.append(label)
-                intact = isinstance(value, list) and len(value) > AUTHOR and isinstance(value[AUTHOR], list)
-                if not intact or not all(isinstance(part, bytes) and part for part in value[AUTHOR]):
-                    break  # a second attack needs an entry shaped as signed
+                if expected is None or not isinstance(value, list) or len(value) <= DIALABLE:
+                    break  # a further attack needs a well-formed list (a good value could mend a bad one)
         elif roll < 0.9:
-            peer_id, run_id, round_ = rng.choice([
-                (next(peer for peer in peers if peer != entry.peer_id), run_id, round_),
-                (peer_id, run_id, round_ + rng.choice([-1, 1, 2**40])),
-                (peer_id, rng.choice(["other", "demo2", "", "Demo"]), round_),
-            ])  # fmt: skip
-            labels.append(f"read under {peer_id[-6:]}, run {run_id!r}, round {round_}")
+            round_ += rng.choice([-1, 1, 2**40, -(2**40)])
+            labels.append(f"read in round {round_}")
+            expected = None
         elif roll < 0.97:
             value = rng.choice([None, 7, "x", b"", [], [None] * 7, [[1] * 3] * 7, {"a": 1}, random_bytes(rng, 64)])
             labels.append(f"{str(value)[:30]}")
-        hostile = not entry_still_signed(peer_id, run_id, round_, value, entry)
-        yield Case(", ".join(labels) or "as signed", (peer_id, value, run_id, round_, entry), hostile=hostile)
+            expected = None
+        yield Case(", ".join(labels) or "as made", (value, round_, expected), hostile=expected is None)
 
 
-def take_gathered(case: tuple[str, Any, str, int, SignedEntry]) -> bool:
-    peer_id, value, run_id, round_, entry = case
-    claims = read_round({peer_id: value}, run_id, round_, SPES_UNITS)[peer_id]
-    if claims != (entry.claims if claims.signed else UNSIGNED):
-        raise AssertionError(f"read as {claims}, neither {entry.claims} nor UNSIGNED")
-    return claims.signed
+def take_gathered(case: tuple[Any, int, MemberClaims | None]) -> bool:
+    value, round_, expected = case
+    claims = read_round({"peer": value}, round_, SPES_UNITS)["peer"]
+    if not same_claims(claims, expected or NO_CLAIMS):
+        raise AssertionError(f"read as {claims}, not {expected or NO_CLAIMS}")
+    return claims.well_formed
 
 
-def test_gathered_entries_read_as_signed_only_as_their_member_signed_them(gathered_entries: list[SignedEntry]) -> None:
-    """read_member's contract (modes/spes/gathered.py), through read_round: never raises; an entry reads as its
-    member's signed claims only as they were signed (entry_still_signed), else as UNSIGNED, never as other claims."""
+def test_gathered_entries_read_as_their_fields_only_when_well_formed_of_the_round(
+    gathered_entries: list[SpesEntry],
+) -> None:
+    """read_member's contract (modes/spes/gathered.py), through read_round: never raises; a list or tuple of more
+    than DIALABLE and at most MAX_GATHERED items, of the round (an int), whose rate is a float, capacity an int in
+    -1..2**63-1 and dialability a bool reads as those fields (a capacity outside 0..units as none); anything else
+    as NO_CLAIMS."""
     for entry in gathered_entries:
-        assert read_round({entry.peer_id: entry.value}, RUN_ID, entry.round_, SPES_UNITS) == {
-            entry.peer_id: entry.claims
-        }
+        assert read_round({"peer": entry.value}, entry.round_, SPES_UNITS) == {"peer": entry.claims}
     tally = fuzz("read_round", take_gathered, (), gathered_cases(random.Random(f"{SEED}:gathered"), gathered_entries))
     assert_all_refused("read_round", tally, min_benign_accepted=1_000)
 

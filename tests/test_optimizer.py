@@ -89,8 +89,8 @@ def test_a_diloco_or_spes_inner_step_takes_the_runs_optimizer_clipping_and_sched
 
 @pytest.mark.parametrize("use_local_updates", [False, True], ids=["gradients", "parameters"])
 def test_a_gradients_or_parameters_run_steps_the_runs_optimizer_clipping_and_schedule(use_local_updates: bool) -> None:
-    import hivemind
-    from hivemind.utils.crypto import RSAPrivateKey
+
+    from lab.diloco import identity_key, loopback_dht
 
     from crowdtrain.averaging.exact import new_partial_counter
     from crowdtrain.averaging.groups import join_request_timeout_s
@@ -99,7 +99,7 @@ def test_a_gradients_or_parameters_run_steps_the_runs_optimizer_clipping_and_sch
     spec = dataclasses.replace(SPEC, max_grad_norm=1e-3)
     run = dataclasses.replace(demo(), optimizer=spec, target_batch_size=4)
     parameter = torch.nn.Parameter(torch.zeros(2))
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
+    dht = loopback_dht([])
     optimizer = make_optimizer(
         dht=dht,
         manifest=run,
@@ -107,7 +107,7 @@ def test_a_gradients_or_parameters_run_steps_the_runs_optimizer_clipping_and_sch
         micro_batch_size=4,
         client_mode=False,
         group_bits="",
-        private_key=RSAPrivateKey(),
+        private_key=identity_key(dht),
         partial_counter=new_partial_counter(),
         use_local_updates=use_local_updates,
     )

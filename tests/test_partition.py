@@ -6,10 +6,10 @@ import multiprocessing as mp
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import hivemind
 import pytest
 import torch
 from hivemind.averaging.allreduce import AveragingMode
+from lab.diloco import identity_key, loopback_dhts
 
 from crowdtrain.averaging.partition import PlannedAverager, PlanSharesMixin, group_fractions
 from tests.harness import shut_down
@@ -71,11 +71,7 @@ class _RecordingAverager(PlannedAverager):
 @pytest.mark.timeout(150)
 def test_averagers_split_the_vector_by_their_shares_and_reach_the_exact_mean() -> None:
     shares = [0.75, 0.25, 0.0]
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dhts = [first] + [
-        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
-        for _ in shares[1:]
-    ]
+    dhts = loopback_dhts(len(shares))
     recorded: Any = mp.get_context("fork").Queue()
     values = [torch.arange(1000, dtype=torch.float32) * (rank + 1) for rank in range(len(shares))]
     averagers = [
@@ -88,6 +84,7 @@ def test_averagers_split_the_vector_by_their_shares_and_reach_the_exact_mean() -
             min_matchmaking_time=2.0,
             request_timeout=2.0,
             share=share,
+            author=identity_key(dhts[rank]),
             recorded=recorded,
         )
         for rank, share in enumerate(shares)

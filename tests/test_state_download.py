@@ -17,6 +17,7 @@ from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.streaming import split_for_streaming
+from lab.diloco import identity_key, loopback_dhts
 
 from crowdtrain import proto
 from crowdtrain.averaging.traffic import AveragingTraffic
@@ -154,6 +155,7 @@ def make_averager(cls: type, dht: hivemind.DHT, seed: int, *, priority: float = 
         optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
         params=model.parameters(),
         prefix="verified_state_test",
+        author=identity_key(dht),
         start=True,
         traffic=AveragingTraffic.new(),
     )
@@ -175,12 +177,7 @@ def wait_for_donors(dht: hivemind.DHT, priorities: set[float], timeout_s: float 
 
 @pytest.mark.swarm
 def test_a_joiner_skips_a_poisoned_donor_and_loads_the_honest_state() -> None:
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
-    peers = [str(maddr) for maddr in first.get_visible_maddrs()]
-    dhts = [first] + [
-        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers, use_ipfs=False)
-        for _ in range(2)
-    ]
+    dhts = loopback_dhts(3)
     averagers: list[Any] = []
     try:
         honest, honest_model = make_averager(PlannedStateAverager, dhts[0], seed=1, priority=1.0)
@@ -221,9 +218,8 @@ class CutShortStateAverager(DonorStateAverager):
 def test_a_donor_serves_one_state_per_peer_and_few_in_all_and_the_rest_get_an_empty_answer() -> None:
     # Each answer makes a whole copy of the state before its first byte: a peer's third request at once is answered
     # empty without a copy (the donor's host process made one copy, not three), another peer is still served.
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
-    peers = [str(maddr) for maddr in first.get_visible_maddrs()]
-    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers, use_ipfs=False)
+    first, second = loopback_dhts(2)
+    peers = first.get_visible_maddrs()
     averagers: list[Any] = []
     try:
         donor, donor_model = make_averager(HeldDonorStateAverager, first, seed=1, priority=1.0)
@@ -270,9 +266,7 @@ def test_a_stream_cut_short_is_asked_again_after_a_pause_not_held_against_the_do
     # A fresh-clone CI run failed this way: the only donor's stream ended early once, the joiner called that a
     # malformed state, never asked that donor again, and so never joined the swarm.
     monkeypatch.setattr(state_download, "CUT_SHORT_PAUSE_S", 2.0)  # before the averager processes fork
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
-    peers = [str(maddr) for maddr in first.get_visible_maddrs()]
-    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers, use_ipfs=False)
+    first, second = loopback_dhts(2)
     averagers: list[Any] = []
     try:
         donor, donor_model = make_averager(CutShortStateAverager, first, seed=1, priority=1.0)
@@ -547,12 +541,7 @@ class ScaledStateAverager(DonorStateAverager):
 @pytest.mark.swarm
 @pytest.mark.timeout(90)
 def test_a_joiner_refuses_a_well_formed_lie_that_two_honest_donors_refute() -> None:
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
-    peers = [str(maddr) for maddr in first.get_visible_maddrs()]
-    dhts = [first] + [
-        hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers, use_ipfs=False)
-        for _ in range(3)
-    ]
+    dhts = loopback_dhts(4)
     averagers: list[Any] = []
     try:
         liar, _ = make_averager(ScaledStateAverager, dhts[0], seed=1, priority=1e9)

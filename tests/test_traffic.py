@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import hivemind
 import pytest
 import torch
+from lab.diloco import identity_key, loopback_dhts
 
 from crowdtrain.averaging import traffic as traffic_module
 from crowdtrain.averaging.compression import compression_for
@@ -44,13 +44,13 @@ PAIR: dict[str, Any] = {
 
 def averaged_pair(prefix: str, values: list[torch.Tensor], **options: Any) -> list[torch.Tensor]:
     """Two counting averagers on loopback holding `values`, one round between them; what each holds after it."""
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+    first, second = loopback_dhts(2)
     averagers = [
         _CountingAverager(
             [values[rank].clone()],
             dht=dht,
             prefix=prefix,
+            author=identity_key(dht),
             **(PAIR | {name: value[rank] for name, value in options.items()}),
         )
         for rank, dht in enumerate((first, second))
@@ -141,8 +141,7 @@ def test_a_sender_whose_parts_never_come_makes_the_round_partial_for_every_membe
     # Seen between two live peers of an 85M model: one peer's stream to the other came 50 s late; the other, as
     # reducer, banned it after the sender timeout and averaged its half over itself alone ("Reducer: received 50.0%
     # of input tensors"), then applied that as the average. Both must count the round as partial instead.
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs())
+    first, second = loopback_dhts(2)
     late_peer = second.peer_id
     exchange = traffic_module._CountingAllReduceRunner._exchange_with_reducer
 
@@ -156,7 +155,13 @@ def test_a_sender_whose_parts_never_come_makes_the_round_partial_for_every_membe
     values = [torch.full((20_000,), float(rank + 1)) for rank in range(2)]  # 5 parts of 16 KiB: each reduces some
     averagers = [
         _ExactCountingAverager(
-            [values[rank].clone()], dht=dht, prefix="late-sender", sender_timeout=2.0, part_size_bytes=2**14, **PAIR
+            [values[rank].clone()],
+            dht=dht,
+            prefix="late-sender",
+            author=identity_key(dht),
+            sender_timeout=2.0,
+            part_size_bytes=2**14,
+            **PAIR,
         )
         for rank, dht in enumerate((first, second))
     ]

@@ -18,6 +18,7 @@ import torch
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.optim.grad_averager import GradientAverager
 
+from crowdtrain.averaging.authored import AuthoredAverager
 from crowdtrain.averaging.grid import GroupSizeMixin
 from crowdtrain.averaging.partition import PartialAverageError, PlanSharesMixin
 from crowdtrain.dht.admission import AdmissionGated
@@ -61,7 +62,9 @@ class ExactRoundsMixin:
             raise
 
 
-class ExactGradientAverager(AdmissionGated, ExactRoundsMixin, PlanSharesMixin, GroupSizeMixin, GradientAverager):
+class ExactGradientAverager(
+    AdmissionGated, ExactRoundsMixin, PlanSharesMixin, GroupSizeMixin, GradientAverager, AuthoredAverager
+):
     """hivemind's GradientAverager that fails a round instead of returning a partial average, and splits
     each round by the plan's shares."""
 

@@ -14,12 +14,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.utils.asyncio import enter_asynchronously
 
+from crowdtrain.averaging.authored import AuthoredAverager, UnauthoredEntryError
 from crowdtrain.dht.admission import AdmissionGated
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,7 @@ class PartialAverageError(RuntimeError):
 
 EXPECTED_ROUND_FAILURES: tuple[type[Exception], ...] = (
     PartialAverageError,
+    UnauthoredEntryError,
     AllreduceException,
     MatchmakingException,
     asyncio.TimeoutError,
@@ -84,27 +85,30 @@ def _normalized(weights: Sequence[float]) -> tuple[float, ...]:
 class PlanSharesMixin:
     """Partition each all-reduce by the plan shares the group's members sent at matchmaking.
 
-    Mixed into a hivemind `DecentralizedAverager` (or subclass); the share travels in the slot hivemind
-    gathers `bandwidth` in, so peers running this class must all be crowdtrain peers of one run.
+    Mixed into an `AuthoredAverager` (averaging/authored.py): the share travels in the slot hivemind gathers
+    `bandwidth` in, signed by its member with the rest of its entry, so peers running this class must all be
+    crowdtrain peers of one run.
     """
 
-    bandwidth: float | None
-    serializer: Any
     total_size: int
 
     def set_share(self, share: float | None) -> None:
         """The fraction of the vector this peer aggregates from the next round on; None: no plan yet."""
         _check_share(share)
-        # Read by `step()` in this process when it builds the data gathered at matchmaking.
-        self.bandwidth = share
+        self._authored.set_bandwidth(share)  # read by `step()` in this process when it signs what it gathers
+
+    @property
+    def _authored(self) -> AuthoredAverager:
+        assert isinstance(self, AuthoredAverager), "PlanSharesMixin goes with AuthoredAverager"
+        return self
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         # hivemind's DecentralizedAverager._aggregate_with_group with its load balancing replaced.
         try:
-            shares, mode_ids, user_gathered_bytes = zip(*map(self.serializer.loads, group_info.gathered), strict=True)
-            user_gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_gathered_bytes), strict=True))
-            modes = tuple(map(AveragingMode, mode_ids))
-            fractions = group_fractions(shares, modes, self.total_size, min_vector_size)
+            entries = self._authored.authored_entries(group_info)
+            user_gathered = {peer: entry.value for peer, entry in zip(group_info.peer_ids, entries, strict=True)}
+            modes = tuple(AveragingMode(entry.mode) for entry in entries)
+            fractions = group_fractions([entry.share for entry in entries], modes, self.total_size, min_vector_size)
             async with enter_asynchronously(self.get_tensors()) as local_tensors:  # type: ignore[attr-defined]
                 await self._run_allreduce_inplace_(  # type: ignore[attr-defined]
                     local_tensors, group_info, peer_fractions=fractions, **kwargs
@@ -119,7 +123,7 @@ class PlanSharesMixin:
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
 
 
-class PlannedAverager(AdmissionGated, PlanSharesMixin, DecentralizedAverager):
+class PlannedAverager(AdmissionGated, PlanSharesMixin, AuthoredAverager):
     """A DecentralizedAverager whose all-reduce partition follows the DeDLOC plan's shares."""
 
     def __init__(self, *args: Any, share: float | None = None, **kwargs: Any):

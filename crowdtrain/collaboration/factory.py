@@ -52,7 +52,8 @@ def make_optimizer(
 ) -> hivemind.Optimizer:
     """The collaborative optimizer of this node for the run described by `manifest`.
 
-    `private_key` must be the key of the DHT's signature validator: hivemind merges every
+    `private_key` must be the key the DHT's peer ID derives from (the averagers sign what they gather with it,
+    averaging/authored.py) and the key of the DHT's signature validator: hivemind merges every
     RSASignatureValidator added to a DHT into the first one, so progress records signed with any
     other key (hivemind's default, a process-wide random key) go out unsigned and every peer
     rejects them: peers then never see each other's epoch and never resynchronise.
@@ -74,6 +75,7 @@ def make_optimizer(
         "target_group_size": averaging.group_size,
         "initial_group_bits": group_bits,
         "request_timeout": request_timeout,
+        "author": private_key,
     }
     # No peer's claimed weight (its samples) counts for more than the global batch (averaging/robust.py).
     aggregation = AggregationSettings(rule=averaging.aggregation, max_weight=float(manifest.target_batch_size))
@@ -127,7 +129,7 @@ def make_optimizer(
             load_state_compression=NoCompression(),
             averager_opts=averager_opts
             if use_local_updates
-            else {"target_group_size": averaging.group_size, "request_timeout": request_timeout},
+            else {"target_group_size": averaging.group_size, "request_timeout": request_timeout, "author": private_key},
             tracker_opts={"private_key": private_key},
             verbose=False,
             **extra,

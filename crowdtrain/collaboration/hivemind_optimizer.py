@@ -18,6 +18,7 @@ import hivemind
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
+from crowdtrain.averaging.authored import AuthoredAverager
 from crowdtrain.averaging.exact import ExactGradientAverager
 from crowdtrain.averaging.grid import GroupSizeMixin
 from crowdtrain.averaging.partition import PlanSharesMixin
@@ -57,6 +58,7 @@ class PlannedStateAverager(
     TrainingStateAverager,
     VerifiedStateDownloadMixin,
     TrafficCountingAverager,
+    AuthoredAverager,
 ):
     """hivemind's TrainingStateAverager whose all-reduce partition follows the plan's shares; its rounds count
     their bytes, the time the training thread waits for one is a phase of the step, and a state downloaded

@@ -27,7 +27,7 @@ from crowdtrain.manifest.specs import (
 )
 from crowdtrain.structured import FieldError, from_message, to_message
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Bumped when nodes of different versions can no longer train together. 2: a reducer sends back the encoded
 average, not a delta (averaging/traffic.py). 3: a sender ends its all-reduce stream only after every average
 came back, and a reducer holds a zero-share sender's averages until all are ready, not until that end. 4: every
@@ -38,7 +38,8 @@ modes/skippipe/roster/schedule.py), and
 with `overlap_exchange` a replica computes on a look-ahead and serves and fingerprints its true state. 7: DiLoCo
 groups are keyed by outer round (modes/diloco/pseudo_gradients.py), and with `overlap_exchange` SkipPipe's schedule
 costs hops at the link the background exchange leaves (`SkipPipeProblem.background_share`). 8: the training mode
-is `training.mode` (RunManifest.training), no longer `training.mode`."""
+is `training.mode` (RunManifest.training), no longer `averaging.mode`. 9: every averaging group member signs what it
+gathers (averaging/authored.py), and a group with an unsigned entry is not averaged."""
 
 RUN_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 MAX_CREATED_AT = 1e10

@@ -40,16 +40,21 @@ _IDENTITY_KEYS: dict[str, RSAPrivateKey] = {}
 def loopback_dhts(count: int) -> list[hivemind.DHT]:
     """`count` DHTs on loopback, every one after the first bootstrapped from it, each with an identity key of its own
     (`identity_key`), as a node's daemon has."""
-    first = _loopback_dht([])
-    return [first, *(_loopback_dht(first.get_visible_maddrs()) for _ in range(count - 1))]
+    first = loopback_dht([])
+    return [first, *(loopback_dht(first.get_visible_maddrs()) for _ in range(count - 1))]
 
 
 def identity_key(dht: hivemind.DHT) -> RSAPrivateKey:
-    """The key `dht`'s peer ID derives from (what a node signs with); a fresh key for a DHT not started here."""
-    return _IDENTITY_KEYS.get(dht.peer_id.to_base58()) or RSAPrivateKey()
+    """The key `dht`'s peer ID derives from (what a node signs its averaging entries and records with); only a
+    DHT started here (`loopback_dht`) has one known."""
+    try:
+        return _IDENTITY_KEYS[dht.peer_id.to_base58()]
+    except KeyError:
+        raise ValueError("a DHT not started by lab.diloco.loopback_dht has no known identity key") from None
 
 
-def _loopback_dht(initial_peers: Sequence[Any]) -> hivemind.DHT:
+def loopback_dht(initial_peers: Sequence[Any]) -> hivemind.DHT:
+    """A DHT on loopback bootstrapped from `initial_peers`, with an identity key of its own (`identity_key`)."""
     with tempfile.TemporaryDirectory() as directory:  # p2pd reads the key as it starts
         identity = load_or_create_identity(Path(directory) / "identity.key")
         dht = hivemind.DHT(

@@ -155,6 +155,7 @@ class DiLoCoMode(RoundSync, OverlappedRounds, TrainingMode):
                 ),
                 outer_state=self._outer_state,
                 template=self._template,
+                author=context.private_key,
                 start=True,
             )
         self.apply_swarm_view(context.swarm)  # the plan's share, the group size

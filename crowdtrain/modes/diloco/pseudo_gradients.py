@@ -17,8 +17,10 @@ import torch
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.key_manager import GroupKey, GroupKeyManager
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.compression import CompressionInfo
 
+from crowdtrain.averaging.authored import AuthoredAverager, UnauthoredEntryError, own_gathered
 from crowdtrain.averaging.exact import ExactRoundsMixin
 from crowdtrain.averaging.grid import GroupSizeMixin
 from crowdtrain.averaging.partition import PlanSharesMixin
@@ -40,6 +42,7 @@ class PseudoGradientAverager(
     GroupSizeMixin,
     VerifiedStateDownloadMixin,
     TrafficCountingAverager,
+    AuthoredAverager,
 ):
     """Averages pseudo-gradients; `outer_state` gives what joiners download, `template` what a download must match."""
 
@@ -73,8 +76,12 @@ class PseudoGradientAverager(
         # one of them, so this node keeps it out of its groups for a while (`disputers`), and the lie costs the
         # swarm one round, not every round.
         keys = self._matchmaking.group_key_manager
-        gathered = _members_gathered(self.serializer, group_info)
-        if gathered is not None and len({gathered_round(value) for value in gathered.values()}) > 1:
+        try:
+            entries = self.authored_entries(group_info)  # a forged entry is nobody's lie: the round is just lost
+        except UnauthoredEntryError as e:
+            raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
+        gathered = {peer: entry.value for peer, entry in zip(group_info.peer_ids, entries, strict=True)}
+        if len({gathered_round(value) for value in gathered.values()}) > 1:
             for peer, claimed in disputers(gathered, keys.round if isinstance(keys, RoundKeyManager) else None):
                 self._quarantine_sender(str(peer), f"gathered round {claimed} in a group of round {keys.round}")
             return gathered
@@ -137,15 +144,6 @@ class RoundKeyManager(GroupKeyManager):
 def _step_round(serializer: Any, step: StepControl) -> int | None:
     """The round a step gathers (`gathered_round` of its user data, as hivemind's `step` packed it), or None."""
     try:
-        return gathered_round(serializer.loads(serializer.loads(step.data_for_gather)[2]))
+        return gathered_round(own_gathered(serializer, step.data_for_gather))
     except Exception:
         return None
-
-
-def _members_gathered(serializer: Any, group_info: GroupInfo) -> dict[Any, Any] | None:
-    """What each member of the group gathered, by peer ID, as hivemind decodes it; None if any is unreadable."""
-    try:
-        user_bytes = [serializer.loads(member)[2] for member in group_info.gathered]
-        return dict(zip(group_info.peer_ids, map(serializer.loads, user_bytes), strict=True))
-    except Exception:
-        return None  # hivemind's own decoding refuses it, with its error

@@ -26,9 +26,9 @@ With `spes.merge_every` set, each owner runs the expert-merging warm-up on its e
 
 Ownership is weighted by memory too: each node gathers, with its round, how many experts' gradients and AdamW
 moments fit MEMORY_SHARE of its device's free memory (`_unit_capacity`), and no member of an averaged round is
-given more than that while the others have room (modes/spes/ownership.py). What a member gathers is signed with its
-identity key, since the round's leader relays it: an entry its member did not sign claims nothing (median compute,
-no cap, dialable; modes/spes/gathered.py). Peers known from their status records
+given more than that while the others have room (modes/spes/ownership.py). What a member gathers is signed by it
+in the core (averaging/authored.py), so the round's leader that relays it can't rewrite it; a malformed entry claims
+nothing (median compute, no cap, dialable; modes/spes/gathered.py). Peers known from their status records
 (a swarm larger than a group) are capped by what their records say (`experts_capacity`, as of their last round).
 
 Only peers others can dial own experts (modes/spes/ownership.py, `owner_candidates`): a member of an averaged round
@@ -241,21 +241,19 @@ class SPESMode(DiLoCoMode):
         elapsed = time.monotonic() - self._round_started_at
         self._capacity = capacity = self._unit_capacity()
         rate = float(self.samples) / elapsed if elapsed > 0 else 0.0
-        context = self.context
-        return spes_gathered(super()._gather(), rate, capacity, not context.client_mode, run_id=context.manifest.run_id,
-                             peer_id=context.peer_id, private_key=context.private_key)  # fmt: skip
+        return spes_gathered(super()._gather(), rate, capacity, not self.context.client_mode)
 
     def _note_round(self, gathered: dict[Any, Any], allreduce_s: float) -> None:
-        """DiLoCo's, then every member's claims for ownership (`round_claims`), each checked against its author's
-        signature; the members whose entry was not theirs are named in one line."""
+        """DiLoCo's, then every member's claims for ownership (`round_claims`), each its own (signed in the core,
+        averaging/authored.py); the members whose entry was malformed are named in one line."""
         super()._note_round(gathered, allreduce_s)
-        self.round_claims = read_round(self.round_gathered, self.context.manifest.run_id, self.round, self.num_units)
-        unsigned = sorted(peer for peer, claims in self.round_claims.items() if not claims.signed)
-        if unsigned:
-            named = ", ".join(f"peer {peer[-8:]}" for peer in unsigned[:4]) + (", ..." if len(unsigned) > 4 else "")
-            logger.warning(f"outer round {self.round}: the gathered entries of {len(unsigned)} of "
-                           f"{len(self.round_claims)} members ({named}) are not signed by them (forged by the round's "
-                           "leader, or from an older version): each counts as a median peer without a memory cap, "
+        self.round_claims = read_round(self.round_gathered, self.round, self.num_units)
+        malformed = sorted(peer for peer, claims in self.round_claims.items() if not claims.well_formed)
+        if malformed:
+            named = ", ".join(f"peer {peer[-8:]}" for peer in malformed[:4]) + (", ..." if len(malformed) > 4 else "")
+            logger.warning(f"outer round {self.round}: the gathered entries of {len(malformed)} of "
+                           f"{len(self.round_claims)} members ({named}) are not well-formed SPES entries of the "
+                           "round (another version?): each counts as a median peer without a memory cap, "
                            "dialable")  # fmt: skip
 
     def _unit_capacity(self) -> int | None:
