@@ -24,7 +24,7 @@ from rich.text import Text
 from crowdtrain import __version__, proto
 from crowdtrain.cli.reader import join_as_reader
 from crowdtrain.cli.runs import choose_run
-from crowdtrain.dht.registry import list_peer_statuses, list_runs
+from crowdtrain.dht.registry import await_runs, list_peer_statuses
 from crowdtrain.dht.validator import CrowdtrainRecordValidator
 from crowdtrain.links.probes import MAX_PROBED_PEERS, ProbeReport, ProbeService
 from crowdtrain.links.protocol import AddressVerdict
@@ -211,7 +211,7 @@ def _swarm_target(config: CheckConfig) -> _Target:
     dht, _ = join_as_reader(config, listen=listen, announce=config.announce)
     try:
         founder = config.run_key or None
-        runs = list_runs(dht, LOOKUP_TIMEOUT_S, founder)
+        runs = await_runs(dht, config.run_id, LOOKUP_TIMEOUT_S, founder)
         chosen = choose_run(runs, config.run_id, founder=founder, empty_note="; there is nothing to check against")
         listing = runs[chosen]
         manifest = listing.published.manifest

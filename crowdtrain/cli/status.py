@@ -23,7 +23,7 @@ from crowdtrain import proto
 from crowdtrain.averaging.phases import PhaseTimes
 from crowdtrain.cli.reader import join_as_reader
 from crowdtrain.cli.runs import choose_run
-from crowdtrain.dht.registry import RunListing, list_peer_statuses, list_runs
+from crowdtrain.dht.registry import RunListing, await_runs, list_peer_statuses, list_runs
 from crowdtrain.dht.validator import CrowdtrainRecordValidator
 from crowdtrain.manifest import RunManifest, expert_uids, skippipe_spec
 from crowdtrain.moe.placement import GridCoverage, grid_coverage
@@ -42,7 +42,7 @@ def show_status(config: StatusConfig, stop: threading.Event, console: Console) -
     dht, _ = join_as_reader(dataclasses.replace(config, initial_peers=initial_peers))
     try:
         founder = config.run_key or None
-        run_id = choose_run(list_runs(dht, LOOKUP_TIMEOUT_S, founder), run_id, founder=founder)
+        run_id = choose_run(await_runs(dht, run_id, LOOKUP_TIMEOUT_S, founder), run_id, founder=founder)
         dht.add_validators([CrowdtrainRecordValidator([run_id])])
         read = functools.partial(collect, dht, run_id, founder)
         if config.watch_s == 0:

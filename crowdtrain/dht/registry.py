@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -54,6 +55,21 @@ def list_runs(dht: hivemind.DHT, timeout_s: float, founder: str | None = None) -
             continue
         by_run[published.manifest.run_id].append((published, value, publisher))
     return {run_id: _pick_canonical(candidates) for run_id, candidates in by_run.items()}
+
+
+def await_runs(dht: hivemind.DHT, run_id: str, timeout_s: float, founder: str | None = None) -> dict[str, RunListing]:
+    """`list_runs`, polled with backoff until a run (or the one named `run_id`) shows up or `timeout_s` passes: a
+    node that just joined, or a busy swarm, may answer a first lookup with nothing (hivemind's own request timeout)."""
+    deadline = time.monotonic() + timeout_s
+    delay_s = 0.25
+    while True:
+        runs = list_runs(dht, max(deadline - time.monotonic(), 1.0), founder)
+        if (run_id in runs) if run_id else runs:
+            return runs
+        if time.monotonic() + delay_s > deadline:
+            return runs
+        time.sleep(delay_s)
+        delay_s = min(delay_s * 2, 2.0)
 
 
 def _pick_canonical(candidates: list[tuple[PublishedManifest, bytes, bytes]]) -> RunListing:

@@ -16,7 +16,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain.dht.admission import InviteAuthorizer, parse_join_token
 from crowdtrain.dht.records import sign_manifest
-from crowdtrain.dht.registry import RunListing, list_runs
+from crowdtrain.dht.registry import RunListing, await_runs
 from crowdtrain.errors import BadInputError, CrowdtrainError
 from crowdtrain.manifest import RunManifest, load_run_file
 from crowdtrain.models import check_model_spec, load_tokenizer, model_kind
@@ -29,7 +29,6 @@ logger = logging.getLogger(__name__)
 
 C = TypeVar("C", bound=SwarmSettings)
 
-LOOKUP_TIMEOUT_S = 10.0
 RUN_KEYS_FILE = "runs.json"
 """In the state dir: the founder (run key) of every run this node founded or joined."""
 
@@ -125,7 +124,7 @@ def _resolve(dht: hivemind.DHT, config: NodeConfig, identity: Identity) -> Membe
         return _found(load_run_file(config.run_file or "demo", run_id=config.run_id or None), identity)
     wanted = load_run_file(config.run_file, run_id=config.run_id or None) if config.run_file else None
     founder = config.run_key or None
-    runs = _await_runs(dht, wanted.run_id if wanted else config.run_id, config.bootstrap_timeout_s, founder)
+    runs = await_runs(dht, wanted.run_id if wanted else config.run_id, config.bootstrap_timeout_s, founder)
     if wanted is not None:
         return _found_or_join_same(wanted, runs.get(wanted.run_id), identity)
     if config.run_id:
@@ -142,20 +141,6 @@ def _resolve(dht: hivemind.DHT, config: NodeConfig, identity: Identity) -> Membe
     if len(runs) > 1:
         raise BadInputError(f"The swarm holds {len(runs)} runs: {_describe(runs)}; pass --run-id to choose one.")
     return _join(next(iter(runs.values())), config)
-
-
-def _await_runs(dht: hivemind.DHT, run_id: str, timeout_s: float, founder: str | None) -> dict[str, RunListing]:
-    """Poll the runs key with backoff until a run (or the wanted one) shows up, or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    delay_s = 0.25
-    while True:
-        runs = list_runs(dht, min(LOOKUP_TIMEOUT_S, max(deadline - time.monotonic(), 1.0)), founder)
-        if (run_id in runs) if run_id else runs:
-            return runs
-        if time.monotonic() + delay_s > deadline:
-            return runs
-        time.sleep(delay_s)
-        delay_s = min(delay_s * 2, 2.0)
 
 
 def _found(manifest: RunManifest, identity: Identity) -> Membership:
