@@ -16,6 +16,7 @@ Package map, from the top down; a package may import only those below it (tests/
   data/       datasets: the embedded corpus, local files, HF datasets; per-peer sampling
   optimizer   the one optimizer factory: every mode's optimizer, schedule and gradient clipping
   dht/        the run's DHT schema: key names, record codecs, validators, bootstrap
+  codecs/     tensor encodings on the wire by name (fp16, int8, topk, none), blockwise int8, top-k error feedback
   manifest/   the run manifest: what a run trains, on what, and how (sections, presets, run files)
   structured  typed parsing of mappings (TOML, env) and protobuf messages into frozen dataclasses
   roles       Role: what a node does for its run (trainer, aggregator, expert-host, client)

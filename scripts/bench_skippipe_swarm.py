@@ -128,7 +128,7 @@ from lab.wanlab import Lab, Scenario
 from skippipe_schedulers import conflict_based, full_pipeline, greedy_in_order, planned, random_skipping, searched
 
 from crowdtrain import proto
-from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blocks
+from crowdtrain.codecs.compression import decode_int8_blocks, encode_int8_blocks
 from crowdtrain.manifest import ModelSpec, RunManifest, demo, llama_20m
 from crowdtrain.models import ByteTokenizer, build_model
 from crowdtrain.modes.skippipe import HopLimits, StageService

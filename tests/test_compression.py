@@ -10,7 +10,7 @@ from hivemind.compression import CompressionInfo, deserialize_torch_tensor, seri
 from hivemind.proto import runtime_pb2
 
 from crowdtrain import proto
-from crowdtrain.averaging.compression import (
+from crowdtrain.codecs.compression import (
     CODECS,
     INT8_BLOCK,
     SPARSE_WIRE_TYPE,

@@ -23,7 +23,7 @@ from lab.diloco import close_peers, computing_peer, diloco_peers, identity_key, 
 from lab.processes import await_condition
 
 from crowdtrain import proto
-from crowdtrain.averaging.error_feedback import keep_top_k_
+from crowdtrain.codecs.error_feedback import keep_top_k_
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, TrainingSpec, demo
 from crowdtrain.modes.diloco import pseudo_gradients
 from crowdtrain.modes.diloco.joining import (

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from crowdtrain.averaging.error_feedback import ErrorFeedback, keep_top_k_, num_kept
+from crowdtrain.codecs.error_feedback import ErrorFeedback, keep_top_k_, num_kept
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, TrainingSpec, demo
 
 SHAPES = [torch.Size([64, 32]), torch.Size([32]), torch.Size([7, 3, 5])]

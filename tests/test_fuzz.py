@@ -46,7 +46,7 @@ from hivemind.utils.streaming import split_for_streaming
 from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
 from crowdtrain import proto
-from crowdtrain.averaging.compression import (
+from crowdtrain.codecs.compression import (
     INT8_BLOCK,
     MAX_SPARSE_PART_VALUES,
     SPARSE_WIRE_TYPE,

@@ -17,6 +17,7 @@ LAYERS: dict[str, int] = {
     "roles": 0,
     "proto": 0,
     "manifest": 1,
+    "codecs": 1,
     "optimizer": 2,
     "dht": 2,
     "models": 2,

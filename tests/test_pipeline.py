@@ -22,7 +22,7 @@ from lab.processes import await_condition
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from crowdtrain import proto
-from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blocks, int8_blocks_size
+from crowdtrain.codecs.compression import decode_int8_blocks, encode_int8_blocks, int8_blocks_size
 from crowdtrain.manifest import OptimizerSpec
 from crowdtrain.modes.skippipe import (
     HopFailedError,

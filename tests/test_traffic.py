@@ -12,10 +12,10 @@ import torch
 from lab.diloco import identity_key, loopback_dhts
 
 from crowdtrain.averaging import traffic as traffic_module
-from crowdtrain.averaging.compression import compression_for
 from crowdtrain.averaging.exact import ExactRoundsMixin, new_partial_counter
 from crowdtrain.averaging.partition import PlannedAverager
 from crowdtrain.averaging.traffic import AveragingTraffic, TrafficCountingAverager, held_until_all
+from crowdtrain.codecs.compression import compression_for
 from tests.harness import shut_down
 
 

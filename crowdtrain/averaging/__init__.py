@@ -9,8 +9,7 @@ traffic       the bytes of all-reduce rounds, counted as tensor parts pass; the 
 robust        each chunk checked (shape, finite, norm) and aggregated by mean, trimmed mean or CenteredClip
 quarantine    peers caught sending bad parts kept out of this node's groups for a while
 progress_bounds  peers' progress claims bounded before hivemind's tracker sums them
-compression   wire encodings by name (fp16, int8, topk, none); hivemind's 8-bit decoder fixed and bounded
-error_feedback  DiLoCo's top-k: each tensor's largest values sent, the rest kept back for later rounds
+authored      each member's gathered data signed by it and checked by every member before use
 
-May import: `dht`, `manifest`, `proto`, `errors`.
+May import: `codecs`, `dht`, `manifest`, `proto`, `errors`.
 """

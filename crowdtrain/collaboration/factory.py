@@ -20,12 +20,12 @@ import torch
 from hivemind.compression import CompressionBase, NoCompression
 from hivemind.utils.crypto import RSAPrivateKey
 
-from crowdtrain.averaging.compression import compression_for
 from crowdtrain.averaging.groups import chunk_timeout_s, join_request_timeout_s
 from crowdtrain.averaging.partition import PlanSharesMixin
 from crowdtrain.averaging.phases import PhaseAccumulator
 from crowdtrain.averaging.quarantine import Verdict
 from crowdtrain.averaging.traffic import AggregationSettings, AveragingTraffic, TrafficCountingAverager
+from crowdtrain.codecs.compression import compression_for
 from crowdtrain.collaboration.hivemind_optimizer import CountingGradientAverager, CrowdtrainOptimizer
 from crowdtrain.manifest import AveragingSpec, RunManifest
 from crowdtrain.optimizer import build_optimizer, build_scheduler

@@ -177,7 +177,7 @@ class DiLoCoSpec:
     compression: str = "fp16"
     """Pseudo-gradients on the wire: `fp16`, `int8` (uniform 8-bit, per-part scale), `topk` (each tensor's largest
     `topk_fraction` of values in fp16 with their indices, the rest kept back and added to the next round: error
-    feedback, crowdtrain.averaging.error_feedback) or `none`."""
+    feedback, crowdtrain.codecs.error_feedback) or `none`."""
     topk_fraction: float = 0.02
     """`topk` only: the fraction of each tensor's values a peer sends per round, in (0, 1]."""
     overlap: bool = True

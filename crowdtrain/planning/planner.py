@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from crowdtrain import proto
-from crowdtrain.averaging.compression import codec_for
+from crowdtrain.codecs.compression import codec_for
 from crowdtrain.dht.records import MIN_PEERS_FOR_OUTLIERS, OUTLIER_RATIO
 from crowdtrain.manifest import RunManifest
 from crowdtrain.planning.plan import (

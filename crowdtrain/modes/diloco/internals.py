@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from hivemind.averaging.control import StepControl
 
-from crowdtrain.averaging.error_feedback import ErrorFeedback
 from crowdtrain.averaging.progress_bounds import BoundedProgressTracker
+from crowdtrain.codecs.error_feedback import ErrorFeedback
 from crowdtrain.modes.base import ModeContext
 from crowdtrain.modes.diloco.fragments import Fragments
 from crowdtrain.modes.diloco.pseudo_gradients import PseudoGradientAverager

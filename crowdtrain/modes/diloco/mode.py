@@ -9,7 +9,7 @@ the next round from it. Communication: one model-sized all-reduce per H global b
 global batch in `gradients` mode.
 
 With `compression = "topk"` each peer sends only the largest `topk_fraction` of each tensor's pseudo-gradient
-and keeps the rest in a residual added to the next round's (error feedback, averaging/error_feedback.py); the
+and keeps the rest in a residual added to the next round's (error feedback, codecs/error_feedback.py); the
 residual is saved in checkpoints and dropped when the peer takes the swarm's state.
 
 With `overlap` (the default) the all-reduce runs in the background: at a round's end the peer writes its
@@ -53,13 +53,13 @@ from typing import Any
 import torch
 from hivemind.averaging.control import StepControl
 
-from crowdtrain.averaging.compression import codec_for
-from crowdtrain.averaging.error_feedback import ErrorFeedback, Kept
 from crowdtrain.averaging.groups import chunk_timeout_s, join_request_timeout_s, moshpit_bits, refresh_groups
 from crowdtrain.averaging.partition import EXPECTED_ROUND_FAILURES
 from crowdtrain.averaging.phases import Phase, wait_for_round
 from crowdtrain.averaging.progress_bounds import BoundedProgressTracker, ProgressBounds
 from crowdtrain.averaging.traffic import AggregationSettings
+from crowdtrain.codecs.compression import codec_for
+from crowdtrain.codecs.error_feedback import ErrorFeedback, Kept
 from crowdtrain.collaboration.factory import keep_sigint_handler
 from crowdtrain.dht.records import epoch_ceiling
 from crowdtrain.errors import BadInputError

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from hivemind.averaging.control import StepControl
 
-from crowdtrain.averaging.error_feedback import Kept
 from crowdtrain.averaging.phases import Phase, wait_for_round
+from crowdtrain.codecs.error_feedback import Kept
 
 if TYPE_CHECKING:
     from crowdtrain.modes.diloco.internals import DiLoCoInternals

@@ -3,7 +3,7 @@
 Every node holds a copy of every expert, tagged with the round it is from; copies of one round are the same bits
 on every node. At a round's end an owner makes the expert's new copy from its trained weights θ as
 P_r = P_b + int8(θ − P_b), with P_b its copy from round b (usually r − 1): the change is quantized (hivemind's
-uniform 8-bit codebook, crowdtrain/averaging/compression.py), and P_r is what every node reconstructs from it,
+uniform 8-bit codebook, crowdtrain/codecs/compression.py), and P_r is what every node reconstructs from it,
 bit for bit. The owner keeps training θ; what the quantization left out of P_r stays in θ − P_r and travels
 with the next round's change (error feedback, without a residual to keep). `publish` serves P_r by round
 (`rpc_spes_expert`, `proto/crowdtrain.proto`): as the int8 change to a fetcher whose copy is P_b, in float32
@@ -40,7 +40,7 @@ import torch
 from hivemind.p2p import P2PContext, PeerID
 
 from crowdtrain import proto
-from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blocks, int8_blocks_size
+from crowdtrain.codecs.compression import decode_int8_blocks, encode_int8_blocks, int8_blocks_size
 from crowdtrain.dht.bulk import BulkGate, BulkLimits, within_time
 from crowdtrain.dht.service import P2PService, linger
 from crowdtrain.errors import CrowdtrainError

@@ -8,7 +8,7 @@ its callers send (`stage_service`), a caller what the node answers (`stage_calls
 
 Values travel in the wire dtype the caller chose, `float16` by default (half of float32's bytes; SkipPipe's paper
 sends activations in half precision); the answer uses the request's dtype. Compute is float32 on the node. A stage's
-gradient for its other replicas (`rpc_stage_gradient`) may also travel as `int8` (`averaging.compression`'s int8
+gradient for its other replicas (`rpc_stage_gradient`) may also travel as `int8` (`codecs.compression`'s int8
 blocks: a quarter of float32's bytes), encoded once when it is published. The answer to a background exchange is
 paced (`paced_rate`, `paced`), so that it does not fill the queue in front of a link the pipeline's hops share.
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from crowdtrain import proto
-from crowdtrain.averaging.compression import decode_int8_blocks, encode_int8_blocks, int8_blocks_size
+from crowdtrain.codecs.compression import decode_int8_blocks, encode_int8_blocks, int8_blocks_size
 from crowdtrain.errors import CrowdtrainError
 
 NAMESPACE = "crowdtrain.skippipe.v2"

@@ -8,7 +8,7 @@ tensor of the model, with Δ this round's pseudo-gradient and e the residual thi
     e ← g − s               only once s was averaged with the swarm
 
 so over rounds Σ s + e = Σ Δ: nothing is lost, only delayed. s is rounded to fp16 here rather than by the wire
-codec (averaging/compression.py, exact for fp16 values), so the rounding, too, stays in e and is sent later.
+codec (codecs/compression.py, exact for fp16 values), so the rounding, too, stays in e and is sent later.
 
 Per tensor, not per wire part: the all-reduce cuts the flattened tensors into parts only after matchmaking (by
 the group's shares), and s must be fixed before. Per tensor, every tensor sends its fraction; a global top-k

@@ -8,7 +8,7 @@ sizes a peer sent before using them, and is installed as hivemind's decoder for 
 
 `topk` is `SparseFloat16`: a part's nonzero values in fp16 with their indices (a `SparsePart` message, versioned),
 or all its values when that is smaller. The sparsity comes from DiLoCo's error feedback
-(averaging/error_feedback.py), which zeroes all but each tensor's largest values before the all-reduce; the
+(codecs/error_feedback.py), which zeroes all but each tensor's largest values before the all-reduce; the
 codec itself is exact for fp16 values, so every peer's part is averaged as it was chosen. A reducer's average of
 k-sparse parts is at most (group size × k)-sparse, and goes back in the same encoding.
 
@@ -221,7 +221,7 @@ class Codec:
     average, not its own exact one: averaging/traffic.py)."""
     error_feedback: bool
     """Whether a sender sends only part of each tensor and keeps the rest back for its next round
-    (averaging/error_feedback.py); an average of such parts is sparse, which robust aggregation can't judge."""
+    (codecs/error_feedback.py); an average of such parts is sparse, which robust aggregation can't judge."""
 
 
 CODECS: dict[str, Codec] = {
