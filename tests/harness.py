@@ -6,10 +6,12 @@ Every daemon a test starts goes into STARTED; conftest kills all of them, with t
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 from lab import swarm
 from lab.processes import ProcessGroups
 
@@ -63,3 +65,10 @@ def logs_summary(root: Path) -> str:
             + "\n".join(line[:300] for line in shown)
         )
     return "\n".join(parts)
+
+
+NEEDS_NAT_LAB = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("nft") is None,
+    reason="needs root, iproute2 and nftables (make test installs it)",
+)
+"""For tests in the WAN lab with masquerading routers (lab/wanlab.py): namespaces, tc and nftables."""

@@ -19,18 +19,15 @@ from typing import Any
 import pytest
 import torch
 from hivemind.p2p import PeerID
-from lab.diloco import loopback_dhts
 
 from crowdtrain import proto
-from crowdtrain.collaboration.hivemind_optimizer import PlannedStateAverager
 from crowdtrain.modes.diloco.joining import START_DIGEST_BYTES, RoundSync, _tiebreak, group_start_digest
 from crowdtrain.modes.diloco.mode import DiLoCoMode
 from crowdtrain.modes.diloco.pseudo_gradients import PseudoGradientAverager
 from crowdtrain.state.digest import MAX_EPOCH_LEAD, Corroboration, judge_epoch, read_digest, sketch_state
 from crowdtrain.state.download import VerifiedStateDownloadMixin
 from crowdtrain.state.template import StateTemplate, TensorSpec
-from tests.harness import shut_down
-from tests.test_state_download import DonorStateAverager, make_averager, wait_for_donors
+from tests.test_state_download import DonorStateAverager, a_liar_two_donors_and_a_joiner
 
 SHAPE = (3, 4)
 TEMPLATE = StateTemplate((TensorSpec(SHAPE, torch.float32), TensorSpec(SHAPE, torch.float32)), epoch_ceiling=10**6)
@@ -249,21 +246,7 @@ class AheadStateAverager(DonorStateAverager):
 @pytest.mark.swarm
 @pytest.mark.timeout(90)
 def test_real_donors_refute_a_state_labelled_past_their_epoch() -> None:
-    dhts = loopback_dhts(4)
-    averagers: list[Any] = []
-    try:
-        liar, _ = make_averager(AheadStateAverager, dhts[0], seed=1, priority=1e9)
-        honest, honest_model = make_averager(DonorStateAverager, dhts[1], seed=1, priority=2.0)
-        witness, _ = make_averager(DonorStateAverager, dhts[2], seed=1, priority=1.0)
-        joiner, joiner_model = make_averager(PlannedStateAverager, dhts[3], seed=3)
-        averagers += [liar, honest, witness, joiner]
-        for donor in (liar, honest, witness):
-            donor.local_epoch = 4
-        wait_for_donors(dhts[3], {1e9, 2.0, 1.0})
+    with a_liar_two_donors_and_a_joiner(AheadStateAverager) as (liar, _, joiner, loaded_honestly):
         joiner.load_state_from_peers(timeout=30)
-        assert joiner.local_epoch == 4, "not the liar's epoch 9"
-        for mine, theirs in zip(joiner_model.parameters(), honest_model.parameters(), strict=True):
-            assert torch.equal(mine, theirs)
+        assert loaded_honestly(), "not the liar's epoch 9"
         assert liar.served == 1, "downloaded once, then marked bad: two donors answered from epoch 4"
-    finally:
-        shut_down(averagers, dhts)

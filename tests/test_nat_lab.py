@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -17,15 +16,12 @@ from lab.fixtures import tiny_run_file, tiny_spes_run_file
 from lab.processes import await_condition
 from lab.wanlab import Host, HostSpec, Lab, Scenario
 
-from tests.harness import DAEMON_ENV
+from tests.harness import DAEMON_ENV, NEEDS_NAT_LAB
 
 pytestmark = [
     pytest.mark.swarm,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(
-        os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("nft") is None,
-        reason="needs root, iproute2 and nftables (make test installs it)",
-    ),
+    NEEDS_NAT_LAB,
 ]
 
 DILOCO = tiny_run_file(

@@ -13,8 +13,6 @@ links 7 of 8 were reset after at most 128 KiB.
 from __future__ import annotations
 
 import functools
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +21,12 @@ from lab.nat_relay import events, last, start
 from lab.processes import await_condition
 from lab.wanlab import Host, HostSpec, Lab, Scenario
 
+from tests.harness import NEEDS_NAT_LAB
+
 pytestmark = [
     pytest.mark.swarm,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(
-        os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("nft") is None,
-        reason="needs root, iproute2 and nftables (make test installs it)",
-    ),
+    NEEDS_NAT_LAB,
 ]
 
 NUM_RELAYS = 4

@@ -4,9 +4,11 @@ that serves a bad state is skipped (issue 14, "verified state")."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind reads typing's AsyncIterator as a stream)
 
@@ -538,13 +540,15 @@ class ScaledStateAverager(DonorStateAverager):
         return metadata, [tensor * 0.5 for tensor in tensors], infos
 
 
-@pytest.mark.swarm
-@pytest.mark.timeout(90)
-def test_a_joiner_refuses_a_well_formed_lie_that_two_honest_donors_refute() -> None:
+@contextlib.contextmanager
+def a_liar_two_donors_and_a_joiner(liar_class: type) -> Iterator[tuple[Any, Any, Any, Any]]:
+    """A donor of `liar_class` ranked first, an honest donor and a witness below it, all three at epoch 4 with the
+    same model, and a joiner with another: (liar, witness, joiner, loaded_honestly) once the joiner sees all three;
+    `loaded_honestly()` says whether the joiner holds the honest donors' epoch and parameters."""
     dhts = loopback_dhts(4)
     averagers: list[Any] = []
     try:
-        liar, _ = make_averager(ScaledStateAverager, dhts[0], seed=1, priority=1e9)
+        liar, _ = make_averager(liar_class, dhts[0], seed=1, priority=1e9)
         honest, honest_model = make_averager(DonorStateAverager, dhts[1], seed=1, priority=2.0)
         witness, _ = make_averager(DonorStateAverager, dhts[2], seed=1, priority=1.0)
         joiner, joiner_model = make_averager(PlannedStateAverager, dhts[3], seed=3)
@@ -552,16 +556,26 @@ def test_a_joiner_refuses_a_well_formed_lie_that_two_honest_donors_refute() -> N
         for donor in (liar, honest, witness):
             donor.local_epoch = 4
         wait_for_donors(dhts[3], {1e9, 2.0, 1.0})
+
+        def loaded_honestly() -> bool:
+            pairs = zip(joiner_model.parameters(), honest_model.parameters(), strict=True)
+            return joiner.local_epoch == 4 and all(torch.equal(mine, theirs) for mine, theirs in pairs)
+
+        yield liar, witness, joiner, loaded_honestly
+    finally:
+        shut_down(averagers, dhts)
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(90)
+def test_a_joiner_refuses_a_well_formed_lie_that_two_honest_donors_refute() -> None:
+    with a_liar_two_donors_and_a_joiner(ScaledStateAverager) as (liar, witness, joiner, loaded_honestly):
         joiner.load_state_from_peers(timeout=30)
-        assert joiner.local_epoch == 4
-        for mine, theirs in zip(joiner_model.parameters(), honest_model.parameters(), strict=True):
-            assert torch.equal(mine, theirs)
+        assert loaded_honestly()
         assert liar.served == 1, "downloaded once, then never asked for a digest: it was marked bad"
         assert witness.served >= 1, "never downloaded from (it ranks below `honest`), so asked for digests"
         joiner.load_state_from_peers(timeout=30)  # the liar still ranks first, and is not asked again
-        assert liar.served == 1 and joiner.local_epoch == 4
-    finally:
-        shut_down(averagers, dhts)
+        assert liar.served == 1 and loaded_honestly()
 
 
 def test_an_answer_that_comes_too_late_is_no_state_said_plainly_not_a_timeout_error(
