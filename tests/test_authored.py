@@ -69,13 +69,14 @@ FORGED = {
     "an oversized key": lambda: _with_author([b" " * (MAX_PUBLIC_KEY_BYTES + 1), b"sig"]),
     "a key that is not one": lambda: _with_author([b"ssh-rsa AAAA", b"sig"]),
     "a share that is not a number": lambda: _rewritten(0, "0.5"),
+    "its own entry naming no averaging mode": lambda: member_data(1, [3, 8, b"digest"], mode=99),
     "garbage": lambda: b"\xc1\xff",
     "a gathered list of one": lambda: MSGPackSerializer.dumps([0.5]),
 }
 
 
 @pytest.mark.parametrize("what", FORGED)
-def test_an_entry_its_member_did_not_sign_as_read_fails_the_whole_group(what: str) -> None:
+def test_an_entry_its_member_did_not_sign_as_read_or_malformed_fails_the_whole_group(what: str) -> None:
     with pytest.raises(UnauthoredEntryError, match=PEERS[1].to_base58()[-8:]):
         read([member_data(0, [3, 8, b"digest"]), FORGED[what]()])
 

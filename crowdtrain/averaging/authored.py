@@ -25,12 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.utils.crypto import RSAPrivateKey
 
 from crowdtrain.dht.authorship import is_authored_by, key_peer_id, sign
 
 _DOMAIN = b"crowdtrain/gathered/1\n"
+_MODES = frozenset(mode.value for mode in AveragingMode)
 
 
 class UnauthoredEntryError(RuntimeError):
@@ -104,6 +106,8 @@ def _entry(serializer: Any, prefix: str, peer_id: str, data: bytes) -> Entry:
     message = _signed_bytes(prefix, peer_id, share, mode, value) if isinstance(value, bytes) else None
     if message is None or not is_authored_by(peer_id, author, message):
         raise UnauthoredEntryError(f"{peer_id[-8:]}'s gathered entry is not signed by it")
+    if mode not in _MODES:
+        raise UnauthoredEntryError(f"{peer_id[-8:]}'s gathered entry names no averaging mode")
     try:
         return Entry(share=share, mode=mode, value=serializer.loads(value))
     except Exception:
