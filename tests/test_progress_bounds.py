@@ -17,6 +17,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
+from lab.diloco import identity_key, loopback_dhts
 from lab.processes import await_condition
 
 from crowdtrain.averaging.exact import new_partial_counter
@@ -324,9 +325,8 @@ def test_a_peer_claiming_a_far_epoch_costs_a_real_swarm_one_download_not_one_per
     # publishes a validly signed progress record claiming epoch 500. Before the bound, both honest peers were
     # "out of sync" at every step and downloaded each other's state forever, never reaching epoch 1.
     manifest = dataclasses.replace(demo(), target_batch_size=8, created_at=time.time() - 3600.0)
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
+    first, second = loopback_dhts(2)
     peers = [str(address) for address in first.get_visible_maddrs()]
-    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers, use_ipfs=False)
     signer = RSASignatureValidator(RSAPrivateKey())
     attacker = hivemind.DHT(
         start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers, use_ipfs=False,
@@ -344,7 +344,7 @@ def test_a_peer_claiming_a_far_epoch_costs_a_real_swarm_one_download_not_one_per
                 micro_batch_size=2,
                 client_mode=False,
                 group_bits="",
-                private_key=RSAPrivateKey(),
+                private_key=identity_key(dht),
                 partial_counter=new_partial_counter(),
             )
             optimizers.append(optimizer)
