@@ -9,7 +9,8 @@ momentum, the round) and downloads it verified (state/download.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
 from multiprocessing.sharedctypes import Synchronized
 from typing import Any
 
@@ -60,11 +61,12 @@ class PseudoGradientAverager(
         super().__init__(averaged_tensors, **kwargs)
 
     async def _step(self, *, step: StepControl, **kwargs: Any) -> Any:
-        # Runs in the averager's process: the round's matchmaking looks for peers under a key of its round.
-        keys = self._matchmaking.group_key_manager
-        if not isinstance(keys, RoundKeyManager):
-            keys = self._matchmaking.group_key_manager = RoundKeyManager.replacing(keys)
-        keys.round = _step_round(self.serializer, step)
+        # Runs in the averager's process: each look for a group happens under a key of its own step's round.
+        matchmaking = self._matchmaking
+        if not isinstance(matchmaking.group_key_manager, RoundKeyManager):
+            keys = matchmaking.group_key_manager = RoundKeyManager.replacing(matchmaking.group_key_manager)
+            looking = _LookingByRound(matchmaking.look_for_group, keys, self.serializer)
+            matchmaking.look_for_group, self._looking = looking, looking
         return await super()._step(step=step, **kwargs)
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
@@ -75,15 +77,16 @@ class PseudoGradientAverager(
         # never meet another round's (RoundKeyManager): a member that gathers another round than the key's lied in
         # one of them, so this node keeps it out of its groups for a while (`disputers`), and the lie costs the
         # swarm one round, not every round.
-        keys = self._matchmaking.group_key_manager
         try:
             entries = self.authored_entries(group_info)  # a forged entry is nobody's lie: the round is just lost
         except UnauthoredEntryError as e:
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
         gathered = {peer: entry.value for peer, entry in zip(group_info.peer_ids, entries, strict=True)}
         if len({gathered_round(value) for value in gathered.values()}) > 1:
-            for peer, claimed in disputers(gathered, keys.round if isinstance(keys, RoundKeyManager) else None):
-                self._quarantine_sender(str(peer), f"gathered round {claimed} in a group of round {keys.round}")
+            looking: _LookingByRound | None = self.__dict__.get("_looking")
+            round_ = None if looking is None else looking.key_rounds.pop(group_info.group_id, None)
+            for peer, claimed in disputers(gathered, round_):
+                self._quarantine_sender(str(peer), f"gathered round {claimed} in a group of round {round_}")
             return gathered
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
 
@@ -139,6 +142,32 @@ class RoundKeyManager(GroupKeyManager):
     def current_key(self) -> GroupKey:
         tag = "" if self.round is None else f"_r{self.round}"
         return f"{self.prefix}{tag}.0b{self.group_bits}"
+
+
+class _LookingByRound:
+    """hivemind's `Matchmaking.look_for_group`, keyed by the round of the step that looks, one look at a time.
+
+    Steps of one averager overlap: a round given up (the swarm moved on) is cancelled while the next round's step
+    starts. With the key's round set as each step starts, the older step looked on under the newer round's key with
+    its older round's data, met that round's group, and every member kept this honest node out as a liar
+    (`disputers`). Here the key's round is set when a step's look begins and held until it ends; the round whose
+    key formed each group is kept for its all-reduce (`key_rounds`)."""
+
+    def __init__(self, look_for_group: Callable[..., Awaitable[Any]], keys: RoundKeyManager, serializer: Any):
+        self._look, self._keys, self._serializer = look_for_group, keys, serializer
+        self._lock = asyncio.Lock()
+        self.key_rounds: dict[bytes, int | None] = {}
+        """The key's round of each group found, by group ID, until its all-reduce reads it (at most a few held)."""
+
+    async def __call__(self, step: StepControl, *args: Any, **kwargs: Any) -> Any:
+        async with self._lock:
+            self._keys.round = _step_round(self._serializer, step)
+            group_info = await self._look(step, *args, **kwargs)
+            if group_info is not None:
+                while len(self.key_rounds) >= 8:  # groups whose all-reduce never ran
+                    self.key_rounds.pop(next(iter(self.key_rounds)))
+                self.key_rounds[group_info.group_id] = self._keys.round
+            return group_info
 
 
 def _step_round(serializer: Any, step: StepControl) -> int | None:
