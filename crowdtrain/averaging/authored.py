@@ -78,8 +78,13 @@ class AuthoredAverager(DecentralizedAverager):
             self.bandwidth = bandwidth
 
     def authored_entries(self, group_info: GroupInfo) -> list[Entry]:
-        """Every member's entry, in `group_info.peer_ids`' order (`read_entries`)."""
-        return read_entries(self.serializer, self.prefix, group_info.peer_ids, group_info.gathered)
+        """Every member's entry, in `group_info.peer_ids`' order (`read_entries`); a group's entries are checked
+        once, however many of the averager's layers read them."""
+        checked: tuple[bytes, list[Entry]] | None = self.__dict__.get("_checked_entries")
+        if checked is None or checked[0] != group_info.group_id:
+            entries = read_entries(self.serializer, self.prefix, group_info.peer_ids, group_info.gathered)
+            checked = self._checked_entries = (group_info.group_id, entries)
+        return checked[1]
 
 
 def authored_gather(serializer: Any, prefix: str, author: RSAPrivateKey, share: Any, mode: int, gather: Any) -> list:

@@ -82,9 +82,9 @@ class PseudoGradientAverager(
         except UnauthoredEntryError as e:
             raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
         gathered = {peer: entry.value for peer, entry in zip(group_info.peer_ids, entries, strict=True)}
+        looking: _LookingByRound | None = self.__dict__.get("_looking")
+        round_ = None if looking is None else looking.key_rounds.pop(group_info.group_id, None)
         if len({gathered_round(value) for value in gathered.values()}) > 1:
-            looking: _LookingByRound | None = self.__dict__.get("_looking")
-            round_ = None if looking is None else looking.key_rounds.pop(group_info.group_id, None)
             for peer, claimed in disputers(gathered, round_):
                 self._quarantine_sender(str(peer), f"gathered round {claimed} in a group of round {round_}")
             return gathered
