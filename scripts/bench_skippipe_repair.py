@@ -30,7 +30,7 @@ from bench_skippipe_swarm import NUM_STAGES, bench_run, staged_model
 from benchlib import bench_parser, environment_json, print_table, say, write_json
 
 from crowdtrain.manifest import RunManifest
-from crowdtrain.modes.skippipe import HopLimits, StageService
+from crowdtrain.modes.skippipe.hops import HopLimits, StageService
 from crowdtrain.modes.skippipe.iteration import SkipPipeNode
 from crowdtrain.modes.skippipe.replicas.drift import fingerprint, fingerprint_positions
 from crowdtrain.modes.skippipe.replicas.stage_state import STATE_PARTS

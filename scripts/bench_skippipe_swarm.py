@@ -131,7 +131,7 @@ from crowdtrain import proto
 from crowdtrain.codecs.compression import decode_int8_blocks, encode_int8_blocks
 from crowdtrain.manifest import ModelSpec, RunManifest, demo, llama_20m
 from crowdtrain.models import ByteTokenizer, build_model
-from crowdtrain.modes.skippipe import HopLimits, StageService
+from crowdtrain.modes.skippipe.hops import HopLimits, StageService
 from crowdtrain.modes.skippipe.iteration import IterationReport, SkipPipeNode
 from crowdtrain.modes.skippipe.replicas.gradient_exchange import BACKGROUND_SHARE
 from crowdtrain.modes.skippipe.roster.costs import seconds_per_hop

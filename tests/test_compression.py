@@ -22,7 +22,7 @@ from crowdtrain.codecs.compression import (
     encode_int8_blocks,
     int8_blocks_size,
 )
-from crowdtrain.manifest.specs import DILOCO_COMPRESSIONS, AveragingSpec
+from crowdtrain.manifest import DILOCO_COMPRESSIONS, AveragingSpec
 
 
 def test_int8_round_trips_within_its_resolution_through_hiveminds_own_decoder() -> None:

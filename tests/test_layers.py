@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -38,10 +39,21 @@ LAYERS: dict[str, int] = {
 `collaboration` (hivemind.Optimizer for the run) stands on `averaging` and `state` (the verified state transfer),
 which import neither each other nor any other sibling."""
 
+MODE_SETTINGS = re.compile(r"modes(\.\w+)?\.settings")
+"""A training mode's run-file section (`crowdtrain.modes.settings`, `crowdtrain.modes.<mode>.settings`) is the
+manifest's layer: the manifest reads it, and it may import only what the manifest may."""
+
 
 def _unit(path: Path) -> str:
     relative = path.relative_to(PACKAGE)
+    if MODE_SETTINGS.fullmatch(".".join(relative.with_suffix("").parts)):
+        return "manifest"
     return relative.parts[0].removesuffix(".py")
+
+
+def _module_unit(parts: list[str]) -> str:
+    """The unit of `crowdtrain.<parts>`: its top-level package, or the manifest's layer for a mode's settings."""
+    return "manifest" if MODE_SETTINGS.fullmatch(".".join(parts)) else parts[0]
 
 
 def _imported_units(path: Path) -> set[str]:
@@ -54,9 +66,10 @@ def _imported_units(path: Path) -> set[str]:
             if len(parts) == 1:
                 units.update(alias.name for alias in node.names if alias.name != "__version__")
             else:
-                units.add(parts[1])
+                units.add(_module_unit(parts[1:]))
         elif isinstance(node, ast.Import):
-            units.update(alias.name.split(".")[1] for alias in node.names if alias.name.startswith("crowdtrain."))
+            modules = [alias.name.split(".")[1:] for alias in node.names if alias.name.startswith("crowdtrain.")]
+            units.update(_module_unit(parts) for parts in modules)
     return units
 
 
@@ -110,3 +123,5 @@ def test_the_check_itself_catches_an_upward_import(tmp_path: Path) -> None:
     module = tmp_path / "bad.py"
     module.write_text("from crowdtrain.node.daemon import Daemon\nfrom crowdtrain import proto\n")
     assert _imported_units(module) == {"node", "proto"}
+    module.write_text("from crowdtrain.modes.spes.settings import SPESSpec\nfrom crowdtrain.modes.spes import mode\n")
+    assert _imported_units(module) == {"manifest", "modes"}, "a mode's settings are the manifest's; the mode is not"

@@ -16,8 +16,9 @@ import torch
 from crowdtrain import proto
 from crowdtrain.data import WindowSampler
 from crowdtrain.manifest import TRAINING_MODES, demo
-from crowdtrain.modes import MODES, SwarmView, TrainingMode
+from crowdtrain.modes.base import SwarmView, TrainingMode
 from crowdtrain.modes.progress import Progress
+from crowdtrain.modes.registry import MODES
 from crowdtrain.node.config import NodeConfig
 from crowdtrain.training.loop import Trainer, TrainerOptions
 
@@ -41,6 +42,18 @@ def test_the_daemon_and_the_loop_never_branch_on_the_mode_name() -> None:
     ]
     lines = [(path.name, number, line) for path in places for number, line in enumerate(path.read_text().split("\n"))]
     assert not [f"{name}:{number + 1}" for name, number, line in lines if comparison.search(line)]
+
+
+def test_outside_the_modes_no_source_names_a_mode() -> None:
+    # The registry and each mode's settings say what a mode is and reads; the manifest, `status`, `eval`, the daemon
+    # and the loop ask them. The presets are runs of a mode, so they name theirs.
+    names = "|".join(MODES)
+    naming = re.compile(rf"training\.mode\s*(==|!=|in\b)|\"({names})\"")
+    sources = [path for path in PACKAGE.rglob("*.py") if "modes" not in path.relative_to(PACKAGE).parts[:1]]
+    sources = [path for path in sources if path.name != "presets.py" and not path.name.endswith("_pb2.py")]
+    assert len(sources) > 50
+    lines = [(path, number, line) for path in sources for number, line in enumerate(path.read_text().split("\n"))]
+    assert not [f"{path}:{number + 1}" for path, number, line in lines if naming.search(line)]
 
 
 class ScriptedMode(TrainingMode):

@@ -31,7 +31,7 @@ from crowdtrain.links.protocol import AddressVerdict
 from crowdtrain.manifest import RunManifest, demo
 from crowdtrain.models import load_tokenizer, precision_for_device, spec_parameter_count
 from crowdtrain.models.device import describe_device, resolve_device
-from crowdtrain.modes import mode_class
+from crowdtrain.modes.registry import mode_class
 from crowdtrain.node.addresses import DEFAULT_PORT, resolve_listen
 from crowdtrain.node.config import CheckConfig
 from crowdtrain.node.membership import with_join_token

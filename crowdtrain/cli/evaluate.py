@@ -37,11 +37,13 @@ from crowdtrain.cli.reader import join_as_reader
 from crowdtrain.data import WindowSampler, load_token_stream
 from crowdtrain.dht.records import owner_marker
 from crowdtrain.errors import BadInputError
-from crowdtrain.manifest import RunManifest, load_run_file, skippipe_spec
+from crowdtrain.manifest import RunManifest, load_run_file
 from crowdtrain.models import build_model, load_tokenizer, model_kind
-from crowdtrain.modes.skippipe import HopFailedError, HopLimits, StageService
+from crowdtrain.modes.registry import mode_class
+from crowdtrain.modes.skippipe.hops import HopFailedError, HopLimits, StageService
 from crowdtrain.modes.skippipe.replicas.stage_state import STATE_PARTS, state_timeout_s
 from crowdtrain.modes.skippipe.roster.membership import StageDirectory
+from crowdtrain.modes.skippipe.settings import skippipe_spec
 from crowdtrain.modes.skippipe.stages import StagedModel, check_path
 from crowdtrain.node.config import SwarmSettings
 from crowdtrain.node.membership import with_join_token
@@ -145,7 +147,7 @@ def evaluate(
 
 def _swarm_stages_count(manifest: RunManifest, num_stages: int) -> int:
     """The stages to score a SkipPipe swarm in: the run's (`--stages` may only repeat them)."""
-    if manifest.training.mode != "skippipe":
+    if mode_class(manifest).holds_whole_model:
         raise BadInputError(
             f"--initial-peers reads a SkipPipe run's stages from the swarm; run '{manifest.run_id}' is a "
             f"{manifest.training.mode} run: pass a checkpoint instead."

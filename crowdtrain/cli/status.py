@@ -25,7 +25,8 @@ from crowdtrain.cli.reader import join_as_reader
 from crowdtrain.cli.runs import choose_run
 from crowdtrain.dht.registry import RunListing, await_runs, list_peer_statuses, list_runs
 from crowdtrain.dht.validator import CrowdtrainRecordValidator
-from crowdtrain.manifest import RunManifest, expert_uids, skippipe_spec
+from crowdtrain.manifest import RunManifest, expert_uids
+from crowdtrain.modes.settings import MODE_SETTINGS, SUMMARIZED_MODES
 from crowdtrain.moe.placement import GridCoverage, grid_coverage
 from crowdtrain.node.addresses import shareable_address
 from crowdtrain.node.config import StatusConfig
@@ -205,14 +206,11 @@ def _copy(training: proto.TrainingStatus) -> proto.TrainingStatus:
 
 def _describe_training(training: proto.TrainingStatus) -> str:
     """The table's mode cell, e.g. "diloco 3/8 int8", "spes 3/8 fp16, owns 4/32 experts", "skippipe float16, stage 2,
-    iteration 41" or "gradients fp16"."""
+    iteration 41" or "gradients fp16": what every mode reports, then what the peer's mode adds."""
     step = f" {training.inner_step}/{training.inner_steps}" if training.inner_steps else ""
-    owned = f", owns {training.experts_owned}/{training.experts_total} experts" if training.experts_total else ""
-    if training.HasField("experts_capacity") and training.experts_capacity < training.experts_total:
-        owned += f" (room for {training.experts_capacity})"
-    if training.HasField("skippipe_stage"):
-        owned += f", stage {training.skippipe_stage}, iteration {training.skippipe_iteration}"
-    return f"{training.mode}{step} {training.compression}".strip() + owned
+    mode = MODE_SETTINGS.get(training.mode)  # a peer's record may name any mode
+    detail = "" if mode is None or mode.peer_detail is None else mode.peer_detail(training)
+    return f"{training.mode}{step} {training.compression}".strip() + detail
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,8 +237,9 @@ class RunSummary:
     """A DMoE run's coverage; None for a dense run or without a manifest."""
     excluded_peers: dict[str, int]
     """Peers kept out of averaging groups for sending bad parts: by how many peers, most excluded first."""
-    skippipe: SkipPipeSummary | None = None
-    """A SkipPipe run's stages and their replicas; None for other runs or without a manifest."""
+    mode_summary: ModeSummary | None = None
+    """What the run's training mode shows of it beside the above (SkipPipe: its stages and their replicas); None
+    for a mode that shows nothing more, or without a manifest."""
 
     def to_json(self) -> dict[str, Any]:
         """The "run" object of `status --json`."""
@@ -260,22 +259,22 @@ class RunSummary:
             "created_at": self.created_at,
             "expert_grid": None if self.expert_grid is None else self.expert_grid.to_json(),
             "excluded_peers": self.excluded_peers,
-            "skippipe": None if self.skippipe is None else dataclasses.asdict(self.skippipe),
+            **{mode: None for mode in SUMMARIZED_MODES},
+            **({} if self.mode_summary is None else {self.mode_summary.mode: self.mode_summary.json}),
         }
 
 
 @dataclass(frozen=True, slots=True)
-class SkipPipeSummary:
-    """A SkipPipe run as its manifest and its nodes' statuses say: the stages, the skip ratio and order in force,
-    how many nodes serve each stage (a stage with none is skipped by every microbatch), and how a stage's replicas
-    exchange their gradients (the dtype; overlapped: each step on the iteration before's sum)."""
+class ModeSummary:
+    """What a run's training mode shows of it (modes/settings.py's `run_summary`)."""
 
-    stages: int
-    skip_ratio: float
-    reorder: bool
-    replicas: list[int]
-    gradient_dtype: str
-    overlap_exchange: bool
+    mode: str
+    json: dict[str, Any]
+    """`status --json`'s object under the mode's name."""
+    line: str
+    """The table's line under the run's."""
+    healthy: bool
+    """False: the line is shown as a warning (e.g. a SkipPipe stage that no node serves)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,28 +320,18 @@ def summarize(run_id: str, listing: RunListing | None, statuses: list[proto.Peer
         created_at=manifest.created_at if manifest else None,
         expert_grid=_expert_grid(manifest, peers),
         excluded_peers=_excluded_peers(peers),
-        skippipe=_skippipe(manifest, peers),
+        mode_summary=_mode_summary(manifest, peers),
     )
     return StatusReport(run=run, peers=peers)
 
 
-def _skippipe(manifest: RunManifest | None, peers: Sequence[PeerView]) -> SkipPipeSummary | None:
-    if manifest is None or manifest.training.mode != "skippipe":
+def _mode_summary(manifest: RunManifest | None, peers: Sequence[PeerView]) -> ModeSummary | None:
+    summarize_run = None if manifest is None else MODE_SETTINGS[manifest.training.mode].run_summary
+    if manifest is None or summarize_run is None:
         return None
-    spec = skippipe_spec(manifest)
-    replicas = [0] * spec.stages
-    for peer in peers:
-        if peer.training is not None and peer.training.HasField("skippipe_stage"):
-            if peer.training.skippipe_stage < spec.stages:
-                replicas[peer.training.skippipe_stage] += 1
-    return SkipPipeSummary(
-        stages=spec.stages,
-        skip_ratio=spec.skip_ratio,
-        reorder=spec.reorder,
-        replicas=replicas,
-        gradient_dtype=spec.gradient_dtype,
-        overlap_exchange=spec.overlap_exchange,
-    )
+    trainings = [peer.training for peer in peers if peer.training is not None]
+    summary, line, healthy = summarize_run(manifest, trainings)
+    return ModeSummary(mode=manifest.training.mode, json=summary, line=line, healthy=healthy)
 
 
 def _excluded_peers(peers: Sequence[PeerView]) -> dict[str, int]:
@@ -383,7 +372,7 @@ def render(report: StatusReport, now: float) -> Group:
         f"  {run.samples_per_second:.1f} samples/s  ETA {eta}  {run.num_peers} peers",
         (f"  {run.partial_averages} partial averages rejected", "yellow") if run.partial_averages else "",
         _describe_expert_grid(run.expert_grid),
-        _describe_stages(run.skippipe),
+        _describe_mode(run.mode_summary),
     )
     table = Table(box=None, header_style="bold")  # columns never wrap: a narrow terminal crops instead
     numeric = ("samples/s", "epoch", "loss", "solo steps", "computing", "sent/round", "up/dn Mbit/s", "share")
@@ -437,14 +426,10 @@ def _reachability(peer: PeerView) -> str:
     return "yes" if peer.reachability_measured else "assumed"
 
 
-def _describe_stages(summary: SkipPipeSummary | None) -> tuple[str, str] | str:
+def _describe_mode(summary: ModeSummary | None) -> tuple[str, str] | str:
     if summary is None:
         return ""
-    replicas = "/".join(map(str, summary.replicas))
-    order = ", reordered" if summary.reorder else ""
-    exchange = f", gradients in {summary.gradient_dtype}" + (" overlapped" if summary.overlap_exchange else "")
-    text = f"  {summary.stages} stages (replicas {replicas}), skipping {summary.skip_ratio:.0%}{order}{exchange}"
-    return text, "" if min(summary.replicas) > 0 else "yellow"
+    return f"  {summary.line}", "" if summary.healthy else "yellow"
 
 
 def _describe_expert_grid(grid: GridCoverage | None) -> tuple[str, str] | str:

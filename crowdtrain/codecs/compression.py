@@ -233,7 +233,8 @@ CODECS: dict[str, Codec] = {
         Codec("none", NoCompression, runtime_pb2.NONE, 4, lossy=False, error_feedback=False),
     )
 }
-"""Every codec a manifest may name (which of them a section admits is the manifest's: `manifest/specs.py`)."""
+"""Every codec a manifest may name (which of them a section admits is the section's: `manifest/specs.py`,
+`modes/diloco/settings.py`)."""
 
 
 def codec_for(name: str) -> Codec:

@@ -1,8 +1,9 @@
 """The run manifest: what a run trains, on what data, with which optimizer and averaging; the founder builds it
 from a preset or a run file, and it travels through the DHT as a signed protobuf.
 
-specs      the sections: model, data, optimizer, averaging, and DiLoCo's, SPES's, SkipPipe's and DMoE's settings
-run        RunManifest: how its sections fit, its protobuf form, what it implies (SkipPipe's settings, expert uids)
+specs      the sections: model, data, optimizer, averaging, DMoE's settings; each mode's own section is its
+           sub-package's `settings.py` (crowdtrain/modes/settings.py), re-exported here
+run        RunManifest: how its sections fit, its protobuf form, what it implies (expert uids)
 presets    the named presets, plain functions returning a manifest
 loading    run files: TOML that extends a preset, and a preset printed as one
 """
@@ -31,34 +32,32 @@ from crowdtrain.manifest.run import (
     expert_uid_prefix,
     expert_uids,
     moe_layers,
-    skippipe_spec,
 )
 from crowdtrain.manifest.specs import (
     AGGREGATION_RULES,
     DATA_SOURCES,
-    DILOCO_COMPRESSIONS,
     EXPERT_ARCHITECTURES,
     MAX_EXPERTS_PER_LAYER,
-    MAX_FRAGMENTS,
     MAX_MODEL_CONFIG_BYTES,
-    MAX_SKIPPIPE_STAGES,
-    MAX_SPES_REPLICAS,
     PRECISIONS,
-    SKIPPIPE_ARCHITECTURES,
-    SKIPPIPE_GRADIENT_DTYPES,
-    SKIPPIPE_WIRE_DTYPES,
-    TRAINING_MODES,
     UID_PREFIX_PATTERN,
     AveragingSpec,
     DataSpec,
-    DiLoCoSpec,
     ModelSpec,
     MoESpec,
     OptimizerSpec,
-    SkipPipeSpec,
-    SPESSpec,
     TrainingSpec,
 )
+from crowdtrain.modes.diloco.settings import DILOCO_COMPRESSIONS, MAX_FRAGMENTS, DiLoCoSpec
+from crowdtrain.modes.settings import TRAINING_MODES
+from crowdtrain.modes.skippipe.settings import (
+    MAX_SKIPPIPE_STAGES,
+    SKIPPIPE_ARCHITECTURES,
+    SKIPPIPE_GRADIENT_DTYPES,
+    SKIPPIPE_WIRE_DTYPES,
+    SkipPipeSpec,
+)
+from crowdtrain.modes.spes.settings import MAX_SPES_REPLICAS, SPESSpec
 
 __all__ = [
     "ADMISSIONS",
@@ -105,7 +104,6 @@ __all__ = [
     "preset_run_file",
     "preset_summaries",
     "skippipe_demo",
-    "skippipe_spec",
     "spes_28m",
     "spes_250m",
     "spes_demo",

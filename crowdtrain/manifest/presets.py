@@ -7,17 +7,10 @@ from collections.abc import Callable
 from typing import Any
 
 from crowdtrain.manifest.run import RunManifest
-from crowdtrain.manifest.specs import (
-    AveragingSpec,
-    DataSpec,
-    DiLoCoSpec,
-    ModelSpec,
-    MoESpec,
-    OptimizerSpec,
-    SkipPipeSpec,
-    SPESSpec,
-    TrainingSpec,
-)
+from crowdtrain.manifest.specs import AveragingSpec, DataSpec, ModelSpec, MoESpec, OptimizerSpec, TrainingSpec
+from crowdtrain.modes.diloco.settings import DiLoCoSpec
+from crowdtrain.modes.skippipe.settings import SkipPipeSpec
+from crowdtrain.modes.spes.settings import SPESSpec
 from crowdtrain.structured import FieldError
 
 

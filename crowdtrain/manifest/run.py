@@ -13,18 +13,11 @@ from dataclasses import dataclass, field
 from google.protobuf.message import DecodeError
 
 from crowdtrain import proto
-from crowdtrain.manifest.specs import (
-    SKIPPIPE_ARCHITECTURES,
-    AveragingSpec,
-    DataSpec,
-    DiLoCoSpec,
-    ModelSpec,
-    MoESpec,
-    OptimizerSpec,
-    SkipPipeSpec,
-    SPESSpec,
-    TrainingSpec,
-)
+from crowdtrain.manifest.specs import AveragingSpec, DataSpec, ModelSpec, MoESpec, OptimizerSpec, TrainingSpec
+from crowdtrain.modes.diloco.settings import DiLoCoSpec
+from crowdtrain.modes.settings import check_mode_sections
+from crowdtrain.modes.skippipe.settings import SkipPipeSpec
+from crowdtrain.modes.spes.settings import SPESSpec
 from crowdtrain.structured import FieldError, from_message, to_message
 
 PROTOCOL_VERSION = 9
@@ -69,9 +62,9 @@ class RunManifest:
     diloco: DiLoCoSpec | None = None
     """DiLoCo runs, and SPES runs for their dense part; None there means DiLoCoSpec's defaults."""
     spes: SPESSpec | None = None
-    """SPES runs only (`training.mode = "spes"`); None there means SPESSpec's defaults."""
+    """SPES runs only; None there means SPESSpec's defaults. Which mode reads which section: modes/settings.py."""
     skippipe: SkipPipeSpec | None = None
-    """SkipPipe runs only (`training.mode = "skippipe"`); None there means SkipPipeSpec's defaults."""
+    """SkipPipe runs only; None there means SkipPipeSpec's defaults."""
     admission: str = "open"
     """`open`: anyone who reaches the swarm may join; `invite`: only nodes holding a join token the founder issued
     (`crowdtrain invite`), checked on every DHT request and every RPC (crowdtrain/dht/admission.py)."""
@@ -97,32 +90,7 @@ class RunManifest:
             _check_moe_layers(self.moe, self.model)
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
-        self._check_mode_sections()
-
-    def _check_mode_sections(self) -> None:
-        """The [diloco], [spes] and [moe] sections fit the training mode."""
-        if self.diloco is not None and self.training.mode not in ("diloco", "spes"):
-            raise ValueError(f"a [diloco] section needs training.mode 'diloco' or 'spes', not {self.training.mode!r}")
-        if self.spes is not None and self.training.mode != "spes":
-            raise ValueError(f"a [spes] section needs training.mode = 'spes', not {self.training.mode!r}")
-        if self.skippipe is not None and self.training.mode != "skippipe":
-            raise ValueError(f"a [skippipe] section needs training.mode = 'skippipe', not {self.training.mode!r}")
-        if self.training.mode == "skippipe":
-            _check_skippipe_model(self)
-            if self.optimizer.name != "adamw":
-                raise ValueError(
-                    "a SkipPipe run keeps each stage's AdamW state to repair drift and look ahead: "
-                    f"optimizer.name must be 'adamw', not {self.optimizer.name!r}"
-                )
-        if self.training.mode == "spes" and self.diloco is not None and self.diloco.fragments > 1:
-            raise ValueError("a SPES run averages its dense part every round: diloco.fragments must be 1")
-        if self.training.mode == "spes" and self.moe is not None:
-            raise ValueError("a SPES run trains the model's own experts: it can't have a [moe] section (DMoE)")
-        if self.diloco is not None and self.diloco.compression == "topk" and self.averaging.aggregation != "mean":
-            # a robust rule sees each peer's top-k values as outliers against the others' zeros: it drops them
-            raise ValueError(
-                f"diloco.compression 'topk' needs averaging.aggregation 'mean', not {self.averaging.aggregation!r}"
-            )
+        check_mode_sections(self)
 
     def to_bytes(self) -> bytes:
         """Serialize as a `proto.RunManifest` message."""
@@ -136,24 +104,6 @@ class RunManifest:
         except DecodeError as e:
             raise FieldError(f"not a RunManifest message: {e}") from None
         return from_message(cls, message)
-
-
-def skippipe_spec(manifest: RunManifest) -> SkipPipeSpec:
-    """A SkipPipe run's settings: its [skippipe] section, or the defaults."""
-    return manifest.skippipe if manifest.skippipe is not None else SkipPipeSpec()
-
-
-def _check_skippipe_model(manifest: RunManifest) -> None:
-    if manifest.moe is not None:
-        raise ValueError("a SkipPipe run cuts a dense decoder into stages: it can't have a [moe] section (DMoE)")
-    if manifest.model.architecture not in SKIPPIPE_ARCHITECTURES:
-        raise ValueError(
-            f"a SkipPipe run needs model.architecture {' or '.join(SKIPPIPE_ARCHITECTURES)}, "
-            f"not {manifest.model.architecture!r}"
-        )
-    stages, layers = skippipe_spec(manifest).stages, manifest.model.config.get("num_hidden_layers")
-    if not isinstance(layers, int) or isinstance(layers, bool) or layers < stages:
-        raise ValueError(f"a SkipPipe run of {stages} stages needs model.config.num_hidden_layers >= {stages}")
 
 
 def _check_moe_layers(moe: MoESpec, model: ModelSpec) -> None:

@@ -1,4 +1,5 @@
-"""The run manifest's sections: the model, data, optimizer, averaging and each training mode's settings.
+"""The run manifest's sections: the model, data, optimizer, averaging and DMoE's settings (each training mode's own
+section is in its sub-package, `crowdtrain/modes/<mode>/settings.py`).
 
 Each is a frozen dataclass validated in `__post_init__`; `RunManifest` (run.py) holds them and checks how they fit.
 """
@@ -10,6 +11,8 @@ import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from crowdtrain.modes.settings import DEFAULT_MODE, TRAINING_MODES
 
 MAX_MODEL_CONFIG_BYTES = 16 * 1024
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -102,8 +105,6 @@ class OptimizerSpec:
             raise ValueError(f"max_grad_norm must be 0 (no clipping) or positive, got {self.max_grad_norm}")
 
 
-TRAINING_MODES = ("gradients", "parameters", "diloco", "spes", "skippipe")
-"""The values of `training.mode`: one per training mode (crowdtrain.modes.MODES)."""
 AGGREGATION_RULES = ("mean", "trimmed_mean", "centered_clip")
 """The values of `averaging.aggregation` (crowdtrain.averaging.robust)."""
 
@@ -113,7 +114,7 @@ class TrainingSpec:
     """How the swarm trains: the training mode, whose own settings are in its section ([diloco], [spes],
     [skippipe])."""
 
-    mode: str = "gradients"
+    mode: str = DEFAULT_MODE
     """`gradients` (DeDLOC: average gradients every global step), `parameters` (Moshpit SGD: local steps, then
     average parameters), `diloco`, `spes` or `skippipe` (docs/modes/)."""
 
@@ -156,171 +157,6 @@ class AveragingSpec:
             )
         if self.group_size & (self.group_size - 1):
             raise ValueError(f"group_size must be a power of two (Moshpit grid keys are bits), got {self.group_size}")
-
-
-MAX_FRAGMENTS = 64
-"""The most fragments a streaming DiLoCo run may cut its parameters into."""
-DILOCO_COMPRESSIONS = ("fp16", "int8", "topk", "none")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DiLoCoSpec:
-    """DiLoCo runs (`training.mode = "diloco"`): local inner steps, then an outer step on averaged pseudo-gradients."""
-
-    inner_steps: int = 50
-    """H: an outer round ends when the swarm has processed H global batches (`target_batch_size` samples each)
-    in inner steps; each peer takes as many inner steps of its micro-batches as it manages meanwhile."""
-    outer_learning_rate: float = 0.7
-    """The outer Nesterov SGD's learning rate on the averaged pseudo-gradient (DiLoCo's default)."""
-    outer_momentum: float = 0.9
-    """The outer Nesterov SGD's momentum (DiLoCo's default)."""
-    compression: str = "fp16"
-    """Pseudo-gradients on the wire: `fp16`, `int8` (uniform 8-bit, per-part scale), `topk` (each tensor's largest
-    `topk_fraction` of values in fp16 with their indices, the rest kept back and added to the next round: error
-    feedback, crowdtrain.codecs.error_feedback) or `none`."""
-    topk_fraction: float = 0.02
-    """`topk` only: the fraction of each tensor's values a peer sends per round, in (0, 1]."""
-    overlap: bool = True
-    """Average a round's pseudo-gradients in the background while the next round's inner steps run, and apply
-    the outer step when the average is in (one round late, as in overlapped and streaming DiLoCo); false: inner
-    steps wait for the round's all-reduce."""
-    min_inner_steps: int | None = None
-    """Adaptive H (with `max_inner_steps`): the peers choose H from their measured compute and all-reduce times,
-    so that a round's all-reduce costs at most 5% of its compute (modes/diloco/adaptive_h.py), starting from
-    `inner_steps`, never below this. None (both): H stays `inner_steps`."""
-    max_inner_steps: int | None = None
-    """Adaptive H: the largest H the peers may agree on (see `min_inner_steps`)."""
-    fragments: int = 1
-    """Streaming DiLoCo: cut the parameters into this many fragments of consecutive layers (modes/diloco/fragments.py);
-    an outer round then lasts H / fragments global batches and averages one fragment, in turn, so each fragment is
-    still averaged every H global batches while a round sends (and with `overlap` holds in flight) 1/fragments of
-    the model. 1: the whole model every round. H must be a multiple; not with adaptive H or `topk`."""
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.inner_steps <= 1_000_000:
-            raise ValueError(f"inner_steps must be between 1 and 1000000, got {self.inner_steps}")
-        if not (math.isfinite(self.outer_learning_rate) and 0 < self.outer_learning_rate <= 10):
-            raise ValueError(f"outer_learning_rate must be in (0, 10], got {self.outer_learning_rate}")
-        if not (math.isfinite(self.outer_momentum) and 0 <= self.outer_momentum < 1):
-            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        if self.compression not in DILOCO_COMPRESSIONS:
-            raise ValueError(f"compression must be one of {', '.join(DILOCO_COMPRESSIONS)}, got {self.compression!r}")
-        if not (math.isfinite(self.topk_fraction) and 0 < self.topk_fraction <= 1):
-            raise ValueError(f"topk_fraction must be in (0, 1], got {self.topk_fraction}")
-        if (self.min_inner_steps is None) != (self.max_inner_steps is None):
-            raise ValueError("min_inner_steps and max_inner_steps go together (adaptive H), or neither")
-        self._check_fragments()
-        if self.min_inner_steps is not None and self.max_inner_steps is not None:
-            if not 1 <= self.min_inner_steps <= self.inner_steps <= self.max_inner_steps <= 1_000_000:
-                raise ValueError(
-                    "adaptive H needs 1 <= min_inner_steps <= inner_steps <= max_inner_steps <= 1000000, got "
-                    f"{self.min_inner_steps}, {self.inner_steps}, {self.max_inner_steps}"
-                )
-
-    def _check_fragments(self) -> None:
-        if not 1 <= self.fragments <= MAX_FRAGMENTS:
-            raise ValueError(f"fragments must be between 1 and {MAX_FRAGMENTS}, got {self.fragments}")
-        if self.fragments == 1:
-            return
-        if self.inner_steps % self.fragments:
-            raise ValueError(
-                f"inner_steps ({self.inner_steps}) must be a multiple of fragments ({self.fragments}): "
-                "each fragment is averaged every inner_steps global batches"
-            )
-        if self.min_inner_steps is not None or self.compression == "topk":
-            raise ValueError("fragments > 1 works with a fixed H (no min_inner_steps) and fp16, int8 or none, not topk")
-
-    @property
-    def inner_steps_range(self) -> tuple[int, int]:
-        """The H peers may agree on: (min, max), both `inner_steps` when H is fixed."""
-        if self.min_inner_steps is None or self.max_inner_steps is None:
-            return self.inner_steps, self.inner_steps
-        return self.min_inner_steps, self.max_inner_steps
-
-
-MAX_SPES_REPLICAS = 8
-"""The most owners a SPES run may give each expert."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SPESSpec:
-    """SPES runs (`training.mode = "spes"`): each node trains the dense parameters (averaged as in DiLoCo, with the
-    [diloco] settings) and only the routed experts it owns; the others come from their owners every round."""
-
-    merge_every: int = 0
-    """M: every M inner steps, each owner pulls each of its experts toward its most similar experts (the
-    expert-merging warm-up); 0: no warm-up."""
-    merge_neighbours: int = 2
-    """How many most similar experts (cosine similarity of their weights, same layer) an expert is pulled toward."""
-    merge_alpha: float = 0.1
-    """The pull's weight at the first inner step: θ ← (1 − α)·θ + α·mean(neighbours); it decays linearly to 0."""
-    merge_warmup_steps: int = 500
-    """The swarm's inner steps (global batches) over which α decays to 0; no merging after them."""
-    replicas: int = 1
-    """How many owners train each expert (as many as there are peers when fewer): each round's copy of the expert
-    is the mean of theirs, so an owner that vanishes mid-round costs its experts that owner's share of the round,
-    not the round. Each replica costs every owner the expert's gradients and moments and every node its fetch."""
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.replicas <= MAX_SPES_REPLICAS:
-            raise ValueError(f"replicas must be between 1 and {MAX_SPES_REPLICAS}, got {self.replicas}")
-        if not 0 <= self.merge_every <= 1_000_000:
-            raise ValueError(f"merge_every must be between 0 (no warm-up) and 1000000, got {self.merge_every}")
-        if not 1 <= self.merge_neighbours <= 64:
-            raise ValueError(f"merge_neighbours must be between 1 and 64, got {self.merge_neighbours}")
-        if not (math.isfinite(self.merge_alpha) and 0 <= self.merge_alpha <= 1):
-            raise ValueError(f"merge_alpha must be in [0, 1], got {self.merge_alpha}")
-        if not 1 <= self.merge_warmup_steps <= 10_000_000:
-            raise ValueError(f"merge_warmup_steps must be between 1 and 10000000, got {self.merge_warmup_steps}")
-
-
-SKIPPIPE_WIRE_DTYPES = ("float16", "bfloat16", "float32")
-SKIPPIPE_GRADIENT_DTYPES = ("bfloat16", "float32", "int8")
-MAX_SKIPPIPE_STAGES = 64
-SKIPPIPE_ARCHITECTURES = ("LlamaForCausalLM",)
-"""Decoder LMs whose layers `models.stages.StagedModel` cuts into stages."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SkipPipeSpec:
-    """SkipPipe runs (`training.mode = "skippipe"`): the model's layers cut into stages held by different nodes;
-    each microbatch visits stage 0 and a share of the others, in an order a scheduler picks
-    (crowdtrain/modes/skippipe)."""
-
-    stages: int = 4
-    """S: stage 0 holds the embeddings, the first layers and the head; the layers are cut as evenly as they go."""
-    skip_ratio: float = 0.25
-    """k: the share of stages 1..S-1 each microbatch skips (SkipPipe trains the model to tolerate it), in [0, 1)."""
-    reorder: bool = True
-    """Whether a microbatch may visit its stages in another order than ascending (the node free first goes first)."""
-    microbatches: int = 8
-    """M: the whole swarm's microbatches per iteration; each stage steps its optimizer once per iteration."""
-    wire_dtype: str = "float16"
-    """How hidden states and their gradients travel between stages: `float16`, `bfloat16` or `float32`."""
-    gradient_dtype: str = "bfloat16"
-    """How a stage's replicas exchange their iteration's gradient: `bfloat16` (half of float32's bytes, float32's
-    range; every replica sums the rounded values, so they stay bit-identical), `float32`, or `int8` (blocks of 4096
-    values with a float32 scale each: a quarter of float32's bytes; what rounding leaves out of a replica's gradient
-    is added to its next one). Not float16: a gradient's small values would underflow without a scale."""
-    overlap_exchange: bool = False
-    """Whether the replicas' gradient exchange runs during the next iteration instead of between the two, leaving
-    the iteration's critical path (on home links it was a third of a SkipPipe iteration). The replicas' true state
-    still takes every iteration's exact sum, one iteration later; meanwhile each replica computes on that state
-    stepped by its own share of the gradient (a look-ahead, crowdtrain/modes/skippipe/replicas/gradient_exchange.py)."""
-
-    def __post_init__(self) -> None:
-        if not 2 <= self.stages <= MAX_SKIPPIPE_STAGES:
-            raise ValueError(f"stages must be between 2 and {MAX_SKIPPIPE_STAGES}, got {self.stages}")
-        if not (math.isfinite(self.skip_ratio) and 0 <= self.skip_ratio < 1):
-            raise ValueError(f"skip_ratio must be in [0, 1), got {self.skip_ratio}")
-        if not 1 <= self.microbatches <= 4096:
-            raise ValueError(f"microbatches must be between 1 and 4096, got {self.microbatches}")
-        if self.wire_dtype not in SKIPPIPE_WIRE_DTYPES:
-            raise ValueError(f"wire_dtype must be one of {', '.join(SKIPPIPE_WIRE_DTYPES)}, got {self.wire_dtype!r}")
-        if self.gradient_dtype not in SKIPPIPE_GRADIENT_DTYPES:
-            raise ValueError(
-                f"gradient_dtype must be one of {', '.join(SKIPPIPE_GRADIENT_DTYPES)}, got {self.gradient_dtype!r}"
-            )
 
 
 EXPERT_ARCHITECTURES = ("ffn",)

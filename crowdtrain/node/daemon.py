@@ -39,8 +39,8 @@ from crowdtrain.links.probes import ProbeService
 from crowdtrain.manifest import RunManifest
 from crowdtrain.models import load_tokenizer, spec_parameter_count
 from crowdtrain.models.device import describe_device, resolve_device
-from crowdtrain.modes import mode_class
 from crowdtrain.modes.progress import Progress
+from crowdtrain.modes.registry import mode_class
 from crowdtrain.moe import ExpertSupervisor
 from crowdtrain.node.addresses import JoinAddress, join_address, resolve_listen
 from crowdtrain.node.config import NodeConfig

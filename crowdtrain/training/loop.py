@@ -36,9 +36,10 @@ from crowdtrain.models import (
     model_kind,
     precision_for_device,
 )
-from crowdtrain.modes import ModeContext, SwarmView, TrainingMode, mode_class
+from crowdtrain.modes.base import ModeContext, SwarmView, TrainingMode
 from crowdtrain.modes.compute import LocalCompute
 from crowdtrain.modes.progress import Progress
+from crowdtrain.modes.registry import mode_class
 from crowdtrain.moe.directory import ExpertDirectory
 from crowdtrain.training.checkpoint import load_latest_checkpoint
 from crowdtrain.training.checkpoint_writer import CheckpointSchedule, CheckpointWriter, take_snapshot

@@ -1,5 +1,6 @@
 """SkipPipe: pipeline stages on different nodes; stage-0 nodes drive microbatches along paths that skip stages.
 
+settings           the run file's [skippipe] section and what a SkipPipe run needs of its model (torch-free)
 mode               SkipPipeMode: the training-mode seam; one iteration per global step
 iteration          SkipPipeNode: one node's iteration (schedule, microbatches, waiting for the sources, the step)
 stages             StagedModel: a decoder LM cut into stages, its forward along any path of them (skipped, reordered)
@@ -11,9 +12,3 @@ roster/            who serves which stage: declarations, the leader's rosters, m
 May import: `averaging`, `planning`, `models`, `data`, `dht`, `manifest`, `optimizer`, `proto`, `errors`,
 `modes.base` and `modes.progress`.
 """
-
-from crowdtrain.modes.skippipe.hops.driver import MicrobatchOutcome, PipelineDriver
-from crowdtrain.modes.skippipe.hops.hop_wire import HopFailedError, HopLimits, HopRefusedError
-from crowdtrain.modes.skippipe.hops.stage_service import StageService
-
-__all__ = ["HopFailedError", "HopLimits", "HopRefusedError", "MicrobatchOutcome", "PipelineDriver", "StageService"]

@@ -33,13 +33,13 @@ import torch
 
 from crowdtrain.dht.records import owner_marker
 from crowdtrain.errors import CrowdtrainError
-from crowdtrain.manifest import skippipe_spec
 from crowdtrain.modes.base import ModeContext, SwarmView, TrainingMode
 from crowdtrain.modes.progress import Progress
-from crowdtrain.modes.skippipe import HopLimits, StageService
+from crowdtrain.modes.skippipe.hops import HopLimits, StageService
 from crowdtrain.modes.skippipe.iteration import IterationReport, SkipPipeNode
 from crowdtrain.modes.skippipe.roster.membership import PipelineMembers, StageDirectory, leader_of, membership_at
 from crowdtrain.modes.skippipe.roster.rostering import WAIT_FOR_ROSTER_S, Rostering
+from crowdtrain.modes.skippipe.settings import skippipe_spec
 from crowdtrain.modes.skippipe.stages import StagedModel
 from crowdtrain.optimizer import build_optimizer, set_scheduled_learning_rate
 from crowdtrain.planning.plan import BYTES_PER_MEGABIT

@@ -12,3 +12,9 @@ driver             PipelineDriver: a stage-0 node runs its microbatches along th
                    failed hop to another replica of its stage or skipping the stage
 device_clock       DeviceClock: the seconds a node's device takes per microbatch it computes, which it declares
 """
+
+from crowdtrain.modes.skippipe.hops.driver import MicrobatchOutcome, PipelineDriver
+from crowdtrain.modes.skippipe.hops.hop_wire import HopFailedError, HopLimits, HopRefusedError
+from crowdtrain.modes.skippipe.hops.stage_service import StageService
+
+__all__ = ["HopFailedError", "HopLimits", "HopRefusedError", "MicrobatchOutcome", "PipelineDriver", "StageService"]
