@@ -13,8 +13,10 @@ The micro-batch size is the node's (`--micro-batch-size`), the iteration's numbe
 (`skippipe.microbatches`); `target_batch_size` and the averaging settings are not used. A loss the loop
 publishes is the iteration's mean over the sources that reported theirs.
 
-A node peers can't dial (client mode) is refused with a sentence: every node of an iteration is called by others
-(hops, done messages, pings, its replicas' gradient fetches).
+Every node of an iteration is called by others (hops, done messages, pings, its replicas' gradient fetches). A node
+peers can't dial (client mode: behind a NAT) is called over connections it opens itself: it pings each other node of
+the newest roster every REACH_BACK_S (`_reach_back`), and libp2p carries their calls back over that connection. Two
+such nodes can't reach each other: a hop between them fails and is rerouted or skipped like any failed hop.
 
 Replicas that drifted apart (a lost gradient exchange) are made one again by `SkipPipeNode` (those that differ
 from the majority's fingerprint, or from the lower peer ID's of two, take that replica's state). A stage that has had
@@ -32,7 +34,6 @@ from typing import Any
 import torch
 
 from crowdtrain.dht.records import owner_marker
-from crowdtrain.errors import CrowdtrainError
 from crowdtrain.modes.base import ModeContext, SwarmView, TrainingMode
 from crowdtrain.modes.progress import Progress
 from crowdtrain.modes.skippipe.hops import HopLimits, StageService
@@ -48,6 +49,11 @@ logger = logging.getLogger(__name__)
 
 MAX_MICROBATCH_ROWS = 64
 """The most sequences one hop may carry (a node's micro-batch size must not exceed it)."""
+REACH_BACK_S = 5.0
+"""How often a node peers can't dial pings each other node of its roster, opening a connection they can call it
+over where none is open (or one closed) and keeping it in use."""
+REACH_BACK_AT_MOST = 64
+"""The most roster nodes one round of `_reach_back` pings."""
 
 
 class SkipPipeMode(Rostering, TrainingMode):
@@ -60,12 +66,6 @@ class SkipPipeMode(Rostering, TrainingMode):
         super().__init__(context)
         if context.compute is None or context.sampler is None:
             raise ValueError("a SkipPipe node computes its stage: it can't be an auxiliary aggregator")
-        if context.client_mode:
-            raise CrowdtrainError(
-                "Peers can't dial this node, and every node of a SkipPipe run is called by the others (pipeline "
-                "hops, done messages, its replicas' gradients); forward a port and pass --announce, or join "
-                "another run."
-            )
         if context.micro_batch_size > MAX_MICROBATCH_ROWS:
             raise ValueError(f"a SkipPipe microbatch holds at most {MAX_MICROBATCH_ROWS} sequences")
         manifest, self.sampler = context.manifest, context.sampler
@@ -120,6 +120,12 @@ class SkipPipeMode(Rostering, TrainingMode):
         # sources, or for a replica's gradient), and a node whose declaration expired meanwhile would be left out
         # of the roster a spare founds again, or given up on by the leader, while it serves.
         threading.Thread(target=self._keep_declared, name="skippipe-declaration", daemon=True).start()
+        if context.client_mode:
+            logger.info(
+                "peers can't dial this node: it keeps a connection open to each node of its SkipPipe roster, and "
+                "they call it over those"
+            )
+            threading.Thread(target=self._reach_back, name="skippipe-reach-back", daemon=True).start()
         link = (
             f"its link {self.me.seconds_per_hop * 1000:.1f} ms a hop"
             if self.me.seconds_per_hop > 0
@@ -263,6 +269,21 @@ class SkipPipeMode(Rostering, TrainingMode):
             )
             return
         self.optimizer.load_state_dict(state["optimizer"])
+
+    def _reach_back(self) -> None:
+        """For a node peers can't dial: ping each other node of the newest roster (the one it waits to enter, before
+        it is in one), now and every REACH_BACK_S, so each holds a connection to it to call it over."""
+        while not self._closing.is_set():
+            newest = self.history[-1] if self.history else None  # replaced, never changed, by the main thread
+            others = [node.peer_id for node in (newest.members if newest else ()) if node.peer_id != self.me.peer_id]
+            for peer in others[:REACH_BACK_AT_MOST]:
+                if self._closing.is_set():
+                    return
+                try:
+                    self.service.ping(peer, timeout_s=2.0)
+                except Exception as e:  # the service closing under it; the next round tries again
+                    logger.debug(f"could not reach {peer} to keep a connection open: {e!r}")
+            self._closing.wait(REACH_BACK_S)
 
     def close(self) -> None:
         self._closing.set()
