@@ -23,6 +23,7 @@ from tempfile import TemporaryDirectory
 from typing import Any
 
 from benchlib import (
+    arms_parser,
     print_table,
     save_logs,
     say,
@@ -30,38 +31,9 @@ from benchlib import (
     start_metered_daemons,
     write_json,
 )
+from lab.fixtures import LLAMA_20M_CONFIG, bench_run_file
 from lab.processes import ProcessGroups
 
-RUN_FILE = """
-run_id = "bench-diloco"
-target_batch_size = 64
-
-[model.config]
-vocab_size = 260
-hidden_size = 512
-intermediate_size = 1376
-num_hidden_layers = 8
-num_attention_heads = 8
-num_key_value_heads = 8
-max_position_embeddings = 512
-tie_word_embeddings = true
-
-[data]
-sequence_length = 64
-
-[optimizer]
-learning_rate = 0.001
-warmup_steps = 0
-total_steps = 100000
-
-[training]
-mode = "{mode}"
-
-[averaging]
-matchmaking_time_s = 3.0
-timeout_s = 60.0
-{diloco}
-"""
 METRICS_PORT = 29400
 
 
@@ -73,7 +45,17 @@ def run_arm(arm: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     overlap = "true" if arm == "diloco-overlap" else "false"
     diloco = f'\n[diloco]\ninner_steps = {args.inner_steps}\ncompression = "int8"\noverlap = {overlap}\n'
     run_file = root / f"{arm}.toml"
-    run_file.write_text(RUN_FILE.format(mode=mode, diloco=diloco if mode == "diloco" else ""))
+    run_file.write_text(
+        bench_run_file(
+            "bench-diloco",
+            batch=64,
+            model_config=LLAMA_20M_CONFIG,
+            sequence_length=64,
+            mode=mode,
+            averaging_timeout_s=60.0,
+            sections=diloco if mode == "diloco" else "",
+        )
+    )
     groups = ProcessGroups()
     try:
         start_metered_daemons(groups, root / arm, run_file, 2, micro_batch=8, metrics_port=METRICS_PORT)
@@ -104,12 +86,9 @@ def run_arm(arm: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--window-s", type=float, default=150.0, help="measured seconds per arm (150)")
+    parser = arms_parser(__doc__, ARMS, window_s=150.0)
     parser.add_argument("--warmup-s", type=float, default=45.0, help="seconds before the window (45)")
     parser.add_argument("--inner-steps", type=int, default=8, help="DiLoCo's H in global batches (8)")
-    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="arms to run (all)")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (bench-results/)")
     args = parser.parse_args()
     with TemporaryDirectory(prefix="crowdtrain-bench-diloco-") as folder:
         results = {arm: run_arm(arm, args, Path(folder)) for arm in args.arms}

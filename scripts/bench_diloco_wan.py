@@ -52,6 +52,7 @@ from benchlib import (
     with_children,
     write_json,
 )
+from lab.fixtures import LLAMA_20M_CONFIG, bench_run_file
 from lab.processes import HarnessError, ProcessGroups, await_condition, child_env
 from lab.swarm import START_TIMEOUT_S, Daemon, start_daemon, start_swarm
 from lab.wanlab import HostSpec, Lab, Scenario
@@ -77,12 +78,11 @@ SPES_ARMS = ("spes", "spes-replicas")
 rounds wait for the exchange), the experts from their owners as int8 changes; `spes-replicas`: two owners each."""
 STREAM_FRAGMENTS = 4
 """`diloco-int8-stream`: Streaming DiLoCo, the model in this many fragments, one averaged per H / 4 global batches."""
-LLAMA = {"vocab_size": 260, "max_position_embeddings": 512, "tie_word_embeddings": True}
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama-20m": ("LlamaForCausalLM", LLAMA | {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
-                                               "num_attention_heads": 8, "num_key_value_heads": 8}),
-    "demo": ("LlamaForCausalLM", LLAMA | {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
-                                          "num_attention_heads": 4, "num_key_value_heads": 4}),
+    "llama-20m": ("LlamaForCausalLM", LLAMA_20M_CONFIG),
+    "demo": ("LlamaForCausalLM", LLAMA_20M_CONFIG | {"hidden_size": 256, "intermediate_size": 688,
+                                                     "num_hidden_layers": 4, "num_attention_heads": 4,
+                                                     "num_key_value_heads": 4}),
     "olmoe-28m": ("OlmoeForCausalLM", dict(spes_28m().model.config)),
     "olmoe-demo": ("OlmoeForCausalLM", dict(spes_demo().model.config)),
 }  # fmt: skip
@@ -95,32 +95,6 @@ SCENARIOS = {
         HostSpec(name="home", count=3, upload_mbps=20, download_mbps=20),
     ),
 }
-RUN_FILE = """
-run_id = "wan-{arm}"
-target_batch_size = {batch}
-
-[model]
-architecture = "{architecture}"
-
-[model.config]
-{model}
-
-[data]
-sequence_length = {sequence}
-
-[optimizer]
-learning_rate = 0.001
-warmup_steps = 0
-total_steps = 100000
-
-[training]
-mode = "{mode}"
-
-[averaging]
-matchmaking_time_s = 3.0
-timeout_s = 90.0
-{diloco}{spes}
-"""
 START_S = 600.0
 """Bound on the daemons' start, link probes and wait for each other, before an arm's wall-time cap begins."""
 SCORE = re.compile(r"epoch (\d+): held-out loss ([\d.]+) on")
@@ -129,7 +103,6 @@ COMPUTING = re.compile(r"epoch (\d+): loss .*computing (\d+)% of the time")
 
 def run_text(args: argparse.Namespace, arm: str) -> str:
     architecture, config = MODELS[args.model]
-    model = "\n".join(f"{key} = {json.dumps(value)}" for key, value in config.items())  # TOML's scalars, as JSON's
     mode = "gradients" if arm in ("gradients", "single") else "spes" if arm in SPES_ARMS else "diloco"
     diloco = spes = ""
     if mode == "diloco":
@@ -142,9 +115,9 @@ def run_text(args: argparse.Namespace, arm: str) -> str:
     if mode == "spes":
         diloco = f'\n[diloco]\ninner_steps = {args.inner_steps}\ncompression = "int8"\noverlap = false\n'
         spes = f"\n[spes]\nreplicas = {2 if arm == 'spes-replicas' else 1}\n"
-    return RUN_FILE.format(
-        arm=arm, batch=BATCH, architecture=architecture, model=model, sequence=args.sequence_length, mode=mode,
-        diloco=diloco, spes=spes,
+    return bench_run_file(
+        f"wan-{arm}", batch=BATCH, model_config=config, sequence_length=args.sequence_length, mode=mode,
+        averaging_timeout_s=90.0, architecture=architecture, sections=diloco + spes,
     )  # fmt: skip
 
 

@@ -18,14 +18,13 @@ daemons' logs to <out>/logs/<arm>/.
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import time
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
-from benchlib import print_table, say, scrape_metrics, start_metered_daemons, write_json
+from benchlib import arms_parser, print_table, save_logs, say, scrape_metrics, start_metered_daemons, write_json
 from lab.attacker import attacker_launcher
 from lab.fixtures import tiny_run_file
 from lab.processes import ProcessGroups, await_condition
@@ -67,10 +66,7 @@ def run_arm(arm: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         logs = [nodes[index].log_path.read_text(errors="replace") for index in honest]
     finally:
         groups.kill_all()
-        kept = args.out / "logs" / arm
-        kept.mkdir(parents=True, exist_ok=True)
-        for log in (root / arm).glob("*.log"):
-            shutil.copy(log, kept / log.name)
+        save_logs(root / arm, args.out / "logs" / arm)
     return {
         "arm": arm,
         "honest_peers": len(honest),
@@ -91,11 +87,8 @@ def honest_loss_at(result: dict[str, Any], epoch: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--window-s", type=float, default=120.0, help="measured seconds per arm (120)")
+    parser = arms_parser(__doc__, ARMS, window_s=120.0)
     parser.add_argument("--scale", type=float, default=1e6, help="the scaled attacker's factor (1e6)")
-    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="arms to run (all)")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (bench-results/)")
     args = parser.parse_args()
     with TemporaryDirectory(prefix="crowdtrain-bench-poison-") as folder:
         results = [run_arm(arm, args, Path(folder)) for arm in args.arms]

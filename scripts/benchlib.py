@@ -315,6 +315,14 @@ def bench_parser(doc: str | None, quick_help: str | None = None) -> argparse.Arg
     return parser
 
 
+def arms_parser(doc: str | None, arms: Sequence[str], window_s: float) -> argparse.ArgumentParser:
+    """A benchmark's parser (`bench_parser`) with --window-s, the seconds measured per arm, and --arms, those to run."""
+    parser = bench_parser(doc)
+    parser.add_argument("--window-s", type=float, default=window_s, help=f"measured seconds per arm ({window_s:g})")
+    parser.add_argument("--arms", nargs="+", choices=arms, default=list(arms), help="arms to run (all)")
+    return parser
+
+
 def record_failure(results: dict[str, Any], name: str, error: Exception) -> None:
     """Print the traceback and keep the error as the part's result: the other parts' numbers are still worth having."""
     traceback.print_exc()

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import hivemind
 import pytest
+import torch
 from lab import swarm
 from lab.processes import ProcessGroups
 
@@ -37,6 +40,33 @@ def start_daemon(
 def kill_all_started() -> None:
     """Kill every process of every session this test started (daemons, their DHT processes, p2pd)."""
     STARTED.kill_all()
+
+
+def averager_group(
+    kind: Callable[..., Any], values: Sequence[torch.Tensor], dhts: Sequence[hivemind.DHT], prefix: str, **settings: Any
+) -> list[Any]:
+    """One started averager of `kind` per DHT, over a copy of its tensor in `values`, each waiting for a group of all of
+    them (2 s of matchmaking, 2 s per request); `settings` go to every one."""
+    return [
+        kind(
+            [value.clone()],
+            dht=dht,
+            prefix=prefix,
+            target_group_size=len(dhts),
+            min_group_size=len(dhts),
+            min_matchmaking_time=2.0,
+            request_timeout=2.0,
+            start=True,
+            **settings,
+        )
+        for value, dht in zip(values, dhts, strict=True)
+    ]
+
+
+def step_together(averagers: Sequence[Any], timeout_s: float = 60.0) -> list[Any]:
+    """Every averager's step at once, each on a thread of its own; the groups they found (None where one found none)."""
+    with ThreadPoolExecutor(len(averagers)) as pool:
+        return list(pool.map(lambda averager: averager.step(timeout=timeout_s), averagers))
 
 
 def shut_down(averagers: Iterable[Any], dhts: Iterable[Any]) -> None:

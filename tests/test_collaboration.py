@@ -21,11 +21,11 @@ import pytest
 import torch
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.utils import ValueWithExpiration, get_dht_time
-from lab.diloco import identity_key, loopback_dht
+from lab.diloco import collaborative_optimizer, loopback_dht
 from lab.processes import await_condition
 
 from crowdtrain.averaging.authored import Entry
-from crowdtrain.averaging.exact import new_partial_counter, require_complete
+from crowdtrain.averaging.exact import require_complete
 from crowdtrain.averaging.groups import chunk_timeout_s, join_request_timeout_s
 from crowdtrain.averaging.partition import PartialAverageError, PlanSharesMixin
 from crowdtrain.averaging.phases import PhaseAccumulator, PhaseTimes
@@ -33,7 +33,6 @@ from crowdtrain.collaboration import hivemind_optimizer
 from crowdtrain.collaboration.factory import (
     clear_micro_batch_gradients,
     discard_local_gradients,
-    make_optimizer,
     reuses_grad_buffers,
 )
 from crowdtrain.collaboration.hivemind_optimizer import CrowdtrainOptimizer
@@ -422,17 +421,7 @@ def _one_global_step(
     model = torch.nn.Linear(4, 3)
     inputs = torch.randn(8, 2, 4)
     dht = loopback_dht([])
-    optimizer = make_optimizer(
-        dht=dht,
-        manifest=manifest,
-        parameters=model.parameters(),
-        micro_batch_size=2,
-        client_mode=False,
-        group_bits="",
-        private_key=identity_key(dht),
-        partial_counter=new_partial_counter(),
-        reuse_grad_buffers=reuse_grad_buffers,
-    )
+    optimizer = collaborative_optimizer(dht, manifest, model.parameters(), 2, reuse_grad_buffers=reuse_grad_buffers)
     try:
         assert reuses_grad_buffers(optimizer) == reuse_grad_buffers
         reported, micro_batch = 0, 0

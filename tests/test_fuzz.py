@@ -662,6 +662,63 @@ def test_validators_refuse_every_hostile_record_without_raising(signed: Keys) ->
     assert_all_refused("validate", tally)
 
 
+# --- tensor parts, whatever their codec ------------------------------------------------------------------------
+
+
+def mutate_part_size(
+    rng: random.Random, part: runtime_pb2.Tensor, sizes: Sequence[int], min_many_dimensions: int
+) -> str:
+    """Set `part`'s size to up to 5 dimensions drawn from `sizes` (or any 32-bit one), or by chance to its own behind
+    `min_many_dimensions` or more 1s; what was done."""
+    size = [rng.choice([*sizes, rng.randrange(2**32)]) for _ in range(rng.randrange(6))]
+    how = f"size {size}"
+    if rng.random() < 0.3:
+        size = [1] * rng.randrange(min_many_dimensions, 200) + list(part.size)
+        how = f"{len(size)} dimensions"
+    del part.size[:]
+    part.size.extend(size)
+    return how
+
+
+def randomize_part(rng: random.Random, part: runtime_pb2.Tensor) -> str:
+    """Replace `part`'s buffer with random bytes and its size with up to 3 small dimensions; what was done."""
+    part.buffer = random_bytes(rng, 2000)
+    del part.size[:]
+    part.size.extend(rng.randrange(40) for _ in range(rng.randrange(4)))
+    return "a random buffer"
+
+
+def mutate_part_buffer(rng: random.Random, part: runtime_pb2.Tensor, donors: Sequence[bytes]) -> str:
+    """`mutate` `part`'s buffer; what was done."""
+    how, part.buffer = mutate(rng, part.buffer, donors)
+    return how
+
+
+def mutate_part_dtype(rng: random.Random, part: runtime_pb2.Tensor, dtypes: Sequence[str]) -> str:
+    part.dtype = rng.choice(dtypes)
+    return f"dtype {part.dtype!r}"
+
+
+PartChange = tuple[float, Callable[[runtime_pb2.Tensor], str]]
+"""A change of a tensor part (it returns what it did), and the roll below which it is the one made."""
+
+
+def changed_parts(
+    rng: random.Random,
+    valid: Sequence[runtime_pb2.Tensor],
+    changes: Sequence[PartChange],
+    within_contract: Callable[[runtime_pb2.Tensor], bool],
+) -> Iterator[Case]:
+    """Copies of `valid` parts, each changed by the first of `changes` whose bound its roll (in [0, 1)) is below;
+    hostile where `within_contract` says the codec must refuse it."""
+    while True:
+        part = runtime_pb2.Tensor()
+        part.CopyFrom(rng.choice(valid))
+        roll = rng.random()
+        how = next(change for bound, change in changes if roll < bound)(part)
+        yield Case(how, part, hostile=not within_contract(part))
+
+
 # --- 8-bit tensor parts --------------------------------------------------------------------------------------
 
 
@@ -681,43 +738,20 @@ def int8_cases(rng: random.Random) -> Iterator[Case]:
     ]
     donors = [part.buffer for part in valid]
     dtypes = ["", "int64", "float64", "bool", "complex64", "uint8", "float32 ", "torch.float32", "__class__", "Tensor"]
-    while True:
-        part = runtime_pb2.Tensor()
-        part.CopyFrom(rng.choice(valid))
-        roll = rng.random()
-        if roll < 0.3:
-            how, buffer = mutate(rng, part.buffer, donors)
-            part.buffer = buffer
-        elif roll < 0.55:
-            sizes = [rng.choice([0, 1, 2, 64, 2**31, 2**32 - 1, rng.randrange(2**32)]) for _ in range(rng.randrange(6))]
-            how = f"size {sizes}"
-            if rng.random() < 0.3:
-                sizes = [1] * rng.randrange(60, 200) + list(part.size)
-                how = f"{len(sizes)} dimensions"
-            del part.size[:]
-            part.size.extend(sizes)
-        elif roll < 0.7:
-            part.dtype = rng.choice(dtypes)
-            how = f"dtype {part.dtype!r}"
-        elif roll < 0.85:
-            codebook_size = rng.choice([0, 255, 257, -1, 2**62, -(2**63), rng.randrange(-(2**63), 2**63)])
-            part.buffer = codebook_size.to_bytes(8, "little", signed=True) + part.buffer[8:]
-            how = f"codebook size {codebook_size}"
-        else:
-            part.buffer, how = random_bytes(rng, 2000), "a random buffer"
-            del part.size[:]
-            part.size.extend(rng.randrange(40) for _ in range(rng.randrange(4)))
-        yield Case(how, part, hostile=not int8_within_contract(part))
 
+    def mutate_codebook_size(part: runtime_pb2.Tensor) -> str:
+        codebook_size = rng.choice([0, 255, 257, -1, 2**62, -(2**63), rng.randrange(-(2**63), 2**63)])
+        part.buffer = codebook_size.to_bytes(8, "little", signed=True) + part.buffer[8:]
+        return f"codebook size {codebook_size}"
 
-def test_bounded_int8_refuses_every_hostile_part() -> None:
-    tally = fuzz(
-        "BoundedInt8.extract",
-        lambda part: BoundedInt8().extract(part) is not None,
-        (ValueError,),
-        int8_cases(random.Random(f"{SEED}:int8")),
-    )
-    assert_all_refused("BoundedInt8.extract", tally)
+    changes: list[PartChange] = [
+        (0.3, lambda part: mutate_part_buffer(rng, part, donors)),
+        (0.55, lambda part: mutate_part_size(rng, part, [0, 1, 2, 64, 2**31, 2**32 - 1], min_many_dimensions=60)),
+        (0.7, lambda part: mutate_part_dtype(rng, part, dtypes)),
+        (0.85, mutate_codebook_size),
+        (1.0, lambda part: randomize_part(rng, part)),
+    ]
+    return changed_parts(rng, valid, changes, int8_within_contract)
 
 
 # --- top-k tensor parts --------------------------------------------------------------------------------------
@@ -770,41 +804,35 @@ def sparse_cases(rng: random.Random) -> Iterator[Case]:
         tensor = torch.randn(shape) * (torch.rand(shape) < density)
         valid.append(serialize_torch_tensor(tensor.half().float(), SPARSE_WIRE_TYPE))
     donors = [part.buffer for part in valid]
-    while True:
-        part = runtime_pb2.Tensor()
-        part.CopyFrom(rng.choice(valid))
-        roll = rng.random()
-        if roll < 0.35:
-            how, buffer = mutate(rng, part.buffer, donors)
-            part.buffer = buffer
-        elif roll < 0.55:
-            sizes = [rng.choice([0, 1, 7, 64, 2**20, 2**32 - 1, rng.randrange(2**32)]) for _ in range(rng.randrange(6))]
-            how = f"size {sizes}"
-            if rng.random() < 0.3:
-                sizes = [1] * rng.randrange(9, 200) + list(part.size)
-                how = f"{len(sizes)} dimensions"
-            del part.size[:]
-            part.size.extend(sizes)
-        elif roll < 0.65:
-            part.dtype = rng.choice(["", "int64", "float64", "bool", "uint8", "float32 ", "torch.float32"])
-            how = f"dtype {part.dtype!r}"
-        elif roll < 0.9:
-            how, part.buffer = mutate_sparse_part(rng, proto.SparsePart.FromString(part.buffer))
-        else:
-            part.buffer, how = random_bytes(rng, 2000), "a random buffer"
-            del part.size[:]
-            part.size.extend(rng.randrange(40) for _ in range(rng.randrange(4)))
-        yield Case(how, part, hostile=not sparse_within_contract(part))
+    dtypes = ["", "int64", "float64", "bool", "uint8", "float32 ", "torch.float32"]
+
+    def mutate_sparse_buffer(part: runtime_pb2.Tensor) -> str:
+        how, part.buffer = mutate_sparse_part(rng, proto.SparsePart.FromString(part.buffer))
+        return how
+
+    changes: list[PartChange] = [
+        (0.35, lambda part: mutate_part_buffer(rng, part, donors)),
+        (0.55, lambda part: mutate_part_size(rng, part, [0, 1, 7, 64, 2**20, 2**32 - 1], min_many_dimensions=9)),
+        (0.65, lambda part: mutate_part_dtype(rng, part, dtypes)),
+        (0.9, mutate_sparse_buffer),
+        (1.0, lambda part: randomize_part(rng, part)),
+    ]
+    return changed_parts(rng, valid, changes, sparse_within_contract)
 
 
-def test_sparse_float16_refuses_every_hostile_part() -> None:
+@pytest.mark.parametrize(
+    ("codec", "cases", "seed"),
+    [(BoundedInt8, int8_cases, "int8"), (SparseFloat16, sparse_cases, "topk")],
+    ids=["int8", "topk"],
+)
+def test_a_tensor_codec_refuses_every_hostile_part(
+    codec: type[BoundedInt8 | SparseFloat16], cases: Callable[[random.Random], Iterator[Case]], seed: str
+) -> None:
+    name = f"{codec.__name__}.extract"
     tally = fuzz(
-        "SparseFloat16.extract",
-        lambda part: SparseFloat16().extract(part) is not None,
-        (ValueError,),
-        sparse_cases(random.Random(f"{SEED}:topk")),
+        name, lambda part: codec().extract(part) is not None, (ValueError,), cases(random.Random(f"{SEED}:{seed}"))
     )
-    assert_all_refused("SparseFloat16.extract", tally)
+    assert_all_refused(name, tally)
 
 
 # --- downloaded states ---------------------------------------------------------------------------------------

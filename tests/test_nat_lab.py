@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,13 +94,13 @@ class Pair:
         await_condition(averaged_together, timeout_s, f"{num_rounds} outer rounds averaged with the NATed joiner")
 
 
-def start_pair(lab: Lab, tmp_path: Path, run_file: Path, founder_env: dict[str, str] = ENV) -> Pair:
+def start_pair(lab: Lab, tmp_path: Path, run_file: Path) -> Pair:
     """Found a run of `run_file` on the public host and join it from the NATed one."""
     public, home = lab.hosts
     founder_log, joiner_log = tmp_path / "founder.log", tmp_path / "joiner.log"
     founder = lab.spawn(public, [sys.executable, "-m", "crowdtrain", "run", "--state-dir", str(tmp_path / "a"),
                                  "--run-file", str(run_file)],
-                        stdout=founder_log.open("w"), stderr=subprocess.STDOUT, env=founder_env)  # fmt: skip
+                        stdout=founder_log.open("w"), stderr=subprocess.STDOUT, env=ENV)  # fmt: skip
     founded = await_condition(lambda: node_file(tmp_path / "a"), 90, "the founder's node.json")
     address = next(address for address in founded["multiaddrs"] if f"/ip4/{public.address}/" in address)
     joiner = lab.spawn(home, [sys.executable, "-m", "crowdtrain", "run", "--state-dir", str(tmp_path / "b"),
@@ -107,15 +109,22 @@ def start_pair(lab: Lab, tmp_path: Path, run_file: Path, founder_env: dict[str, 
     return Pair(founder, joiner, founder_log, joiner_log, founded, address)
 
 
-def test_a_diloco_volunteer_behind_nat_averages_outer_rounds_with_a_public_founder(tmp_path: Path) -> None:
-    run_file = tmp_path / "diloco.toml"
-    run_file.write_text(DILOCO)
+@contextlib.contextmanager
+def pair_in_lab(tmp_path: Path, run_text: str, timeout_s: float) -> Iterator[tuple[Host, Pair, dict[str, Any]]]:
+    """In the NAT lab, a pair training a run of `run_text` that averaged 2 outer rounds together within `timeout_s`:
+    the NATed host, the pair and the joiner's node.json; the lab is torn down after."""
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(run_text)
     with Lab(SCENARIO) as lab:
-        home = lab.hosts[1]
         pair = start_pair(lab, tmp_path, run_file)
-        pair.await_rounds_together(2, 180)
+        pair.await_rounds_together(2, timeout_s)
         joined = node_file(tmp_path / "b")
         assert joined is not None
+        yield lab.hosts[1], pair, joined
+
+
+def test_a_diloco_volunteer_behind_nat_averages_outer_rounds_with_a_public_founder(tmp_path: Path) -> None:
+    with pair_in_lab(tmp_path, DILOCO, 180) as (home, pair, joined):
         # the join command it prints names the founder it joined through, never its own LAN address
         printed = re.findall(r"crowdtrain run --initial-peers (\S+)", pair.joiner_log.read_text())
         assert printed == [pair.address], f"the NATed joiner printed {printed}"
@@ -130,14 +139,7 @@ def test_a_diloco_volunteer_behind_nat_averages_outer_rounds_with_a_public_found
 
 @pytest.mark.timeout(420)
 def test_a_spes_volunteer_behind_nat_owns_no_expert_and_every_round_gets_every_copy(tmp_path: Path) -> None:
-    run_file = tmp_path / "spes.toml"
-    run_file.write_text(SPES)
-    with Lab(SCENARIO) as lab:
-        home = lab.hosts[1]
-        pair = start_pair(lab, tmp_path, run_file)
-        pair.await_rounds_together(2, 300)
-        joined = node_file(tmp_path / "b")
-        assert joined is not None
+    with pair_in_lab(tmp_path, SPES, 300) as (home, pair, joined):
         shown = status_from(home, tmp_path / "b")
         trained = {peer["peer_id"]: peer["training"] for peer in shown["peers"]}
         assert trained[joined["peer_id"]]["experts_owned"] == 0, "nobody could fetch an expert it owned"

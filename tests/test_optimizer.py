@@ -90,27 +90,15 @@ def test_a_diloco_or_spes_inner_step_takes_the_runs_optimizer_clipping_and_sched
 @pytest.mark.parametrize("use_local_updates", [False, True], ids=["gradients", "parameters"])
 def test_a_gradients_or_parameters_run_steps_the_runs_optimizer_clipping_and_schedule(use_local_updates: bool) -> None:
 
-    from lab.diloco import identity_key, loopback_dht
+    from lab.diloco import collaborative_optimizer, loopback_dht
 
-    from crowdtrain.averaging.exact import new_partial_counter
     from crowdtrain.averaging.groups import join_request_timeout_s
-    from crowdtrain.collaboration.factory import make_optimizer
 
     spec = dataclasses.replace(SPEC, max_grad_norm=1e-3)
     run = dataclasses.replace(demo(), optimizer=spec, target_batch_size=4)
     parameter = torch.nn.Parameter(torch.zeros(2))
     dht = loopback_dht([])
-    optimizer = make_optimizer(
-        dht=dht,
-        manifest=run,
-        parameters=[parameter],
-        micro_batch_size=4,
-        client_mode=False,
-        group_bits="",
-        private_key=identity_key(dht),
-        partial_counter=new_partial_counter(),
-        use_local_updates=use_local_updates,
-    )
+    optimizer = collaborative_optimizer(dht, run, [parameter], 4, use_local_updates=use_local_updates)
     try:
         averagers = [optimizer.state_averager] + ([optimizer.grad_averager] if optimizer.grad_averager else [])
         for averager in averagers:  # below the matchmaking time: hivemind's matchmaking deadlocks otherwise

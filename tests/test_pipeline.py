@@ -17,21 +17,21 @@ import hivemind
 import pytest
 import torch
 from hivemind.p2p import P2PContext, PeerID
+from lab.diloco import loopback_dht
 from lab.look_ahead import LookAheadReference
 from lab.processes import await_condition
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from crowdtrain import proto
 from crowdtrain.codecs.compression import decode_int8_blocks, encode_int8_blocks, int8_blocks_size
 from crowdtrain.manifest import OptimizerSpec
-from crowdtrain.modes.skippipe import (
+from crowdtrain.modes.skippipe.hops import (
     HopFailedError,
     HopLimits,
     HopRefusedError,
     PipelineDriver,
     StageService,
+    stage_service,
 )
-from crowdtrain.modes.skippipe.hops import stage_service
 from crowdtrain.modes.skippipe.hops.hop_wire import CHUNK_BYTES, MAX_PACED_S, NAMESPACE, PACED_CHUNK_BYTES, paced_rate
 from crowdtrain.modes.skippipe.hops.stage_service import MAX_GRADIENT_WAITS
 from crowdtrain.modes.skippipe.iteration import IterationReport, SkipPipeNode
@@ -41,6 +41,8 @@ from crowdtrain.modes.skippipe.replicas.stage_state import STATE_PARTS, STATE_TI
 from crowdtrain.modes.skippipe.roster.schedule import NodeInfo, Route, Schedule, SkipPipeProblem, schedule_microbatches
 from crowdtrain.modes.skippipe.stages import StagedModel
 from crowdtrain.optimizer import build_optimizer
+from tests import schedules
+from tests.stage_swarm import stage_services, tiny_llama
 
 NUM_STAGES = 4
 HIDDEN = 32
@@ -55,17 +57,7 @@ def stage_optimizer(parameters: list[torch.nn.Parameter]) -> torch.optim.Optimiz
 
 
 def model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=NUM_STAGES,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=LIMITS.max_sequence,
-    )
-    return LlamaForCausalLM(config)
+    return tiny_llama(LIMITS, num_layers=NUM_STAGES)
 
 
 def tokens(seed: int = 1) -> torch.Tensor:
@@ -106,29 +98,28 @@ class Swarm:
             replicas.setdefault(stage, []).append(self.peer(node))
         return PipelineDriver(service=self.services[0], replicas=replicas, wire_dtype=wire_dtype, hop_timeout_s=20.0)
 
+    def roster(self) -> list[NodeInfo]:
+        """Every node as a schedule sees it: its stage, 1 s per microbatch, room for 2 microbatches."""
+        return [schedules.node(self.peer(node), stage, memory=2) for node, stage in enumerate(STAGE_OF_NODE)]
+
+    def joiner_dht(self) -> hivemind.DHT:
+        """A DHT for a node that joins the swarm."""
+        return loopback_dht(self.dhts[0].get_visible_maddrs())
+
 
 @pytest.fixture
 def swarm(request: pytest.FixtureRequest) -> Iterator[Swarm]:
     """Five nodes with their own p2p daemons and the same weights; `refusing` (indirect) names nodes whose backwards
     fail."""
     refusing = getattr(request, "param", ())
-    dhts: list[hivemind.DHT] = []
-    services: list[StageService] = []
-    try:
-        for node, stage in enumerate(STAGE_OF_NODE):
-            initial_peers = dhts[0].get_visible_maddrs() if dhts else []
-            dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers))
-            kind = RefusesBackwards if node in refusing else StageService
-            staged = StagedModel(model(), NUM_STAGES)
-            service = kind(dhts[-1], staged, stage, LIMITS, memory_microbatches=2, slot_wait_s=0.5)
-            service.start()
-            services.append(service)
+
+    def build(node: int, dht: hivemind.DHT) -> StageService:
+        kind = RefusesBackwards if node in refusing else StageService
+        staged = StagedModel(model(), NUM_STAGES)
+        return kind(dht, staged, STAGE_OF_NODE[node], LIMITS, memory_microbatches=2, slot_wait_s=0.5)
+
+    with stage_services(len(STAGE_OF_NODE), build) as (dhts, services):
         yield Swarm(dhts, services, [service.peer_id for service in services])
-    finally:
-        for service in services:
-            service.close()
-        for dht in dhts:
-            dht.shutdown()
 
 
 def reference_grads(path: Sequence[int], batch: torch.Tensor) -> dict[int, list[torch.Tensor]]:
@@ -410,10 +401,7 @@ def test_iterations_on_every_node_step_each_stage_as_one_process_would(
     ends where one process ends that runs the same routes with gradient accumulation, clipping and AdamW, and the
     two replicas of stage 1 hold the same bits; a joiner steps as the replica it joined; replicas that drifted apart
     are one again after the next iteration."""
-    nodes = [
-        NodeInfo(peer_id=swarm.peer(node), stage=stage, seconds_per_microbatch=1.0, memory_microbatches=2)
-        for node, stage in enumerate(STAGE_OF_NODE)
-    ]
+    nodes = swarm.roster()
     # A node that runs no iteration yet (held) keeps other sources' done messages of whatever iteration it will
     # enter at: here 100, past the 64 iterations after the one it is held at.
     swarm.services[1].hold(-1)
@@ -474,10 +462,7 @@ def test_stage_nodes_step_once_their_share_has_run_without_waiting_for_the_sourc
     """The source's done messages are held back until the other nodes have stepped: each stage node sums its
     gradient and steps once the backwards of the routes through it have run (stage 1's replicas with each other),
     and reports, with no done message of the iteration yet, the loss of the iteration before."""
-    nodes = [
-        NodeInfo(peer_id=swarm.peer(node), stage=stage, seconds_per_microbatch=1.0, memory_microbatches=2)
-        for node, stage in enumerate(STAGE_OF_NODE)
-    ]
+    nodes = swarm.roster()
     num_microbatches = 4
     data = [tokens(seed) for seed in range(num_microbatches * 2)]
     runners = [exact_runner(service, nodes, data, num_microbatches) for service in swarm.services]
@@ -512,10 +497,7 @@ def test_a_stage_node_given_no_microbatch_finds_a_dead_source_gone(swarm: Swarm)
     node 2, whose share is whole at once, pings the source before it steps and suspects it as the nodes that waited
     for their microbatches do (where that source was the last of stage 0, a replica that went on alone would step
     apart from its twins, which hold)."""
-    nodes = [
-        NodeInfo(peer_id=swarm.peer(node), stage=stage, seconds_per_microbatch=1.0, memory_microbatches=2)
-        for node, stage in enumerate(STAGE_OF_NODE)
-    ]
+    nodes = swarm.roster()
 
     def all_through_node_1(problem: SkipPipeProblem) -> Schedule:
         schedule = schedule_microbatches(problem)
@@ -539,10 +521,7 @@ def test_replicas_sum_the_gradients_as_published_in_the_runs_dtype(swarm: Swarm)
     in peer-ID order, of what each published, bit for bit; in float32 the sum is of the gradients themselves; in
     int8 blocks (a quarter of float32's bytes) each publishes its gradient plus what rounding left out of its last
     int8 one, and both hold the same bits."""
-    nodes = [
-        NodeInfo(peer_id=swarm.peer(node), stage=stage, seconds_per_microbatch=1.0, memory_microbatches=2)
-        for node, stage in enumerate(STAGE_OF_NODE)
-    ]
+    nodes = swarm.roster()
     replicas = [
         SkipPipeNode(
             service=swarm.services[node],
@@ -686,9 +665,7 @@ def assert_a_joiner_steps_as_the_replica_it_joined(
     swarm: Swarm, nodes: list[NodeInfo], replica: SkipPipeNode, iterations: int
 ) -> None:
     # A joining replica of stage 1 takes the stage's state from node 1 and steps exactly as node 1 does from then on.
-    joiner_dht = hivemind.DHT(
-        start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=swarm.dhts[0].get_visible_maddrs()
-    )
+    joiner_dht = swarm.joiner_dht()
     joiner = StageService(joiner_dht, StagedModel(model(), NUM_STAGES), 1, LIMITS)
     try:
         joiner.start()
@@ -746,10 +723,7 @@ def test_an_overlapped_exchange_steps_the_true_state_on_the_sum_before_and_compu
     state: no drift repair); a replica that joins after iteration 2 computes on the true state it downloaded and
     steps on the others' sum of iteration 2 at its first iteration, so that all three hold the same bits after it.
     Stage 1's first replica has a measured link: the exchange in the background is paced, and sums the same."""
-    nodes = [
-        NodeInfo(peer_id=swarm.peer(node), stage=stage, seconds_per_microbatch=1.0, memory_microbatches=2)
-        for node, stage in enumerate(STAGE_OF_NODE)
-    ]
+    nodes = swarm.roster()
     num_microbatches, iterations = 4, 4
     data = [tokens(seed) for seed in range(num_microbatches * iterations)]
     runners = [
@@ -757,9 +731,7 @@ def test_an_overlapped_exchange_steps_the_true_state_on_the_sum_before_and_compu
         for index, service in enumerate(swarm.services)
     ]
     assert runners[1].service.background_bytes_per_s == 250_000.0 and runners[2].service.background_bytes_per_s is None
-    joiner_dht = hivemind.DHT(
-        start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=swarm.dhts[0].get_visible_maddrs()
-    )
+    joiner_dht = swarm.joiner_dht()
     joiner_service = StageService(joiner_dht, StagedModel(model(), NUM_STAGES), 1, LIMITS)
     try:
         joiner_service.start()
@@ -769,8 +741,7 @@ def test_an_overlapped_exchange_steps_the_true_state_on_the_sum_before_and_compu
         with torch.no_grad():
             for parameter in joiner_service.staged.stage_parameters(1):
                 parameter.add_(1.0)  # whatever it held, the download replaces
-        everyone = [*nodes, NodeInfo(peer_id=joiner_service.peer_id, stage=1, seconds_per_microbatch=1.0,
-                                     memory_microbatches=2)]  # fmt: skip
+        everyone = [*nodes, schedules.node(joiner_service.peer_id, 1, memory=2)]
         joiner = exact_runner(joiner_service, everyone, data, num_microbatches, overlap=True)
         assert joiner.join(swarm.peer(1)) == iterations - 1
         for other in runners:

@@ -17,10 +17,9 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
-from lab.diloco import identity_key, loopback_dhts
+from lab.diloco import collaborative_optimizer, loopback_dhts
 from lab.processes import await_condition
 
-from crowdtrain.averaging.exact import new_partial_counter
 from crowdtrain.averaging.progress_bounds import (
     DISTRUST_S,
     MAX_SAMPLES_PER_SECOND,
@@ -30,7 +29,7 @@ from crowdtrain.averaging.progress_bounds import (
     ProgressBounds,
     plausible_samples,
 )
-from crowdtrain.collaboration.factory import clear_micro_batch_gradients, make_optimizer
+from crowdtrain.collaboration.factory import clear_micro_batch_gradients
 from crowdtrain.dht.records import epoch_ceiling
 from crowdtrain.manifest import demo
 from tests.harness import shut_down
@@ -248,15 +247,22 @@ def test_stepping_dates_the_beginning_of_the_epoch(dht: hivemind.DHT) -> None:
     assert before <= tracker.bounds.starts.started_at[7] <= get_dht_time()
 
 
-def test_a_fresh_reading_of_the_swarms_progress_replaces_the_view_at_once() -> None:
-    # The tracker's own fetches come a refresh period apart; a step about to average alone reads again (issue 12).
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
+def signing_dht(first: hivemind.DHT) -> tuple[hivemind.DHT, RSASignatureValidator]:
+    """A DHT on loopback bootstrapped from `first`, and the validator that signs what it stores with a key of its own,
+    as another peer's tracker signs its progress."""
     peers = [str(address) for address in first.get_visible_maddrs()]
     signer = RSASignatureValidator(RSAPrivateKey())
-    second = hivemind.DHT(
+    dht = hivemind.DHT(
         start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers, use_ipfs=False,
         record_validators=[signer],
     )  # fmt: skip
+    return dht, signer
+
+
+def test_a_fresh_reading_of_the_swarms_progress_replaces_the_view_at_once() -> None:
+    # The tracker's own fetches come a refresh period apart; a step about to average alone reads again (issue 12).
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_ipfs=False)
+    second, signer = signing_dht(first)
     try:
         tracker = BoundedProgressTracker(
             dht=first, prefix="bounds-refresh", target_batch_size=TARGET, start=False, bounds=bounds()
@@ -326,27 +332,13 @@ def test_a_peer_claiming_a_far_epoch_costs_a_real_swarm_one_download_not_one_per
     # "out of sync" at every step and downloaded each other's state forever, never reaching epoch 1.
     manifest = dataclasses.replace(demo(), target_batch_size=8, created_at=time.time() - 3600.0)
     first, second = loopback_dhts(2)
-    peers = [str(address) for address in first.get_visible_maddrs()]
-    signer = RSASignatureValidator(RSAPrivateKey())
-    attacker = hivemind.DHT(
-        start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers, use_ipfs=False,
-        record_validators=[signer],
-    )  # fmt: skip
+    attacker, signer = signing_dht(first)
     models, optimizers, downloads = [], [], [0, 0]
     try:
         for index, dht in enumerate((first, second)):
             torch.manual_seed(0)
             models.append(torch.nn.Linear(4, 3))
-            optimizer = make_optimizer(
-                dht=dht,
-                manifest=manifest,
-                parameters=models[-1].parameters(),
-                micro_batch_size=2,
-                client_mode=False,
-                group_bits="",
-                private_key=identity_key(dht),
-                partial_counter=new_partial_counter(),
-            )
+            optimizer = collaborative_optimizer(dht, manifest, models[-1].parameters(), 2)
             optimizers.append(optimizer)
             download = optimizer.load_state_from_peers
 

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ from crowdtrain.averaging.traffic import AggregationSettings, TrafficCountingAve
 from crowdtrain.cli.status import render, summarize
 from crowdtrain.dht.records import RecordError, decode_peer_status, owner_marker, peer_id_of_owner
 from crowdtrain.modes.progress import Progress
-from tests.harness import shut_down
+from tests.harness import averager_group, shut_down, step_together
 
 
 def test_a_first_offence_keeps_a_peer_out_for_a_while_and_repeats_double_up_to_a_cap() -> None:
@@ -117,26 +115,19 @@ PART_BYTES = 4 * 500
 def test_a_peer_that_sent_nan_parts_is_left_out_of_the_next_round() -> None:
     dhts = loopback_dhts(3)
     values = [torch.full((SIZE,), 1.0), torch.full((SIZE,), 3.0), torch.full((SIZE,), math.nan)]
-    averagers: list[Any] = [
-        QuarantiningAverager(
-            [values[rank].clone()],
-            dht=dhts[rank],
-            prefix="quarantine-test",
-            target_group_size=3,
-            min_group_size=3,
-            min_matchmaking_time=2.0,
-            request_timeout=2.0,
-            aggregation=AggregationSettings(rule="mean", max_weight=1.0),
-            part_size_bytes=PART_BYTES,
-            start=True,
-        )
-        for rank in range(3)
-    ]
+    averagers = averager_group(
+        QuarantiningAverager,
+        values,
+        dhts,
+        "quarantine-test",
+        aggregation=AggregationSettings(rule="mean", max_weight=1.0),
+        part_size_bytes=PART_BYTES,
+    )
     honest, attacker = averagers[:2], averagers[2]
     attacker_id = str(dhts[2].peer_id)
     try:
-        with ThreadPoolExecutor(3) as pool:  # round 1: all three; each honest reducer drops the NaN part
-            assert all(group is not None for group in pool.map(lambda averager: averager.step(timeout=60), averagers))
+        # round 1: all three; each honest reducer drops the NaN part
+        assert all(group is not None for group in step_together(averagers))
         for averager in honest:
             # The verdict travels from the averager's process to this one through a queue: awaited, not assumed.
             excluded = await_condition(averager.excluded_peers, 10, "the attacker's quarantine")
@@ -147,9 +138,7 @@ def test_a_peer_that_sent_nan_parts_is_left_out_of_the_next_round() -> None:
         attacker.set_min_group_size(2)
         # Round 2: the attacker looks for a group too, but the honest peers neither accept it nor ask it to lead.
         attacker_round = attacker.step(timeout=20, wait=False)
-        with ThreadPoolExecutor(2) as pool:
-            groups = list(pool.map(lambda averager: averager.step(timeout=60), honest))
-        for group in groups:
+        for group in step_together(honest):
             assert group is not None and attacker_id not in {str(peer) for peer in group}, group
         assert attacker_round.exception(timeout=40) is not None  # it found nobody to average with
         assert not attacker.excluded_peers()  # its own reducer saw only honest parts

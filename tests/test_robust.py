@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ from crowdtrain.averaging.robust import (
     trimmed_mean,
 )
 from crowdtrain.averaging.traffic import AggregationSettings, TrafficCountingAverager
-from tests.harness import shut_down
+from tests.harness import averager_group, shut_down, step_together
 
 HONEST = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.2, 1.8, 3.1]), torch.tensor([0.8, 2.2, 2.9])]
 HONEST_MEAN = torch.stack(HONEST).mean(dim=0)
@@ -100,24 +98,10 @@ class RobustAverager(TrafficCountingAverager):
 def test_one_peer_of_four_sending_huge_values_does_not_move_the_honest_average() -> None:
     dhts = loopback_dhts(4)
     values = [*HONEST, torch.full((3,), 1e6)]
-    averagers: list[Any] = [
-        RobustAverager(
-            [values[rank].clone()],
-            dht=dhts[rank],
-            prefix="robust-test",
-            target_group_size=4,
-            min_group_size=4,
-            min_matchmaking_time=2.0,
-            request_timeout=2.0,
-            aggregation=AggregationSettings(rule="trimmed_mean", max_weight=1.0),
-            start=True,
-        )
-        for rank in range(4)
-    ]
+    aggregation = AggregationSettings(rule="trimmed_mean", max_weight=1.0)
+    averagers = averager_group(RobustAverager, values, dhts, "robust-test", aggregation=aggregation)
     try:
-        with ThreadPoolExecutor(4) as pool:
-            gathered = list(pool.map(lambda averager: averager.step(timeout=60), averagers))
-        assert all(group is not None for group in gathered), "every peer found the group"
+        assert all(group is not None for group in step_together(averagers)), "every peer found the group"
         for averager in averagers[:3]:
             with averager.get_tensors() as tensors:
                 assert torch.allclose(tensors[0], HONEST_MEAN, atol=0.5), tensors[0]

@@ -17,17 +17,17 @@ from dataclasses import dataclass
 import hivemind
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from crowdtrain import proto
 from crowdtrain.manifest import OptimizerSpec
-from crowdtrain.modes.skippipe import HopFailedError, HopLimits, StageService
+from crowdtrain.modes.skippipe.hops import HopFailedError, HopLimits, StageService
 from crowdtrain.modes.skippipe.hops.hop_callers import IterationCallers
 from crowdtrain.modes.skippipe.hops.stage_ledger import MAX_ITERATIONS_AHEAD
 from crowdtrain.modes.skippipe.iteration import SkipPipeNode
-from crowdtrain.modes.skippipe.roster.schedule import NodeInfo
 from crowdtrain.modes.skippipe.stages import StagedModel
 from crowdtrain.optimizer import build_optimizer
+from tests import schedules
+from tests.stage_swarm import stage_services, tiny_llama
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -41,17 +41,7 @@ STAGE_OF = (0, 0, 1, 1)
 
 
 def model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=HIDDEN,
-        intermediate_size=32,
-        num_hidden_layers=NUM_STAGES,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=LIMITS.max_sequence,
-    )
-    return LlamaForCausalLM(config)
+    return tiny_llama(LIMITS, num_layers=NUM_STAGES)
 
 
 class PublishFails(StageService):
@@ -81,21 +71,12 @@ class Swarm:
 
 @pytest.fixture
 def swarm() -> Iterator[Swarm]:
-    dhts: list[hivemind.DHT] = []
-    services: list[StageService] = []
-    try:
-        for node, stage in enumerate(STAGE_OF):
-            initial_peers = dhts[0].get_visible_maddrs() if dhts else []
-            dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers))
-            kind = PublishFails if node == REPLICA else StageService
-            services.append(kind(dhts[-1], StagedModel(model(), NUM_STAGES), stage, LIMITS, slot_wait_s=0.5))
-            services[-1].start()
+    def build(node: int, dht: hivemind.DHT) -> StageService:
+        kind = PublishFails if node == REPLICA else StageService
+        return kind(dht, StagedModel(model(), NUM_STAGES), STAGE_OF[node], LIMITS, slot_wait_s=0.5)
+
+    with stage_services(len(STAGE_OF), build) as (_, services):
         yield Swarm(services)
-    finally:
-        for service in services:
-            service.close()
-        for dht in dhts:
-            dht.shutdown()
 
 
 def hop(swarm: Swarm, caller: int, call: str, values: torch.Tensor, dtype: str = "float32", microbatch: int = 0):
@@ -176,10 +157,7 @@ def test_a_gradient_that_cant_be_published_does_not_stop_the_iterations(swarm: S
     """Stage 1's replicas: one holds a non-finite gradient (iteration 0), then fails to publish (iteration 1); each
     iteration ends on every node, the replicas step on the other's gradient, and hold the same finite weights."""
     members = [SOURCE, REPLICA, TWIN]
-    nodes = [
-        NodeInfo(peer_id=swarm.peer(node), stage=STAGE_OF[node], seconds_per_microbatch=1.0, memory_microbatches=2)
-        for node in members
-    ]
+    nodes = [schedules.node(swarm.peer(node), STAGE_OF[node], memory=2) for node in members]
     runners = [
         SkipPipeNode(
             service=swarm.services[node],

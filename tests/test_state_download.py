@@ -8,7 +8,7 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind reads typing's AsyncIterator as a stream)
 
@@ -177,6 +177,29 @@ def wait_for_donors(dht: hivemind.DHT, priorities: set[float], timeout_s: float 
     raise AssertionError(f"the donors' priorities {priorities} never reached the DHT")
 
 
+def same_parameters(model: torch.nn.Module, other: torch.nn.Module) -> bool:
+    pairs = zip(model.parameters(), other.parameters(), strict=True)
+    return all(torch.equal(mine, theirs) for mine, theirs in pairs)
+
+
+@contextlib.contextmanager
+def a_donor_and_a_joiner(donor_class: type) -> Iterator[tuple[hivemind.DHT, Any, Any, Callable[[], bool]]]:
+    """A donor of `donor_class` at epoch 4 and a joiner with another model, each on a DHT of its own: (the donor's
+    DHT, donor, joiner, holds_donors_parameters) once the joiner sees the donor; `holds_donors_parameters()` says
+    whether the joiner's parameters are the donor's."""
+    first, second = loopback_dhts(2)
+    averagers: list[Any] = []
+    try:
+        donor, donor_model = make_averager(donor_class, first, seed=1, priority=1.0)
+        joiner, joiner_model = make_averager(PlannedStateAverager, second, seed=3)
+        averagers += [donor, joiner]
+        donor.local_epoch = 4
+        wait_for_donors(second, {1.0})
+        yield first, donor, joiner, lambda: same_parameters(joiner_model, donor_model)
+    finally:
+        shut_down(averagers, dhts=[first, second])
+
+
 @pytest.mark.swarm
 def test_a_joiner_skips_a_poisoned_donor_and_loads_the_honest_state() -> None:
     dhts = loopback_dhts(3)
@@ -190,8 +213,7 @@ def test_a_joiner_skips_a_poisoned_donor_and_loads_the_honest_state() -> None:
         wait_for_donors(dhts[2], {1.0, 1e9})
         joiner.load_state_from_peers(timeout=30)
         assert joiner.local_epoch == 4
-        for mine, theirs in zip(joiner_model.parameters(), honest_model.parameters(), strict=True):
-            assert torch.equal(mine, theirs)
+        assert same_parameters(joiner_model, honest_model)
         assert all(torch.isfinite(parameter).all() for parameter in joiner_model.parameters())
         assert joiner.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
     finally:
@@ -220,20 +242,13 @@ class CutShortStateAverager(DonorStateAverager):
 def test_a_donor_serves_one_state_per_peer_and_few_in_all_and_the_rest_get_an_empty_answer() -> None:
     # Each answer makes a whole copy of the state before its first byte: a peer's third request at once is answered
     # empty without a copy (the donor's host process made one copy, not three), another peer is still served.
-    first, second = loopback_dhts(2)
-    peers = first.get_visible_maddrs()
-    averagers: list[Any] = []
-    try:
-        donor, donor_model = make_averager(HeldDonorStateAverager, first, seed=1, priority=1.0)
-        joiner, joiner_model = make_averager(PlannedStateAverager, second, seed=3)
-        averagers += [donor, joiner]
-        donor.local_epoch = 4
-        wait_for_donors(second, {1.0})
+    with a_donor_and_a_joiner(HeldDonorStateAverager) as (donor_dht, donor, joiner, holds_donors_parameters):
+        peers = donor_dht.get_visible_maddrs()
 
         async def ask_at_once(count: int) -> None:
             p2p = await P2P.create(initial_peers=peers)
             try:
-                stub: Any = DonorStateAverager.get_stub(p2p, first.peer_id, namespace="verified_state_test")
+                stub: Any = DonorStateAverager.get_stub(p2p, donor_dht.peer_id, namespace="verified_state_test")
                 streams = [await stub.rpc_download_state(averaging_pb2.DownloadRequest()) for _ in range(count)]
                 firsts = [asyncio.ensure_future(anext(stream, None)) for stream in streams]
                 async with asyncio.timeout(30):  # the refused answers end while the admitted one waits
@@ -254,10 +269,7 @@ def test_a_donor_serves_one_state_per_peer_and_few_in_all_and_the_rest_get_an_em
                 await p2p.shutdown()
 
         asyncio.run(ask_at_once(3))
-        for mine, theirs in zip(joiner_model.parameters(), donor_model.parameters(), strict=True):
-            assert torch.equal(mine, theirs)
-    finally:
-        shut_down(averagers, dhts=[first, second])
+        assert holds_donors_parameters()
 
 
 @pytest.mark.swarm
@@ -268,14 +280,7 @@ def test_a_stream_cut_short_is_asked_again_after_a_pause_not_held_against_the_do
     # A fresh-clone CI run failed this way: the only donor's stream ended early once, the joiner called that a
     # malformed state, never asked that donor again, and so never joined the swarm.
     monkeypatch.setattr(state_download, "CUT_SHORT_PAUSE_S", 2.0)  # before the averager processes fork
-    first, second = loopback_dhts(2)
-    averagers: list[Any] = []
-    try:
-        donor, donor_model = make_averager(CutShortStateAverager, first, seed=1, priority=1.0)
-        joiner, joiner_model = make_averager(PlannedStateAverager, second, seed=3)
-        averagers += [donor, joiner]
-        donor.local_epoch = 4
-        wait_for_donors(second, {1.0})
+    with a_donor_and_a_joiner(CutShortStateAverager) as (_, donor, joiner, holds_donors_parameters):
         assert joiner.load_state_from_peers(timeout=30) is None, "the cut stream is not loaded"
         assert (joiner.local_epoch, donor.served) == (0, 1)
         assert joiner.load_state_from_peers(timeout=30) is None, "the donor is not asked again at once"
@@ -285,10 +290,7 @@ def test_a_stream_cut_short_is_asked_again_after_a_pause_not_held_against_the_do
             joiner.load_state_from_peers(timeout=30)
             time.sleep(0.2)
         assert joiner.local_epoch == 4, "after its pause the donor is asked again, and its whole state is loaded"
-        for mine, theirs in zip(joiner_model.parameters(), donor_model.parameters(), strict=True):
-            assert torch.equal(mine, theirs)
-    finally:
-        shut_down(averagers, dhts=[first, second])
+        assert holds_donors_parameters()
 
 
 def test_cut_short_pauses_double_with_each_stream_in_a_row_up_to_the_maximum_and_a_whole_state_ends_them() -> None:
@@ -558,8 +560,7 @@ def a_liar_two_donors_and_a_joiner(liar_class: type) -> Iterator[tuple[Any, Any,
         wait_for_donors(dhts[3], {1e9, 2.0, 1.0})
 
         def loaded_honestly() -> bool:
-            pairs = zip(joiner_model.parameters(), honest_model.parameters(), strict=True)
-            return joiner.local_epoch == 4 and all(torch.equal(mine, theirs) for mine, theirs in pairs)
+            return joiner.local_epoch == 4 and same_parameters(joiner_model, honest_model)
 
         yield liar, witness, joiner, loaded_honestly
     finally:

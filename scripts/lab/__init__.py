@@ -4,7 +4,7 @@ swarm      `crowdtrain run` daemons started, awaited and read back through `crow
 processes  children in sessions of their own, killed with all they started; waits with deadlines
 procfs     the one /proc reader of tests and benchmarks: sessions, groups, children, CPU time, memory
 wanlab     hosts as network namespaces behind one bridge, each with its own upload/download cap (root only)
-fixtures   the tiny model and data tables of a run file, so a global step takes seconds on two shared cores
+fixtures   run files: the tiny model's tables (a global step in seconds on two shared cores), the benchmarks' runs
 diloco     real DiLoCoModes in one process over loopback DHTs, for the outer-step tests and the wire benchmark
 attacker   a `crowdtrain run` daemon whose gradients are poisoned (scaled or NaN), for the trust benchmark
 look_ahead SkipPipe's overlapped exchange in one process: the reference of the pipeline test and its benchmark

@@ -3,7 +3,8 @@
 Each DiLoCo peer (`diloco_peers`) is a real DiLoCoMode (its averager process, its progress tracker, a DHT on
 loopback) over its own replica of the given tensors; nothing computes (compute=None): callers write what inner
 steps would have done straight into the replicas. Each SPES peer (`spes_peers`) is a real SPESMode over its own
-replica of the run's model, built from the same seed, with real forward and backward passes.
+replica of the run's model, built from the same seed, with real forward and backward passes. A gradients or
+parameters run's peer is its collaborative optimizer (`collaborative_optimizer`) on such a DHT.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,6 +23,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from crowdtrain import proto
 from crowdtrain.averaging.exact import new_partial_counter
 from crowdtrain.averaging.phases import PhaseAccumulator
+from crowdtrain.collaboration.factory import make_optimizer
 from crowdtrain.manifest import RunManifest
 from crowdtrain.models import MicroStep, build_model, model_kind, precision_for_device
 from crowdtrain.modes.base import ModeContext, SwarmView
@@ -67,6 +69,28 @@ def loopback_dht(initial_peers: Sequence[Any]) -> hivemind.DHT:
         )
     _IDENTITY_KEYS[dht.peer_id.to_base58()] = identity.private_key
     return dht
+
+
+def collaborative_optimizer(
+    dht: hivemind.DHT,
+    run: RunManifest,
+    parameters: Iterable[torch.nn.Parameter],
+    micro_batch_size: int,
+    **options: Any,
+) -> hivemind.Optimizer:
+    """`run`'s hivemind.Optimizer over `parameters` as a dialable node makes it on `dht` (started by `loopback_dht`):
+    no group bits, signing with the DHT's identity key; `options` go to make_optimizer as they are."""
+    return make_optimizer(
+        dht=dht,
+        manifest=run,
+        parameters=parameters,
+        micro_batch_size=micro_batch_size,
+        client_mode=False,
+        group_bits="",
+        private_key=identity_key(dht),
+        partial_counter=new_partial_counter(),
+        **options,
+    )
 
 
 @contextlib.contextmanager

@@ -1,5 +1,10 @@
 """Run-file pieces shared by the tests and the benchmarks."""
 
+from __future__ import annotations
+
+import json
+from typing import Any
+
 TINY_MODEL_TOML = """
 [model.config]
 vocab_size = 260
@@ -91,4 +96,60 @@ timeout_s = 15.0
 inner_steps = 2
 compression = "fp16"
 overlap = false
+"""
+
+
+LLAMA_20M_CONFIG: dict[str, Any] = {
+    "vocab_size": 260,
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}
+"""The llama-20m preset's shape with the byte vocabulary: 25.4M parameters."""
+
+
+def bench_run_file(
+    run_id: str,
+    *,
+    batch: int,
+    model_config: dict[str, Any],
+    sequence_length: int,
+    mode: str,
+    averaging_timeout_s: float,
+    architecture: str = "LlamaForCausalLM",
+    sections: str = "",
+) -> str:
+    """A benchmark's run file: `model_config` as its [model.config] table, AdamW at 1e-3 with no warm-up, 3 s of
+    matchmaking; `sections` adds tables after [averaging]."""
+    # TOML writes these scalars (numbers, booleans, strings) as JSON does
+    model = "\n".join(f"{key} = {json.dumps(value)}" for key, value in model_config.items())
+    return f"""
+run_id = "{run_id}"
+target_batch_size = {batch}
+
+[model]
+architecture = "{architecture}"
+
+[model.config]
+{model}
+
+[data]
+sequence_length = {sequence_length}
+
+[optimizer]
+learning_rate = 0.001
+warmup_steps = 0
+total_steps = 100000
+
+[training]
+mode = "{mode}"
+
+[averaging]
+matchmaking_time_s = 3.0
+timeout_s = {averaging_timeout_s}
+{sections}
 """
