@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from lab.fixtures import tiny_run_file
+from lab.fixtures import tiny_skippipe_run_file
 from lab.processes import await_condition
 from lab.wanlab import Lab
 
@@ -16,18 +16,7 @@ from tests.test_nat_lab import SCENARIO, node_file, start_pair, status_from
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300), NEEDS_NAT_LAB]
 
-SKIPPIPE = tiny_run_file(
-    "nat-skippipe",
-    64,
-    mode="skippipe",
-    sections="""
-[skippipe]
-stages = 2
-skip_ratio = 0.0
-microbatches = 4
-wire_dtype = "float32"
-""",
-)
+SKIPPIPE = tiny_skippipe_run_file("nat-skippipe")
 
 
 def iterations_of_two(log: Path) -> list[int]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lab.fixtures import tiny_run_file
+from lab.fixtures import tiny_skippipe_run_file
 from lab.processes import await_condition
 from lab.swarm import Daemon, crowdtrain, status_json
 
@@ -19,19 +19,7 @@ from tests.harness import start_daemon
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
-RUN_FILE = tiny_run_file(
-    "tiny-skippipe",
-    64,
-    mode="skippipe",
-    sections="""
-[skippipe]
-stages = 2
-skip_ratio = 0.0
-microbatches = 4
-wire_dtype = "float32"
-gradient_dtype = "int8"
-""",
-)
+RUN_FILE = tiny_skippipe_run_file("tiny-skippipe", extra='gradient_dtype = "int8"')
 ENV = {"CROWDTRAIN_MICRO_BATCH_SIZE": "4", "CROWDTRAIN_NUM_THREADS": "1"}
 
 

@@ -51,46 +51,61 @@ def demo_moe() -> RunManifest:
 
 def llama_20m() -> RunManifest:
     """A 25M-parameter LLaMA on the embedded corpus, sized for CPU benchmarks: sequence 128."""
-    return RunManifest(
-        run_id="llama-20m",
-        model=ModelSpec(config=_byte_llama_config(hidden_size=512, intermediate_size=1376, num_layers=8, num_heads=8)),
-        data=DataSpec(source="embedded", sequence_length=128),
+    return _byte_llama_run(
+        "llama-20m",
+        _byte_llama_config(hidden_size=512, intermediate_size=1376, num_layers=8, num_heads=8),
+        sequence_length=128,
         optimizer=OptimizerSpec(name="adamw", learning_rate=1e-3, warmup_steps=20, total_steps=10_000),
         target_batch_size=256,
-        training=TrainingSpec(mode="gradients"),
-        averaging=AveragingSpec(group_size=16, grid_dims=2, compression="fp16"),
     )
 
 
 def llama_85m() -> RunManifest:
     """An 85M-parameter LLaMA (GPT-2 small's shape) on the embedded corpus, for a GPU: sequence 512."""
-    return RunManifest(
-        run_id="llama-85m",
-        model=ModelSpec(
-            config=_byte_llama_config(hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12)
-        ),
-        data=DataSpec(source="embedded", sequence_length=512),
+    return _byte_llama_run(
+        "llama-85m",
+        _byte_llama_config(hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12),
+        sequence_length=512,
         optimizer=OptimizerSpec(name="adamw", learning_rate=6e-4, warmup_steps=50, total_steps=10_000),
         target_batch_size=512,
-        # 170 MB of fp16 gradients per round: over 50 Mbit/s home uplinks a round takes about 30 s.
-        training=TrainingSpec(mode="gradients"),
-        averaging=AveragingSpec(group_size=16, grid_dims=2, compression="fp16", timeout_s=60.0),
+        averaging_timeout_s=60.0,  # 170 MB of fp16 gradients per round: about 30 s over 50 Mbit/s home uplinks
     )
 
 
 def llama_350m() -> RunManifest:
     """A 351M-parameter LLaMA (24 layers of width 1024) on the embedded corpus, for GPUs: sequence 512."""
-    return RunManifest(
-        run_id="llama-350m",
-        model=ModelSpec(
-            config=_byte_llama_config(hidden_size=1024, intermediate_size=3392, num_layers=24, num_heads=16)
-        ),
-        data=DataSpec(source="embedded", sequence_length=512),
+    return _byte_llama_run(
+        "llama-350m",
+        _byte_llama_config(hidden_size=1024, intermediate_size=3392, num_layers=24, num_heads=16),
+        sequence_length=512,
         optimizer=OptimizerSpec(name="adamw", learning_rate=3e-4, warmup_steps=100, total_steps=10_000),
         target_batch_size=512,
-        # 0.7 GB of fp16 gradients per round: over 100 Mbit/s links a round takes about a minute.
+        averaging_timeout_s=90.0,  # 0.7 GB of fp16 gradients per round: about a minute over 100 Mbit/s links
+    )
+
+
+def _byte_llama_run(
+    run_id: str,
+    config: dict[str, Any],
+    *,
+    sequence_length: int,
+    optimizer: OptimizerSpec,
+    target_batch_size: int,
+    averaging_timeout_s: float | None = None,
+) -> RunManifest:
+    """A gradients-mode run of a byte-level LLaMA on the embedded corpus, fp16 on the wire; the averaging timeout
+    AveragingSpec's unless given."""
+    averaging = AveragingSpec(group_size=16, grid_dims=2, compression="fp16")
+    if averaging_timeout_s is not None:
+        averaging = dataclasses.replace(averaging, timeout_s=averaging_timeout_s)
+    return RunManifest(
+        run_id=run_id,
+        model=ModelSpec(config=config),
+        data=DataSpec(source="embedded", sequence_length=sequence_length),
+        optimizer=optimizer,
+        target_batch_size=target_batch_size,
         training=TrainingSpec(mode="gradients"),
-        averaging=AveragingSpec(group_size=16, grid_dims=2, compression="fp16", timeout_s=90.0),
+        averaging=averaging,
     )
 
 

@@ -70,22 +70,29 @@ class BoundedConnectionHandler(AdmissionGated, ConnectionHandler):
         grads = await self._process_inputs(inputs, backend.backward_pool, backend.grad_inputs_schema)
         return runtime_pb2.ExpertResponse(tensors=grads)
 
-    async def rpc_forward_stream(
+    def rpc_forward_stream(
         self, requests: typing.AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> typing.AsyncIterator[runtime_pb2.ExpertResponse]:
-        uid, inputs = await self._gather(requests, "forward", context)
-        backend = self.module_backends[uid]
-        outputs = await self._process_inputs(inputs, backend.forward_pool, backend.outputs_schema)
-        for part in (part for tensor in outputs for part in split_for_streaming(tensor, DEFAULT_MAX_MSG_SIZE)):
-            yield runtime_pb2.ExpertResponse(tensors=[part])
+        return self._stream(requests, "forward", context)
 
-    async def rpc_backward_stream(
+    def rpc_backward_stream(
         self, requests: typing.AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> typing.AsyncIterator[runtime_pb2.ExpertResponse]:
-        uid, inputs = await self._gather(requests, "backward", context)
+        return self._stream(requests, "backward", context)
+
+    async def _stream(
+        self, requests: typing.AsyncIterator[runtime_pb2.ExpertRequest], call: str, context: P2PContext
+    ) -> typing.AsyncIterator[runtime_pb2.ExpertResponse]:
+        """A streamed forward or backward: the checked request gathered, run in the call's pool, its answer sent in
+        parts of at most hivemind's message size."""
+        uid, inputs = await self._gather(requests, call, context)
         backend = self.module_backends[uid]
-        grads = await self._process_inputs(inputs, backend.backward_pool, backend.grad_inputs_schema)
-        for part in (part for tensor in grads for part in split_for_streaming(tensor, DEFAULT_MAX_MSG_SIZE)):
+        if call == "forward":
+            pool, schema = backend.forward_pool, backend.outputs_schema
+        else:
+            pool, schema = backend.backward_pool, backend.grad_inputs_schema
+        answer = await self._process_inputs(inputs, pool, schema)
+        for part in (part for tensor in answer for part in split_for_streaming(tensor, DEFAULT_MAX_MSG_SIZE)):
             yield runtime_pb2.ExpertResponse(tensors=[part])
 
     async def _gather(

@@ -74,6 +74,23 @@ sequence_length = 32
 """A tiny OLMoE's model and data tables: 2 layers of 8 experts, 16 experts for a SPES run's nodes to own."""
 
 
+def tiny_skippipe_run_file(run_id: str, extra: str = "") -> str:
+    """A whole SkipPipe run file for the tiny model: 2 stages, no skips, 4 microbatches an iteration, hops in float32;
+    `extra` adds lines to the [skippipe] table."""
+    return tiny_run_file(
+        run_id,
+        64,
+        mode="skippipe",
+        sections=f"""
+[skippipe]
+stages = 2
+skip_ratio = 0.0
+microbatches = 4
+wire_dtype = "float32"
+{extra}""",
+    )
+
+
 def tiny_spes_run_file(run_id: str) -> str:
     """A whole SPES run file for the tiny OLMoE: two inner steps a round, fp16 exchanges, short timeouts."""
     return f"""
