@@ -28,6 +28,7 @@ from crowdtrain.modes.skippipe.roster.membership import (
     spare_for_empty_stage,
     stage_zero_gone,
 )
+from crowdtrain.modes.skippipe.roster.rostering import MISSING_READS, Rostering
 from crowdtrain.modes.skippipe.roster.schedule import NodeInfo
 
 
@@ -218,3 +219,52 @@ def test_status_shows_the_stages_replicas_and_gradient_exchange_in_force() -> No
     console = Console(width=240, record=True)
     console.print(render(report, now=2.0))
     assert "4 stages (replicas 2/1/0/1), skipping 25%, reordered, gradients in int8" in console.export_text()
+
+
+class Declarations:
+    """What a follower's reads of the declarations find, one dict per read."""
+
+    def __init__(self, *reads: dict[str, NodeInfo]):
+        self.reads = list(reads)
+
+    def declarations(self, serving_only: bool = False) -> dict[str, NodeInfo]:
+        assert serving_only, "only a serving node may be scheduled"
+        return self.reads.pop(0)
+
+
+class Suspicions:
+    """The two members of SkipPipeNode the check uses: whom this node leaves out of its iterations."""
+
+    def __init__(self) -> None:
+        self.suspected: set[str] = set()
+        self.times: dict[str, int] = {}
+
+    def suspect(self, peer_id: str) -> None:
+        self.suspected.add(peer_id)
+        self.times[peer_id] = self.times.get(peer_id, 0) + 1
+
+
+def test_a_follower_leaves_out_a_roster_member_that_never_declared_but_not_on_a_read_that_missed_records() -> None:
+    # A stage-0 leader may list a phantom (no declaration; SkipPipe finding 9): a follower's reads that keep missing
+    # its declaration leave it out of the follower's schedules and sums, refreshed so it is never forgiven.
+    leader, me, honest, phantom = node("a", 0), node("b", 0), node("c", 1), node("d", 1)
+    membership = PipelineMembers(0, (leader, me, honest, phantom))
+    declared = {peer.peer_id: peer for peer in (leader, me, honest)}
+    follower = Rostering.__new__(Rostering)  # the check reads only what is set here
+    follower.me, follower.runner = me, Suspicions()  # type: ignore[assignment]
+    follower._unseen, follower._members_checked_at = {}, -float("inf")
+    lost = {honest.peer_id: honest}  # a read that found only another node's record: it missed records
+    follower.directory = Declarations(declared, lost, declared, declared, declared)  # type: ignore[assignment]
+    for read in range(5):
+        follower._members_checked_at = -float("inf")  # due: the check is gated to every CHECK_MEMBERS_S
+        follower._check_members(membership)
+        if read < 3:
+            assert follower.runner.suspected == set(), "a member is suspected after MISSING_READS reads that count"
+    assert follower.runner.suspected == {phantom.peer_id}
+    assert follower.runner.times[phantom.peer_id] == 2, "suspected again at each check while it has no declaration"
+    assert follower._unseen[phantom.peer_id] == MISSING_READS + 1 and follower._unseen[honest.peer_id] == 0
+    # the leader itself doesn't check: its own reads drop such members from its next roster
+    follower.me = leader
+    follower.directory = Declarations()  # type: ignore[assignment]  # (a read would fail: none is made)
+    follower._members_checked_at = -float("inf")
+    follower._check_members(membership)

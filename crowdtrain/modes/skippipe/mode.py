@@ -103,6 +103,9 @@ class SkipPipeMode(Rostering, TrainingMode):
         self._published_at = -float("inf")
         """When this node last wrote the roster (monotonic), as its leader."""
         self._missing: dict[str, int] = {}
+        self._unseen: dict[str, int] = {}
+        """As a follower: reads in a row that missed each member's declaration (`_check_members`)."""
+        self._members_checked_at = -float("inf")
         """As the leader: reads in a row that missed each member's declaration."""
         self._empty_since: dict[int, float] = {}
         """Stages 1..S-1 that the newest membership leaves without a node, since when (monotonic)."""
@@ -207,6 +210,7 @@ class SkipPipeMode(Rostering, TrainingMode):
             self.runner.set_nodes(membership.members)
             logger.info(f"iteration {iteration}: {len(membership.members)} nodes, {self._describe(membership)}")
         self._lead(iteration, membership)
+        self._check_members(membership)
         self._offer_to_move()
         self._first_batch, self._holding = batch, False
         set_scheduled_learning_rate(self.optimizer, self.context.manifest.optimizer, iteration)

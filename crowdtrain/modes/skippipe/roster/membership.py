@@ -20,8 +20,10 @@ node's roster, which starts later, takes over.
 What a roster cannot guarantee: a node that missed the newest roster when its iteration began runs it with the
 membership before (the change is announced two iterations ahead to make that rare); its schedule then differs
 from the others' and only the balance of that iteration suffers (sources tell every node they are done, and each
-stage sums its replicas' gradients by peer ID). A stage-0 node is trusted to publish honest rosters: a member of
-a roster must have a valid declaration to be scheduled, but a leader may leave honest nodes out (SECURITY.md).
+stage sums its replicas' gradients by peer ID). A stage-0 node is trusted to publish the rosters, and checked where
+a follower can: a member whose serving declaration a follower's reads keep missing is left out of its schedules
+and gradient sums (`rostering._check_members`), as is one that fails a hop; a leader may still leave honest nodes
+out (SECURITY.md).
 """
 
 from __future__ import annotations
@@ -259,6 +261,12 @@ def next_members(
     present = {node.peer_id for node in kept}
     joining = [node for peer, node in sorted(declared.items()) if peer not in present and peer not in given_up]
     return tuple(sorted([*kept, *joining][:MAX_MEMBERS], key=_peer))
+
+
+def missed_reads(members: Iterable[NodeInfo], declared: Collection[str], before: Mapping[str, int]) -> dict[str, int]:
+    """For each of `members`, the reads in a row, this one included, that did not find its declaration (0 where
+    `declared` holds it), counting on from `before`."""
+    return {node.peer_id: 0 if node.peer_id in declared else before.get(node.peer_id, 0) + 1 for node in members}
 
 
 def follow_cost(member: NodeInfo, declaration: NodeInfo) -> NodeInfo:

@@ -39,6 +39,7 @@ from crowdtrain.modes.skippipe.roster.membership import (
     cost_changes,
     leader_of,
     membership_at,
+    missed_reads,
     next_members,
     spare_for_empty_stage,
     stage_zero_gone,
@@ -54,6 +55,9 @@ JOIN_TIMEOUT_S = 120.0
 its stage's state may take, `SkipPipeNode.state_timeout_s`, to take that state)."""
 MISSING_READS = 3
 """A member whose declaration is missing from this many of the leader's reads in a row is gone (or expired)."""
+CHECK_MEMBERS_S = 15.0
+"""How often a follower reads the declarations to check the members of the membership in force (`_check_members`);
+under SUSPICION_S, so a member that never declared stays suspected."""
 PING_AT_MOST = 8
 """Nodes a joiner asks for the iteration they serve."""
 REBALANCE_AFTER_S = 300.0
@@ -69,6 +73,8 @@ class Rostering(StageDeclaration):
     iteration: int | None
     _published_at: float
     _missing: dict[str, int]
+    _unseen: dict[str, int]
+    _members_checked_at: float
     _empty_since: dict[int, float]
     _stage_zero_gone_since: float | None
     _holding: bool
@@ -167,6 +173,31 @@ class Rostering(StageDeclaration):
                 + (f" (seconds per microbatch: {', '.join(costs)})" if costs else "")
             )
 
+    def _check_members(self, membership: PipelineMembers) -> None:
+        """As a follower, every CHECK_MEMBERS_S: suspect each member of the membership in force whose serving
+        declaration MISSING_READS reads in a row did not find (a leader may list nodes that never declared; a read
+        that misses this node's own declaration doesn't count), which
+        leaves it out of this node's schedules and gradient sums (`SkipPipeNode.suspect`) for as long as it stays
+        undeclared. The leader's own reads drop such members from its next roster (`_lead`)."""
+        now = time.monotonic()
+        if now - self._members_checked_at < CHECK_MEMBERS_S or leader_of(membership, ()) == self.me.peer_id:
+            return
+        self._members_checked_at = now
+        declared = self.directory.declarations(serving_only=True)
+        if self.me.peer_id not in declared:
+            return  # a read that misses this node's own declaration (renewed every DECLARATION_RENEW_S) missed records
+        others = [node for node in membership.members if node.peer_id != self.me.peer_id]
+        self._unseen = missed_reads(others, declared.keys(), self._unseen)
+        for peer, reads in self._unseen.items():
+            if reads < MISSING_READS:
+                continue
+            if peer not in self.runner.suspected:
+                logger.warning(
+                    f"node {peer[-8:]} of the SkipPipe roster has no stage declaration: left out of this node's "
+                    "iterations while it has none"
+                )
+            self.runner.suspect(peer)
+
     def _offer_to_move(self) -> None:
         """When a stage has had no node for REBALANCE_AFTER_S and this node is the one to spare
         (`spare_for_empty_stage`) and no joiner declared that stage meanwhile, declare it: the leader announces the
@@ -259,7 +290,6 @@ class Rostering(StageDeclaration):
         """The serving nodes' declarations, and the members' whose declaration was missing from fewer than
         MISSING_READS reads in a row: one read that misses records (a DHT node slow to answer) drops no one."""
         declared = self.directory.declarations(serving_only=True)
-        for node in newest.members:
-            self._missing[node.peer_id] = 0 if node.peer_id in declared else self._missing.get(node.peer_id, 0) + 1
+        self._missing.update(missed_reads(newest.members, declared, self._missing))
         kept = {node.peer_id: node for node in newest.members if 0 < self._missing[node.peer_id] < MISSING_READS}
         return {**kept, **declared}
