@@ -150,6 +150,10 @@ def _run(args: dict[str, Any]) -> int:
     config_file = args.pop("config")
     config = resolve_config(NodeConfig, _tuples(args), env=environment(), config_file=config_file)
     setup_logging(config.log_format, config.verbose)
+    if config.run_file:  # a bad run file is refused before anything is loaded, created or locked
+        from crowdtrain.manifest import load_run_file
+
+        load_run_file(config.run_file, run_id=config.run_id or None)
     from crowdtrain.node.daemon import Daemon, ReadyInfo
 
     stop = threading.Event()

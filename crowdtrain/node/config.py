@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hivemind.utils.multiaddr import Multiaddr
-
 from crowdtrain.errors import BadInputError
 from crowdtrain.roles import AUTO, Role
 from crowdtrain.structured import FieldError, from_mapping
@@ -166,6 +164,10 @@ class StatusConfig(SwarmSettings):
 
 def check_multiaddrs(values: tuple[str, ...], name: str, *, need_peer_id: bool = False) -> None:
     """Raise ValueError naming the option unless every value is a multiaddr (with /p2p/ if needed)."""
+    if not values:
+        return
+    from hivemind.utils.multiaddr import Multiaddr  # imports all of hivemind (and torch): only where it is needed
+
     for value in values:
         try:
             parsed = Multiaddr(value)
