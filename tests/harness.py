@@ -37,6 +37,13 @@ def start_daemon(
     return swarm.start_daemon(STARTED, state_dir, *args, env=full_env, initial_peers=initial_peers)
 
 
+def watch_status(observer: swarm.Daemon) -> swarm.StatusWatcher:
+    """One `crowdtrain status --watch 1` reading the swarm through `observer` until the test ends: a new reader per
+    poll starts a DHT client and imports torch each time, seconds of CPU beside the daemons on two cores."""
+    log = observer.state_dir.parent / f"{observer.state_dir.name}-status.log"
+    return swarm.StatusWatcher(STARTED, observer.address, 1.0, log)
+
+
 def kill_all_started() -> None:
     """Kill every process of every session this test started (daemons, their DHT processes, p2pd)."""
     STARTED.kill_all()

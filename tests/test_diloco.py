@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from lab.fixtures import tiny_run_file
 from lab.processes import await_condition
-from lab.swarm import Daemon, status_json
+from lab.swarm import Daemon, StatusWatcher
 
-from tests.harness import start_daemon
+from tests.harness import start_daemon, watch_status
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 
@@ -63,9 +63,11 @@ def held_out_scores(log: str, every: int) -> dict[int, float]:
     return scores
 
 
-def snapshot_when(observer: Daemon, daemons: list[Daemon], epoch: int, timeout_s: float) -> dict[str, Any]:
+def snapshot_when(watcher: StatusWatcher, daemons: list[Daemon], epoch: int, timeout_s: float) -> dict[str, Any]:
     def reached() -> dict[str, Any] | None:
-        snapshot = status_json("--initial-peers", observer.address)
+        snapshot = watcher.latest()
+        if snapshot is None:
+            return None
         peers = {peer["peer_id"]: peer for peer in snapshot["peers"]}
         epochs = [peers.get(daemon.peer_id, {}).get("epoch", -1) for daemon in daemons]
         return snapshot if min(epochs) >= epoch else None
@@ -84,7 +86,7 @@ def test_two_peers_average_outer_rounds_and_learn_and_a_joiner_takes_the_swarms_
     await_condition(
         lambda: len(averaged_rounds(founder) & averaged_rounds(second)) >= 3, 200, "three outer rounds averaged by both"
     )
-    snapshot = snapshot_when(founder, [founder, second], max(averaged_rounds(founder)), timeout_s=60)
+    snapshot = snapshot_when(watch_status(founder), [founder, second], max(averaged_rounds(founder)), timeout_s=60)
     assert snapshot["run"]["run_id"] == "tiny-diloco"
     daemons = {founder.peer_id: founder, second.peer_id: second}
     for peer in snapshot["peers"]:

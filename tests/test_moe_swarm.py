@@ -16,9 +16,9 @@ import torch
 from lab.fixtures import TINY_MODEL_TOML, tiny_run_file
 from lab.processes import await_condition
 from lab.procfs import session_alive
-from lab.swarm import Daemon, crowdtrain, status_json
+from lab.swarm import Daemon, StatusWatcher, crowdtrain, status_json
 
-from tests.harness import start_daemon
+from tests.harness import start_daemon, watch_status
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
 
@@ -54,10 +54,10 @@ def peers_by_id(snapshot: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {peer["peer_id"]: peer for peer in snapshot["peers"]}
 
 
-def await_snapshot(observer: Daemon, check: Any, timeout_s: float, what: str) -> dict[str, Any]:
+def await_snapshot(watcher: StatusWatcher, check: Any, timeout_s: float, what: str) -> dict[str, Any]:
     def poll() -> dict[str, Any] | None:
-        snapshot = status_json("--initial-peers", observer.address)
-        return snapshot if check(snapshot) else None
+        snapshot = watcher.latest()
+        return snapshot if snapshot is not None and check(snapshot) else None
 
     return await_condition(poll, timeout_s, what, poll_s=1)
 
@@ -109,7 +109,8 @@ def test_dmoe_swarm_trains_loses_a_host_and_heals(tmp_path: Path) -> None:
     await_condition(lambda: not session_alive(host1.process.pid), 20, "every process of the killed host to exit")
     epoch_at_kill = max(max(epochs(trainer)) for trainer in trainers)
     await_epoch(trainers, epoch_at_kill + 2, 120, "trainers to keep training on the surviving experts")
-    shrunk = await_snapshot(host2, lambda s: live_experts(s) == 4, 60, "the killed host's experts to leave the grid")
+    watcher = watch_status(host2)
+    shrunk = await_snapshot(watcher, lambda s: live_experts(s) == 4, 60, "the killed host's experts to leave the grid")
     assert host1.peer_id not in peers_by_id(shrunk)
 
     # The newcomer has room for 6 experts: the 4 lost ones, and replicas of 2 of host2's.
@@ -117,7 +118,7 @@ def test_dmoe_swarm_trains_loses_a_host_and_heals(tmp_path: Path) -> None:
     host3 = start_daemon(tmp_path / "host3", "--role", "expert-host", initial_peers=[host2.address], env=newcomer_env)
     host3.await_ready()
     healed = await_snapshot(
-        host2,
+        watcher,
         lambda s: live_experts(s) == NUM_EXPERTS and s["run"]["expert_grid"]["max_replicas"] == 2,
         60,
         "a new host to take over the lost experts and replicate two more",

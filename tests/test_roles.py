@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 from lab.processes import await_condition
-from lab.swarm import status_json
 
-from tests.harness import start_daemon
+from tests.harness import start_daemon, watch_status
 from tests.test_training import RUN_FILE, TRAIN_ENV, await_epoch, peers_by_id
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(360)]
@@ -36,8 +35,10 @@ def test_measured_links_an_undialable_client_and_an_auxiliary_aggregator(tmp_pat
     hidden.await_ready()
     helper.await_ready()
 
+    watcher = watch_status(founder)
+
     def settled() -> dict[str, Any] | None:
-        peers = peers_by_id(status_json("--initial-peers", founder.address))
+        peers = peers_by_id(watcher.latest() or {"peers": []})
         wanted = (founder.peer_id, hidden.peer_id, helper.peer_id)
         if not set(wanted) <= peers.keys() or peers[hidden.peer_id]["reachability_measured"] is False:
             return None
@@ -69,8 +70,8 @@ def test_measured_links_an_undialable_client_and_an_auxiliary_aggregator(tmp_pat
     assert peers[founder.peer_id]["measured_samples_per_second"] > 0
 
     # the swarm trains with the client and the auxiliary peer in it; the auxiliary one follows its epochs
-    snapshot = await_epoch(founder, [founder, hidden], 2, timeout_s=180)
+    snapshot = await_epoch(watcher, [founder, hidden], 2, timeout_s=180)
     trained = peers_by_id(snapshot)
     assert trained[helper.peer_id]["samples_per_second"] == 0.0, "an auxiliary peer computes no gradients"
     assert trained[hidden.peer_id]["samples_per_second"] > 0, "a client trains"
-    await_epoch(founder, [helper], 2, timeout_s=60)
+    await_epoch(watcher, [helper], 2, timeout_s=60)

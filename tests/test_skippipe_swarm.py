@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from lab.fixtures import tiny_skippipe_run_file
 from lab.processes import await_condition
-from lab.swarm import Daemon, crowdtrain, status_json
+from lab.swarm import Daemon, crowdtrain
 
-from tests.harness import start_daemon
+from tests.harness import start_daemon, watch_status
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -57,8 +57,12 @@ def test_nodes_take_stages_a_joiner_enters_at_one_iteration_everywhere_and_the_s
     if stage_of(third) == 1:  # a second replica of stage 1 took its state from the first before its first iteration
         assert "took stage 1's state of iteration" in third.log()
 
+    watcher = watch_status(founder)
+
     def trained() -> dict[str, Any] | None:
-        snapshot = status_json("--initial-peers", founder.address)
+        snapshot = watcher.latest()
+        if snapshot is None:
+            return None
         peers = snapshot["peers"]
         training = [peer.get("training") or {} for peer in peers]
         # a node publishes no loss before 4 iterations with one (a joiner's count starts at its first iteration)

@@ -15,9 +15,9 @@ import torch
 from lab.fixtures import tiny_run_file
 from lab.processes import await_condition
 from lab.procfs import session_alive
-from lab.swarm import Daemon, status_json
+from lab.swarm import Daemon, StatusWatcher
 
-from tests.harness import start_daemon
+from tests.harness import start_daemon, watch_status
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 
@@ -58,12 +58,14 @@ def peers_by_id(snapshot: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {peer["peer_id"]: peer for peer in snapshot["peers"]}
 
 
-def await_epoch(observer: Daemon, daemons: list[Daemon], epoch: int, timeout_s: float) -> dict[str, Any]:
+def await_epoch(watcher: StatusWatcher, daemons: list[Daemon], epoch: int, timeout_s: float) -> dict[str, Any]:
     """Wait until every daemon in `daemons` reports at least `epoch`; returns the snapshot."""
     wanted = {daemon.peer_id for daemon in daemons}
 
     def reached() -> dict[str, Any] | None:
-        snapshot = status_json("--initial-peers", observer.address)
+        snapshot = watcher.latest()
+        if snapshot is None:
+            return None
         peers = peers_by_id(snapshot)
         done = wanted <= peers.keys() and all(peers[peer]["epoch"] >= epoch for peer in wanted)
         return snapshot if done else None
@@ -71,7 +73,7 @@ def await_epoch(observer: Daemon, daemons: list[Daemon], epoch: int, timeout_s: 
     return await_condition(reached, timeout_s, f"{len(wanted)} peers at epoch {epoch}", poll_s=1)
 
 
-def await_learned(observer: Daemon, daemons: list[Daemon], timeout_s: float) -> dict[str, Any]:
+def await_learned(watcher: StatusWatcher, daemons: list[Daemon], timeout_s: float) -> dict[str, Any]:
     """Wait until every daemon's loss is below the untrained ln(vocabulary) - 1; returns the snapshot.
 
     A joiner reports its own loss, reset when it catches up with the swarm's state, and the founder may
@@ -79,7 +81,9 @@ def await_learned(observer: Daemon, daemons: list[Daemon], timeout_s: float) -> 
     """
 
     def learned() -> dict[str, Any] | None:
-        snapshot = status_json("--initial-peers", observer.address)
+        snapshot = watcher.latest()
+        if snapshot is None:
+            return None
         peers = peers_by_id(snapshot)
         losses = [peers.get(daemon.peer_id, {}).get("loss") for daemon in daemons]
         return snapshot if all(loss is not None and loss < math.log(260) - 1.0 for loss in losses) else None
@@ -95,7 +99,8 @@ def test_peers_train_survive_a_killed_peer_and_a_late_joiner_syncs(tmp_path: Pat
     # loads the swarm's state: in a CI run a peer that had just downloaded it published 3.11 (a mean of a few
     # micro-batches) where it had published 2.96 at the early snapshot, while its peers published 2.83.
     daemons = start_training_swarm(tmp_path, 3, env={"CROWDTRAIN_EVAL_EVERY": "1"})
-    early = await_epoch(daemons[0], daemons, 1, timeout_s=150)
+    watcher = watch_status(daemons[0])
+    early = await_epoch(watcher, daemons, 1, timeout_s=150)
     early_epochs = {peer_id: peer["epoch"] for peer_id, peer in peers_by_id(early).items()}
     early_epoch = max(early_epochs.values())
 
@@ -110,9 +115,9 @@ def test_peers_train_survive_a_killed_peer_and_a_late_joiner_syncs(tmp_path: Pat
     # every peer reached epoch 1 only once the founder was at epoch 10 or more, and epoch 3 was already behind; a
     # comparison seconds apart met the joins' noise instead of training (a founder's loss 3.24 and 3.59 five
     # seconds later, its first averaged steps with two joiners, then blocked in a long state-averaging round).
-    await_epoch(daemons[0], daemons, max(3, early_epoch + LATER_EPOCHS), timeout_s=150)
+    await_epoch(watcher, daemons, max(3, early_epoch + LATER_EPOCHS), timeout_s=150)
 
-    snapshot = await_learned(daemons[0], daemons, timeout_s=90)
+    snapshot = await_learned(watcher, daemons, timeout_s=90)
     assert snapshot["run"]["epoch"] >= 3
     assert snapshot["run"]["target_batch_size"] == 1024
     for daemon in daemons:
@@ -126,20 +131,20 @@ def test_peers_train_survive_a_killed_peer_and_a_late_joiner_syncs(tmp_path: Pat
         assert scores[last] < scores[first] + PLATEAU_NOISE, (scores, "held-out loss falls (or holds)")
     for peer in snapshot["peers"]:
         assert peer["samples_per_second"] > 0
-    assert_one_plan_and_whole_rounds(daemons[0], daemons)
+    assert_one_plan_and_whole_rounds(watcher, daemons)
 
     victim, survivors = daemons[2], daemons[:2]
     victim.signal(signal.SIGKILL)
     # its DHT process, p2pd and hivemind's averager processes die with it, not as orphans
     await_condition(lambda: not session_alive(victim.process.pid), 20, "every process of the killed daemon to exit")
     after_kill = max(peer["epoch"] for peer in snapshot["peers"])
-    await_epoch(survivors[0], survivors, after_kill + 2, timeout_s=150)
+    await_epoch(watcher, survivors, after_kill + 2, timeout_s=150)
 
     founder, second = survivors
     late = start_daemon(tmp_path / "late", initial_peers=[founder.address], env=TRAIN_ENV).await_ready()
-    snapshot = await_epoch(founder, [founder, second, late], 0, timeout_s=60)
+    snapshot = await_epoch(watcher, [founder, second, late], 0, timeout_s=60)
     swarm_epoch = max(peer["epoch"] for peer in snapshot["peers"] if peer["peer_id"] != late.peer_id)
-    await_epoch(founder, [late], swarm_epoch + 1, timeout_s=150)
+    await_epoch(watcher, [late], swarm_epoch + 1, timeout_s=150)
 
     def first_common_epoch() -> str | None:
         shared = sorted(checkpoints(late).keys() & checkpoints(founder).keys() & checkpoints(second).keys())
@@ -161,28 +166,31 @@ def test_peers_train_survive_a_killed_peer_and_a_late_joiner_syncs(tmp_path: Pat
     # Ctrl-C while the swarm trains (and as likely as not in an averaging round): out within 30 s, having written
     # its checkpoint, and the swarm learns that it left at once.
     late_peer_id = late.peer_id  # node.json goes when it leaves
-    epoch_at_signal = peers_by_id(status_json("--initial-peers", founder.address))[late_peer_id]["epoch"]
+    before_signal = await_condition(lambda: watcher.newest_since(time.monotonic() - 1), 30, "a snapshot of the swarm")
+    epoch_at_signal = peers_by_id(before_signal)[late_peer_id]["epoch"]
     late.signal(signal.SIGINT)
     started = time.monotonic()
     assert late.wait(timeout_s=30) == 0
     assert time.monotonic() - started < 30
     final = max(checkpoints(late))
     assert int(final.removeprefix("epoch-").removesuffix(".pt")) >= epoch_at_signal, "a checkpoint on the way out"
+
     # "At once": well within the status record's 20 s TTL, so the OFFLINE record did it, not the expiry; the
     # DHT may take a moment to carry it to the node the reader asks (it was busy as the node left).
-    await_condition(
-        lambda: late_peer_id not in peers_by_id(status_json("--initial-peers", founder.address)),
-        10,
-        "the swarm to drop the node that left",
-        poll_s=1,
-    )
+    def dropped() -> bool:
+        snapshot = watcher.newest_since(started)
+        return snapshot is not None and late_peer_id not in peers_by_id(snapshot)
+
+    await_condition(dropped, 10, "the swarm to drop the node that left", poll_s=0.5)
 
 
-def assert_one_plan_and_whole_rounds(observer: Daemon, daemons: list[Daemon]) -> None:
+def assert_one_plan_and_whole_rounds(watcher: StatusWatcher, daemons: list[Daemon]) -> None:
     """Every node derives the same plan, and no averaging round came back partial while every peer lived."""
 
     def agreed() -> dict[str, Any] | None:
-        snapshot = status_json("--initial-peers", observer.address)
+        snapshot = watcher.latest()
+        if snapshot is None:
+            return None
         return snapshot if snapshot["run"]["plans_agree"] and len(snapshot["peers"]) == len(daemons) else None
 
     snapshot = await_condition(agreed, 60, "every peer to publish the same plan digest", poll_s=1)
@@ -191,7 +199,7 @@ def assert_one_plan_and_whole_rounds(observer: Daemon, daemons: list[Daemon]) ->
     assert shares == pytest.approx(1.0, abs=1e-6), "the plan's shares, as the peers publish them, sum to one"
     # Steady state: every peer has joined, measured itself and caught up; the next global steps average whole.
     partial_before = snapshot["run"]["partial_averages"]
-    later = await_epoch(observer, daemons, snapshot["run"]["epoch"] + 3, timeout_s=120)
+    later = await_epoch(watcher, daemons, snapshot["run"]["epoch"] + 3, timeout_s=120)
     failed_rounds = [
         line for daemon in daemons for line in daemon.log().splitlines() if "averaging round failed" in line
     ]
@@ -212,9 +220,10 @@ def max_difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tenso
 
 def test_restart_resumes_from_checkpoint(tmp_path: Path) -> None:
     (solo,) = start_training_swarm(tmp_path, 1)
-    await_epoch(solo, [solo], 2, timeout_s=150)
+    watcher = watch_status(solo)
+    await_epoch(watcher, [solo], 2, timeout_s=150)
     phases = await_condition(
-        lambda: peers_by_id(status_json("--initial-peers", solo.address))[solo.peer_id]["phase_times_s"],
+        lambda: peers_by_id(watcher.latest() or {"peers": []}).get(solo.peer_id, {}).get("phase_times_s"),
         30,
         "the phase times of a completed global step in status --json",
     )
@@ -229,7 +238,7 @@ def test_restart_resumes_from_checkpoint(tmp_path: Path) -> None:
         lambda: "resuming from checkpoint" in restarted.log(), 60, "the restarted node to load its checkpoint"
     )
     assert f"epoch-{saved_epoch:08d}.pt (epoch {saved_epoch})" in restarted.log()
-    await_epoch(restarted, [restarted], saved_epoch, timeout_s=30)
+    await_epoch(watch_status(restarted), [restarted], saved_epoch, timeout_s=30)
 
 
 def test_parameters_mode_trains_with_local_steps(tmp_path: Path) -> None:
@@ -237,7 +246,8 @@ def test_parameters_mode_trains_with_local_steps(tmp_path: Path) -> None:
     run_file.write_text(tiny_run_file("tiny-moshpit", 1024, mode="parameters"))
     founder = start_daemon(tmp_path / "node0", "--run-file", str(run_file), env=TRAIN_ENV).await_ready()
     joiner = start_daemon(tmp_path / "node1", initial_peers=[founder.address], env=TRAIN_ENV).await_ready()
-    await_epoch(founder, [founder, joiner], 4, timeout_s=150)
+    watcher = watch_status(founder)
+    await_epoch(watcher, [founder, joiner], 4, timeout_s=150)
     # local steps learn fast and then plateau, so compare with the untrained loss ln(vocabulary)
-    late = await_learned(founder, [founder, joiner], timeout_s=90)
+    late = await_learned(watcher, [founder, joiner], timeout_s=90)
     assert late["run"]["run_id"] == "tiny-moshpit"

@@ -6,6 +6,7 @@ Daemons may be started inside a WAN-lab namespace by passing the `ip netns exec 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -205,6 +206,12 @@ class StatusWatcher:
             )
         with self._lock:
             return self.snapshots[-1][1] if self.snapshots else None
+
+    def newest_since(self, start: float) -> dict[str, Any] | None:
+        """The newest snapshot read after `start` (time.monotonic()), None before one came."""
+        with self._lock:
+            read_at, snapshot = self.snapshots[-1] if self.snapshots else (-math.inf, None)
+        return snapshot if read_at > start else None
 
     def between(self, start: float, end: float) -> list[tuple[float, dict[str, Any]]]:
         """The snapshots read from `start` to `end` (time.monotonic())."""
