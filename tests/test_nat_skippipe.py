@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 from lab.fixtures import tiny_skippipe_run_file
 from lab.processes import await_condition
+from lab.swarm import StatusWatcher
 from lab.wanlab import Lab
 
-from tests.harness import NEEDS_NAT_LAB
-from tests.test_nat_lab import SCENARIO, node_file, start_pair, status_from
+from tests.harness import NEEDS_NAT_LAB, STARTED
+from tests.test_nat_lab import SCENARIO, node_file, start_pair
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300), NEEDS_NAT_LAB]
 
@@ -44,16 +45,19 @@ def test_a_skippipe_volunteer_behind_nat_serves_a_stage_the_public_founder_calls
         joined = node_file(tmp_path / "b")
         assert joined is not None
 
+        watcher = StatusWatcher(
+            STARTED, pair.address, 1.0, tmp_path / "status.log", ["ip", "netns", "exec", home.namespace]
+        )
+
         def trained() -> dict[str, dict] | None:
-            shown = status_from(home, tmp_path / "b")
-            peers = {peer["peer_id"]: peer for peer in shown["peers"]}
+            peers = {peer["peer_id"]: peer for peer in (watcher.latest() or {"peers": []})["peers"]}
             done = len(peers) == 2 and all(
                 (peer.get("training") or {}).get("skippipe_iteration", 0) >= first + 3 and peer["loss"] is not None
                 for peer in peers.values()
             )
             return peers if done else None
 
-        peers = await_condition(trained, 150, "both nodes three iterations further, each with a loss", poll_s=5)
+        peers = await_condition(trained, 150, "both nodes three iterations further, each with a loss")
         assert peers[joined["peer_id"]]["reachable"] is False, "peers can't dial it, and it knows"
         assert peers[joined["peer_id"]]["training"]["skippipe_stage"] == 1
         founder_log = pair.founder_log.read_text()
