@@ -11,12 +11,12 @@ from hivemind.p2p import P2P, P2PHandlerError, PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 from lab.fixtures import tiny_run_file
 from lab.processes import await_condition
-from lab.swarm import crowdtrain, peer_ids, status_json
+from lab.swarm import StatusWatcher, crowdtrain, peer_ids
 
 from crowdtrain import proto
 from crowdtrain.dht.admission import issue_join_token
 from crowdtrain.links.probes import NAMESPACE, ProbeService
-from tests.harness import start_daemon
+from tests.harness import STARTED, start_daemon
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 
@@ -56,8 +56,12 @@ def test_an_invite_only_run_admits_token_holders_and_refuses_the_rest(tmp_path: 
     assert joiner.info["run_id"] == "tiny"
 
     # The joiner trains with the founder: matchmaking and all-reduce go through the gated averager RPCs.
+    watcher = StatusWatcher(STARTED, founder.address, 1.0, tmp_path / "status.log", CROWDTRAIN_JOIN_TOKEN=token)
+
     def both_at_epoch_2() -> dict | None:
-        snapshot = status_json("--initial-peers", founder.address, "--join-token", token)
+        snapshot = watcher.latest()
+        if snapshot is None:
+            return None
         peers = {peer["peer_id"]: peer for peer in snapshot["peers"]}
         done = {founder.peer_id, joiner.peer_id} <= peers.keys() and all(p["epoch"] >= 2 for p in peers.values())
         return snapshot if done else None

@@ -170,8 +170,15 @@ class StatusWatcher:
     """One long-lived `crowdtrain status --json --watch` reader, instead of a new DHT client per sample."""
 
     def __init__(
-        self, groups: ProcessGroups, address: str, interval_s: float, log_path: Path, launcher: Sequence[str] = ()
+        self,
+        groups: ProcessGroups,
+        address: str,
+        interval_s: float,
+        log_path: Path,
+        launcher: Sequence[str] = (),
+        **settings: str,
     ) -> None:
+        """`settings`: CROWDTRAIN_* variables for the reader (e.g. CROWDTRAIN_JOIN_TOKEN)."""
         command = [*launcher, *CROWDTRAIN, "status", "--json", "--initial-peers", address]
         with open(log_path, "ab") as log:
             self.process = groups.start(
@@ -179,7 +186,7 @@ class StatusWatcher:
                 stdout=subprocess.PIPE,
                 stderr=log,
                 stdin=subprocess.DEVNULL,
-                env=child_env(),
+                env=child_env(**settings),
                 text=True,
             )
         self.log_path = log_path
