@@ -24,10 +24,6 @@ def _fits(manifest: RunManifest) -> None:
     """A mode with no section of its own fits any run that passes the manifest's own checks."""
 
 
-def _check_diloco_run(manifest: RunManifest) -> None:
-    check_diloco_section(manifest)
-
-
 def _check_spes_run(manifest: RunManifest) -> None:
     check_diloco_section(manifest)
     check_spes_run(manifest)
@@ -55,7 +51,7 @@ class ModeSettings:
 MODE_SETTINGS: dict[str, ModeSettings] = {
     "gradients": ModeSettings(),
     "parameters": ModeSettings(),
-    "diloco": ModeSettings(sections=("diloco",), check=_check_diloco_run),
+    "diloco": ModeSettings(sections=("diloco",), check=check_diloco_section),
     "spes": ModeSettings(sections=("diloco", "spes"), check=_check_spes_run, peer_detail=owned_experts_detail),
     "skippipe": ModeSettings(
         sections=("skippipe",), check=check_skippipe_run, run_summary=stages_summary, peer_detail=stage_detail
