@@ -299,7 +299,7 @@ class SkipPipeNode(GradientExchange):
         others = [node.peer_id for node in self.nodes if node.peer_id != self.peer_id]
         for peer in self.service.say_done(others, iteration, self.hop_timeout_s, own_loss, len(outcomes)):
             self.suspect(peer)
-        for peer in self.driver.failed:
+        for peer in self.driver.failed - self.driver.refused:  # a refusing peer is there: avoided this iteration only
             self.suspect(peer)
         return outcomes, sum(int(batch.shape[0]) for batch in batches)
 

@@ -77,6 +77,8 @@ class PipelineDriver:
     hop_timeout_s: float = DEFAULT_HOP_TIMEOUT_S
     failed: set[str] = field(default_factory=set)
     """Peers that failed a hop in this iteration: not asked again until `new_iteration`."""
+    refused: set[str] = field(default_factory=set)
+    """Of `failed`, those whose handler answered with a refusal: they are there, and are not suspected of being gone."""
 
     def __post_init__(self) -> None:
         if self.service.stage != 0:
@@ -87,7 +89,7 @@ class PipelineDriver:
     def new_iteration(self, replicas: Mapping[int, Sequence[str]]) -> None:
         """Take the next iteration's swarm; failed peers get another chance."""
         self.replicas = replicas
-        self.failed = set()
+        self.failed, self.refused = set(), set()
 
     def run_iteration(
         self,
@@ -207,3 +209,5 @@ class PipelineDriver:
         logger.warning(f"{error}; asking another replica")
         if not error.busy:
             self.failed.add(peer)
+        if error.refused:
+            self.refused.add(peer)

@@ -56,10 +56,12 @@ class HopRefusedError(CrowdtrainError):
 class HopFailedError(CrowdtrainError):
     """A hop to a peer did not give an answer: refused, timed out, unreachable, or a malformed answer."""
 
-    def __init__(self, message: str, *, busy: bool = False):
+    def __init__(self, message: str, *, busy: bool = False, refused: bool = False):
         super().__init__(message)
         self.busy = busy
         """The peer refused only because it holds as many microbatches as it can: worth asking again later."""
+        self.refused = refused
+        """The peer's handler answered with a refusal: the peer is there (e.g. its schedule differed for a moment)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

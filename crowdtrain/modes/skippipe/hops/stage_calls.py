@@ -17,7 +17,7 @@ import typing
 from collections.abc import AsyncIterator
 
 import torch
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PHandlerError, PeerID
 
 from crowdtrain import proto
 from crowdtrain.dht.service import P2PService
@@ -65,7 +65,8 @@ class StageCalls(P2PService):
         except TimeoutError:
             raise HopFailedError(f"{where} did not answer a stage {call} within {timeout_s:.1f} s") from None
         except Exception as e:
-            raise HopFailedError(f"{where} failed a stage {call}: {e}", busy=BUSY in str(e)) from None
+            refused = isinstance(e, P2PHandlerError)
+            raise HopFailedError(f"{where} failed a stage {call}: {e}", busy=BUSY in str(e), refused=refused) from None
 
     async def _call(
         self, peer: PeerID, call: str, header: proto.StageHop, tensor: torch.Tensor, where: str
