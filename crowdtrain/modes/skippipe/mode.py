@@ -103,10 +103,11 @@ class SkipPipeMode(Rostering, TrainingMode):
         self._published_at = -float("inf")
         """When this node last wrote the roster (monotonic), as its leader."""
         self._missing: dict[str, int] = {}
+        """As the leader: reads in a row that missed each member's declaration."""
         self._unseen: dict[str, int] = {}
         """As a follower: reads in a row that missed each member's declaration (`_check_members`)."""
         self._members_checked_at = -float("inf")
-        """As the leader: reads in a row that missed each member's declaration."""
+        """When this node last checked the members against the declarations, as a follower (monotonic)."""
         self._empty_since: dict[int, float] = {}
         """Stages 1..S-1 that the newest membership leaves without a node, since when (monotonic)."""
         self._stage_zero_gone_since: float | None = None
