@@ -23,6 +23,7 @@ from crowdtrain.codecs.compression import (
     int8_blocks_size,
 )
 from crowdtrain.manifest import DILOCO_COMPRESSIONS, AveragingSpec
+from tests.messages import set_field
 
 
 def test_int8_round_trips_within_its_resolution_through_hiveminds_own_decoder() -> None:
@@ -139,18 +140,13 @@ def hostile_sparse_parts() -> list[tuple[str, runtime_pb2.Tensor]]:
     def with_part(**fields: object) -> runtime_pb2.Tensor:
         part = proto.SparsePart(version=1, index_gaps=[2, 3], values=np.array([1.0, -2.0], "<f2").tobytes())
         for name, value in fields.items():
-            if name == "index_gaps":
-                del part.index_gaps[:]
-                part.index_gaps.extend(value)  # type: ignore[arg-type]
-            else:
-                setattr(part, name, value)
+            set_field(part, name, value)
         return runtime_pb2.Tensor(
             compression=SPARSE_WIRE_TYPE, buffer=part.SerializeToString(), size=[8], dtype="float32"
         )
 
     huge = with_part()
-    del huge.size[:]
-    huge.size.extend([2**16, 2**16])
+    set_field(huge, "size", [2**16, 2**16])
     int64 = with_part()
     int64.dtype = "int64"
     return [

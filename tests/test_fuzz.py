@@ -134,6 +134,7 @@ from crowdtrain.state.digest import (
 )
 from crowdtrain.state.template import StateTemplate, TensorSpec, UnacceptableStateError, check_state
 from crowdtrain.structured import FieldError, from_mapping
+from tests.messages import set_field
 
 SEED = 20_251
 CASES_PER_TYPE = 10_000
@@ -249,11 +250,8 @@ def set_path(message: Any, path: str, value: Any) -> None:
         message = message[part] if isinstance(message, dict) else getattr(message, part)
     if isinstance(message, dict):
         message[last] = value
-    elif isinstance(value, list):
-        del getattr(message, last)[:]
-        getattr(message, last).extend(value)
     else:
-        setattr(message, last, value)
+        set_field(message, last, value)
 
 
 # --- manifests -----------------------------------------------------------------------------------------------
@@ -675,16 +673,14 @@ def mutate_part_size(
     if rng.random() < 0.3:
         size = [1] * rng.randrange(min_many_dimensions, 200) + list(part.size)
         how = f"{len(size)} dimensions"
-    del part.size[:]
-    part.size.extend(size)
+    set_field(part, "size", size)
     return how
 
 
 def randomize_part(rng: random.Random, part: runtime_pb2.Tensor) -> str:
     """Replace `part`'s buffer with random bytes and its size with up to 3 small dimensions; what was done."""
     part.buffer = random_bytes(rng, 2000)
-    del part.size[:]
-    part.size.extend(rng.randrange(40) for _ in range(rng.randrange(4)))
+    set_field(part, "size", [rng.randrange(40) for _ in range(rng.randrange(4))])
     return "a random buffer"
 
 
@@ -789,8 +785,7 @@ def mutate_sparse_part(rng: random.Random, sparse: proto.SparsePart) -> tuple[st
         gaps = list(sparse.index_gaps) or [0]
         gaps[rng.randrange(len(gaps))] = rng.choice([0, 1, 2**31, 2**32 - 1, rng.randrange(2**32)])
         gaps += [rng.randrange(8)] * rng.randrange(3)
-        del sparse.index_gaps[:]
-        sparse.index_gaps.extend(gaps)
+        set_field(sparse, "index_gaps", gaps)
     else:
         special = rng.choice([b"\x00\x7c", b"\x00\xfc", b"\x01\x7e", b"\x00"])  # inf, -inf, a NaN, half a value
         at = 2 * rng.randrange(len(sparse.values) // 2 + 1)
@@ -1332,8 +1327,7 @@ def change_shape(rng: random.Random, tensor: runtime_pb2.Tensor, batch: int) -> 
         [0, 8, 16], [MAX_BATCH_SEQUENCES + 1, 8, 16], [2**31, 8, 16], [2**32 - 1, 8, 16],
         [rng.randrange(2**32) for _ in range(rng.randrange(6))],
     ])  # fmt: skip
-    del tensor.size[:]
-    tensor.size.extend(size)
+    set_field(tensor, "size", size)
     if rng.random() < 0.3 and math.prod(size) <= 2**16:  # the buffer agrees with the lie
         tensor.buffer = bytes(4 * math.prod(size))
         return f"of shape {size}, with as many bytes"

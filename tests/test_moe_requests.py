@@ -38,6 +38,7 @@ from crowdtrain.moe.requests import (
     request_shapes,
 )
 from crowdtrain.optimizer import build_optimizer
+from tests.messages import set_field
 from tests.test_moe_replicas import LOOPBACK, tiny_moe
 
 pytestmark = pytest.mark.timeout(120)
@@ -112,11 +113,7 @@ def test_header_lies_are_refused_before_any_buffer_is_read() -> None:
         forged = runtime_pb2.Tensor()
         forged.CopyFrom(tensor)
         for name, value in lie.items():
-            if name == "size":
-                del forged.size[:]
-                forged.size.extend(value)  # type: ignore[arg-type]
-            else:
-                setattr(forged, name, value)
+            set_field(forged, name, value)
         with pytest.raises(RefusedRequestError):
             check_tensors([forged], forward)
 
