@@ -17,6 +17,7 @@ from crowdtrain import proto
 from crowdtrain.manifest import RunManifest, expert_uids, manifest_from_overrides
 from crowdtrain.moe import ExpertSupervisor, HostOptions, SupervisorOptions
 from crowdtrain.moe.replicas import ReplicaError, ReplicaService, flat_parameters, mix_into, num_values
+from tests.messages import read_first_then_stall
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -90,12 +91,7 @@ def test_a_peer_that_stops_reading_a_copy_holds_one_chunk_and_no_other_askers_sl
     async def read_header_then_stop() -> None:
         stub = attacker.get_stub(attacker.require_p2p(), dhts[0].peer_id, namespace="crowdtrain.experts.v1")
         answers = await stub.rpc_expert_parameters(proto.ExpertParametersRequest(uid="run-ffn0.0"))
-        try:
-            await anext(answers)
-            reading.set()
-            await asyncio.sleep(110)
-        finally:
-            await answers.aclose()
+        await read_first_then_stall(answers, reading, 110)
 
     for service in (server, attacker, other):
         service.start()

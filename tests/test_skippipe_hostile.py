@@ -27,6 +27,7 @@ from crowdtrain.modes.skippipe.iteration import SkipPipeNode
 from crowdtrain.modes.skippipe.stages import StagedModel
 from crowdtrain.optimizer import build_optimizer
 from tests import schedules
+from tests.messages import read_first_then_stall
 from tests.stage_swarm import stage_services, tiny_llama
 
 pytestmark = pytest.mark.timeout(180)
@@ -234,12 +235,7 @@ def test_a_peer_that_stops_reading_a_stage_state_holds_no_other_askers_slot(swar
 
     async def read_one_frame_then_stop() -> None:
         answers = await attacker._stub(victim.peer_id).rpc_stage_state(proto.StageHop(stage=1))
-        try:
-            await anext(answers)
-            reading.set()
-            await asyncio.sleep(150)
-        finally:
-            await answers.aclose()
+        await read_first_then_stall(answers, reading, 150)
 
     held = asyncio.run_coroutine_threadsafe(read_one_frame_then_stop(), attacker._loop)
     try:
