@@ -42,7 +42,12 @@ class BoundedConnectionHandler(AdmissionGated, ConnectionHandler):
 
     def __init__(self, dht: Any, module_backends: dict[str, ModuleBackend], *, max_batch_size: int):
         super().__init__(dht, module_backends)
-        self.shapes = {uid: request_shapes(backend, max_batch_size) for uid, backend in module_backends.items()}
+        self.shapes = {
+            (uid, call): shape
+            for uid, backend in module_backends.items()
+            for call, shape in zip(("forward", "backward"), request_shapes(backend, max_batch_size), strict=True)
+        }
+        """What each expert's forward and backward requests must look like, by (uid, call)."""
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -57,18 +62,10 @@ class BoundedConnectionHandler(AdmissionGated, ConnectionHandler):
         return await super().rpc_info(request, context)
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        backend = self._backend(request.uid, "forward", context)
-        with self._refusals("forward", context):
-            inputs = check_tensors(request.tensors, self.shapes[request.uid][0])
-        outputs = await self._process_inputs(inputs, backend.forward_pool, backend.outputs_schema)
-        return runtime_pb2.ExpertResponse(tensors=outputs)
+        return runtime_pb2.ExpertResponse(tensors=await self._unary(request, "forward", context))
 
     async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        backend = self._backend(request.uid, "backward", context)
-        with self._refusals("backward", context):
-            inputs = check_tensors(request.tensors, self.shapes[request.uid][1])
-        grads = await self._process_inputs(inputs, backend.backward_pool, backend.grad_inputs_schema)
-        return runtime_pb2.ExpertResponse(tensors=grads)
+        return runtime_pb2.ExpertResponse(tensors=await self._unary(request, "backward", context))
 
     def rpc_forward_stream(
         self, requests: typing.AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -86,14 +83,25 @@ class BoundedConnectionHandler(AdmissionGated, ConnectionHandler):
         """A streamed forward or backward: the checked request gathered, run in the call's pool, its answer sent in
         parts of at most hivemind's message size."""
         uid, inputs = await self._gather(requests, call, context)
-        backend = self.module_backends[uid]
-        if call == "forward":
-            pool, schema = backend.forward_pool, backend.outputs_schema
-        else:
-            pool, schema = backend.backward_pool, backend.grad_inputs_schema
-        answer = await self._process_inputs(inputs, pool, schema)
+        answer = await self._process(uid, call, inputs)
         for part in (part for tensor in answer for part in split_for_streaming(tensor, DEFAULT_MAX_MSG_SIZE)):
             yield runtime_pb2.ExpertResponse(tensors=[part])
+
+    async def _unary(
+        self, request: runtime_pb2.ExpertRequest, call: str, context: P2PContext
+    ) -> list[runtime_pb2.Tensor]:
+        """A unary forward or backward: the request checked against the call's schema, then run in its pool."""
+        self._backend(request.uid, call, context)
+        with self._refusals(call, context):
+            inputs = check_tensors(request.tensors, self.shapes[request.uid, call])
+        return await self._process(request.uid, call, inputs)
+
+    async def _process(self, uid: str, call: str, inputs: list[Any]) -> list[runtime_pb2.Tensor]:
+        """Checked inputs run in the call's pool of expert `uid`, the answer serialized as the call's schema says."""
+        backend = self.module_backends[uid]
+        if call == "forward":
+            return await self._process_inputs(inputs, backend.forward_pool, backend.outputs_schema)
+        return await self._process_inputs(inputs, backend.backward_pool, backend.grad_inputs_schema)
 
     async def _gather(
         self, requests: typing.AsyncIterator[runtime_pb2.ExpertRequest], call: str, context: P2PContext
@@ -104,7 +112,7 @@ class BoundedConnectionHandler(AdmissionGated, ConnectionHandler):
                 if streamed is None:
                     uid = request.uid
                     self._backend(uid, call, context)
-                    streamed = StreamedRequest(self.shapes[uid][0 if call == "forward" else 1])
+                    streamed = StreamedRequest(self.shapes[uid, call])
                 elif request.uid != uid:
                     self._refuse(f"the stream names expert {request.uid[:80]!r} after {uid!r}", call, context)
                 with self._refusals(call, context):
