@@ -152,6 +152,24 @@ def test_invalid_flag_names_the_field(flags: dict[str, object], field: str) -> N
         resolve_config(NodeConfig, flags, env={})
 
 
+@pytest.mark.parametrize(
+    ("field", "default", "taken", "refused"),
+    [
+        ("eval_every", 0, 5, (-1, 1_000_001)),  # held-out scoring off by default
+        ("metrics_port", 0, 9464, (-1, 65536)),  # the metrics endpoint off by default; else a TCP port
+        ("start_with_peers", 1, 4, (0, 10_001)),  # training never waits for peers by default
+    ],
+)
+def test_a_bounded_setting_has_its_default_takes_a_value_and_refuses_out_of_bounds_naming_itself(
+    field: str, default: int, taken: int, refused: tuple[int, ...]
+) -> None:
+    assert getattr(NodeConfig(), field) == default
+    assert getattr(NodeConfig(**{field: taken}), field) == taken  # type: ignore[arg-type]
+    for bad in refused:
+        with pytest.raises(ValueError, match=field):
+            NodeConfig(**{field: bad})  # type: ignore[arg-type]
+
+
 def test_checkpoint_interval_from_env_and_toml(tmp_path: Path) -> None:
     assert NodeConfig().checkpoint_interval_s == 600.0
     config_file = write_toml(tmp_path, "checkpoint_interval_s = 120\n")

@@ -10,7 +10,6 @@ import torch
 from crowdtrain.data import WindowSampler
 from crowdtrain.manifest import PRESETS
 from crowdtrain.models import build_model, load_tokenizer, training_loss
-from crowdtrain.node.config import NodeConfig
 from crowdtrain.training.held_out import HeldOutScorer
 
 
@@ -49,11 +48,3 @@ def test_scores_are_due_at_every_nth_epoch_or_the_first_past_it() -> None:
     assert scorer.due(7), "a node that jumped from epoch 5 to 7 (the swarm's state) scores at 7"
     scorer.score_at(7)
     assert not scorer.due(8) and scorer.due(9)
-
-
-def test_eval_every_is_off_by_default_and_bounded() -> None:
-    assert NodeConfig().eval_every == 0
-    assert NodeConfig(eval_every=5).eval_every == 5
-    for bad in (-1, 1_000_001):
-        with pytest.raises(ValueError, match="eval_every"):
-            NodeConfig(eval_every=bad)

@@ -11,7 +11,6 @@ import pytest
 from crowdtrain.averaging.phases import PhaseTimes
 from crowdtrain.errors import BadInputError
 from crowdtrain.modes.progress import Progress
-from crowdtrain.node.config import NodeConfig
 from crowdtrain.node.metrics import MetricsEndpoint, start_metrics_endpoint
 
 
@@ -68,14 +67,6 @@ def test_a_port_in_use_is_one_plain_sentence() -> None:
         port = taken.getsockname()[1]
         with pytest.raises(BadInputError, match=f"Cannot serve metrics on 127.0.0.1:{port} .*metrics_port"):
             start_metrics_endpoint(Progress(), port)
-
-
-def test_metrics_port_is_off_by_default_and_must_be_a_port() -> None:
-    assert NodeConfig().metrics_port == 0
-    assert NodeConfig(metrics_port=9464).metrics_port == 9464
-    for bad in (-1, 65536):
-        with pytest.raises(ValueError, match="metrics_port"):
-            NodeConfig(metrics_port=bad)
 
 
 def test_every_micro_batch_adds_its_samples_to_the_nodes_total() -> None:

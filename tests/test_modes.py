@@ -19,7 +19,6 @@ from crowdtrain.manifest import TRAINING_MODES, demo
 from crowdtrain.modes.base import SwarmView, TrainingMode
 from crowdtrain.modes.progress import Progress
 from crowdtrain.modes.registry import MODES
-from crowdtrain.node.config import NodeConfig
 from crowdtrain.training.loop import Trainer, TrainerOptions
 
 PACKAGE = Path(__file__).resolve().parent.parent / "crowdtrain"
@@ -191,10 +190,3 @@ def test_a_node_waits_for_start_with_peers_planned_nodes_before_its_first_step(
     trainer, calls = waiting_trainer(tmp_path, [[planned]])
     trainer._await_start_peers(threading.Event())
     assert len(calls) >= 2
-
-
-def test_start_with_peers_never_waits_by_default_and_is_bounded() -> None:
-    assert NodeConfig().start_with_peers == 1
-    for bad in (0, 10_001):
-        with pytest.raises(ValueError, match="start_with_peers"):
-            NodeConfig(start_with_peers=bad)
