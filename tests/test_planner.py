@@ -155,15 +155,16 @@ def test_plan_problem_counts_bytes_on_the_wire() -> None:
     assert problem.target_batch_size == manifest.target_batch_size
 
 
-def test_parameters_mode_leaves_no_reachable_peer_out_of_computing() -> None:
+def test_parameters_mode_leaves_no_peer_out_of_computing() -> None:
     # links so slow against a 100 MB vector that, in gradients mode, one peer training alone is fastest
-    slow = [_status(peer_id, mbps=50.0) for peer_id in "abc"]
+    slow = [_status(peer_id, mbps=50.0) for peer_id in "abc"] + [_status("natted", mbps=20.0, reachable=False)]
     weak = OwnCapabilities(samples_per_second=1.0, upload_mbps=1000.0, download_mbps=1000.0, reachable=True)
     problem = PlanProblem(vector_size_bytes=100_000_000, target_batch_size=1024)
     gradients = Planner("me", problem).update(weak, slow)
     assert not all(gradients.computes.values()), "communication-bound: the plan leaves peers out"
     parameters = Planner("me", problem, aggregate_only=False).update(weak, slow)
     assert all(parameters.computes.values())
+    assert parameters.roles["natted"] == ("trainer", "client"), "it steps its replica, and nobody can dial it"
     assert sum(parameters.shares.values()) == pytest.approx(1.0)
 
 

@@ -100,7 +100,7 @@ def swarm_capabilities(
             upload_mbps=upload if m.upload_mbps is None else m.upload_mbps,
             download_mbps=download if m.download_mbps is None else m.download_mbps,
             reachable=m.reachable,
-            forced_role=_forced_role(m) or (None if aggregate_only or not m.reachable else Role.TRAINER),
+            forced_role=_forced_role(m) or _every_replica_steps(m, aggregate_only),
         )
         for (peer_id, _), m in zip(entries, measured, strict=True)
     ]
@@ -188,6 +188,14 @@ def _measured(status: proto.PeerStatus) -> OwnCapabilities:
         reachable=status.reachable,
         role_override=status.role_override,
     )
+
+
+def _every_replica_steps(capabilities: OwnCapabilities, aggregate_only: bool) -> str | None:
+    """Without `aggregate_only` every peer computes: a trainer, or a client (it computes, never aggregates) when
+    peers can't dial it; with it, the plan chooses."""
+    if aggregate_only:
+        return None
+    return Role.TRAINER if capabilities.reachable else Role.CLIENT
 
 
 def _forced_role(capabilities: OwnCapabilities) -> str | None:

@@ -103,7 +103,9 @@ class NodeRoles:
             own = self.own
         before = self.planner.plan
         plan = self.planner.update(own, statuses)
-        if before is not None and plan is not before and self.running_auxiliary is not None:
+        # only a dialable node of a run with auxiliary aggregators can switch between computing and aggregating
+        switchable = self.running_auxiliary is not None and self.planner.aggregate_only and not self.is_client
+        if before is not None and plan is not before and switchable:
             if self.running_auxiliary == plan.computes.get(self.peer_id, True):
                 wanted = "compute gradients" if self.running_auxiliary else "only aggregate"
                 logger.info(
