@@ -284,9 +284,9 @@ def _fix(report: ProbeReport, port: int) -> str:
     ip_flag = f"/ip4/{public}" if public and ":" not in public else f"/ip6/{public}" if public else "/ip4/<public-ip>"
     return (
         f"Peers cannot open connections to this machine. Forward TCP port {port} on your router to this "
-        f"machine and pass --announce {ip_flag}/tcp/{port} to crowdtrain run; or run with --role client: "
-        "the node then trains but never aggregates, needing no open port (crowdtrain does not enable "
-        "hivemind's relays, so nobody can dial it through one)."
+        f"machine and pass --announce {ip_flag}/tcp/{port} to crowdtrain run. Without it the node trains but "
+        "never aggregates, and a few minutes after it starts peers can call it through a public peer's relay "
+        "(`relay` in crowdtrain status), at that peer's uplink's cost."
     )
 
 

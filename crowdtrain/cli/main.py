@@ -36,6 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--announce", nargs="+", metavar="MADDR", help="addresses peers should dial, e.g. a forwarded public port"
     )
+    run.add_argument(
+        "--no-relay",
+        action="store_const",
+        const=False,
+        dest="relay",
+        help="behind a NAT, don't reserve a slot on a peer's relay (only peers this node dials can reach it)",
+    )
     run.add_argument("--identity", metavar="PATH", help="identity key file (default: <state-dir>/identity.key)")
     run.add_argument("--run-file", metavar="RUN.toml|PRESET", help="found a run from this manifest or preset (demo)")
     run.add_argument("--device", metavar="auto|cpu|cuda[:N]", help="device to train on (default: auto)")

@@ -421,8 +421,9 @@ def _mbps(value: float | None) -> str:
 
 
 def _reachability(peer: PeerView) -> str:
+    """yes (peers dial it), relay (peers call it through a circuit relay), or no (only peers it dials reach it)."""
     if not peer.reachable:
-        return "no"
+        return "relay" if peer.more.get("relays") else "no"
     return "yes" if peer.reachability_measured else "assumed"
 
 

@@ -46,6 +46,9 @@ class SwarmOptions:
     """One DHT RPC is deemed lost after this many seconds."""
     authorizer: AuthorizerBase | None = None
     """An invite-only run's admission (crowdtrain/dht/admission.py): signs our DHT requests, checks peers'."""
+    relay: bool = False
+    """Behind a NAT, reserve a slot on a circuit relay among the initial peers, so peers can call this node through
+    it (`crowdtrain.links.relays`); only with initial peers."""
 
     def __post_init__(self) -> None:
         if not self.bootstrap_timeout_s > 0 or not self.request_timeout_s > 0:
@@ -160,9 +163,28 @@ def join_swarm(options: SwarmOptions, validators: Sequence[RecordValidatorBase])
     no peer's stream frame makes this process, or any it forks, read more than MAX_STREAM_FRAME_BYTES."""
     install_frame_cap()
     dht = SupervisedDHT(
-        initial_peers=list(options.initial_peers) or None,
         start=False,
         record_validators=validators,
+        **p2p_options(options),
+    )
+    try:
+        dht.run_in_background(await_ready=True, timeout=P2PD_STARTUP_TIMEOUT_S + options.bootstrap_timeout_s)
+    except BaseException as e:
+        _stop(dht)
+        raise _explain_start_failure(e, options) from None
+    return dht
+
+
+def p2p_options(options: SwarmOptions) -> dict[str, Any]:
+    """hivemind.DHT's arguments for how its p2pd joins and serves the swarm.
+
+    Every node's p2pd serves as a circuit relay v2 for others while libp2p's AutoNAT finds it public (p2pd's
+    default, within p2pd's per-peer limits: 16 circuits, 128 reservations, 4 GiB or 30 min per relayed connection).
+    With `relay`, a node AutoNAT finds private reserves a slot on its initial peers (p2pd's trusted relays default to
+    its bootstrap peers) and announces a /p2p-circuit address: libp2p's autorelay does so once it knows 4 relay
+    candidates, or after a 3-minute boot delay with fewer."""
+    return dict(
+        initial_peers=list(options.initial_peers) or None,
         host_maddrs=list(options.listen),
         announce_maddrs=list(options.announce) or None,
         identity_path=options.identity_path,
@@ -173,13 +195,8 @@ def join_swarm(options: SwarmOptions, validators: Sequence[RecordValidatorBase])
         bootstrap_timeout=options.bootstrap_timeout_s,
         startup_timeout=P2PD_STARTUP_TIMEOUT_S,
         authorizer=options.authorizer,
+        use_auto_relay=options.relay and bool(options.initial_peers),
     )
-    try:
-        dht.run_in_background(await_ready=True, timeout=P2PD_STARTUP_TIMEOUT_S + options.bootstrap_timeout_s)
-    except BaseException as e:
-        _stop(dht)
-        raise _explain_start_failure(e, options) from None
-    return dht
 
 
 def _explain_start_failure(error: BaseException, options: SwarmOptions) -> BaseException:

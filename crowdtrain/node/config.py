@@ -112,6 +112,10 @@ class NodeConfig(MachineSettings):
     manifest names (the founder's own run file is not limited)."""
     max_parameters: int = 2_000_000_000
     """The largest model, in parameters, this node accepts from a run it joins."""
+    relay: bool = True
+    """Behind a NAT, reserve a slot on a circuit relay among the initial peers, so peers can call this node
+    through it (it announces a /p2p-circuit address, shown as `relay` in `status`); false: only peers this node
+    dials can reach it."""
 
     def __post_init__(self) -> None:
         _check_machine_settings(self)

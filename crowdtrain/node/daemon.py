@@ -10,9 +10,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import hivemind
 
@@ -36,6 +37,7 @@ from crowdtrain.dht.swarm import (
 from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
 from crowdtrain.errors import BadInputError, CrowdtrainError
 from crowdtrain.links.probes import ProbeService
+from crowdtrain.links.relays import RelayWatch, announced_addresses
 from crowdtrain.manifest import RunManifest
 from crowdtrain.models import load_tokenizer, spec_parameter_count
 from crowdtrain.models.device import describe_device, resolve_device
@@ -127,6 +129,7 @@ class Daemon:
             client_mode=self.config.fixed_role == Role.CLIENT,
             bootstrap_timeout_s=self.config.bootstrap_timeout_s,
             authorizer=self.authorizer,
+            relay=self.config.relay,
         )
 
     def _serve(self, dht: hivemind.DHT, identity: Identity, device: str) -> None:
@@ -323,6 +326,8 @@ class Heartbeat:
         """An invite-only run's admission: the beat publishes this node's access token and watches its expiry."""
         self.access_published_at = -math.inf
         self.access_expires_at = 0.0
+        relaying = config.relay and bool(config.initial_peers)
+        self.relay_watch = RelayWatch(functools.partial(announced_addresses, dht)) if relaying else None
 
     def run(self, stop: threading.Event) -> None:
         """Beat every status interval until `stop` is set, then withdraw at once; a DHT that died ends the daemon.
@@ -355,9 +360,9 @@ class Heartbeat:
         progress = self.progress
         if self.roles is not None:
             self.roles.fill_status(self.status)
-        if tuple(self.status.experts) != self.experts:
-            del self.status.experts[:]
-            self.status.experts.extend(self.experts)
+        _replace(self.status.experts, self.experts)
+        if self.relay_watch is not None:
+            _replace(self.status.relays, self.relay_watch.relays())
         self.status.epoch, self.status.samples_accumulated = progress.epoch, progress.samples_accumulated
         self.status.samples_per_second = progress.samples_per_second
         self.status.partial_averages = progress.num_partial_averages
@@ -422,6 +427,13 @@ class Heartbeat:
         self.status.last_seen = time.time()
         if not publish_peer_status(self.dht, self.status, self.owner, self.config.status_ttl_s, DHT_CALL_TIMEOUT_S):
             logger.warning("could not withdraw this node's status; it will expire by itself")
+
+
+def _replace(field: Any, values: Sequence[str]) -> None:
+    """Set a repeated string field of the status record to `values`."""
+    if tuple(field) != tuple(values):
+        del field[:]
+        field.extend(values)
 
 
 def _enforce_leave_deadline(stop: threading.Event, left: threading.Event, state_path: Path) -> None:

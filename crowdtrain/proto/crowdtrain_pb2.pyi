@@ -203,7 +203,7 @@ class SignedManifest(_message.Message):
     def __init__(self, manifest: _Optional[bytes] = ..., founder_public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("peer_id", "version", "state", "roles", "device", "samples_per_second", "epoch", "loss", "upload_mbps", "download_mbps", "reachable", "experts", "multiaddrs", "last_seen", "samples_accumulated", "run_id", "partial_averages", "local_steps", "measured_samples_per_second", "aggregation_share", "role_override", "reachability_measured", "plan_digest", "phase_times", "training", "excluded_peers", "observed_uploads")
+    __slots__ = ("peer_id", "version", "state", "roles", "device", "samples_per_second", "epoch", "loss", "upload_mbps", "download_mbps", "reachable", "experts", "multiaddrs", "last_seen", "samples_accumulated", "run_id", "partial_averages", "local_steps", "measured_samples_per_second", "aggregation_share", "role_override", "reachability_measured", "plan_digest", "phase_times", "training", "excluded_peers", "observed_uploads", "relays")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ONLINE: _ClassVar[PeerStatus.State]
@@ -237,6 +237,7 @@ class PeerStatus(_message.Message):
     TRAINING_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_PEERS_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_UPLOADS_FIELD_NUMBER: _ClassVar[int]
+    RELAYS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     version: str
     state: PeerStatus.State
@@ -264,7 +265,8 @@ class PeerStatus(_message.Message):
     training: TrainingStatus
     excluded_peers: _containers.RepeatedCompositeFieldContainer[ExcludedPeer]
     observed_uploads: _containers.RepeatedCompositeFieldContainer[ObservedUpload]
-    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[PeerStatus.State, str]] = ..., roles: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., epoch: _Optional[int] = ..., loss: _Optional[float] = ..., upload_mbps: _Optional[float] = ..., download_mbps: _Optional[float] = ..., reachable: _Optional[bool] = ..., experts: _Optional[_Iterable[str]] = ..., multiaddrs: _Optional[_Iterable[str]] = ..., last_seen: _Optional[float] = ..., samples_accumulated: _Optional[int] = ..., run_id: _Optional[str] = ..., partial_averages: _Optional[int] = ..., local_steps: _Optional[int] = ..., measured_samples_per_second: _Optional[float] = ..., aggregation_share: _Optional[float] = ..., role_override: _Optional[str] = ..., reachability_measured: _Optional[bool] = ..., plan_digest: _Optional[str] = ..., phase_times: _Optional[_Union[PhaseTimes, _Mapping]] = ..., training: _Optional[_Union[TrainingStatus, _Mapping]] = ..., excluded_peers: _Optional[_Iterable[_Union[ExcludedPeer, _Mapping]]] = ..., observed_uploads: _Optional[_Iterable[_Union[ObservedUpload, _Mapping]]] = ...) -> None: ...
+    relays: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, peer_id: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[PeerStatus.State, str]] = ..., roles: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., epoch: _Optional[int] = ..., loss: _Optional[float] = ..., upload_mbps: _Optional[float] = ..., download_mbps: _Optional[float] = ..., reachable: _Optional[bool] = ..., experts: _Optional[_Iterable[str]] = ..., multiaddrs: _Optional[_Iterable[str]] = ..., last_seen: _Optional[float] = ..., samples_accumulated: _Optional[int] = ..., run_id: _Optional[str] = ..., partial_averages: _Optional[int] = ..., local_steps: _Optional[int] = ..., measured_samples_per_second: _Optional[float] = ..., aggregation_share: _Optional[float] = ..., role_override: _Optional[str] = ..., reachability_measured: _Optional[bool] = ..., plan_digest: _Optional[str] = ..., phase_times: _Optional[_Union[PhaseTimes, _Mapping]] = ..., training: _Optional[_Union[TrainingStatus, _Mapping]] = ..., excluded_peers: _Optional[_Iterable[_Union[ExcludedPeer, _Mapping]]] = ..., observed_uploads: _Optional[_Iterable[_Union[ObservedUpload, _Mapping]]] = ..., relays: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ExcludedPeer(_message.Message):
     __slots__ = ("peer_id", "reason", "remaining_s")

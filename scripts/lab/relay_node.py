@@ -24,6 +24,8 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
+from crowdtrain.dht.swarm import SwarmOptions, p2p_options
+
 BULK = "relaylab.bulk"
 ECHO = "relaylab.echo"
 CHUNK_BYTES = 1 << 20
@@ -128,14 +130,12 @@ async def main(args: argparse.Namespace) -> None:
     if args.p2pd_args:  # flags hivemind does not expose (relay limits): appended to p2pd's command line
         make_args = P2P._make_process_args
         P2P._make_process_args = staticmethod(lambda *a, **k: make_args(*a, **k) + args.p2pd_args.split())
-    dht = hivemind.DHT(
-        initial_peers=args.initial_peers or None,
-        host_maddrs=[args.listen],
-        use_auto_relay=args.auto_relay,
-        client_mode=args.client_mode,
-        start=True,
-        **kwargs,
-    )
+    # the p2pd of a crowdtrain node (relays as `crowdtrain run` asks for them), with the experiment's overrides
+    options = SwarmOptions(
+        initial_peers=tuple(args.initial_peers), listen=(args.listen,), client_mode=args.client_mode,
+        relay=args.auto_relay,
+    )  # fmt: skip
+    dht = hivemind.DHT(start=True, **{**p2p_options(options), **kwargs})
     try:
         p2p = await dht.replicate_p2p()
         events.write("started", peer_id=p2p.peer_id.to_base58(), maddrs=[str(a) for a in dht.get_visible_maddrs()])

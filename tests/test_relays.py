@@ -1,0 +1,69 @@
+"""A node's relays, read from the addresses its p2pd announces, and when its p2pd asks for one (pure logic; the
+NAT lab's tests/test_nat_relay.py shows a NATed node called through a relay)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from crowdtrain.dht.swarm import SwarmOptions, p2p_options
+from crowdtrain.links import relays
+from crowdtrain.links.relays import MAX_RELAYS, RelayWatch, relay_peers
+
+SELF = "12D3KooWNJTL6RejcW9JoRrQdanAFJsqKaVhUbFzBrkwrqUTcUK9"
+RELAY = "12D3KooWDNkqWoWJ33umxCUcojcHqy7HcfPx4Q6V9NS1nid13rCP"
+OTHER = "12D3KooWEZkbXFmfhotvbiSVHMgFpBT5cxWjj9dyRA9hdK3nyrSd"
+DIRECT = f"/ip4/192.168.3.2/tcp/42619/p2p/{SELF}"
+
+
+def circuit(relay: str) -> str:
+    return f"/ip4/11.42.0.1/tcp/37723/p2p/{relay}/p2p-circuit/p2p/{SELF}"
+
+
+def test_the_relays_are_the_peers_before_each_circuit() -> None:
+    assert relay_peers([DIRECT]) == ()
+    assert relay_peers([DIRECT, circuit(RELAY), circuit(OTHER), circuit(RELAY)]) == tuple(sorted((RELAY, OTHER)))
+    assert relay_peers([f"/ip4/11.42.0.1/tcp/1/p2p-circuit/p2p/{SELF}"]) == (), "a circuit with no relay ID"
+    many = [circuit(f"12D3KooW{index:044d}") for index in range(10)]
+    assert len(relay_peers(many)) == MAX_RELAYS
+
+
+def test_the_watch_rereads_after_its_interval_logs_each_change_and_keeps_its_answer_when_a_read_fails(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr(relays.time, "monotonic", lambda: now[0])
+    answers: list[object] = [[DIRECT], [DIRECT, circuit(RELAY)], TimeoutError("busy"), [DIRECT]]
+
+    def addresses() -> list[str]:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer  # type: ignore[return-value]
+
+    watch = RelayWatch(addresses, interval_s=15)
+    caplog.set_level(logging.INFO, logger=relays.__name__)
+    assert watch.relays() == ()
+    now[0] += 10
+    assert watch.relays() == () and len(answers) == 3, "read again before its interval"
+    now[0] += 5
+    assert watch.relays() == (RELAY,)
+    assert f"through the relay of …{RELAY[-8:]}" in caplog.text
+    now[0] += 15
+    assert watch.relays() == (RELAY,), "a failed read drops the relay"
+    now[0] += 15
+    assert watch.relays() == ()
+    assert "holds no relay reservation any more" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("initial_peers", "relay", "auto_relay"),
+    [((f"/ip4/11.42.0.1/tcp/37723/p2p/{RELAY}",), True, True), ((), True, False), ((DIRECT,), False, False)],
+)
+def test_p2pd_looks_for_a_relay_only_when_asked_to_and_it_has_peers_to_ask(
+    initial_peers: tuple[str, ...], relay: bool, auto_relay: bool
+) -> None:
+    options = p2p_options(SwarmOptions(initial_peers=initial_peers, relay=relay))
+    assert options["use_auto_relay"] is auto_relay
+    assert options["use_ipfs"] is False
