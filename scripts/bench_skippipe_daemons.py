@@ -78,7 +78,7 @@ def measure(args: Any, groups: ProcessGroups, root: Path, mode: str) -> dict[str
     """One arm, on loopback or in a WAN lab of `--scenario` (torn down, its daemons killed, however the arm ends)."""
     if not args.scenario:
         return measure_in(args, groups, root, mode, None)
-    with Lab(Scenario.load(args.scenario)) as lab:
+    with Lab(Scenario.load(args.scenario), public_octet=args.public_octet) as lab:
         if len(lab.hosts) != args.nodes:
             raise ValueError(f"the scenario has {len(lab.hosts)} hosts, not --nodes {args.nodes}")
         try:
@@ -194,6 +194,9 @@ def main() -> int:
     parser.add_argument("--warmup-s", type=float, default=20.0)
     parser.add_argument("--arms", nargs="+", choices=("skippipe", "gradients"), default=["skippipe", "gradients"])
     parser.add_argument("--scenario", type=Path, help="a WAN-lab scenario of --nodes hosts: one daemon in each")
+    parser.add_argument(
+        "--public-octet", type=int, default=10, help="the lab bridge's first octet (11: public to libp2p, for relays)"
+    )
     args = parser.parse_args()
     settings = vars(args) | {"out": str(args.out), "scenario": str(args.scenario) if args.scenario else None}
     results: dict[str, Any] = {"settings": settings, "environment": environment_json(False)}
