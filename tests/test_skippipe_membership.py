@@ -251,13 +251,17 @@ def test_a_follower_leaves_out_a_roster_member_that_never_declared_but_not_on_a_
     membership = PipelineMembers(0, (leader, me, honest, phantom))
     declared = {peer.peer_id: peer for peer in (leader, me, honest)}
     follower = Rostering.__new__(Rostering)  # the check reads only what is set here
-    follower.me, follower.runner = me, Suspicions()  # type: ignore[assignment]
-    follower._unseen, follower._members_checked_at = {}, -float("inf")
+    follower.me, follower.runner, follower.history = me, Suspicions(), [membership]  # type: ignore[assignment]
+    follower._unseen, follower._members_read, follower._members_checked = {}, None, 0
     lost = {honest.peer_id: honest}  # a read that found only another node's record: it missed records
     follower.directory = Declarations(declared, lost, declared, declared, declared)  # type: ignore[assignment]
+    follower._check_members(membership)  # no read yet: nothing to check
+    assert follower.runner.suspected == set() and follower._unseen == {}
     for read in range(5):
-        follower._members_checked_at = -float("inf")  # due: the check is gated to every CHECK_MEMBERS_S
+        follower._members_read_at = -float("inf")  # due: the reads are made every CHECK_MEMBERS_S
+        follower._read_in_background()  # in the declaration's thread, off the training path
         follower._check_members(membership)
+        follower._check_members(membership)  # the next iteration, before the next read: it counts once
         if read < 3:
             assert follower.runner.suspected == set(), "a member is suspected after MISSING_READS reads that count"
     assert follower.runner.suspected == {phantom.peer_id}
@@ -266,5 +270,8 @@ def test_a_follower_leaves_out_a_roster_member_that_never_declared_but_not_on_a_
     # the leader itself doesn't check: its own reads drop such members from its next roster
     follower.me = leader
     follower.directory = Declarations()  # type: ignore[assignment]  # (a read would fail: none is made)
-    follower._members_checked_at = -float("inf")
+    follower._members_read_at = -float("inf")
+    follower._read_in_background()
+    follower._members_read = (99, frozenset())  # a read from before it led, finding no one
     follower._check_members(membership)
+    assert follower.runner.times[phantom.peer_id] == 2 and follower._members_checked == 5, "the leader checks nothing"

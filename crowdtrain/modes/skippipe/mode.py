@@ -106,8 +106,12 @@ class SkipPipeMode(Rostering, TrainingMode):
         """As the leader: reads in a row that missed each member's declaration."""
         self._unseen: dict[str, int] = {}
         """As a follower: reads in a row that missed each member's declaration (`_check_members`)."""
-        self._members_checked_at = -float("inf")
-        """When this node last checked the members against the declarations, as a follower (monotonic)."""
+        self._members_read_at = -float("inf")
+        """When this node last read the declarations to check the members, as a follower (monotonic)."""
+        self._members_read: tuple[int, frozenset[str]] | None = None
+        """The newest such read, numbered: the declaration's thread writes it, the next iteration checks it."""
+        self._members_checked = 0
+        """The number of the read the members were last checked against."""
         self._empty_since: dict[int, float] = {}
         """Stages 1..S-1 that the newest membership leaves without a node, since when (monotonic)."""
         self._stage_zero_gone_since: float | None = None

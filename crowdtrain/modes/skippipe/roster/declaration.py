@@ -142,8 +142,12 @@ class StageDeclaration:
         while not self._closing.wait(DECLARATION_CHECK_S):
             try:
                 self._renew_declaration()
+                self._read_in_background()
             except Exception as e:  # a DHT shutting down under it; while it runs, the next look tries again
-                logger.debug(f"could not renew this node's stage declaration: {e!r}")
+                logger.debug(f"could not renew this node's stage declaration or read the others': {e!r}")
+
+    def _read_in_background(self) -> None:
+        """DHT reads made in the declaration's thread, so no iteration waits for them (`Rostering`'s)."""
 
     def _follow_device(self) -> None:
         """Declare this node's cost again when its device's median over the microbatches it computed lately

@@ -74,7 +74,9 @@ class Rostering(StageDeclaration):
     _published_at: float
     _missing: dict[str, int]
     _unseen: dict[str, int]
-    _members_checked_at: float
+    _members_read_at: float
+    _members_read: tuple[int, frozenset[str]] | None
+    _members_checked: int
     _empty_since: dict[int, float]
     _stage_zero_gone_since: float | None
     _holding: bool
@@ -173,21 +175,31 @@ class Rostering(StageDeclaration):
                 + (f" (seconds per microbatch: {', '.join(costs)})" if costs else "")
             )
 
-    def _check_members(self, membership: PipelineMembers) -> None:
-        """As a follower, every CHECK_MEMBERS_S: suspect each member of the membership in force whose serving
-        declaration MISSING_READS reads in a row did not find (a leader may list nodes that never declared; a read
-        that misses this node's own declaration doesn't count), which
-        leaves it out of this node's schedules and gradient sums (`SkipPipeNode.suspect`) for as long as it stays
-        undeclared. The leader's own reads drop such members from its next roster (`_lead`)."""
+    def _read_in_background(self) -> None:
+        """As a follower, every CHECK_MEMBERS_S, in the declaration's thread: read which nodes declare serving a
+        stage, for the next iteration's `_check_members` (numbered, so each read counts once)."""
         now = time.monotonic()
-        if now - self._members_checked_at < CHECK_MEMBERS_S or leader_of(membership, ()) == self.me.peer_id:
+        newest = self.history[-1] if self.history else None
+        if now - self._members_read_at < CHECK_MEMBERS_S or newest is None or leader_of(newest, ()) == self.me.peer_id:
             return
-        self._members_checked_at = now
-        declared = self.directory.declarations(serving_only=True)
+        self._members_read_at = now
+        count = 0 if self._members_read is None else self._members_read[0]
+        self._members_read = (count + 1, frozenset(self.directory.declarations(serving_only=True)))
+
+    def _check_members(self, membership: PipelineMembers) -> None:
+        """As a follower, at each new read of the declarations (`_read_in_background`): suspect each member of the
+        membership in force whose serving declaration MISSING_READS reads in a row did not find (a leader may list
+        nodes that never declared; a read that misses this node's own declaration doesn't count), which leaves it
+        out of this node's schedules and gradient sums (`SkipPipeNode.suspect`) for as long as it stays undeclared.
+        The leader's own reads drop such members from its next roster (`_lead`)."""
+        read = self._members_read
+        if read is None or read[0] == self._members_checked or leader_of(membership, ()) == self.me.peer_id:
+            return
+        self._members_checked, declared = read
         if self.me.peer_id not in declared:
             return  # a read that misses this node's own declaration (renewed every DECLARATION_RENEW_S) missed records
         others = [node for node in membership.members if node.peer_id != self.me.peer_id]
-        self._unseen = missed_reads(others, declared.keys(), self._unseen)
+        self._unseen = missed_reads(others, declared, self._unseen)
         for peer, reads in self._unseen.items():
             if reads < MISSING_READS:
                 continue
