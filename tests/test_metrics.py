@@ -58,6 +58,10 @@ def test_the_endpoint_serves_the_nodes_metrics_on_loopback(endpoint: tuple[Metri
     lines = scrape(metrics.port).splitlines()
     assert "crowdtrain_epoch 8.0" in lines
     assert "crowdtrain_held_out_loss 3.5" in lines and "crowdtrain_held_out_epoch 8.0" in lines
+    assert not any(line.startswith("crowdtrain_reachability") for line in lines), "before the first beat: none"
+    progress.reachability = "relay"
+    lines = scrape(metrics.port).splitlines()
+    assert 'crowdtrain_reachability{state="relay"} 1.0' in lines and 'crowdtrain_reachability{state="yes"} 0.0' in lines
 
 
 def test_a_port_in_use_is_one_plain_sentence() -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from crowdtrain.dht.swarm import SwarmOptions, p2p_options
 from crowdtrain.links import relays
-from crowdtrain.links.relays import MAX_RELAYS, RelayWatch, relay_peers
+from crowdtrain.links.relays import MAX_RELAYS, RelayWatch, reachability, relay_peers
 
 SELF = "12D3KooWNJTL6RejcW9JoRrQdanAFJsqKaVhUbFzBrkwrqUTcUK9"
 RELAY = "12D3KooWDNkqWoWJ33umxCUcojcHqy7HcfPx4Q6V9NS1nid13rCP"
@@ -27,6 +27,12 @@ def test_the_relays_are_the_peers_before_each_circuit() -> None:
     assert relay_peers([f"/ip4/11.42.0.1/tcp/1/p2p-circuit/p2p/{SELF}"]) == (), "a circuit with no relay ID"
     many = [circuit(f"12D3KooW{index:044d}") for index in range(10)]
     assert len(relay_peers(many)) == MAX_RELAYS
+
+
+def test_a_node_is_reachable_directly_untried_through_a_relay_or_not_at_all() -> None:
+    assert reachability(True, True, ()) == "yes" and reachability(True, False, ()) == "assumed"
+    assert reachability(False, True, (RELAY,)) == "relay" and reachability(False, True, ()) == "no"
+    assert reachability(True, True, (RELAY,)) == "yes", "a dial-back beats a relay"
 
 
 def test_the_watch_rereads_after_its_interval_logs_each_change_and_keeps_its_answer_when_a_read_fails(

@@ -25,6 +25,7 @@ from crowdtrain.cli.reader import join_as_reader
 from crowdtrain.cli.runs import choose_run
 from crowdtrain.dht.registry import RunListing, await_runs, list_peer_statuses, list_runs
 from crowdtrain.dht.validator import CrowdtrainRecordValidator
+from crowdtrain.links.relays import reachability
 from crowdtrain.manifest import RunManifest, expert_uids
 from crowdtrain.modes.settings import MODE_SETTINGS, SUMMARIZED_MODES
 from crowdtrain.moe.placement import GridCoverage, grid_coverage
@@ -421,10 +422,7 @@ def _mbps(value: float | None) -> str:
 
 
 def _reachability(peer: PeerView) -> str:
-    """yes (peers dial it), relay (peers call it through a circuit relay), or no (only peers it dials reach it)."""
-    if not peer.reachable:
-        return "relay" if peer.more.get("relays") else "no"
-    return "yes" if peer.reachability_measured else "assumed"
+    return reachability(peer.reachable, peer.reachability_measured, peer.more.get("relays") or ())
 
 
 def _describe_mode(summary: ModeSummary | None) -> tuple[str, str] | str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import hivemind
@@ -24,6 +24,18 @@ MAX_RELAYS = 4
 """The most relays a status record names: libp2p's autorelay holds 2 reservations by default."""
 READ_TIMEOUT_S = 5.0
 """Bound on one read of the addresses from the DHT process (a heartbeat must not hang on a busy one)."""
+
+
+REACHABILITY = ("yes", "assumed", "relay", "no")
+"""How peers reach a node: they dialed it back (`yes`), nobody tried yet (`assumed`), only through a circuit relay
+(`relay`), or only over connections it opens itself (`no`)."""
+
+
+def reachability(reachable: bool, measured: bool, relays: Sequence[str]) -> str:
+    """One of REACHABILITY for a node's status record's `reachable`, `reachability_measured` and `relays`."""
+    if not reachable:
+        return "relay" if relays else "no"
+    return "yes" if measured else "assumed"
 
 
 def relay_peers(addresses: Iterable[Any]) -> tuple[str, ...]:

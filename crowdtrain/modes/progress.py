@@ -19,7 +19,8 @@ swarm's state showed 3.05 where its EMA had been 2.86 and went on at 2.78, faili
 
 @dataclass(slots=True)
 class Progress:
-    """What the heartbeat publishes about this node's training; written by the trainer thread only."""
+    """What the heartbeat publishes about this node's training; written by the trainer thread (but
+    `reachability`)."""
 
     epoch: int = 0
     samples_accumulated: int = 0
@@ -67,6 +68,9 @@ class Progress:
     """skippipe: the last iteration this node stepped; 0 in other modes."""
     samples_trained: int = 0
     """Samples this node computed forward and backward since it started (all epochs; skipped micro-batches not)."""
+    reachability: str = ""
+    """How peers reach this node (`links.relays.REACHABILITY`), as its last status record said; written by the
+    heartbeat, "" before its first beat."""
     excluded_peers: dict[str, Verdict] = field(default_factory=dict)
     """Peers this node keeps out of its averaging groups for sending bad parts (averaging/quarantine.py)."""
     loss_batches: int = 0

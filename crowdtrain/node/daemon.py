@@ -37,7 +37,7 @@ from crowdtrain.dht.swarm import (
 from crowdtrain.dht.validator import CrowdtrainRecordValidator, make_validators
 from crowdtrain.errors import BadInputError, CrowdtrainError
 from crowdtrain.links.probes import ProbeService
-from crowdtrain.links.relays import RelayWatch, announced_addresses
+from crowdtrain.links.relays import RelayWatch, announced_addresses, reachability
 from crowdtrain.manifest import RunManifest
 from crowdtrain.models import load_tokenizer, spec_parameter_count
 from crowdtrain.models.device import describe_device, resolve_device
@@ -376,6 +376,8 @@ class Heartbeat:
             self.status.training.CopyFrom(training)
         if progress.loss is not None:
             self.status.loss = progress.loss
+        status = self.status
+        progress.reachability = reachability(status.reachable, status.reachability_measured, status.relays)
         self.status.last_seen = time.time()
         if self.authorizer is not None:
             self._publish_access()

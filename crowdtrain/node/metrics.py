@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from crowdtrain.errors import BadInputError
+from crowdtrain.links.relays import REACHABILITY
 
 if TYPE_CHECKING:
     from crowdtrain.modes.progress import Progress
@@ -80,6 +81,15 @@ class ProgressCollector(Collector):
             "SkipPipe runs its pipeline hops, gradients and stage states.",
             value=progress.averaging_bytes_received,
         )
+        if progress.reachability:
+            reach = GaugeMetricFamily(
+                "crowdtrain_reachability",
+                "1 for how peers reach this node: dialed back (yes), untried (assumed), through a relay, or no.",
+                labels=["state"],
+            )
+            for state in REACHABILITY:
+                reach.add_metric([state], float(state == progress.reachability))
+            yield reach
         # Gauges of values that are not known yet, or mean nothing in this run's mode, are left out.
         known_later = (
             ("crowdtrain_loss", "This node's recent training loss (moving average).", progress.loss),
