@@ -26,7 +26,6 @@ import itertools
 import json
 import math
 import statistics
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,14 +34,11 @@ import torch
 
 from crowdtrain.cli.reader import join_as_reader
 from crowdtrain.data import WindowSampler, load_token_stream
-from crowdtrain.dht.records import owner_marker
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import RunManifest, load_run_file
 from crowdtrain.models import build_model, load_tokenizer, model_kind
 from crowdtrain.modes.registry import mode_class
-from crowdtrain.modes.skippipe.hops import HopFailedError, HopLimits, StageService
-from crowdtrain.modes.skippipe.replicas.stage_state import STATE_PARTS, state_timeout_s
-from crowdtrain.modes.skippipe.roster.membership import StageDirectory
+from crowdtrain.modes.skippipe.evaluation import load_swarm_stages
 from crowdtrain.modes.skippipe.settings import skippipe_spec
 from crowdtrain.modes.skippipe.stages import StagedModel, check_path
 from crowdtrain.node.config import SwarmSettings
@@ -165,50 +161,11 @@ def swarm_stages(
     taken, the stages no node served)."""
     settings = with_join_token(dataclasses.replace(settings, run_id=manifest.run_id))
     dht, reader_key = join_as_reader(settings, run_ids=[manifest.run_id])
-    limits = HopLimits(max_batch=1, max_sequence=1, hidden_size=1)  # this reader serves no hop
-    service = StageService(dht, staged, 0, limits)
     try:
-        directory = StageDirectory(
-            dht=dht, run_id=manifest.run_id, owner=owner_marker(reader_key), num_stages=staged.num_stages
-        )
-        roster = directory.roster()
-        if not roster:
-            raise BadInputError(f"The swarm holds no SkipPipe roster of run '{manifest.run_id}'.")
-        service.start(serve=False)
-        iterations, untrained = [], []
-        for stage in range(staged.num_stages):
-            peers = sorted(node.peer_id for node in roster[-1].members if node.stage == stage)
-            iteration = _load_stage(service, staged, stage, peers)
-            if iteration is None:
-                untrained.append(stage)
-            else:
-                iterations.append(iteration)
+        iteration, untrained = load_swarm_stages(dht, reader_key, manifest, staged)
     finally:
-        service.close()
         dht.shutdown()
-    return f"the swarm at {settings.initial_peers[0]}", min(iterations, default=0), tuple(untrained)
-
-
-def _load_stage(service: StageService, staged: StagedModel, stage: int, peers: Sequence[str]) -> int | None:
-    """Copy `stage`'s parameters from the first of `peers` that sends its state; the iteration it is from, or
-    None if none did."""
-    parameters = staged.stage_parameters(stage)
-    numel = sum(parameter.numel() for parameter in parameters)
-    for peer in peers:
-        try:
-            header, values = service.fetch_state(
-                peer, STATE_PARTS * numel, state_timeout_s(STATE_PARTS * numel), stage=stage
-            )
-        except HopFailedError as e:
-            print(f"stage {stage}: {e}; asking another node", file=sys.stderr)
-            continue
-        with torch.no_grad():
-            offset = 0
-            for parameter in parameters:
-                parameter.copy_(values[offset : offset + parameter.numel()].view_as(parameter))
-                offset += parameter.numel()
-        return int(header.iteration)
-    return None
+    return f"the swarm at {settings.initial_peers[0]}", iteration, untrained
 
 
 def _checkpoint(checkpoint: str | None, state_dir: str, manifest: RunManifest, model: torch.nn.Module) -> Checkpoint:
