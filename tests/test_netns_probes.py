@@ -106,4 +106,4 @@ def test_check_measures_the_caps_and_an_undialable_node_is_a_client(tmp_path: Pa
         verdicts = {(a["peer_id"], a["multiaddr"].split("/p2p/")[0], a["verdict"]) for a in report["addresses"]}
         assert verdicts == {(peer, closed, "refused") for peer in daemons}, "each daemon dialed the one address"
         assert "client" in report["plan"]["roles"], report["plan"]
-        assert "--announce /ip4/" in report["fix"] and "--role client" in report["fix"]
+        assert "--announce /ip4/" in report["fix"] and "through a public peer's relay" in report["fix"]
