@@ -178,8 +178,9 @@ def join_swarm(options: SwarmOptions, validators: Sequence[RecordValidatorBase])
 def p2p_options(options: SwarmOptions) -> dict[str, Any]:
     """hivemind.DHT's arguments for how its p2pd joins and serves the swarm.
 
-    Every node's p2pd serves as a circuit relay v2 for others while libp2p's AutoNAT finds it public (p2pd's
-    default, within p2pd's per-peer limits: 16 circuits, 128 reservations, 4 GiB or 30 min per relayed connection).
+    Every node's p2pd serves as a circuit relay v2 for others (p2pd's default): with p2pd's limits (16 circuits
+    and 128 reservations per peer, 4 GiB or 30 min per relayed connection) once libp2p's AutoNAT finds it public,
+    and beside that a service with libp2p's default limits (128 KiB or 2 min per relayed connection).
     With `relay`, a node AutoNAT finds private reserves a slot on its initial peers (p2pd's trusted relays default to
     its bootstrap peers) and announces a /p2p-circuit address: libp2p's autorelay does so once it knows 4 relay
     candidates, or after a 3-minute boot delay with fewer."""
