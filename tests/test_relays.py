@@ -70,6 +70,7 @@ def test_the_watch_rereads_after_its_interval_logs_each_change_and_keeps_its_ans
 def test_p2pd_looks_for_a_relay_only_when_asked_to_and_it_has_peers_to_ask(
     initial_peers: tuple[str, ...], relay: bool, auto_relay: bool
 ) -> None:
-    options = p2p_options(SwarmOptions(initial_peers=initial_peers, relay=relay))
-    assert options["use_auto_relay"] is auto_relay
+    swarm = SwarmOptions(initial_peers=initial_peers, relay=relay)
+    options = p2p_options(swarm)
+    assert options["use_auto_relay"] is auto_relay and swarm.auto_relay is auto_relay, "the heartbeat watches then"
     assert options["use_ipfs"] is False

@@ -50,6 +50,11 @@ class SwarmOptions:
     """Behind a NAT, reserve a slot on a circuit relay among the initial peers, so peers can call this node through
     it (`crowdtrain.links.relays`); only with initial peers."""
 
+    @property
+    def auto_relay(self) -> bool:
+        """Whether p2pd looks for a relay: asked to, and with initial peers to ask."""
+        return self.relay and bool(self.initial_peers)
+
     def __post_init__(self) -> None:
         if not self.bootstrap_timeout_s > 0 or not self.request_timeout_s > 0:
             raise ValueError("bootstrap_timeout_s and request_timeout_s must be positive")
@@ -196,7 +201,7 @@ def p2p_options(options: SwarmOptions) -> dict[str, Any]:
         bootstrap_timeout=options.bootstrap_timeout_s,
         startup_timeout=P2PD_STARTUP_TIMEOUT_S,
         authorizer=options.authorizer,
-        use_auto_relay=options.relay and bool(options.initial_peers),
+        use_auto_relay=options.auto_relay,
     )
 
 

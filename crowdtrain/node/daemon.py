@@ -114,9 +114,10 @@ class Daemon:
             self.device = resolve_device(self.config.device)
             device = describe_device(self.device)
             self.authorizer = node_authorizer(self.config, identity)
-            dht = join_swarm(self._swarm_options(identity), make_validators(identity.private_key))
+            options = self._swarm_options(identity)
+            dht = join_swarm(options, make_validators(identity.private_key))
             try:
-                self._serve(dht, identity, device)
+                self._serve(dht, identity, device, options.auto_relay)
             finally:
                 dht.shutdown()
 
@@ -132,7 +133,7 @@ class Daemon:
             relay=self.config.relay,
         )
 
-    def _serve(self, dht: hivemind.DHT, identity: Identity, device: str) -> None:
+    def _serve(self, dht: hivemind.DHT, identity: Identity, device: str, auto_relay: bool) -> None:
         membership = resolve_membership(dht, self.config, identity)
         run_id = membership.manifest.run_id
         _check_role_fits(self.config.fixed_role, membership.manifest)
@@ -152,7 +153,7 @@ class Daemon:
             # Serving peers' probes from before node.json exists: a node that says it is up answers them.
             self.probes = ProbeService(dht)
             self.probes.start()
-        heartbeat = Heartbeat(dht, identity, membership, self.config, device, multiaddrs, progress)
+        heartbeat = Heartbeat(dht, identity, membership, self.config, device, multiaddrs, progress, auto_relay)
         heartbeat.authorizer = self.authorizer
         heartbeat.beat()
         state_path = self.config.state_path
@@ -300,6 +301,7 @@ class Heartbeat:
         device: str,
         multiaddrs: tuple[str, ...],
         progress: Progress,
+        auto_relay: bool = False,
     ):
         self.dht, self.membership, self.config, self.progress = dht, membership, config, progress
         self.roles: NodeRoles | None = None
@@ -326,8 +328,8 @@ class Heartbeat:
         """An invite-only run's admission: the beat publishes this node's access token and watches its expiry."""
         self.access_published_at = -math.inf
         self.access_expires_at = 0.0
-        relaying = config.relay and bool(config.initial_peers)
-        self.relay_watch = RelayWatch(functools.partial(announced_addresses, dht)) if relaying else None
+        self.relay_watch = RelayWatch(functools.partial(announced_addresses, dht)) if auto_relay else None
+        """Where this node's p2pd looks for a relay (`SwarmOptions.auto_relay`): the relays it holds, for the beat."""
 
     def run(self, stop: threading.Event) -> None:
         """Beat every status interval until `stop` is set, then withdraw at once; a DHT that died ends the daemon.
