@@ -32,6 +32,7 @@ scenarios. Run as root (namespaces); the lab is torn down however the benchmark 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import re
@@ -55,9 +56,10 @@ from benchlib import (
 from lab.fixtures import LLAMA_20M_CONFIG, bench_run_file
 from lab.processes import HarnessError, ProcessGroups, await_condition, child_env
 from lab.swarm import START_TIMEOUT_S, Daemon, start_daemon, start_swarm
-from lab.wanlab import HostSpec, Lab, Scenario
+from lab.wanlab import Host, HostSpec, Lab, Scenario
 
 from crowdtrain.data import WindowSampler, load_token_stream
+from crowdtrain.links.relays import reachability
 from crowdtrain.manifest import RunManifest, load_run_file, spes_28m, spes_demo
 from crowdtrain.models import build_model, load_tokenizer, training_loss
 from crowdtrain.optimizer import learning_rate_factor
@@ -88,17 +90,30 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 """Models by name: llama-20m's shape (25.4M parameters with the byte vocabulary), the demo's (3.2M, smoke runs), and
 the SPES presets' mixtures of experts (28.4M: 6 layers of 8 experts, top-2; 5.4M)."""
+SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 SCENARIOS = {
     "home": (HostSpec(name="home", count=4, upload_mbps=20, download_mbps=20),),
     "hetero": (
         HostSpec(name="fast", upload_mbps=1000, download_mbps=1000),
         HostSpec(name="home", count=3, upload_mbps=20, download_mbps=20),
     ),
+    "nat": Scenario.load(SCENARIO_DIR / "home-nat.toml").hosts,
+    "open": Scenario.load(SCENARIO_DIR / "home-open.toml").hosts,
 }
+"""`nat` and `open` (issue 46): one public host at 100 Mbit/s and three home hosts at 20, two of which sit behind
+routers of their own in `nat` (nothing forwarded) and are public in `open`. Their bridge is on 11.x, which libp2p
+counts as public, so its relays and AutoNAT behave as on the internet; the others keep 10.x."""
+RELAY_SCENARIOS = ("nat", "open")
 START_S = 600.0
 """Bound on the daemons' start, link probes and wait for each other, before an arm's wall-time cap begins."""
 SCORE = re.compile(r"epoch (\d+): held-out loss ([\d.]+) on")
 COMPUTING = re.compile(r"epoch (\d+): loss .*computing (\d+)% of the time")
+CONTRIBUTED = {
+    "gradients": re.compile(r"^(\d\d:\d\d:\d\d) .*epoch \d+: loss", re.M),
+    "rounds": re.compile(r"^(\d\d:\d\d:\d\d) .*outer round \d+: averaged with the swarm", re.M),
+}
+"""A daemon's first contributed step, by its log: a global step it took with the swarm (`gradients`), or an outer
+round it averaged with the swarm (DiLoCo, SPES)."""
 
 
 def run_text(args: argparse.Namespace, arm: str) -> str:
@@ -172,8 +187,12 @@ def swarm_arm(args: argparse.Namespace, scenario: str, arm: str, groups: Process
     run_file.write_text(run_text(args, arm))
     per_epoch = samples_per_epoch(args, arm)
     last_epoch = args.batches * BATCH // per_epoch
-    with Lab(Scenario(name=scenario, hosts=SCENARIOS[scenario])) as lab:
+    octet = 11 if scenario in RELAY_SCENARIOS else 10
+    with Lab(Scenario(name=scenario, hosts=SCENARIOS[scenario]), public_octet=octet) as lab:
         placements = [(f"/ip4/{host.address}/tcp/0", ("ip", "netns", "exec", host.namespace)) for host in lab.hosts]
+        # Public daemons all train (no aggregate-only role from the plan on 2 shared cores); a NATed one takes
+        # the role its plan gives it, as a volunteer's would.
+        roles = [() if host.behind_nat else ("--role", "trainer") for host in lab.hosts]
         env = child_env(
             CROWDTRAIN_MICRO_BATCH_SIZE=str(MICRO_BATCH),
             CROWDTRAIN_NUM_THREADS="1",
@@ -184,14 +203,12 @@ def swarm_arm(args: argparse.Namespace, scenario: str, arm: str, groups: Process
         )
         quiet = env | {"CROWDTRAIN_EVAL_EVERY": "0"}
         try:
-            nodes = start_swarm(
-                groups, root / arm, 1, ["--run-file", str(run_file), "--role", "trainer"], env, placements
-            )
+            spawned = [time.time()]
+            nodes = start_swarm(groups, root / arm, 1, ["--run-file", str(run_file), *roles[0]], env, placements)
             started = time.monotonic()
-            nodes += [
-                _join(groups, root / arm, index, nodes[0], quiet, placements[index])
-                for index in range(1, len(lab.hosts))
-            ]
+            for index in range(1, len(lab.hosts)):
+                spawned.append(time.time())
+                nodes.append(_join(groups, root / arm, index, nodes[0], quiet, placements[index], roles[index]))
             for index, node in enumerate(nodes):
                 await_condition(node.ready, START_TIMEOUT_S, f"daemon {index} to start")
             say(f"{scenario}/{arm}: {len(nodes)} daemons up; to epoch {last_epoch} ({args.batches * BATCH} samples)")
@@ -211,18 +228,81 @@ def swarm_arm(args: argparse.Namespace, scenario: str, arm: str, groups: Process
                 say(f"{scenario}/{arm}: stopped at its {args.arm_wall_s:g}-s cap, at epoch {watch.poll()}")
             counters = [metrics_in_host(host.namespace) for host in lab.hosts]
             logs = [node.log() for node in nodes]
+            hosts = per_host(arm, lab, nodes, spawned, counters, logs, status_in_host(lab.hosts[0], nodes[0]))
         finally:
             groups.kill_all()  # before the lab's namespaces go
-    return swarm_result(arm, per_epoch, watch, counters, logs, wall_s)
+    return swarm_result(arm, per_epoch, watch, counters, logs, wall_s) | {"hosts": hosts}
 
 
 def _join(
-    groups: ProcessGroups, root: Path, index: int, founder: Daemon, env: dict[str, str], where: tuple[str, Any]
+    groups: ProcessGroups,
+    root: Path,
+    index: int,
+    founder: Daemon,
+    env: dict[str, str],
+    where: tuple[str, Any],
+    role: tuple[str, ...],
 ) -> Daemon:
     return start_daemon(
-        groups, root / f"node{index}", "--role", "trainer", env=env, initial_peers=[founder.address],
-        listen=where[0], launcher=where[1],
+        groups, root / f"node{index}", *role, env=env, initial_peers=[founder.address], listen=where[0],
+        launcher=where[1],
     )  # fmt: skip
+
+
+def status_in_host(host: Host, daemon: Daemon) -> dict[str, Any]:
+    """`crowdtrain status --json` of `daemon`, run inside its host; {} if it gave none."""
+    shown = subprocess.run(
+        ["ip", "netns", "exec", host.namespace, sys.executable, "-m", "crowdtrain", "status", "--json",
+         "--state-dir", str(daemon.state_dir)],
+        capture_output=True, text=True, timeout=120, env=child_env(),
+    )  # fmt: skip
+    try:
+        return dict(json.loads(shown.stdout))
+    except ValueError:
+        say(f"status failed: {shown.stderr.strip()[-300:]}")
+        return {}
+
+
+def per_host(
+    arm: str,
+    lab: Lab,
+    nodes: list[Daemon],
+    spawned: list[float],
+    counters: list[dict[str, float]],
+    logs: list[str],
+    status: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """What each host's daemon did: whether it sits behind a NAT, the samples it trained, the seconds from its
+    `run` to its first contributed step (by its log), and the part the founder's status shows it holding (roles,
+    reachability, aggregation share, SPES experts owned)."""
+    peers = {peer["peer_id"]: peer for peer in status.get("peers", [])}
+    pattern = CONTRIBUTED["gradients" if arm == "gradients" else "rounds"]
+    result = []
+    for host, node, started, values, log in zip(lab.hosts, nodes, spawned, counters, logs, strict=True):
+        peer = peers.get(node.node_info.get("peer_id", ""), {})
+        first = pattern.search(log)
+        result.append({
+            "host": host.name, "nat": host.behind_nat, "samples_trained": values.get("crowdtrain_samples_trained"),
+            "s_to_first_contribution": _seconds_since(started, first.group(1)) if first else None,
+            "roles": peer.get("roles"), "reach": _reach(peer), "relays": len(peer.get("relays") or ()),
+            "aggregation_share": peer.get("aggregation_share"),
+            "experts_owned": (peer.get("training") or {}).get("experts_owned"),
+        })  # fmt: skip
+    return result
+
+
+def _reach(peer: dict[str, Any]) -> str | None:
+    if not peer:
+        return None
+    return reachability(peer.get("reachable"), peer.get("reachability_measured"), peer.get("relays") or ())
+
+
+def _seconds_since(started: float, clock: str) -> float:
+    """Seconds from `started` (unix time) to a log line's local HH:MM:SS on the same or the next day."""
+    day = datetime.datetime.fromtimestamp(started).replace(hour=0, minute=0, second=0, microsecond=0)
+    hours, minutes, seconds = (int(part) for part in clock.split(":"))
+    at = day.replace(hour=hours, minute=minutes, second=seconds).timestamp()
+    return at - started if at >= started - 1 else at + 86_400 - started
 
 
 def swarm_result(
@@ -352,6 +432,16 @@ def print_results(results: dict[str, Any]) -> None:
              "s to target", "speed-up", "wall s", "partial"],
             rows,
         )  # fmt: skip
+        hosts = [(arm["arm"], host) for arm in scenario["arms"].values() for host in arm.get("hosts", ())]
+        if hosts:
+            print_table(
+                f"{name}: each host's daemon (roles, reach, share and experts from the founder's status at the end)",
+                ["arm", "host", "NAT", "samples trained", "s to first contribution", "roles", "reach", "relays",
+                 "aggregation share", "experts owned"],
+                [[arm, host["host"], host["nat"], host["samples_trained"], host["s_to_first_contribution"],
+                  ",".join(host["roles"] or ()), host["reach"], host["relays"], host["aggregation_share"],
+                  host["experts_owned"]] for arm, host in hosts],
+            )  # fmt: skip
 
 
 @plot_to_png(1, 2, figsize=(12, 4.5))
