@@ -144,6 +144,7 @@ def test_status_ttl_check_applies_across_layers(tmp_path: Path) -> None:
         ({"log_format": "xml"}, "log_format"),
         ({"verbose": -1}, "verbose"),
         ({"status_interval_s": "fast"}, "status_interval_s"),
+        ({"throughput_s": 0}, "throughput_s"),
         ({"listen": "/ip4/127.0.0.1/tcp/1"}, "listen"),
     ],
 )
@@ -254,7 +255,7 @@ def test_the_shared_settings_are_defined_once() -> None:
     assert shared == {
         "initial_peers", "state_dir", "run_id", "run_key", "join_token", "bootstrap_timeout_s", "log_format", "verbose"
     }  # fmt: skip
-    assert machine == {"listen", "announce", "device", "micro_batch_size", "num_threads"}
+    assert machine == {"listen", "announce", "device", "micro_batch_size", "num_threads", "throughput_s"}
     assert issubclass(NodeConfig, MachineSettings) and issubclass(CheckConfig, MachineSettings)
     assert issubclass(StatusConfig, SwarmSettings) and not issubclass(StatusConfig, MachineSettings)
 

@@ -71,6 +71,8 @@ class MachineSettings(SwarmSettings):
     """Samples per forward/backward pass on this node (lower it when memory is short); the throughput probe's too."""
     num_threads: int = 0
     """CPU threads torch may use for training; 0 leaves torch's default (one per core)."""
+    throughput_s: float = 3.0
+    """Seconds of timed training steps in the throughput probe (when not cached in the state dir)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -211,7 +213,7 @@ def _check_machine_settings(settings: MachineSettings) -> None:
     check_multiaddrs(settings.announce, "announce")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", settings.device):
         raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {settings.device!r}")
-    _check_positive(settings, "micro_batch_size")
+    _check_positive(settings, "micro_batch_size", "throughput_s")
     if settings.num_threads < 0:
         raise ValueError(f"num_threads must not be negative, got {settings.num_threads}")
 
@@ -274,11 +276,9 @@ class CheckConfig(MachineSettings):
 
     json: bool = False
     """Print one JSON object instead of a table."""
-    throughput_s: float = 3.0
-    """Seconds of timed training steps in the throughput probe (when not cached)."""
     probe_timeout_s: float = 60.0
     """Bound on the bandwidth and dial-back probes against all peers together."""
 
     def __post_init__(self) -> None:
         _check_machine_settings(self)
-        _check_positive(self, "throughput_s", "probe_timeout_s")
+        _check_positive(self, "probe_timeout_s")

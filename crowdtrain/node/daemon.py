@@ -225,6 +225,7 @@ class Daemon:
             self.config.micro_batch_size,
             self.config.num_threads,
             self.config.state_path / THROUGHPUT_CACHE_FILE,
+            duration_s=self.config.throughput_s,
         )
         num_parameters = spec_parameter_count(manifest.model, load_tokenizer(manifest.model).vocab_size)
         roles = NodeRoles(
