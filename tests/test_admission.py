@@ -19,11 +19,11 @@ from crowdtrain.dht.admission import (
     TOKEN_PREFIX,
     AccessChecker,
     AdmissionError,
-    AdmissionGate,
     InviteAuthorizer,
     issue_join_token,
     parse_join_token,
 )
+from crowdtrain.dht.gate import AdmissionGate, AdmissionRecords
 from crowdtrain.dht.records import load_public_key, peer_id_of_public_key
 from crowdtrain.errors import BadInputError
 from crowdtrain.node.identity import load_or_create_identity
@@ -138,9 +138,9 @@ def test_the_gate_admits_peers_whose_published_token_is_valid_for_them() -> None
     }
     lookups: list[float] = []
 
-    async def lookup() -> dict[str, bytes]:
+    async def lookup() -> AdmissionRecords:
         lookups.append(time.monotonic())
-        return records
+        return AdmissionRecords(tokens=records)
 
     gate = AdmissionGate(AccessChecker("demo", RUN_KEY), lookup, local_peer_id="QmSelf", refetch_interval_s=0.2)
 

@@ -1,5 +1,5 @@
 """An invite-only run with real daemons: a joiner with the founder's token gets in and trains, others are refused
-at the DHT and at every RPC."""
+at the DHT and at every RPC, and a second identity on a one-identity token is refused."""
 
 from __future__ import annotations
 
@@ -96,3 +96,16 @@ def test_an_invite_only_run_admits_token_holders_and_refuses_the_rest(tmp_path: 
     )  # fmt: skip
     assert result.returncode == 3, result.stderr
     assert "that your join token is for the run there" in result.stderr
+
+    # The token admits one identity, and the joiner used it first: a second node with it is refused, and says so.
+    second = crowdtrain(
+        "run", "--state-dir", str(tmp_path / "second"), "--listen", "/ip4/127.0.0.1/tcp/0",
+        "--bootstrap-timeout", "5", "--initial-peers", founder.address, env={"CROWDTRAIN_JOIN_TOKEN": token},
+    )  # fmt: skip
+    assert second.returncode == 2, second.stderr
+    assert "Traceback" not in second.stderr
+    assert f"admits 1 identity and 1 used it first ({joiner.peer_id})" in second.stderr.splitlines()[-1]
+    await_condition(
+        lambda: "its join token (label 'alice') admits 1 identity" in founder.log(), 60, "the founder to refuse it"
+    )
+    assert joiner.log().count("refusing peer") <= 1  # once per peer, however often the records are read

@@ -11,6 +11,8 @@ import pytest
 from lab.processes import await_condition
 from lab.swarm import crowdtrain
 
+from crowdtrain.node.identity import load_or_create_identity
+from crowdtrain.node.membership import RUN_KEYS_FILE, pin_founder
 from tests.harness import start_daemon
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
@@ -165,3 +167,17 @@ def test_run_file_with_an_unbuildable_model_exits_2_before_publishing(tmp_path: 
     result = crowdtrain("run", "--state-dir", str(tmp_path / "state"), "--run-file", str(run_file))
     assert_plain_failure(result, 2, "hidden_sizee")
     assert not (tmp_path / "state" / "node.json").exists()
+
+
+def test_invite_with_no_identities_exits_2(tmp_path: Path) -> None:
+    result = crowdtrain("invite", "--state-dir", str(tmp_path), "--max-identities", "0")
+    assert_plain_failure(result, 2, "--max-identities must be between 1 and 1024, not 0.")
+
+
+@pytest.mark.parametrize("what", ["nobody", "abcdef", "ctjoin1.garbage"])
+def test_revoking_what_was_never_issued_exits_2(tmp_path: Path, what: str) -> None:
+    identity = load_or_create_identity(tmp_path / "identity.key")
+    pin_founder(tmp_path / RUN_KEYS_FILE, "mine", identity.peer_id.to_base58())
+    result = crowdtrain("invite", "--state-dir", str(tmp_path), "--revoke", what)
+    assert_plain_failure(result, 2, "join token")
+    assert not (tmp_path / "revocations").exists()

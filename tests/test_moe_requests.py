@@ -24,7 +24,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.streaming import split_for_streaming
 from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
-from crowdtrain.dht.admission import AccessChecker, AdmissionGate, set_process_gate
+from crowdtrain.dht.admission import AccessChecker, set_process_gate
+from crowdtrain.dht.gate import AdmissionGate, AdmissionRecords
 from crowdtrain.dht.records import load_public_key, peer_id_of_public_key
 from crowdtrain.manifest import expert_uids
 from crowdtrain.moe.experts import MAX_BATCH_SEQUENCES, build_expert, make_backend
@@ -201,8 +202,8 @@ def serving_host(tmp_path: Path) -> Iterator[tuple[ExpertHost, P2P, Path]]:
 def test_an_invite_only_hosts_experts_serve_only_admitted_callers(tmp_path: Path) -> None:
     # The daemon sets its process gate before it hosts experts; the handler processes fork with it. This gate's
     # admission records hold nobody, so the client (no access token) is refused before any expert code runs.
-    async def nobody_admitted() -> dict[str, bytes]:
-        return {}
+    async def nobody_admitted() -> AdmissionRecords:
+        return AdmissionRecords()
 
     founder = peer_id_of_public_key(load_public_key(RSAPrivateKey().get_public_key().to_bytes())).to_base58()
     set_process_gate(AdmissionGate(AccessChecker(MANIFEST.run_id, founder), nobody_admitted, "QmHost", 0.1))

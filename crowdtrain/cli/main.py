@@ -71,6 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
     invite.add_argument("--run-id", default="", metavar="ID", help="the run, when this node founded several")
     invite.add_argument("--expires", default="7d", metavar="DURATION", help="how long the token admits (default: 7d)")
     invite.add_argument("--label", default="", metavar="TEXT", help="a note on whom it is for, kept in the token")
+    invite.add_argument(
+        "--max-identities",
+        type=int,
+        default=1,
+        metavar="N",
+        help="how many nodes (identities) may use the token at once, 1 to 1024 (default: 1; a volunteer running "
+        "several machines needs one per machine)",
+    )
+    invite.add_argument(
+        "--revoke",
+        metavar="TOKEN|LABEL|FINGERPRINT",
+        help="revoke instead: a join token, or the label or fingerprint of one issued here; the founder's daemon "
+        "publishes the revocation",
+    )
 
     evaluate = commands.add_parser(
         "eval", help="held-out loss and perplexity of a checkpoint, optionally without some pipeline stages"
@@ -269,13 +283,27 @@ def _check(args: dict[str, Any]) -> int:
 def _invite(args: dict[str, Any]) -> int:
     from pathlib import Path
 
-    from crowdtrain.cli.invite import make_invite
+    from crowdtrain.cli.invite import make_invite, revoke_invites
+    from crowdtrain.dht.admission import parse_join_token
+    from crowdtrain.dht.invites import fingerprint
 
     state_path = Path(args["state_dir"]).expanduser()
     identity_path = Path(args["identity"]).expanduser() if args["identity"] else state_path / "identity.key"
-    token, run_id = make_invite(state_path, identity_path, args["run_id"], args["expires"], args["label"])
-    print(f"Join token for run '{run_id}' (valid {args['expires']}; keep it secret, it admits whoever holds it):")
+    if args["revoke"] is not None:
+        revoked, run_id, path = revoke_invites(state_path, identity_path, args["run_id"], args["revoke"])
+        print(f"Revoked in run '{run_id}': {', '.join(revoked)} (signed list: {path}).")
+        print("The founder's daemon publishes it within a minute while it runs; nodes refuse those tokens once read.")
+        return 0
+    token, run_id = make_invite(
+        state_path, identity_path, args["run_id"], args["expires"], args["label"], args["max_identities"]
+    )
+    identities = args["max_identities"]
+    print(
+        f"Join token for run '{run_id}' (valid {args['expires']}, for {identities} "
+        f"{'node' if identities == 1 else 'nodes'} at once; keep it secret, it admits whoever holds it):"
+    )
     print(f"  {token}")
+    print(f"Its fingerprint, to revoke it: {fingerprint(parse_join_token(token).certificate.invite_public_key)}")
     print("The volunteer joins with:")
     print(f"  CROWDTRAIN_JOIN_TOKEN={token} crowdtrain run --initial-peers <address>")
     return 0

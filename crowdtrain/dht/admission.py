@@ -9,24 +9,24 @@ them to its own RSA identity (its peer ID), and every node checks them offline a
 Checked where peers reach a node:
 - the DHT: hivemind signs each request and response with the AccessToken (`InviteAuthorizer`); a node without a
   valid one is answered nothing, and its records are never stored;
-- our RPCs and the averagers' (`AdmissionGate`): each admitted node publishes its AccessToken under its owner
-  marker in the run's admission key, and a handler serves a caller only if the caller's peer ID has a valid one.
+- our RPCs and the averagers' (`AdmissionGate`, dht/gate.py): each admitted node publishes its access token
+  under its owner marker in the run's admission key, and a handler serves a caller only if the caller's peer ID has
+  a valid one within its join token's identity limit (dht/invites.py).
+Neither admits an identity whose join token the founder revoked.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import inspect
 import logging
 import math
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -36,9 +36,13 @@ from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from crowdtrain import proto
+from crowdtrain.dht.invites import MAX_IDENTITIES, sign_since
 from crowdtrain.dht.records import RecordError, load_public_key, peer_id_of_public_key
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import RUN_ID_PATTERN
+
+if TYPE_CHECKING:
+    from crowdtrain.dht.gate import AdmissionGate
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +53,7 @@ MAX_CERTIFICATE_BYTES = 2048
 """An RSA-2048 founder key and signature, an Ed25519 key and a label fit in about 800 bytes."""
 MAX_LABEL_CHARS = 64
 MAX_VALIDITY_S = 366 * 86_400.0
-"""A join token lasts at most a year: a leaked one cannot be revoked, only outlived."""
+"""A join token lasts at most a year (a leaked one is revoked with `crowdtrain invite --revoke`)."""
 ACCESS_TOKEN_LIFETIME_S = 3600.0
 """How long one AccessToken (what a node shows its peers) is valid; renewed 5 minutes before it ends."""
 ACCESS_TOKEN_REFRESH_S = 300.0
@@ -57,6 +61,8 @@ FOUNDER_CERTIFICATE_LIFETIME_S = 86_400.0
 """The founder certifies its own invite key for a day at a time, and renews it."""
 MAX_PUBLIC_KEY_BYTES = 1024
 MAX_CACHED_CERTIFICATES = 1024
+MAX_KNOWN_REVOCATIONS = 4096
+"""Revoked invite keys a node remembers (the union of every list it verified); the soonest to expire go first."""
 
 
 class AdmissionError(ValueError):
@@ -82,8 +88,13 @@ class Invite:
         return self.certificate.expires_at
 
 
-def issue_join_token(run_id: str, founder_key: RSAPrivateKey, valid_for_s: float, label: str = "") -> str:
-    """A join token for `run_id`, signed by the founder's key, valid for `valid_for_s` seconds from now."""
+def issue_join_token(
+    run_id: str, founder_key: RSAPrivateKey, valid_for_s: float, label: str = "", max_identities: int | None = 1
+) -> str:
+    """A join token for `run_id`, signed by the founder's key, valid for `valid_for_s` seconds from now, for at most
+    `max_identities` node identities at once (None: any number, as tokens made before the limit existed)."""
+    if max_identities is not None:
+        check_max_identities(max_identities)
     if not 0 < valid_for_s <= MAX_VALIDITY_S:
         raise BadInputError(
             f"A join token must be valid for more than 0 s and at most 366 days, not {valid_for_s:g} s."
@@ -91,9 +102,15 @@ def issue_join_token(run_id: str, founder_key: RSAPrivateKey, valid_for_s: float
     if len(label) > MAX_LABEL_CHARS or not label.isprintable():
         raise BadInputError(f"The label must be at most {MAX_LABEL_CHARS} printable characters.")
     invite_key = Ed25519PrivateKey.generate()
-    certificate = _certify(run_id, founder_key, invite_key, time.time() + valid_for_s, label)
+    certificate = _certify(run_id, founder_key, invite_key, time.time() + valid_for_s, label, max_identities)
     token = proto.JoinToken(certificate=certificate, invite_private_key=invite_key.private_bytes_raw())
     return TOKEN_PREFIX + base64.urlsafe_b64encode(token.SerializeToString()).decode().rstrip("=")
+
+
+def check_max_identities(max_identities: int) -> None:
+    """Raise BadInputError unless a join token may admit `max_identities` identities."""
+    if not 1 <= max_identities <= MAX_IDENTITIES:
+        raise BadInputError(f"--max-identities must be between 1 and {MAX_IDENTITIES}, not {max_identities}.")
 
 
 def parse_join_token(text: str, now: float | None = None) -> Invite:
@@ -133,6 +150,14 @@ def _check_expiry(expires_at: float, now: float) -> None:
         raise AdmissionError(f"it expired at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(expires_at))}")
 
 
+class RevokedError(AdmissionError):
+    """A token whose certificate's invite key the founder revoked."""
+
+
+def _labelled(certificate: proto.InviteCertificate) -> str:
+    return f" (label {certificate.label!r})" if certificate.label else ""
+
+
 class ClockSkewError(AdmissionError):
     """A refusal that a clock a little behind the founder's may have caused: checked again later, never cached."""
 
@@ -152,6 +177,8 @@ def verify_certificate(
         raise AdmissionError("the certificate names no valid run")
     if len(certificate.invite_public_key) != 32 or len(certificate.label) > MAX_LABEL_CHARS:
         raise AdmissionError("the certificate's invite key or label is malformed")
+    if certificate.HasField("max_identities") and not 1 <= certificate.max_identities <= MAX_IDENTITIES:
+        raise AdmissionError(f"the certificate's identity limit is not between 1 and {MAX_IDENTITIES}")
     _check_expiry(certificate.expires_at, time.time() if now is None else now)
     try:
         founder_key = load_public_key(certificate.founder_public_key)
@@ -169,7 +196,12 @@ def verify_certificate(
 
 
 def _certify(
-    run_id: str, founder_key: RSAPrivateKey, invite_key: Ed25519PrivateKey, expires_at: float, label: str
+    run_id: str,
+    founder_key: RSAPrivateKey,
+    invite_key: Ed25519PrivateKey,
+    expires_at: float,
+    label: str,
+    max_identities: int | None = None,
 ) -> proto.InviteCertificate:
     certificate = proto.InviteCertificate(
         run_id=run_id,
@@ -177,6 +209,7 @@ def _certify(
         invite_public_key=invite_key.public_key().public_bytes_raw(),
         expires_at=expires_at,
         label=label,
+        max_identities=max_identities,
     )
     certificate.signature = founder_key.sign(certificate.SerializeToString(deterministic=True))
     return certificate
@@ -187,14 +220,29 @@ def _access_payload(run_id: str, public_key: bytes, expiration_time: str) -> byt
 
 
 class AccessChecker:
-    """Checks AccessTokens against one run key, caching certificate signatures (RSA checks cost ~50 µs each)."""
+    """Checks AccessTokens against one run key and its revocations, caching certificate signatures (RSA checks cost
+    ~50 µs each)."""
 
     def __init__(self, run_id: str, run_key: str):
         self.run_id, self.run_key = run_id, run_key
         self._certificates: OrderedDict[bytes, proto.InviteCertificate | None] = OrderedDict()
+        self.revoked: dict[bytes, float] = {}
+        """{revoked invite key: its certificate's expiry}: the union of the verified revocation lists seen."""
+
+    def revoke(self, revoked: dict[bytes, float], now: float | None = None) -> None:
+        """Refuse from now on every certificate of these invite keys ({key: expiry}); expired entries are dropped."""
+        now = time.time() if now is None else now
+        merged = {key: expires_at for key, expires_at in {**self.revoked, **revoked}.items() if expires_at > now}
+        while len(merged) > MAX_KNOWN_REVOCATIONS:
+            del merged[min(merged, key=merged.__getitem__)]
+        self.revoked = merged
 
     def expiry(self, token: AccessToken, now: float | None = None) -> float:
         """When `token` stops admitting its holder; raises AdmissionError if it admits nobody now."""
+        return self.check(token, now)[0]
+
+    def check(self, token: AccessToken, now: float | None = None) -> tuple[float, proto.InviteCertificate]:
+        """`token`'s expiry and its verified certificate; raises AdmissionError if it admits nobody now."""
         now = time.time() if now is None else now
         if len(token.public_key) > MAX_PUBLIC_KEY_BYTES or len(token.expiration_time) > 32:
             raise AdmissionError("the access token is oversized")
@@ -207,12 +255,14 @@ class AccessChecker:
         certificate = self._certificate(token.username, now)
         if expiration > certificate.expires_at:
             raise AdmissionError("the access token outlives its certificate")
+        if certificate.invite_public_key in self.revoked:
+            raise RevokedError(f"the founder revoked its join token{_labelled(certificate)}")
         invite_key = Ed25519PublicKey.from_public_bytes(certificate.invite_public_key)
         try:
             invite_key.verify(token.signature, _access_payload(self.run_id, token.public_key, token.expiration_time))
         except InvalidSignature:
             raise AdmissionError("the access token's signature is invalid") from None
-        return expiration
+        return expiration, certificate
 
     def peer_id(self, token: AccessToken) -> str:
         """The peer ID of the RSA key the token admits."""
@@ -268,21 +318,25 @@ class InviteAuthorizer(TokenAuthorizerBase):
         node_key: RSAPrivateKey,
         credential: Callable[[], tuple[bytes, Ed25519PrivateKey]],
         expires_at: float = math.inf,
+        since: float | None = None,
     ):
         super().__init__(node_key)
         self.checker = AccessChecker(run_id, run_key)
         self._credential = credential
         self.expires_at = expires_at
         """When this node's admission ends: its join token's expiry; never for the founder."""
+        self.since = time.time() if since is None else since
+        """When this identity first used its join token, unix seconds: it ranks it under the token's limit."""
 
     @classmethod
-    def for_joiner(cls, invite: Invite, node_key: RSAPrivateKey) -> InviteAuthorizer:
+    def for_joiner(cls, invite: Invite, node_key: RSAPrivateKey, since: float | None = None) -> InviteAuthorizer:
         return cls(
             invite.run_id,
             invite.run_key,
             node_key,
             lambda: (invite.certificate_bytes, invite.invite_key),
             expires_at=invite.expires_at,
+            since=since,
         )
 
     @classmethod
@@ -298,7 +352,17 @@ class InviteAuthorizer(TokenAuthorizerBase):
 
     def access_token(self) -> AccessToken:
         """A fresh AccessToken for this node: valid for an hour, or until the certificate expires."""
-        certificate_bytes, invite_key = self._credential()
+        return self._signed(*self._credential())
+
+    def admission_record(self) -> proto.AdmissionRecord:
+        """What this node publishes in the run's admission key: a fresh access token, and since when it holds one."""
+        certificate_bytes, invite_key = self._credential()  # once: the founder's credential is fresh at each call
+        token = self._signed(certificate_bytes, invite_key)
+        since_signature = sign_since(invite_key, self.checker.run_id, token.public_key, self.since)
+        fields = {field.name: value for field, value in token.ListFields()}
+        return proto.AdmissionRecord(**fields, since=self.since, since_signature=since_signature)
+
+    def _signed(self, certificate_bytes: bytes, invite_key: Ed25519PrivateKey) -> AccessToken:
         certificate = proto.InviteCertificate.FromString(certificate_bytes)
         expiration = min(time.time() + ACCESS_TOKEN_LIFETIME_S, certificate.expires_at)
         public_key = self.local_public_key.to_bytes()
@@ -386,70 +450,3 @@ class _GatedHandlers:
         if not await self._gate.admits(caller):
             self._gate.note_refusal(caller, rpc)
             raise NotAdmittedError(f"peer {caller} is not admitted to this invite-only run")
-
-
-class AdmissionGate:
-    """Answers "may this peer call our RPCs?" from the access tokens admitted peers publish in the DHT.
-
-    `lookup` fetches the run's admission records: {peer ID: serialized AccessToken}. A peer is admitted while its
-    token is valid. A call from a peer not admitted yet waits for a fetch begun after it arrived (fetches are
-    serialised, at most one every `refetch_interval_s`, and shared by every caller waiting for one, so a scan can
-    neither flood the DHT nor queue a newcomer behind it) and is refused if that fetch does not admit it either.
-    """
-
-    def __init__(
-        self, checker: AccessChecker, lookup: Callable[[], Any], local_peer_id: str, refetch_interval_s: float = 2.0
-    ):
-        self.checker = checker
-        self._lookup = lookup
-        self._local_peer_id = local_peer_id
-        self._admitted_until: dict[str, float] = {}
-        self._fetched_at = -math.inf
-        self._refetch_interval_s = refetch_interval_s
-        self._lock_and_pid = (asyncio.Lock(), os.getpid())
-        self._refused: set[str] = set()
-
-    @property
-    def _lock(self) -> asyncio.Lock:
-        # Processes forked from the daemon (averagers, expert handlers) inherit this gate; a lock the parent's event
-        # loop waited on is bound to that loop and would raise in the child's, so each process gets its own.
-        lock, pid = self._lock_and_pid
-        if pid != os.getpid():
-            lock = asyncio.Lock()
-            self._lock_and_pid = (lock, os.getpid())
-        return lock
-
-    async def admits(self, peer_id: str) -> bool:
-        if peer_id == self._local_peer_id or self._admitted_until.get(peer_id, 0.0) > time.time():
-            return True
-        asked_at = time.monotonic()
-        async with self._lock:  # one fetch at a time, and at most one per interval: a scan cannot flood the DHT
-            # A fetch begun after this call arrived answers it; otherwise wait for the next one rather than refuse
-            # at once, since a newcomer calls right after storing its token and an older fetch may have missed it.
-            if self._fetched_at < asked_at and self._admitted_until.get(peer_id, 0.0) <= time.time():
-                await asyncio.sleep(max(0.0, self._fetched_at + self._refetch_interval_s - time.monotonic()))
-                self._fetched_at = time.monotonic()
-                self.update(await self._lookup())
-        return self._admitted_until.get(peer_id, 0.0) > time.time()
-
-    def update(self, records: dict[str, bytes]) -> None:
-        """Take every valid token in {claimed peer ID: serialized AccessToken}; ignore the rest."""
-        now = time.time()
-        for claimed, data in records.items():
-            try:
-                token = AccessToken.FromString(data)
-                expiry = self.checker.expiry(token, now)
-                if self.checker.peer_id(token) != claimed:
-                    raise AdmissionError("the token admits another peer")
-            except (AdmissionError, DecodeError, ValueError) as e:
-                logger.debug(f"ignored the admission record of {claimed}: {e}")
-                continue
-            self._admitted_until[claimed] = max(self._admitted_until.get(claimed, 0.0), expiry)
-        for peer_id in [peer for peer, until in self._admitted_until.items() if until <= now]:
-            del self._admitted_until[peer_id]
-
-    def note_refusal(self, peer_id: str, rpc: str) -> None:
-        """Log the first refusal of each peer (a scan would otherwise flood the log)."""
-        if peer_id not in self._refused and len(self._refused) < 10_000:
-            self._refused.add(peer_id)
-            logger.warning(f"refused {rpc} from {peer_id}: it holds no valid access token for this invite-only run")

@@ -16,6 +16,12 @@ def admitted_key(run_id: str) -> str:
     return f"{SCHEMA_PREFIX}/run/{run_id}/admitted"
 
 
+def revoked_key(run_id: str) -> str:
+    """Dictionary key of an invite-only run's revocations: subkey = a republisher's owner marker, value = the
+    founder's signed InviteRevocations."""
+    return f"{SCHEMA_PREFIX}/run/{run_id}/revoked"
+
+
 def skippipe_stages_key(run_id: str) -> str:
     """Dictionary key of a SkipPipe run's stage declarations: subkey = owner marker, value = SkipPipeMember."""
     return f"{SCHEMA_PREFIX}/run/{run_id}/skippipe_stages"

@@ -1,17 +1,20 @@
-"""Read and write the run's records: published manifests and peer statuses."""
+"""Read and write the run's records: published manifests, peer statuses, admission records and revocations."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import hivemind
 from hivemind.utils import get_dht_time
 
 from crowdtrain import proto
 from crowdtrain.dht import keys
+from crowdtrain.dht.gate import AdmissionRecords
 from crowdtrain.dht.records import (
     PublishedManifest,
     RecordError,
@@ -98,24 +101,46 @@ def publish_peer_status(
 def publish_access_token(
     dht: hivemind.DHT, run_id: str, token: bytes, owner: bytes, expires_at: float, timeout_s: float
 ) -> bool:
-    """Store this node's AccessToken in an invite-only run, so its peers' RPC handlers admit its calls."""
+    """Store this node's admission record in an invite-only run, so its peers' RPC handlers admit its calls."""
     return store_signed(dht, keys.admitted_key(run_id), token, owner, max(expires_at - get_dht_time(), 1.0), timeout_s)
 
 
-async def fetch_access_tokens(dht: hivemind.DHT, run_id: str) -> dict[str, bytes]:
-    """{peer ID of the owner: serialized AccessToken} of the run's admission records; the tokens are unchecked."""
-    found = await dht.get(keys.admitted_key(run_id), latest=True, return_future=True)
-    if found is None or not isinstance(found.value, dict):
-        return {}
-    tokens = {}
-    for owner, item in found.value.items():
-        if not isinstance(owner, bytes) or not isinstance(item.value, bytes):
+def publish_revocations(
+    dht: hivemind.DHT, run_id: str, data: bytes, owner: bytes, ttl_s: float, timeout_s: float
+) -> bool:
+    """Store (or republish) the founder's signed revocation list under this node's own subkey."""
+    return store_signed(dht, keys.revoked_key(run_id), data, owner, ttl_s, timeout_s)
+
+
+async def fetch_admission(dht: hivemind.DHT, run_id: str) -> AdmissionRecords:
+    """The run's admission records and revocation lists, unchecked."""
+    found = await asyncio.gather(
+        dht.get(keys.admitted_key(run_id), latest=True, return_future=True),
+        dht.get(keys.revoked_key(run_id), latest=True, return_future=True),
+    )
+    tokens, revocations = (
+        {} if entry is None or not isinstance(entry.value, dict) else {k: v.value for k, v in entry.value.items()}
+        for entry in found
+    )
+    return _admission_records(tokens, revocations)
+
+
+def read_admission(dht: hivemind.DHT, run_id: str, timeout_s: float) -> AdmissionRecords:
+    """`fetch_admission` for a thread that may block: {} for a key not read within `timeout_s`."""
+    tokens = read_dictionary(dht, keys.admitted_key(run_id), timeout_s)
+    return _admission_records(tokens, read_dictionary(dht, keys.revoked_key(run_id), timeout_s))
+
+
+def _admission_records(tokens: dict[Any, Any], revocations: dict[Any, Any]) -> AdmissionRecords:
+    records = AdmissionRecords(revocations=[value for value in revocations.values() if isinstance(value, bytes)])
+    for owner, value in tokens.items():
+        if not isinstance(owner, bytes) or not isinstance(value, bytes):
             continue
         try:
-            tokens[peer_id_of_owner(owner).to_base58()] = item.value
+            records.tokens[peer_id_of_owner(owner).to_base58()] = value
         except RecordError:
             continue
-    return tokens
+    return records
 
 
 def store_signed(dht: hivemind.DHT, key: str, value: bytes, owner: bytes, ttl_s: float, timeout_s: float) -> bool:

@@ -18,6 +18,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 
 from crowdtrain.dht import keys
+from crowdtrain.dht.invites import MAX_REVOCATIONS_BYTES
 from crowdtrain.dht.records import (
     RecordError,
     check_roster,
@@ -26,6 +27,7 @@ from crowdtrain.dht.records import (
     open_manifest,
     peer_id_of_owner,
 )
+from crowdtrain.proto import InviteRevocations
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class CrowdtrainRecordValidator(RecordValidatorBase):
         for run_id in run_ids:
             self._checks[_key_id(keys.peers_key(run_id))] = _check_peer_status_record
             self._checks[_key_id(keys.admitted_key(run_id))] = _check_access_record
+            self._checks[_key_id(keys.revoked_key(run_id))] = _check_revocations_record
             self._checks[_key_id(keys.skippipe_stages_key(run_id))] = check_stage_declaration
             self._checks[_key_id(keys.skippipe_roster_key(run_id))] = check_roster
 
@@ -116,3 +119,14 @@ def _check_access_record(subkey: bytes, value: bytes) -> None:
         AccessToken.FromString(value)
     except Exception:
         raise RecordError("the value is not an AccessToken") from None
+
+
+def _check_revocations_record(subkey: bytes, value: bytes) -> None:
+    # Only the shape: whether the run key signed it is checked on use, by every reader (dht/gate.py).
+    peer_id_of_owner(subkey)
+    if len(value) > MAX_REVOCATIONS_BYTES:
+        raise RecordError(f"a revocation list of {len(value)} bytes is over the {MAX_REVOCATIONS_BYTES} cap")
+    try:
+        InviteRevocations.FromString(value)
+    except Exception:
+        raise RecordError("the value is not an InviteRevocations") from None

@@ -3,6 +3,7 @@
 config       NodeConfig, StatusConfig and CheckConfig, layered from flags, env, TOML and defaults
 daemon       the node's lifecycle and its heartbeat in the DHT
 membership   found a run or join the swarm's run
+admission_watch  an invite-only run's admission, kept up by the heartbeat: own record, standing, revocations
 identity     the persistent key file and peer ID
 statedir     the state-dir lock and node.json
 addresses    listen addresses, port checks, the address to share

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import signal
 import sys
@@ -18,13 +17,13 @@ from typing import Any
 import hivemind
 
 from crowdtrain import __version__, proto
-from crowdtrain.dht.admission import AdmissionGate, InviteAuthorizer, set_process_gate
+from crowdtrain.dht.admission import InviteAuthorizer, set_process_gate
+from crowdtrain.dht.gate import AdmissionGate
 from crowdtrain.dht.records import owner_marker
 from crowdtrain.dht.registry import (
-    fetch_access_tokens,
+    fetch_admission,
     list_peer_statuses,
     list_runs,
-    publish_access_token,
     publish_manifest,
     publish_peer_status,
 )
@@ -45,6 +44,7 @@ from crowdtrain.modes.progress import Progress
 from crowdtrain.modes.registry import mode_class
 from crowdtrain.moe import ExpertSupervisor
 from crowdtrain.node.addresses import JoinAddress, join_address, resolve_listen
+from crowdtrain.node.admission_watch import AdmissionRefused, AdmissionWatch, JoinTokenExpired, revocations_path
 from crowdtrain.node.config import NodeConfig
 from crowdtrain.node.expert_host import make_expert_supervisor
 from crowdtrain.node.identity import Identity, load_or_create_identity
@@ -69,10 +69,6 @@ MANIFEST_PUBLISHERS = 5
 SWARM_LOG_INTERVAL_S = 60.0
 DHT_CALL_TIMEOUT_S = 10.0
 LEAVE_DEADLINE_S = 28.0
-ACCESS_REPUBLISH_S = 60.0
-"""An invite-only run: this node stores its access token again this often (records on departed DHT nodes are lost)."""
-ACCESS_RENEW_S = 600.0
-"""...and renews it this long before it ends (tokens last an hour: crowdtrain/dht/admission.py)."""
 """A node leaves within 30 s of SIGINT/SIGTERM (the CLI contract), forcibly if it must."""
 
 
@@ -138,11 +134,7 @@ class Daemon:
         run_id = membership.manifest.run_id
         _check_role_fits(self.config.fixed_role, membership.manifest)
         dht.add_validators([CrowdtrainRecordValidator([run_id])])
-        if membership.manifest.admission == "invite" and self.authorizer is None:
-            raise BadInputError(f"Run {run_id!r} is invite-only; ask its founder for a join token (--join-token).")
-        if self.authorizer is not None:  # before any servicer registers its handlers, here or in a forked averager
-            lookup = functools.partial(fetch_access_tokens, dht, run_id)
-            set_process_gate(AdmissionGate(self.authorizer.checker, lookup, identity.peer_id.to_base58()))
+        admission = self._admission(dht, identity, membership)  # before any servicer registers its handlers
         multiaddrs = tuple(str(address) for address in dht.get_visible_maddrs())
         progress = Progress()
         metrics: MetricsEndpoint | None = None
@@ -154,7 +146,7 @@ class Daemon:
             self.probes = ProbeService(dht)
             self.probes.start()
         heartbeat = Heartbeat(dht, identity, membership, self.config, device, multiaddrs, progress, auto_relay)
-        heartbeat.authorizer = self.authorizer
+        heartbeat.admission = admission
         heartbeat.beat()
         state_path = self.config.state_path
         joining = join_address(multiaddrs, self.config.initial_peers)
@@ -196,6 +188,23 @@ class Daemon:
             left.set()
         if heartbeat.dht_died:
             raise CrowdtrainError("The DHT process died unexpectedly; restart the daemon (see the log above).")
+        if heartbeat.refusal is not None:
+            raise heartbeat.refusal
+
+    def _admission(self, dht: hivemind.DHT, identity: Identity, membership: Membership) -> AdmissionWatch | None:
+        """An invite-only run: gate every RPC handler this process and the averagers it forks register, and watch
+        this node's own admission; None in an open run."""
+        run_id = membership.manifest.run_id
+        if membership.manifest.admission == "invite" and self.authorizer is None:
+            raise BadInputError(f"Run {run_id!r} is invite-only; ask its founder for a join token (--join-token).")
+        if self.authorizer is None:
+            return None
+        peer_id = identity.peer_id.to_base58()
+        gate = AdmissionGate(self.authorizer.checker, functools.partial(fetch_admission, dht, run_id), peer_id)
+        set_process_gate(gate)
+        own_list = revocations_path(self.config.state_path, run_id) if membership.founder_peer_id == peer_id else None
+        owner = owner_marker(identity.private_key)
+        return AdmissionWatch(dht, self.authorizer, gate, peer_id, owner, own_list, DHT_CALL_TIMEOUT_S)
 
     def _expert_host(
         self, dht: hivemind.DHT, identity: Identity, membership: Membership, heartbeat: Heartbeat
@@ -286,10 +295,6 @@ class Daemon:
         )
 
 
-class JoinTokenExpired(CrowdtrainError):
-    """This node's admission to an invite-only run ended."""
-
-
 class Heartbeat:
     """Publishes this node's status every interval, republishes the manifest, logs the swarm's size."""
 
@@ -325,10 +330,10 @@ class Heartbeat:
         self.failed_beats = 0
         self.dht_died = False
         self.withdrawing = False
-        self.authorizer: InviteAuthorizer | None = None
-        """An invite-only run's admission: the beat publishes this node's access token and watches its expiry."""
-        self.access_published_at = -math.inf
-        self.access_expires_at = 0.0
+        self.admission: AdmissionWatch | None = None
+        """An invite-only run's admission: the beat publishes this node's record and watches its standing."""
+        self.refusal: AdmissionRefused | None = None
+        """Set when the node stopped because its join token no longer admits it; the daemon exits with it."""
         self.relay_watch = RelayWatch(functools.partial(announced_addresses, dht)) if auto_relay else None
         """Where this node's p2pd looks for a relay (`SwarmOptions.auto_relay`): the relays it holds, for the beat."""
 
@@ -349,6 +354,11 @@ class Heartbeat:
                 self.beat()
             except JoinTokenExpired as e:
                 logger.error(f"{e}; stopping")
+                stop.set()
+                break
+            except AdmissionRefused as e:
+                logger.error(f"{e} Stopping.")
+                self.refusal = e
                 stop.set()
                 break
             except Exception:
@@ -382,8 +392,8 @@ class Heartbeat:
         status = self.status
         progress.reachability = reachability(status.reachable, status.reachability_measured, status.relays)
         self.status.last_seen = time.time()
-        if self.authorizer is not None:
-            self._publish_access()
+        if self.admission is not None:
+            self.admission.beat()
         stored = publish_peer_status(self.dht, self.status, self.owner, self.config.status_ttl_s, DHT_CALL_TIMEOUT_S)
         self.failed_beats = 0 if stored else self.failed_beats + 1
         if self.failed_beats in (1, 10):
@@ -404,24 +414,6 @@ class Heartbeat:
             if len(others) >= MANIFEST_PUBLISHERS and not already_publishing:
                 return
         publish_manifest(self.dht, self.membership.signed_bytes, self.owner, MANIFEST_TTL_S, DHT_CALL_TIMEOUT_S)
-
-    def _publish_access(self) -> None:
-        """Keep this node's access token in the DHT (peers' RPC handlers admit only holders), renewed before it ends;
-        once the join token itself expired, the node cannot stay: it stops with one line saying so."""
-        assert self.authorizer is not None
-        now = time.time()
-        if now >= self.authorizer.expires_at:
-            expired = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.authorizer.expires_at))
-            raise JoinTokenExpired(f"this node's join token expired at {expired}; ask the founder for a new one")
-        if now - self.access_published_at < ACCESS_REPUBLISH_S and self.access_expires_at - now > ACCESS_RENEW_S:
-            return
-        token = self.authorizer.access_token()
-        expires_at = float(token.expiration_time)
-        run_id = self.membership.manifest.run_id
-        if publish_access_token(
-            self.dht, run_id, token.SerializeToString(), self.owner, expires_at, DHT_CALL_TIMEOUT_S
-        ):
-            self.access_published_at, self.access_expires_at = now, expires_at
 
     def withdraw(self) -> None:
         """Replace our status with an OFFLINE one, so readers drop this node at once; tried once."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ C = TypeVar("C", bound=SwarmSettings)
 
 RUN_KEYS_FILE = "runs.json"
 """In the state dir: the founder (run key) of every run this node founded or joined."""
+JOINED_FILE = "joined.json"
+"""In the state dir: since when this node has used each join token (its rank under the token's identity limit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +65,38 @@ def node_authorizer(config: NodeConfig, identity: Identity) -> InviteAuthorizer 
     """How this node proves its admission to the swarm's DHT: with its join token; as the founder of an
     invite-only run it founds (its run file says so), with the run key; None in an open run."""
     if config.join_token:
-        return InviteAuthorizer.for_joiner(parse_join_token(config.join_token), identity.private_key)
+        invite = parse_join_token(config.join_token)
+        since = joined_since(config.state_path / JOINED_FILE, invite.certificate.invite_public_key)
+        return InviteAuthorizer.for_joiner(invite, identity.private_key, since)
     if config.initial_peers and not config.run_file:
         return None  # joining whatever run the swarm holds: an invite-only one would need a token
     manifest = load_run_file(config.run_file or "demo", run_id=config.run_id or None)
     if manifest.admission != "invite":
         return None
     return InviteAuthorizer.for_founder(manifest.run_id, identity.private_key, identity.private_key)
+
+
+def joined_since(path: Path, invite_public_key: bytes) -> float:
+    """When this node first used the join token of `invite_public_key`, unix seconds: remembered in `path`, so a
+    restart keeps its rank among the identities sharing the token; now on first use."""
+    try:
+        joined = json.loads(path.read_text())
+    except FileNotFoundError:
+        joined = {}
+    except (OSError, ValueError) as e:
+        raise BadInputError(
+            f"Cannot read {path}: {e}; fix or remove it (it lists when join tokens were first used)."
+        ) from None
+    if not isinstance(joined, dict):
+        raise BadInputError(f"{path} is not a map of invite keys to times; fix or remove it.")
+    since = joined.get(invite_public_key.hex())
+    if isinstance(since, float) and math.isfinite(since):
+        return since
+    joined[invite_public_key.hex()] = since = time.time()
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(joined, indent=1, sort_keys=True))
+    os.replace(temporary, path)
+    return since
 
 
 def reader_authorizer(config: SwarmSettings, key: RSAPrivateKey) -> InviteAuthorizer | None:

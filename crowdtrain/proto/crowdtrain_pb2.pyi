@@ -475,20 +475,22 @@ class SparsePart(_message.Message):
     def __init__(self, version: _Optional[int] = ..., dense: _Optional[bool] = ..., index_gaps: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class InviteCertificate(_message.Message):
-    __slots__ = ("run_id", "founder_public_key", "invite_public_key", "expires_at", "label", "signature")
+    __slots__ = ("run_id", "founder_public_key", "invite_public_key", "expires_at", "label", "signature", "max_identities")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     FOUNDER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     INVITE_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_IDENTITIES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     founder_public_key: bytes
     invite_public_key: bytes
     expires_at: float
     label: str
     signature: bytes
-    def __init__(self, run_id: _Optional[str] = ..., founder_public_key: _Optional[bytes] = ..., invite_public_key: _Optional[bytes] = ..., expires_at: _Optional[float] = ..., label: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    max_identities: int
+    def __init__(self, run_id: _Optional[str] = ..., founder_public_key: _Optional[bytes] = ..., invite_public_key: _Optional[bytes] = ..., expires_at: _Optional[float] = ..., label: _Optional[str] = ..., signature: _Optional[bytes] = ..., max_identities: _Optional[int] = ...) -> None: ...
 
 class JoinToken(_message.Message):
     __slots__ = ("certificate", "invite_private_key")
@@ -497,6 +499,44 @@ class JoinToken(_message.Message):
     certificate: InviteCertificate
     invite_private_key: bytes
     def __init__(self, certificate: _Optional[_Union[InviteCertificate, _Mapping]] = ..., invite_private_key: _Optional[bytes] = ...) -> None: ...
+
+class AdmissionRecord(_message.Message):
+    __slots__ = ("username", "public_key", "expiration_time", "signature", "since", "since_signature")
+    USERNAME_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    EXPIRATION_TIME_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    SINCE_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    username: str
+    public_key: bytes
+    expiration_time: str
+    signature: bytes
+    since: float
+    since_signature: bytes
+    def __init__(self, username: _Optional[str] = ..., public_key: _Optional[bytes] = ..., expiration_time: _Optional[str] = ..., signature: _Optional[bytes] = ..., since: _Optional[float] = ..., since_signature: _Optional[bytes] = ...) -> None: ...
+
+class RevokedInvite(_message.Message):
+    __slots__ = ("invite_public_key", "expires_at")
+    INVITE_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    invite_public_key: bytes
+    expires_at: float
+    def __init__(self, invite_public_key: _Optional[bytes] = ..., expires_at: _Optional[float] = ...) -> None: ...
+
+class InviteRevocations(_message.Message):
+    __slots__ = ("run_id", "founder_public_key", "revoked", "issued_at", "signature")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    FOUNDER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_AT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    founder_public_key: bytes
+    revoked: _containers.RepeatedCompositeFieldContainer[RevokedInvite]
+    issued_at: float
+    signature: bytes
+    def __init__(self, run_id: _Optional[str] = ..., founder_public_key: _Optional[bytes] = ..., revoked: _Optional[_Iterable[_Union[RevokedInvite, _Mapping]]] = ..., issued_at: _Optional[float] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class StateDigestRequest(_message.Message):
     __slots__ = ("seed",)
