@@ -12,6 +12,7 @@ Package map, from the top down; a package may import only those below it (tests/
   averaging/  all-reduce machinery: Moshpit groups, plan-partitioned rounds, exactness, phases, traffic
   state/      the verified state transfer: a state downloaded from peers, checked, corroborated; catch-up holds
   moe/        DMoE expert hosting: placement, replicas, the host's supervisor
+  rpc/        serving peers: the base of every RPC service, admission of bulk answers (memory, concurrency, time)
   models/     model builders from a manifest, precision, the training device
   data/       datasets: the embedded corpus, local files, HF datasets; per-peer sampling
   optimizer   the one optimizer factory: every mode's optimizer, schedule and gradient clipping

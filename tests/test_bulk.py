@@ -1,4 +1,4 @@
-"""The admission of bulk answers (crowdtrain/dht/bulk.py): limits in all, per peer and in bytes, refused at once;
+"""The admission of bulk answers (crowdtrain/rpc/bulk.py): limits in all, per peer and in bytes, refused at once;
 a grant ends with its answer, or by itself once a hung answer's deadline and grace passed."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from crowdtrain.dht.bulk import GRACE_S, BulkGate, BulkLimits, within_time
+from crowdtrain.rpc.bulk import GRACE_S, BulkGate, BulkLimits, within_time
 
 
 class Clock:

@@ -9,7 +9,5 @@ swarm      join the DHT (server or client) with bounded time and plain errors
 admission  invite-only runs: join tokens and the access check on every DHT request and RPC
 invites    a join token's identity limit and the founder's signed revocations, decided alike by every node
 gate       which peers may call our RPCs: valid published access tokens, within limits, not revoked
-service    P2PService: the base of every crowdtrain RPC service, on its own event loop
 frames     the cap on every stream frame a peer can make this process read
-bulk       admission for answers that move bulk data: concurrency per peer and in all, memory, a deadline
 """

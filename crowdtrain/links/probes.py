@@ -31,7 +31,6 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from crowdtrain import proto
-from crowdtrain.dht.service import P2PService
 from crowdtrain.links.limiter import ProbeLimiter, ProbeLimits
 from crowdtrain.links.observations import UploadObservations
 from crowdtrain.links.protocol import (
@@ -63,6 +62,7 @@ from crowdtrain.links.protocol import (
     without_peer_suffix,
 )
 from crowdtrain.links.reachability import classify_address, direct_ip, reachability
+from crowdtrain.rpc.service import P2PService
 
 logger = logging.getLogger(__name__)
 

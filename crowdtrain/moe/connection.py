@@ -20,7 +20,6 @@ from hivemind.utils.streaming import split_for_streaming
 
 from crowdtrain.dht.admission import AdmissionGated
 from crowdtrain.dht.frames import install_frame_cap
-from crowdtrain.dht.service import drain
 from crowdtrain.moe.requests import (
     MAX_FRAME_BYTES,
     RefusedRequestError,
@@ -28,6 +27,7 @@ from crowdtrain.moe.requests import (
     check_tensors,
     request_shapes,
 )
+from crowdtrain.rpc.service import drain
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ Reads and writes of an expert's parameters are not synchronised with hivemind's 
 steps the expert's optimizer in its own thread: a copy may mix the weights before and after one
 step, the same tolerance hivemind's averagers have for parameters updated while they average.
 
-An answer is admitted like every bulk answer (crowdtrain/dht/bulk.py: ANSWER_LIMITS) before a value is read, and
+An answer is admitted like every bulk answer (crowdtrain/rpc/bulk.py: ANSWER_LIMITS) before a value is read, and
 encodes the parameters one chunk at a time as it sends them, so it holds one chunk, never a whole copy; past the
 limits the asker is answered busy at once, and an answer that runs past its time is cut short.
 """
@@ -29,9 +29,9 @@ from hivemind.p2p import P2PContext, PeerID
 from torch import nn
 
 from crowdtrain import proto
-from crowdtrain.dht.bulk import BulkGate, BulkLimits
-from crowdtrain.dht.service import P2PService
 from crowdtrain.errors import CrowdtrainError
+from crowdtrain.rpc.bulk import BulkGate, BulkLimits
+from crowdtrain.rpc.service import P2PService
 
 logger = logging.getLogger(__name__)
 

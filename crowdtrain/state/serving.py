@@ -1,7 +1,7 @@
 """The state this node serves to joiners (hivemind's `rpc_download_state`), admitted like every bulk answer.
 
 Each answer makes a whole copy of the state (in the host process, then through the averager's pipe) before its first
-byte goes out, so a grant is taken first (crowdtrain/dht/bulk.py): MAX_STATE_ANSWERS at once, one per peer, each
+byte goes out, so a grant is taken first (crowdtrain/rpc/bulk.py): MAX_STATE_ANSWERS at once, one per peer, each
 counted at the most a state of this run can weigh (`StateTemplate.max_bytes`). Past them the asker gets an empty
 answer, which a downloader takes as "ask the next donor" (state/download.py). An answer is cut short past
 STATE_ANSWER_S: a slow home uplink sends a whole state well within it, and a peer that stops reading holds its slot
@@ -17,7 +17,7 @@ from typing import Any
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
-from crowdtrain.dht.bulk import BulkGate, BulkLimits, within_time
+from crowdtrain.rpc.bulk import BulkGate, BulkLimits, within_time
 from crowdtrain.state.template import StateTemplate
 
 logger = logging.getLogger(__name__)

@@ -41,9 +41,9 @@ from hivemind.p2p import P2PContext, PeerID
 
 from crowdtrain import proto
 from crowdtrain.codecs.compression import decode_int8_blocks, encode_int8_blocks, int8_blocks_size
-from crowdtrain.dht.bulk import BulkGate, BulkLimits, within_time
-from crowdtrain.dht.service import P2PService, linger
 from crowdtrain.errors import CrowdtrainError
+from crowdtrain.rpc.bulk import BulkGate, BulkLimits, within_time
+from crowdtrain.rpc.service import P2PService, linger
 
 logger = logging.getLogger(__name__)
 

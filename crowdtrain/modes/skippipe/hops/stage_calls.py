@@ -20,7 +20,6 @@ import torch
 from hivemind.p2p import P2PHandlerError, PeerID
 
 from crowdtrain import proto
-from crowdtrain.dht.service import P2PService
 from crowdtrain.modes.skippipe.hops.hop_wire import (
     BUSY,
     GRADIENT_DTYPES,
@@ -35,6 +34,7 @@ from crowdtrain.modes.skippipe.hops.hop_wire import (
     receive_frames,
     stream_values,
 )
+from crowdtrain.rpc.service import P2PService
 
 logger = logging.getLogger(__name__)
 

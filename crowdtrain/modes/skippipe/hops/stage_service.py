@@ -14,13 +14,13 @@ and the microbatch one of the iteration's, the wire dtype the run's (`hop_caller
 over), every value finite; a backward must name a forward this node holds for the same caller, with the output's
 shape, and a microbatch's forward is served once per iteration. An answer that is not finite (an overflow in the
 stage's layers) is refused rather than sent. Once its header is
-checked, and before a byte of its payload is read, a hop takes a grant of its bytes (`hop_limits`, dht/bulk.py):
+checked, and before a byte of its payload is read, a hop takes a grant of its bytes (`hop_limits`, rpc/bulk.py):
 past the hops a node receives at once, in all or from one caller, it is refused busy at once, and its payload must
 come within HOP_TIME_S. A node holds at most
 `memory_microbatches` forwards at once (a forward waits up to `slot_wait_s` for a slot, then the caller gets
 "busy" and goes to another replica) and forgets one whose backward did not come within `hold_s` (its source died
 or gave up on it). A refusal is one log line here and its sentence at the caller. An answer ends by waiting for the
-caller to close the stream (`dht.service.linger`): a stream the answering node closed first lost its answer about
+caller to close the stream (`rpc.service.linger`): a stream the answering node closed first lost its answer about
 once per full test-suite run under load (the caller saw "the stream ended before its header").
 
 Besides the hops a node answers done messages (`rpc_stage_done`), pings (`rpc_stage_ping`), its replicas' asks
@@ -44,8 +44,6 @@ import torch
 from hivemind.p2p import P2PContext
 
 from crowdtrain import proto
-from crowdtrain.dht.bulk import BulkGate, BulkLimits, Grant
-from crowdtrain.dht.service import drain, linger
 from crowdtrain.modes.skippipe.hops.device_clock import DeviceClock, finish_of
 from crowdtrain.modes.skippipe.hops.hop_callers import RefusalLog, done_loss, done_refusal, hop_refusal
 from crowdtrain.modes.skippipe.hops.hop_wire import (
@@ -67,6 +65,8 @@ from crowdtrain.modes.skippipe.hops.hop_wire import (
 from crowdtrain.modes.skippipe.hops.stage_calls import StageCalls
 from crowdtrain.modes.skippipe.hops.stage_ledger import HeldForward, PublishedGradient, StageLedger
 from crowdtrain.modes.skippipe.stages import StagedModel
+from crowdtrain.rpc.bulk import BulkGate, BulkLimits, Grant
+from crowdtrain.rpc.service import drain, linger
 
 logger = logging.getLogger(__name__)
 
@@ -319,7 +319,7 @@ class StageService(StageLedger, StageCalls):
         """Serve `source()` to joining replicas: (the last finished iteration, the optimizer's steps, float32
         values), read under `model_lock`; None: serve nothing. At most MAX_STATE_ANSWERS at once, one per peer, each
         within `answer_s` (what the state takes on a slow home uplink): a peer that stops reading holds its slot no
-        longer than that and the gate's grace (dht/bulk.py), and never the other askers'."""
+        longer than that and the gate's grace (rpc/bulk.py), and never the other askers'."""
         limits = BulkLimits(max_answers=MAX_STATE_ANSWERS, max_answers_per_peer=1, max_bytes=MAX_STATE_ANSWERS,
                             answer_time_s=answer_s)  # fmt: skip
         self._state_source, self._state_answers = source, BulkGate(limits)
