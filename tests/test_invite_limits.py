@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import math
@@ -149,15 +150,16 @@ def test_a_token_without_a_limit_admits_every_identity_and_limits_do_not_mix_acr
 
 
 def test_a_refused_identity_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    records = records_of(holders(issue_join_token("demo", FOUNDER, 3600, label="bob"), [1.0, 2.0]))
+    nodes = holders(issue_join_token("demo", FOUNDER, 3600, label="bob"), [1.0, 2.0])
+    records, second = records_of(nodes), peer_id(nodes[1])  # the later user is refused, whatever the peer IDs
     node = gate()
     with caplog.at_level(logging.WARNING, logger="crowdtrain.dht.gate"):
         for _ in range(3):
             node.update(AdmissionRecords(tokens=records))
-            node.note_refusal(max(records), "rpc_download_probe")
+            node.note_refusal(second, "rpc_download_probe")
     lines = [record.getMessage() for record in caplog.records]
     assert len(lines) == 1, lines
-    assert lines[0].startswith(f"refusing peer {max(records)}: its join token (label 'bob') admits 1 identity")
+    assert lines[0].startswith(f"refusing peer {second}: its join token (label 'bob') admits 1 identity")
 
 
 def revocation_of(*tokens: str, founder: RSAPrivateKey = FOUNDER, run_id: str = "demo") -> bytes:
@@ -246,3 +248,32 @@ def test_a_node_keeps_its_rank_across_restarts(tmp_path: Path) -> None:
     first = joined_since(tmp_path / "joined.json", invite_key)
     assert joined_since(tmp_path / "joined.json", invite_key) == first
     assert joined_since(tmp_path / "joined.json", b"\x08" * 32) >= first
+
+
+def test_an_admitted_peers_call_never_waits_for_the_recheck_that_revokes_it() -> None:
+    token = issue_join_token("demo", FOUNDER, 3600, label="leaked")
+    nodes = holders(token, [1.0])
+    records = AdmissionRecords(tokens=records_of(nodes))
+    revoked = AdmissionRecords(tokens=records.tokens, revocations=[revocation_of(token)])
+
+    async def scenario() -> tuple[bool, bool, bool]:
+        answers = [records]
+        release = asyncio.Event()
+
+        async def lookup() -> AdmissionRecords:
+            if not answers:  # the recheck: the DHT is slow to answer
+                await release.wait()
+                return revoked
+            return answers.pop()
+
+        node = AdmissionGate(AccessChecker("demo", RUN_KEY), lookup, local_peer_id="QmSelf", refresh_s=0.05)
+        first = await node.admits(peer_id(nodes[0]))  # not admitted yet: waits for a fetch
+        await asyncio.sleep(0.1)  # the records go stale (`refresh_s`)
+        during = await asyncio.wait_for(node.admits(peer_id(nodes[0])), 1.0)  # answered while the recheck hangs
+        release.set()
+        task, _ = node._refresh
+        assert task is not None
+        await asyncio.wait_for(task, 5.0)
+        return first, during, await node.admits(peer_id(nodes[0]))
+
+    assert asyncio.run(scenario()) == (True, True, False)

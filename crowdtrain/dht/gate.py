@@ -54,8 +54,8 @@ class AdmissionGate:
     its join token's identity limit. A call from a peer not admitted yet waits for a fetch begun after it arrived
     (fetches are serialised, at most one every `refetch_interval_s`, and shared by every caller waiting for one, so a
     scan can neither flood the DHT nor queue a newcomer behind it) and is refused if that fetch does not admit it
-    either. Admitted peers are checked again by a fetch at least every `refresh_s`, which is how revocations and
-    identities ranked earlier take effect.
+    either. Admitted peers are checked again by a background fetch at least every `refresh_s` (their calls go on
+    meanwhile), which is how revocations and identities ranked earlier take effect.
     """
 
     def __init__(
@@ -79,6 +79,7 @@ class AdmissionGate:
         self._refetch_interval_s = refetch_interval_s
         self._refresh_s = refresh_s
         self._lock_and_pid = (asyncio.Lock(), os.getpid())
+        self._refresh: tuple[asyncio.Task[None] | None, int] = (None, os.getpid())
         self._refused: set[str] = set()
         self._noted: set[tuple[str, bool]] = set()
 
@@ -99,7 +100,11 @@ class AdmissionGate:
         return time.monotonic() - self._fetched_at > self._refresh_s
 
     async def admits(self, peer_id: str) -> bool:
-        if peer_id == self._local_peer_id or (self._admitted(peer_id) and not self._stale()):
+        if peer_id == self._local_peer_id:
+            return True
+        if self._admitted(peer_id):
+            if self._stale():  # checked again beside the call, which an admitted peer's RPC never waits for
+                self._refresh_soon()
             return True
         asked_at = time.monotonic()
         async with self._lock:  # one fetch at a time, and at most one per interval: a scan cannot flood the DHT
@@ -110,6 +115,25 @@ class AdmissionGate:
                 self._fetched_at = time.monotonic()
                 self.update(await self._lookup())
         return self._admitted(peer_id)
+
+    def _refresh_soon(self) -> None:
+        """Start one background fetch of the records, unless one is under way in this process."""
+        task, pid = self._refresh
+        if task is not None and pid == os.getpid() and not task.done():
+            return
+        self._refresh = (asyncio.get_running_loop().create_task(self._refresh_now()), os.getpid())
+
+    async def _refresh_now(self) -> None:
+        async with self._lock:
+            if not self._stale():
+                return
+            self._fetched_at = time.monotonic()
+            try:
+                records = await self._lookup()
+            except Exception as e:  # the DHT read failed: the records stand, the next call tries again
+                logger.debug(f"could not read the admission records: {e!r}")
+                return
+            self.update(records)
 
     def update(self, records: AdmissionRecords, now: float | None = None) -> None:
         """Take every valid revocation list and admission record; ignore the rest."""
