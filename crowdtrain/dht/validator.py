@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
@@ -112,21 +113,20 @@ MAX_ACCESS_RECORD_BYTES = 8 * 1024
 
 def _check_access_record(subkey: bytes, value: bytes) -> None:
     # Only the shape: whether the token admits its owner depends on the run key, which the gate checks on use.
-    peer_id_of_owner(subkey)
-    if len(value) > MAX_ACCESS_RECORD_BYTES:
-        raise RecordError(f"an access token of {len(value)} bytes is over the {MAX_ACCESS_RECORD_BYTES} cap")
-    try:
-        AccessToken.FromString(value)
-    except Exception:
-        raise RecordError("the value is not an AccessToken") from None
+    _check_owned_message(subkey, value, AccessToken, MAX_ACCESS_RECORD_BYTES, "an access token")
 
 
 def _check_revocations_record(subkey: bytes, value: bytes) -> None:
     # Only the shape: whether the run key signed it is checked on use, by every reader (dht/gate.py).
+    _check_owned_message(subkey, value, InviteRevocations, MAX_REVOCATIONS_BYTES, "a revocation list")
+
+
+def _check_owned_message(subkey: bytes, value: bytes, message: Any, cap: int, what: str) -> None:
+    """A record under an owner's subkey whose value is a protobuf `message` of at most `cap` bytes."""
     peer_id_of_owner(subkey)
-    if len(value) > MAX_REVOCATIONS_BYTES:
-        raise RecordError(f"a revocation list of {len(value)} bytes is over the {MAX_REVOCATIONS_BYTES} cap")
+    if len(value) > cap:
+        raise RecordError(f"{what} of {len(value)} bytes is over the {cap} cap")
     try:
-        InviteRevocations.FromString(value)
+        message.FromString(value)
     except Exception:
-        raise RecordError("the value is not an InviteRevocations") from None
+        raise RecordError(f"the value is not an {message.__name__}") from None
