@@ -7,6 +7,7 @@ import asyncio
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -79,9 +80,13 @@ class AdmissionGate:
         self._refetch_interval_s = refetch_interval_s
         self._refresh_s = refresh_s
         self._lock_and_pid = (asyncio.Lock(), os.getpid())
+        self._update_lock_and_pid = (threading.Lock(), os.getpid())
         self._refresh: tuple[asyncio.Task[None] | None, int] = (None, os.getpid())
         self._refused: set[str] = set()
         self._noted: set[tuple[str, bool]] = set()
+        self._home_pid = os.getpid()
+        """The daemon's process, which logs record refusals; the processes forked from it with this gate (averagers)
+        reach the same verdicts from the same records and say nothing of them."""
 
     @property
     def _lock(self) -> asyncio.Lock:
@@ -136,8 +141,16 @@ class AdmissionGate:
             self.update(records)
 
     def update(self, records: AdmissionRecords, now: float | None = None) -> None:
-        """Take every valid revocation list and admission record; ignore the rest."""
-        now = time.time() if now is None else now
+        """Take every valid revocation list and admission record; ignore the rest. Thread-safe: the heartbeat's
+        standing check and the RPC handlers' fetches both update."""
+        lock, pid = self._update_lock_and_pid
+        if pid != os.getpid():  # a forked child: the parent's lock may have been held at the fork
+            lock = threading.Lock()
+            self._update_lock_and_pid = (lock, os.getpid())
+        with lock:
+            self._update(records, time.time() if now is None else now)
+
+    def _update(self, records: AdmissionRecords, now: float) -> None:
         for data in records.revocations[:MAX_REVOCATION_LISTS]:
             self._take_revocations(data, now)
         refusals: dict[str, Refusal] = {}
@@ -213,7 +226,10 @@ class AdmissionGate:
         )
 
     def _note(self, peer_id: str, refusal: Refusal) -> None:
-        """Log once per peer and cause why its records are refused (records are read again every fetch)."""
+        """Log once per peer and cause why its records are refused (records are read again every fetch), from the
+        daemon's process only."""
+        if os.getpid() != self._home_pid:
+            return
         if (peer_id, refusal.revoked) in self._noted or len(self._noted) >= MAX_NOTED_PEERS:
             return
         self._noted.add((peer_id, refusal.revoked))
