@@ -1,9 +1,10 @@
 """An invite-only run with real daemons: a joiner with the founder's token gets in and trains, others are refused
-at the DHT and at every RPC, and a second identity on a one-identity token is refused."""
+at the DHT and at every RPC, a second identity on a one-identity token is refused, and a revoked token's node stops."""
 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -76,32 +77,30 @@ def test_an_invite_only_run_admits_token_holders_and_refuses_the_rest(tmp_path: 
     assert "is not admitted to this invite-only run" in answer, answer
     await_condition(lambda: "refused rpc_download_probe from" in founder.log(), 10, "the founder to log the refusal")
 
-    outsider = crowdtrain(
-        "run", "--state-dir", str(tmp_path / "outsider"), "--listen", "/ip4/127.0.0.1/tcp/0",
-        "--bootstrap-timeout", "5", "--initial-peers", founder.address,
-    )  # fmt: skip
+    # Four refusals, each a command of its own, run at once (each mostly waits on its bootstrap):
+    # - a node without a token; a reader without one;
+    # - a well-formed token for a run of the same name, signed by another key;
+    # - the founder's token again: it admits one identity and the joiner used it first.
+    nodes = ("--listen", "/ip4/127.0.0.1/tcp/0", "--bootstrap-timeout", "5", "--initial-peers", founder.address)
+    commands = {
+        "outsider": (("run", "--state-dir", str(tmp_path / "outsider"), *nodes), {}),
+        "reader": (("status", "--json", "--bootstrap-timeout", "5", "--initial-peers", founder.address), {}),
+        "forger": (
+            ("run", "--state-dir", str(tmp_path / "forger"), *nodes, "--join-token",
+             issue_join_token("tiny", RSAPrivateKey(), 3600)),
+            {},
+        ),
+        "second": (("run", "--state-dir", str(tmp_path / "second"), *nodes), {"CROWDTRAIN_JOIN_TOKEN": token}),
+    }  # fmt: skip
+    with ThreadPoolExecutor(len(commands)) as pool:
+        running = {name: pool.submit(crowdtrain, *args, env=env) for name, (args, env) in commands.items()}
+        outsider, reader, forger, second = (running[name].result() for name in commands)
     assert outsider.returncode == 3, outsider.stderr
     assert "invite-only run needs --join-token" in outsider.stderr
     assert "Traceback" not in outsider.stderr
-
-    # A reader needs a token as well.
-    refused = crowdtrain("status", "--json", "--bootstrap-timeout", "5", "--initial-peers", founder.address)
-    assert refused.returncode == 3 and "Traceback" not in refused.stderr
-
-    # A well-formed token for a run of the same name, signed by another key, admits nobody.
-    forged = issue_join_token("tiny", RSAPrivateKey(), 3600)
-    result = crowdtrain(
-        "run", "--state-dir", str(tmp_path / "forger"), "--listen", "/ip4/127.0.0.1/tcp/0",
-        "--bootstrap-timeout", "5", "--initial-peers", founder.address, "--join-token", forged,
-    )  # fmt: skip
-    assert result.returncode == 3, result.stderr
-    assert "that your join token is for the run there" in result.stderr
-
-    # The token admits one identity, and the joiner used it first: a second node with it is refused, and says so.
-    second = crowdtrain(
-        "run", "--state-dir", str(tmp_path / "second"), "--listen", "/ip4/127.0.0.1/tcp/0",
-        "--bootstrap-timeout", "5", "--initial-peers", founder.address, env={"CROWDTRAIN_JOIN_TOKEN": token},
-    )  # fmt: skip
+    assert reader.returncode == 3 and "Traceback" not in reader.stderr
+    assert forger.returncode == 3, forger.stderr
+    assert "that your join token is for the run there" in forger.stderr
     assert second.returncode == 2, second.stderr
     assert "Traceback" not in second.stderr
     assert f"admits 1 identity and 1 used it first ({joiner.peer_id})" in second.stderr.splitlines()[-1]
