@@ -24,8 +24,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.streaming import split_for_streaming
 from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
-from crowdtrain.dht.admission import AccessChecker, set_process_gate
-from crowdtrain.dht.gate import AdmissionGate, AdmissionRecords
+from crowdtrain.dht.admission import AccessChecker
+from crowdtrain.dht.gate import AdmissionGate, AdmissionRecords, set_process_gate
 from crowdtrain.dht.records import load_public_key, peer_id_of_public_key
 from crowdtrain.manifest import expert_uids
 from crowdtrain.moe.experts import MAX_BATCH_SEQUENCES, build_expert, make_backend

@@ -24,7 +24,7 @@ from lab.diloco import identity_key, loopback_dhts
 from crowdtrain import proto
 from crowdtrain.averaging.traffic import AveragingTraffic
 from crowdtrain.collaboration.hivemind_optimizer import PlannedStateAverager
-from crowdtrain.dht.admission import NotAdmittedError, _GatedHandlers
+from crowdtrain.dht.gate import NotAdmittedError, _GatedHandlers
 from crowdtrain.dht.records import EPOCH_SLACK, MAX_GLOBAL_STEPS_PER_S, epoch_ceiling
 from crowdtrain.modes.diloco.pseudo_gradients import PseudoGradientAverager
 from crowdtrain.state import download as state_download

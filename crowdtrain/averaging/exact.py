@@ -21,7 +21,7 @@ from hivemind.optim.grad_averager import GradientAverager
 from crowdtrain.averaging.authored import AuthoredAverager
 from crowdtrain.averaging.grid import GroupSizeMixin
 from crowdtrain.averaging.partition import PartialAverageError, PlanSharesMixin
-from crowdtrain.dht.admission import AdmissionGated
+from crowdtrain.dht.gate import AdmissionGated
 
 
 def new_partial_counter() -> Synchronized:

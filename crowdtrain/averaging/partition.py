@@ -20,7 +20,7 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.utils.asyncio import enter_asynchronously
 
 from crowdtrain.averaging.authored import AuthoredAverager, UnauthoredEntryError
-from crowdtrain.dht.admission import AdmissionGated
+from crowdtrain.dht.gate import AdmissionGated
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from crowdtrain.averaging.partition import PlanSharesMixin
 from crowdtrain.averaging.phases import Phase, PhaseAccumulator, wait_for_round
 from crowdtrain.averaging.progress_bounds import BoundedProgressTracker, ProgressBounds
 from crowdtrain.averaging.traffic import AggregationSettings, AveragingTraffic, TrafficCountingAverager
-from crowdtrain.dht.admission import AdmissionGated
+from crowdtrain.dht.gate import AdmissionGated
 from crowdtrain.dht.records import epoch_ceiling
 from crowdtrain.state.catch_up import (
     ANNOUNCE_EVERY_S,

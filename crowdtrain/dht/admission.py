@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-import inspect
 import logging
 import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -40,9 +38,6 @@ from crowdtrain.dht.invites import MAX_IDENTITIES, sign_since
 from crowdtrain.dht.records import RecordError, load_public_key, peer_id_of_public_key
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import RUN_ID_PATTERN
-
-if TYPE_CHECKING:
-    from crowdtrain.dht.gate import AdmissionGate
 
 logger = logging.getLogger(__name__)
 
@@ -390,63 +385,3 @@ class InviteAuthorizer(TokenAuthorizerBase):
             return float(access_token.expiration_time) - time.time() < ACCESS_TOKEN_REFRESH_S
         except ValueError:
             return True
-
-
-_process_gate: AdmissionGate | None = None
-
-
-def set_process_gate(gate: AdmissionGate | None) -> None:
-    """Gate every RPC handler this process (and the averager processes it forks afterwards) registers.
-
-    Process-wide because a daemon is one node: its averagers are built deep inside hivemind's optimizer, and they
-    serve from processes forked after this call, which inherit it.
-    """
-    global _process_gate
-    _process_gate = gate
-
-
-class AdmissionGated:
-    """Mixin for a hivemind servicer (averager, P2PService): with a process gate set, its `rpc_*` handlers serve
-    only admitted callers. Put it first among the bases."""
-
-    async def add_p2p_handlers(self, p2p: Any, wrapper: Any = None, *, namespace: Any = None, balanced: bool = False):
-        if _process_gate is not None and wrapper is None:
-            wrapper = _GatedHandlers(self, _process_gate)
-        await super().add_p2p_handlers(p2p, wrapper, namespace=namespace, balanced=balanced)  # type: ignore[misc]
-
-
-class NotAdmittedError(PermissionError):
-    """Raised to a caller that holds no valid access token for the run; hivemind sends the caller its text."""
-
-
-class _GatedHandlers:
-    """Stands in for a servicer when its handlers are registered: each `rpc_*` first asks the gate."""
-
-    def __init__(self, servicer: Any, gate: AdmissionGate):
-        self._servicer, self._gate = servicer, gate
-
-    def __getattr__(self, name: str) -> Any:
-        handler = getattr(self._servicer, name)
-        if not name.startswith("rpc_"):
-            return handler
-
-        if inspect.isasyncgenfunction(handler):  # a streaming answer: refuse before its first message
-
-            async def gated_stream(request: Any, context: Any) -> Any:
-                await self._check(context, name)
-                async for message in handler(request, context):
-                    yield message
-
-            return gated_stream
-
-        async def gated(request: Any, context: Any) -> Any:
-            await self._check(context, name)
-            return await handler(request, context)
-
-        return gated
-
-    async def _check(self, context: Any, rpc: str) -> None:
-        caller = context.remote_id.to_base58()
-        if not await self._gate.admits(caller):
-            self._gate.note_refusal(caller, rpc)
-            raise NotAdmittedError(f"peer {caller} is not admitted to this invite-only run")

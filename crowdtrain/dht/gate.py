@@ -4,6 +4,7 @@ its join token's identity limit, and not revoked (dht/invites.py), decided from 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import os
@@ -11,6 +12,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from google.protobuf.message import DecodeError
 from hivemind.proto.auth_pb2 import AccessToken
@@ -244,3 +246,63 @@ class AdmissionGate:
         if peer_id not in self._refused and len(self._refused) < MAX_NOTED_PEERS:
             self._refused.add(peer_id)
             logger.warning(f"refused {rpc} from {peer_id}: it holds no valid access token for this invite-only run")
+
+
+_process_gate: AdmissionGate | None = None
+
+
+def set_process_gate(gate: AdmissionGate | None) -> None:
+    """Gate every RPC handler this process (and the averager processes it forks afterwards) registers.
+
+    Process-wide because a daemon is one node: its averagers are built deep inside hivemind's optimizer, and they
+    serve from processes forked after this call, which inherit it.
+    """
+    global _process_gate
+    _process_gate = gate
+
+
+class AdmissionGated:
+    """Mixin for a hivemind servicer (averager, P2PService): with a process gate set, its `rpc_*` handlers serve
+    only admitted callers. Put it first among the bases."""
+
+    async def add_p2p_handlers(self, p2p: Any, wrapper: Any = None, *, namespace: Any = None, balanced: bool = False):
+        if _process_gate is not None and wrapper is None:
+            wrapper = _GatedHandlers(self, _process_gate)
+        await super().add_p2p_handlers(p2p, wrapper, namespace=namespace, balanced=balanced)  # type: ignore[misc]
+
+
+class NotAdmittedError(PermissionError):
+    """Raised to a caller that holds no valid access token for the run; hivemind sends the caller its text."""
+
+
+class _GatedHandlers:
+    """Stands in for a servicer when its handlers are registered: each `rpc_*` first asks the gate."""
+
+    def __init__(self, servicer: Any, gate: AdmissionGate):
+        self._servicer, self._gate = servicer, gate
+
+    def __getattr__(self, name: str) -> Any:
+        handler = getattr(self._servicer, name)
+        if not name.startswith("rpc_"):
+            return handler
+
+        if inspect.isasyncgenfunction(handler):  # a streaming answer: refuse before its first message
+
+            async def gated_stream(request: Any, context: Any) -> Any:
+                await self._check(context, name)
+                async for message in handler(request, context):
+                    yield message
+
+            return gated_stream
+
+        async def gated(request: Any, context: Any) -> Any:
+            await self._check(context, name)
+            return await handler(request, context)
+
+        return gated
+
+    async def _check(self, context: Any, rpc: str) -> None:
+        caller = context.remote_id.to_base58()
+        if not await self._gate.admits(caller):
+            self._gate.note_refusal(caller, rpc)
+            raise NotAdmittedError(f"peer {caller} is not admitted to this invite-only run")

@@ -67,7 +67,7 @@ class RunManifest:
     """SkipPipe runs only; None there means SkipPipeSpec's defaults."""
     admission: str = "open"
     """`open`: anyone who reaches the swarm may join; `invite`: only nodes holding a join token the founder issued
-    (`crowdtrain invite`), checked on every DHT request and every RPC (crowdtrain/dht/admission.py)."""
+    (`crowdtrain invite`), checked on every DHT request and every RPC (crowdtrain/dht/admission.py, dht/gate.py)."""
 
     def __post_init__(self) -> None:
         if not RUN_ID_PATTERN.fullmatch(self.run_id):

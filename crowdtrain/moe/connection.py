@@ -18,8 +18,8 @@ from hivemind.p2p.p2p_daemon import DEFAULT_MAX_MSG_SIZE
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 
-from crowdtrain.dht.admission import AdmissionGated
 from crowdtrain.dht.frames import install_frame_cap
+from crowdtrain.dht.gate import AdmissionGated
 from crowdtrain.moe.requests import (
     MAX_FRAME_BYTES,
     RefusedRequestError,

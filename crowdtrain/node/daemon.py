@@ -17,8 +17,8 @@ from typing import Any
 import hivemind
 
 from crowdtrain import __version__, proto
-from crowdtrain.dht.admission import InviteAuthorizer, set_process_gate
-from crowdtrain.dht.gate import AdmissionGate
+from crowdtrain.dht.admission import InviteAuthorizer
+from crowdtrain.dht.gate import AdmissionGate, set_process_gate
 from crowdtrain.dht.records import owner_marker
 from crowdtrain.dht.registry import (
     fetch_admission,

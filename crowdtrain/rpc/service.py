@@ -18,7 +18,7 @@ import hivemind
 from hivemind.p2p import P2P, ServicerBase
 from hivemind.utils.multiaddr import Multiaddr
 
-from crowdtrain.dht.admission import AdmissionGated
+from crowdtrain.dht.gate import AdmissionGated
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from crowdtrain.averaging.exact import ExactRoundsMixin
 from crowdtrain.averaging.grid import GroupSizeMixin
 from crowdtrain.averaging.partition import PlanSharesMixin
 from crowdtrain.averaging.traffic import TrafficCountingAverager
-from crowdtrain.dht.admission import AdmissionGated
+from crowdtrain.dht.gate import AdmissionGated
 from crowdtrain.state.download import VerifiedStateDownloadMixin
 from crowdtrain.state.serving import StateServingMixin
 from crowdtrain.state.template import StateTemplate
