@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,9 @@ import pytest
 import torch
 from lab import swarm
 from lab.processes import ProcessGroups
+
+from crowdtrain.averaging.groups import join_request_timeout_s
+from crowdtrain.manifest import AveragingSpec
 
 FAST_HEARTBEAT_ENV = {"CROWDTRAIN_STATUS_INTERVAL_S": "1", "CROWDTRAIN_STATUS_TTL_S": "30"}
 DAEMON_ENV = {**FAST_HEARTBEAT_ENV, "CROWDTRAIN_NUM_THREADS": "1", "CROWDTRAIN_THROUGHPUT_S": "0.5"}
@@ -50,11 +52,20 @@ def kill_all_started() -> None:
     STARTED.kill_all()
 
 
+MATCHMAKING_TIME_S = 2.0
+JOIN_REQUEST_TIMEOUT_S = join_request_timeout_s(AveragingSpec(matchmaking_time_s=MATCHMAKING_TIME_S))
+"""What an in-process averager of a test waits for a leader's answer: below the matchmaking time, as the product's
+averagers. At or above it hivemind's matchmaking can deadlock (its warning says so), and a round never ends."""
+ALLREDUCE_TIMEOUT_S = 30.0
+"""hivemind waits for an all-reduce's parts without end by default: a stalled round must fail its test, not hang it."""
+
+
 def averager_group(
     kind: Callable[..., Any], values: Sequence[torch.Tensor], dhts: Sequence[hivemind.DHT], prefix: str, **settings: Any
 ) -> list[Any]:
     """One started averager of `kind` per DHT, over a copy of its tensor in `values`, each waiting for a group of all of
-    them (2 s of matchmaking, 2 s per request); `settings` go to every one."""
+    them (2 s of matchmaking, 1 s per request, an all-reduce bounded); `settings` go to every one."""
+    settings = {"allreduce_timeout": ALLREDUCE_TIMEOUT_S, **settings}
     return [
         kind(
             [value.clone()],
@@ -62,8 +73,8 @@ def averager_group(
             prefix=prefix,
             target_group_size=len(dhts),
             min_group_size=len(dhts),
-            min_matchmaking_time=2.0,
-            request_timeout=2.0,
+            min_matchmaking_time=MATCHMAKING_TIME_S,
+            request_timeout=JOIN_REQUEST_TIMEOUT_S,
             start=True,
             **settings,
         )
@@ -72,9 +83,10 @@ def averager_group(
 
 
 def step_together(averagers: Sequence[Any], timeout_s: float = 60.0) -> list[Any]:
-    """Every averager's step at once, each on a thread of its own; the groups they found (None where one found none)."""
-    with ThreadPoolExecutor(len(averagers)) as pool:
-        return list(pool.map(lambda averager: averager.step(timeout=timeout_s), averagers))
+    """Every averager's step at once; the groups they found (None where one found none). Each wait is bounded: a step
+    that neither ends nor fails (an all-reduce without a timeout of its own) raises TimeoutError."""
+    controls = [averager.step(timeout=timeout_s, wait=False) for averager in averagers]
+    return [control.result(timeout=timeout_s + ALLREDUCE_TIMEOUT_S + 10) for control in controls]
 
 
 def shut_down(averagers: Iterable[Any], dhts: Iterable[Any]) -> None:

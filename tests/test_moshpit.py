@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import hivemind
 import pytest
 import torch
@@ -12,7 +10,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from crowdtrain.averaging.grid import GroupSizeMixin, bits_per_coordinate, expected_group_size, initial_group_bits
 from crowdtrain.averaging.groups import moshpit_bits
 from crowdtrain.manifest import AveragingSpec
-from tests.harness import shut_down
+from tests.harness import ALLREDUCE_TIMEOUT_S, JOIN_REQUEST_TIMEOUT_S, MATCHMAKING_TIME_S, shut_down, step_together
 
 
 def test_small_swarm_shares_one_group() -> None:
@@ -63,23 +61,23 @@ def test_four_averagers_in_groups_of_two_reach_the_exact_mean_in_two_rounds() ->
             prefix="moshpit-test",
             target_group_size=group_size,
             min_group_size=group_size,
-            min_matchmaking_time=2.0,
-            request_timeout=2.0,
+            min_matchmaking_time=MATCHMAKING_TIME_S,
+            request_timeout=JOIN_REQUEST_TIMEOUT_S,
+            allreduce_timeout=ALLREDUCE_TIMEOUT_S,
             initial_group_bits=initial_group_bits(rank, num_peers, group_size, grid_dims),
             start=True,
         )
         for rank in range(num_peers)
     ]
     try:
-        with ThreadPoolExecutor(num_peers) as pool:
-            first_round = list(pool.map(lambda averager: averager.step(timeout=60), averagers))
-            assert all(gathered is not None for gathered in first_round), "every peer found its group"
-            after_first = [_tensor(averager) for averager in averagers]
-            # groups of two, not one group of four: ranks 0,1 and 2,3 each hold their pair's mean
-            assert torch.allclose(after_first[0], (values[0] + values[1]) / 2)
-            assert torch.allclose(after_first[3], (values[2] + values[3]) / 2)
-            second_round = list(pool.map(lambda averager: averager.step(timeout=60), averagers))
-            assert all(gathered is not None for gathered in second_round)
+        first_round = step_together(averagers)
+        assert all(gathered is not None for gathered in first_round), "every peer found its group"
+        after_first = [_tensor(averager) for averager in averagers]
+        # groups of two, not one group of four: ranks 0,1 and 2,3 each hold their pair's mean
+        assert torch.allclose(after_first[0], (values[0] + values[1]) / 2)
+        assert torch.allclose(after_first[3], (values[2] + values[3]) / 2)
+        second_round = step_together(averagers)
+        assert all(gathered is not None for gathered in second_round)
         mean = torch.stack(values).mean(dim=0)
         for averager in averagers:
             assert torch.allclose(_tensor(averager), mean), "exact mean after d=2 rounds"

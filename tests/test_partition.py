@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -12,7 +11,7 @@ from hivemind.averaging.allreduce import AveragingMode
 from lab.diloco import identity_key, loopback_dhts
 
 from crowdtrain.averaging.partition import PlannedAverager, PlanSharesMixin, group_fractions
-from tests.harness import shut_down
+from tests.harness import ALLREDUCE_TIMEOUT_S, JOIN_REQUEST_TIMEOUT_S, MATCHMAKING_TIME_S, shut_down, step_together
 
 NODE, CLIENT = AveragingMode.NODE, AveragingMode.CLIENT
 
@@ -81,8 +80,9 @@ def test_averagers_split_the_vector_by_their_shares_and_reach_the_exact_mean() -
             prefix="partition-test",
             target_group_size=len(shares),
             min_group_size=len(shares),
-            min_matchmaking_time=2.0,
-            request_timeout=2.0,
+            min_matchmaking_time=MATCHMAKING_TIME_S,
+            request_timeout=JOIN_REQUEST_TIMEOUT_S,
+            allreduce_timeout=ALLREDUCE_TIMEOUT_S,
             share=share,
             author=identity_key(dhts[rank]),
             recorded=recorded,
@@ -90,8 +90,7 @@ def test_averagers_split_the_vector_by_their_shares_and_reach_the_exact_mean() -
         for rank, share in enumerate(shares)
     ]
     try:
-        with ThreadPoolExecutor(len(shares)) as pool:
-            gathered = list(pool.map(lambda averager: averager.step(timeout=60), averagers))
+        gathered = step_together(averagers)
         assert all(result is not None for result in gathered), "every peer found the group"
         mean = torch.stack(values).mean(dim=0)
         for averager in averagers:

@@ -16,7 +16,7 @@ from crowdtrain.averaging.exact import ExactRoundsMixin, new_partial_counter
 from crowdtrain.averaging.partition import PlannedAverager
 from crowdtrain.averaging.traffic import AveragingTraffic, TrafficCountingAverager, held_until_all
 from crowdtrain.codecs.compression import compression_for
-from tests.harness import shut_down
+from tests.harness import ALLREDUCE_TIMEOUT_S, JOIN_REQUEST_TIMEOUT_S, MATCHMAKING_TIME_S, shut_down, step_together
 
 
 class _CountingAverager(PlannedAverager, TrafficCountingAverager):
@@ -34,8 +34,9 @@ class _ExactCountingAverager(ExactRoundsMixin, _CountingAverager):
 PAIR: dict[str, Any] = {
     "target_group_size": 2,
     "min_group_size": 2,
-    "min_matchmaking_time": 2.0,
-    "request_timeout": 2.0,
+    "min_matchmaking_time": MATCHMAKING_TIME_S,
+    "request_timeout": JOIN_REQUEST_TIMEOUT_S,
+    "allreduce_timeout": ALLREDUCE_TIMEOUT_S,
     "share": 0.5,
     "start": True,
 }
@@ -56,8 +57,7 @@ def averaged_pair(prefix: str, values: list[torch.Tensor], **options: Any) -> li
         for rank, dht in enumerate((first, second))
     ]
     try:
-        with ThreadPoolExecutor(2) as pool:
-            gathered = list(pool.map(lambda averager: averager.step(timeout=60), averagers))
+        gathered = step_together(averagers)
         assert all(result is not None for result in gathered), "both peers found the group"
         results = []
         for averager in averagers:
