@@ -1,5 +1,5 @@
 """An invite-only run with real daemons: a joiner with the founder's token gets in and trains, others are refused
-at the DHT and at every RPC, and a second identity on a one-identity token is refused."""
+at the DHT and at every RPC, a second identity on a one-identity token is refused, and a revoked token's node stops."""
 
 from __future__ import annotations
 
@@ -103,3 +103,14 @@ def test_an_invite_only_run_admits_token_holders_and_refuses_the_rest(tmp_path: 
         lambda: "its join token (label 'alice') admits 1 identity" in founder.log(), 60, "the founder to refuse it"
     )
     assert joiner.log().count("refusing peer") <= 1  # once per peer, however often the records are read
+
+    # The founder revokes alice's token: its daemon publishes the signed list, every node reads it, and the joiner
+    # stops with one sentence while the founder refuses it.
+    revoked = crowdtrain("invite", "--state-dir", str(tmp_path / "founder"), "--revoke", "alice")
+    assert revoked.returncode == 0, revoked.stderr
+    assert joiner.process.wait(timeout=150) == 2, joiner.log()[-3000:]
+    assert "This node is no longer admitted: the founder revoked its join token (label 'alice')" in joiner.log()
+    await_condition(
+        lambda: "the founder revoked its join token (label 'alice')" in founder.log(), 60, "the founder to refuse it"
+    )
+    assert "heartbeat failed" not in founder.log() + joiner.log()

@@ -10,6 +10,7 @@ import random
 import time
 from pathlib import Path
 
+import hivemind
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils.crypto import RSAPrivateKey
@@ -35,7 +36,7 @@ from crowdtrain.dht.invites import (
 )
 from crowdtrain.dht.records import load_public_key, peer_id_of_public_key
 from crowdtrain.errors import BadInputError
-from crowdtrain.node.admission_watch import revocations_path
+from crowdtrain.node.admission_watch import AdmissionRefused, AdmissionWatch, revocations_path
 from crowdtrain.node.identity import load_or_create_identity
 from crowdtrain.node.membership import RUN_KEYS_FILE, joined_since, pin_founder
 
@@ -277,3 +278,57 @@ def test_an_admitted_peers_call_never_waits_for_the_recheck_that_revokes_it() ->
         return first, during, await node.admits(peer_id(nodes[0]))
 
     assert asyncio.run(scenario()) == (True, True, False)
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(60)
+def test_the_founder_hands_a_revoked_node_the_list_before_refusing_it_and_the_node_stops(tmp_path: Path) -> None:
+    """Real DHT nodes, the two admission watches: once the founder's DHT refuses alice, she could read the list
+    from nobody, so it is published first; and she stops on the list alone, though no record of hers was read."""
+    token = issue_join_token("demo", FOUNDER, 3600, label="alice")
+    alice = holders(token, [1.0])[0]
+    founder = InviteAuthorizer.for_founder("demo", FOUNDER, RSAPrivateKey())
+    (tmp_path / "revocations.bin").write_bytes(revocation_of(token))
+    founder_dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], authorizer=founder)
+    alice_dht = None
+    try:
+        alice_dht = hivemind.DHT(
+            start=True,
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            initial_peers=founder_dht.get_visible_maddrs(),
+            authorizer=alice,
+        )
+        founder_watch = watch(founder_dht, founder, tmp_path / "revocations.bin")
+        founder_watch._check_standing()
+        assert founder_watch.revoked_in_dht_process, "the founder's DHT refuses alice from now on"
+        assert alice.own_revocation() is None
+        with pytest.raises(AdmissionRefused) as refused:
+            watch(alice_dht, alice, None)._check_standing()
+        assert str(refused.value) == (
+            "This node is no longer admitted: the founder revoked its join token (label 'alice'); "
+            "ask the founder for a new one."
+        )
+    finally:
+        for dht in (alice_dht, founder_dht):
+            if dht is not None:
+                dht.shutdown()
+
+
+def watch(dht: hivemind.DHT, authorizer: InviteAuthorizer, revocations_file: Path | None) -> AdmissionWatch:
+    node = AdmissionGate(authorizer.checker, no_lookup, local_peer_id=peer_id(authorizer))
+    return AdmissionWatch(dht, authorizer, node, peer_id(authorizer), b"owner", revocations_file, timeout_s=10)
+
+
+async def no_lookup() -> AdmissionRecords:
+    raise AssertionError("the watch hands the gate its records")
+
+
+def test_the_founder_notices_a_new_revocation_list_at_its_next_beat(tmp_path: Path) -> None:
+    founder = InviteAuthorizer.for_founder("demo", FOUNDER, FOUNDER)
+    listing = tmp_path / "revocations.bin"
+    node = watch(None, founder, listing)  # type: ignore[arg-type]  # no DHT call is made here
+    assert not node._own_revocations_changed()  # the first look, no list yet
+    listing.write_bytes(b"first")
+    assert node._own_revocations_changed() and not node._own_revocations_changed()
+    listing.write_bytes(b"second list")
+    assert node._own_revocations_changed()

@@ -345,6 +345,14 @@ class InviteAuthorizer(TokenAuthorizerBase):
         run_key = peer_id_of_public_key(load_public_key(founder_key.get_public_key().to_bytes())).to_base58()
         return cls(run_id, run_key, node_key, credential)
 
+    def own_revocation(self) -> str | None:
+        """Why this node's own join token no longer admits it, by the revocations its checker holds; None while it
+        does (the founder's invite key is fresh at each call, and never revoked)."""
+        certificate = proto.InviteCertificate.FromString(self._credential()[0])
+        if certificate.invite_public_key not in self.checker.revoked:
+            return None
+        return f"the founder revoked its join token{_labelled(certificate)}"
+
     def access_token(self) -> AccessToken:
         """A fresh AccessToken for this node: valid for an hour, or until the certificate expires."""
         return self._signed(*self._credential())

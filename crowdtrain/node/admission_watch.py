@@ -14,7 +14,7 @@ from typing import Any
 import hivemind
 
 from crowdtrain.dht.admission import InviteAuthorizer
-from crowdtrain.dht.gate import AdmissionGate
+from crowdtrain.dht.gate import AdmissionGate, Refusal
 from crowdtrain.dht.registry import publish_access_token, publish_revocations, read_admission
 from crowdtrain.errors import BadInputError, CrowdtrainError
 
@@ -70,6 +70,9 @@ class AdmissionWatch:
         self.revocations_published_at = -math.inf
         self.revocations_published: bytes | None = None
         self.revoked_in_dht_process: dict[bytes, float] = {}
+        self.revocations_looked = False
+        self.revocations_seen: tuple[int, int] | None = None
+        """The founder's list file's (mtime, size) at the last beat; None while there is none."""
 
     def beat(self) -> None:
         now = time.time()
@@ -77,7 +80,7 @@ class AdmissionWatch:
             expired = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.authorizer.expires_at))
             raise JoinTokenExpired(f"this node's join token expired at {expired}; ask the founder for a new one")
         self._publish_record(now)
-        if time.monotonic() >= self.next_check_at:
+        if time.monotonic() >= self.next_check_at or self._own_revocations_changed():
             self.next_check_at = time.monotonic() + STANDING_CHECK_S
             self._check_standing()
 
@@ -98,17 +101,35 @@ class AdmissionWatch:
         if own_list is not None:
             records.revocations.insert(0, own_list)
         self.gate.update(records)
-        self._revoke_in_dht_process()
-        self._republish_revocations(own_list)
         refusal = self.gate.refusals.get(self.peer_id)
+        revoked = self.authorizer.own_revocation()  # decided by the list alone: its own record may not have been read
+        if refusal is None and revoked is not None:
+            refusal = Refusal(revoked=True, reason=revoked)
+        if refusal is not None and refusal.revoked:
+            raise AdmissionRefused(f"This node is no longer admitted: {refusal.reason}; ask the founder for a new one.")
+        # Published before this node's DHT refuses the revoked: a store reaching them tells them to stop.
+        self._republish_revocations(own_list)
+        self._revoke_in_dht_process()
         if refusal is None:
             return
-        if refusal.revoked:
-            raise AdmissionRefused(f"This node is no longer admitted: {refusal.reason}; ask the founder for a new one.")
         raise AdmissionRefused(
             f"This node is refused: {refusal.reason}; run no more nodes on one join token than it admits, "
             "or ask the founder for one made with --max-identities."
         )
+
+    def _own_revocations_changed(self) -> bool:
+        """Whether `crowdtrain invite --revoke` rewrote the founder's list since the last look (a stat per beat): the
+        founder then publishes it at once instead of at its next standing check."""
+        if self.revocations_file is None:
+            return False
+        try:
+            stat = self.revocations_file.stat()
+            current: tuple[int, int] | None = (stat.st_mtime_ns, stat.st_size)
+        except OSError:
+            current = None  # no list yet
+        changed = self.revocations_looked and current != self.revocations_seen
+        self.revocations_looked, self.revocations_seen = True, current
+        return changed
 
     def _read_own_revocations(self) -> bytes | None:
         if self.revocations_file is None:
