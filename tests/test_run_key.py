@@ -63,13 +63,15 @@ def test_a_forged_older_manifest_does_not_take_the_run_from_its_founder(tmp_path
         assert f"--run-key {founder.peer_id}" in founder.log()
         # a node that never saw this key refuses a key nobody founded a run with
         result = crowdtrain("run", "--state-dir", str(tmp_path / "lost"), "--initial-peers", founder.address,
-                            "--run-key", "QmNobodyFoundedThis")  # fmt: skip
+                            "--run-key", "QmNobodyFoundedThis", "--bootstrap-timeout", "3")  # fmt: skip
         assert_plain_failure(result, 2, "no run founded by QmNobodyFoundedThis")
         # status with the key shows the founder's manifest, not the forged older one; with a wrong key, a sentence
         shown = json.loads(crowdtrain("status", "--json", "--initial-peers", founder.address,
                                       "--run-key", founder.peer_id).stdout)  # fmt: skip
         assert shown["run"]["founder"] == founder.peer_id and shown["run"]["target_batch_size"] != 7
-        result = crowdtrain("status", "--initial-peers", founder.address, "--run-key", "QmNobodyFoundedThis")
+        result = crowdtrain(
+            "status", "--initial-peers", founder.address, "--run-key", "QmNobodyFoundedThis", "--bootstrap-timeout", "3"
+        )
         assert_plain_failure(result, 2, "no run founded by QmNobodyFoundedThis")
     finally:
         dht.shutdown()
