@@ -130,6 +130,8 @@ def closing_all(nodes: list[Node]) -> Iterator[list[Node]]:
     try:
         yield nodes
     finally:
+        for node in nodes:  # all at once: a node stopped alone waits out its partners' hops
+            node.stop.set()
         for node in nodes:
             node.close()
 
@@ -383,10 +385,12 @@ def test_an_overlapped_node_checkpoints_its_stage_s_true_state_not_the_look_ahea
     with closing_all([]) as nodes:
         start_pair(run, tmp_path, nodes)
         three_more_iterations(nodes, "with the exchange overlapped")
-        for node in nodes:
+        for node in nodes:  # all at once: a node stopped alone waits out its partners' hops
             node.stop.set()
+        for node in nodes:
             assert node.thread is not None
             node.thread.join(timeout=60)
+            assert not node.thread.is_alive()
             mode = node.mode
             live = mode.staged.model.state_dict()
             kept = mode.checkpoint_model_state(live)
