@@ -136,9 +136,11 @@ def test_second_daemon_on_same_state_dir_is_refused(tmp_path: Path) -> None:
 
 def test_joiner_of_a_swarm_with_two_runs_must_choose(tmp_path: Path) -> None:
     founder = start_daemon(tmp_path / "a").await_ready()
+    # It looks for a run named "other" before founding one, for as long as its bootstrap timeout (20 s by default).
     second_run = start_daemon(
-        tmp_path / "b", "--run-file", "demo", "--run-id", "other", initial_peers=[founder.address]
-    ).await_ready()
+        tmp_path / "b", "--run-file", "demo", "--run-id", "other", "--bootstrap-timeout", "5",
+        initial_peers=[founder.address],
+    ).await_ready()  # fmt: skip
     assert second_run.info["run_id"] == "other"
 
     def joiner_lists_both() -> object:
