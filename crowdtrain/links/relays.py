@@ -16,6 +16,8 @@ from typing import Any
 import hivemind
 from hivemind.dht.node import DHTNode
 
+from crowdtrain.dht.swarm import DHT_CALL_FAILED
+
 logger = logging.getLogger(__name__)
 
 RELAY_CHECK_S = 15.0
@@ -74,7 +76,7 @@ class RelayWatch:
         self._next_read_at = now + self._interval_s
         try:
             relays = relay_peers(self._visible_addresses())
-        except Exception as e:  # the DHT process is busy or gone: keep the last answer, the beat notices a dead DHT
+        except DHT_CALL_FAILED as e:  # the DHT process is busy or gone: keep the last answer; the beat sees a dead DHT
             logger.debug(f"could not read this node's addresses: {e!r}")
             return self._relays
         if relays != self._relays:

@@ -28,6 +28,7 @@ from crowdtrain.dht.registry import (
     publish_peer_status,
 )
 from crowdtrain.dht.swarm import (
+    DHT_CALL_FAILED,
     SwarmOptions,
     join_swarm,
     make_forked_children_die_with_this_process,
@@ -361,7 +362,7 @@ class Heartbeat:
                 self.refusal = e
                 stop.set()
                 break
-            except Exception:
+            except DHT_CALL_FAILED:
                 logger.exception("heartbeat failed; retrying at the next interval")
         self.withdraw()
 
