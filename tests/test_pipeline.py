@@ -41,6 +41,7 @@ from crowdtrain.modes.skippipe.replicas.stage_state import STATE_PARTS, STATE_TI
 from crowdtrain.modes.skippipe.roster.schedule import NodeInfo, Route, Schedule, SkipPipeProblem, schedule_microbatches
 from crowdtrain.modes.skippipe.stages import StagedModel
 from crowdtrain.optimizer import build_optimizer
+from crowdtrain.rpc.service import NodeStopping
 from tests import schedules
 from tests.stage_swarm import stage_services, tiny_llama
 
@@ -349,6 +350,32 @@ def test_a_forward_of_the_next_iteration_waits_for_the_stage_the_node_moves_to(s
     with pytest.raises(HopFailedError, match="iteration 1 is over") as refused:
         caller.call(swarm.peer(3), "forward", over, inputs, 20.0)
     assert refused.value.busy
+
+
+def test_a_stopping_node_cuts_short_a_hop_waiting_on_its_peer_and_calls_no_more(swarm: Swarm) -> None:
+    """Ctrl-C mid-iteration: a hop waiting on a peer ends within a moment of the node's stop being set, not at its
+    deadline, and later calls are refused at once; the peer that was called keeps serving others."""
+    caller, callee = swarm.services[0], swarm.services[3]  # node 3 serves stage 2
+    callee.open_iteration(1)
+    waits = proto.StageHop(iteration=2, microbatch=0, stage=2, dtype="float32")  # waits for iteration 2 to open
+    inputs = torch.randn(2, 8, HIDDEN)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        sent = pool.submit(caller.call, swarm.peer(3), "forward", waits, inputs, 30.0)
+        wait([sent], timeout=2.0)
+        assert not sent.done(), f"the forward was answered before its iteration opened: {sent.exception()}"
+        caller.stop.set()
+        stopped_at = time.monotonic()
+        with pytest.raises(NodeStopping):
+            sent.result(timeout=10)
+    assert time.monotonic() - stopped_at < 2.0, "the hop waited past the stop"
+    started = time.monotonic()
+    with pytest.raises(NodeStopping):
+        caller.ping(swarm.peer(1), timeout_s=5.0)
+    with pytest.raises(NodeStopping):
+        caller.say_done([swarm.peer(1)], 1, timeout_s=5.0)
+    assert time.monotonic() - started < 1.0, "a stopping node still calls its peers"
+    callee.open_iteration(2)
+    assert swarm.services[1].ping(swarm.peer(3), timeout_s=5.0) == 2, "the called peer serves on"
 
 
 def run_iterations(runners: Sequence[SkipPipeNode], iterations: Sequence[int]) -> dict[int, list[IterationReport]]:

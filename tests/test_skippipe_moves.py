@@ -37,6 +37,7 @@ from crowdtrain.modes.skippipe.roster.schedule import Schedule
 from crowdtrain.modes.skippipe.stages import Activations, StagedModel
 from crowdtrain.node.identity import load_or_create_identity
 from crowdtrain.optimizer import learning_rate_factor
+from crowdtrain.rpc.service import NodeStopping
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
@@ -72,6 +73,8 @@ class Node:
                 loss = self.mode.train_micro_batch(sampler.batch(self.mode.epoch, MICRO_BATCH, step))
                 if loss is not None:
                     self.losses.append(loss)
+        except NodeStopping:
+            pass  # stopped mid-iteration, as the training loop ends on it
         except BaseException as e:
             self.error = e
 
@@ -93,6 +96,7 @@ def start_node(run: RunManifest, tmp_path: Path, name: str, initial_peers: list[
     model = build_model(run.model, tokenizer.vocab_size, seed=0)
     tokens = load_token_stream(run.data, tokenizer, tmp_path / "data-cache")
     peer_id = dht.peer_id.to_base58()
+    stop = threading.Event()
     context = ModeContext(
         dht=dht,
         manifest=run,
@@ -106,9 +110,10 @@ def start_node(run: RunManifest, tmp_path: Path, name: str, initial_peers: list[
         swarm=SwarmView(plan_share=None, statuses=[proto.PeerStatus(peer_id=peer_id)]),
         partial_counter=new_partial_counter(),
         sampler=WindowSampler(tokens, run.data.sequence_length, peer_seed=len(initial_peers)),
+        stop=stop,
     )
     try:
-        node = Node(SkipPipeMode(context), dht)
+        node = Node(SkipPipeMode(context), dht, stop)
     except BaseException:
         dht.shutdown()
         raise
@@ -130,8 +135,6 @@ def closing_all(nodes: list[Node]) -> Iterator[list[Node]]:
     try:
         yield nodes
     finally:
-        for node in nodes:  # all at once: a node stopped alone waits out its partners' hops
-            node.stop.set()
         for node in nodes:
             node.close()
 
@@ -385,11 +388,12 @@ def test_an_overlapped_node_checkpoints_its_stage_s_true_state_not_the_look_ahea
     with closing_all([]) as nodes:
         start_pair(run, tmp_path, nodes)
         three_more_iterations(nodes, "with the exchange overlapped")
-        for node in nodes:  # all at once: a node stopped alone waits out its partners' hops
-            node.stop.set()
-        for node in nodes:
+        for node in nodes:  # one by one: the first to stop leaves its partner mid-iteration, waiting on it
             assert node.thread is not None
-            node.thread.join(timeout=60)  # a node mid-iteration when its partner stopped may wait out a hop deadline
+            node.stop.set()
+            node.thread.join(timeout=10)
+            assert not node.thread.is_alive(), "a stopping node waited out its hops' deadlines"
+        for node in nodes:
             mode = node.mode
             live = mode.staged.model.state_dict()
             kept = mode.checkpoint_model_state(live)

@@ -9,6 +9,7 @@ reports. The daemon asks a mode class only whether the plan may give it aggregat
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.sharedctypes import Synchronized
@@ -68,6 +69,9 @@ class ModeContext:
     None for an auxiliary peer."""
     phases: PhaseAccumulator = field(default_factory=PhaseAccumulator)
     traffic: AveragingTraffic = field(default_factory=AveragingTraffic.new)
+    stop: threading.Event = field(default_factory=threading.Event)
+    """Set when the node is stopping. A mode hands it to its RPC services (`P2PService`): their calls to peers then
+    raise NodeStopping, which ends `train_micro_batch` at once instead of at a peer's deadline."""
 
 
 class TrainingMode(abc.ABC):
@@ -98,7 +102,8 @@ class TrainingMode(abc.ABC):
     def train_micro_batch(self, batch: torch.Tensor) -> float | None:
         """Train one micro-batch and synchronise with the swarm when due; its loss, or None when it was skipped
         (a non-finite loss or fp16 overflow: nothing of it may reach the swarm). A node behind the swarm
-        downloads the swarm's state here first."""
+        downloads the swarm's state here first. Once `context.stop` is set it may raise NodeStopping instead,
+        leaving the state as its last whole step left it (the loop then checkpoints it and closes the mode)."""
 
     def samples_of_last_call(self, micro_batch_size: int) -> int:
         """Samples the last `train_micro_batch` computed on this node (its throughput counts them): the

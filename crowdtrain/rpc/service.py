@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
@@ -30,17 +31,26 @@ DRAIN_S = 2.0
 LINGER_S = 10.0
 """After its last message a streamed answer waits up to this long for its caller, who knows the answer's size, to
 close the stream (`linger`)."""
+STOP_CHECK_S = 0.1
+"""How often a call waiting on a peer looks whether the node is stopping (`P2PService.run`)."""
+
+
+class NodeStopping(Exception):
+    """The node is stopping: a call to a peer was cut short, and no more are made (`P2PService.run`)."""
 
 
 class P2PService(AdmissionGated, ServicerBase):
     """Serves this class's `rpc_*` handlers under `namespace` and calls other peers' ones.
 
     `start()` runs an event loop in a daemon thread; `run()` blocks the calling thread on a coroutine
-    in that loop; `close()` stops serving and the loop.
+    in that loop; `close()` stops serving and the loop. Once `stop` is set (the node is stopping), `run()` cuts
+    short the calls waiting on peers and refuses new ones, raising NodeStopping, so a Ctrl-C never waits out a
+    deadline on a peer that has gone.
     """
 
-    def __init__(self, dht: hivemind.DHT, namespace: str, thread_name: str):
+    def __init__(self, dht: hivemind.DHT, namespace: str, thread_name: str, stop: threading.Event | None = None):
         self.dht, self.namespace = dht, namespace
+        self.stop = stop if stop is not None else threading.Event()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=thread_name, daemon=True)
         self._p2p: P2P | None = None
@@ -49,7 +59,7 @@ class P2PService(AdmissionGated, ServicerBase):
     def start(self, serve: bool = True) -> None:
         """Connect to the DHT's p2p daemon and, with `serve`, answer peers' calls; raises if that fails."""
         self._thread.start()
-        self.run(self._start(serve), START_TIMEOUT_S)
+        self._run(self._start(serve), START_TIMEOUT_S)
 
     async def _start(self, serve: bool) -> None:
         # Not dht.replicate_p2p(): it caches one replica per process, and a replica only works in the
@@ -69,11 +79,11 @@ class P2PService(AdmissionGated, ServicerBase):
         """Stop serving and stop the event loop; safe to call twice or before `start`."""
         if self._thread.is_alive():
             try:
-                self.run(self._close(), 10.0)
+                self._run(self._close(), 10.0)
             except Exception as e:
                 logger.debug(f"{self.namespace} service did not close cleanly: {e}")
             try:
-                self.run(_cancel_other_tasks(), 5.0)
+                self._run(_cancel_other_tasks(), 5.0)
             except Exception as e:
                 logger.debug(f"{self.namespace} service tasks did not stop cleanly: {e}")
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -87,11 +97,24 @@ class P2PService(AdmissionGated, ServicerBase):
             self._p2p = None
 
     def run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float) -> T:
-        """Run `coroutine` in the service's loop and wait at most `timeout_s` for its result."""
+        """Run `coroutine` in the service's loop and wait at most `timeout_s` for its result (TimeoutError); once
+        `stop` is set, NodeStopping instead, at once or within STOP_CHECK_S of it."""
+        if self.stop.is_set():
+            coroutine.close()
+            raise NodeStopping(f"the node is stopping: no more {self.namespace} calls")
+        return self._run(coroutine, timeout_s, self.stop)
+
+    def _run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float, stop: threading.Event | None = None) -> T:
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        deadline = time.monotonic() + timeout_s
         try:
-            return future.result(timeout=timeout_s)
-        except TimeoutError:
+            while stop is not None and not stop.is_set() and deadline - time.monotonic() > STOP_CHECK_S:
+                with contextlib.suppress(TimeoutError):
+                    return future.result(timeout=STOP_CHECK_S)
+            if stop is not None and stop.is_set():
+                raise NodeStopping(f"the node is stopping: a {self.namespace} call was cut short")
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except BaseException:
             future.cancel()
             raise
 

@@ -41,6 +41,7 @@ from crowdtrain.modes.compute import LocalCompute
 from crowdtrain.modes.progress import Progress
 from crowdtrain.modes.registry import mode_class
 from crowdtrain.moe.directory import ExpertDirectory
+from crowdtrain.rpc.service import NodeStopping
 from crowdtrain.training.checkpoint import load_latest_checkpoint
 from crowdtrain.training.checkpoint_writer import CheckpointSchedule, CheckpointWriter, take_snapshot
 from crowdtrain.training.held_out import HeldOutScorer
@@ -147,7 +148,7 @@ class Trainer:
         if not options.auxiliary:  # before the mode joins the swarm: the first tokenisation can take a while
             tokens = load_token_stream(manifest.data, tokenizer, options.data_cache_dir)
             sampler = WindowSampler(tokens, manifest.data.sequence_length, peer_seed_from_peer_id(self.peer_id))
-        mode = self._make_mode(model, sampler)
+        mode = self._make_mode(model, sampler, stop)
         if sampler is not None and options.eval_every:
             self._held_out = self._held_out_scorer(model, mode, sampler)
         if not options.auxiliary:  # an auxiliary peer's weights never train: nothing worth resuming
@@ -190,7 +191,7 @@ class Trainer:
                 said = ready
             stop.wait(START_POLL_S)
 
-    def _make_mode(self, model: torch.nn.Module, sampler: WindowSampler | None) -> TrainingMode:
+    def _make_mode(self, model: torch.nn.Module, sampler: WindowSampler | None, stop: threading.Event) -> TrainingMode:
         """The run's training mode over this replica, with the plan and the peers as the DHT has them now."""
         options, device = self.options, self.options.device
         compute = None
@@ -223,6 +224,7 @@ class Trainer:
             sampler=sampler,
             phases=self.phases,
             traffic=AveragingTraffic.new(),
+            stop=stop,
         )
         return mode_class(self.manifest)(context)
 
@@ -243,6 +245,9 @@ class Trainer:
                 except ExpertsUnavailableError as e:
                     self._wait_for_experts(e, stop)
                     continue
+                except NodeStopping as e:
+                    logger.info(f"{e}: the step under way ends unfinished; the last whole step is kept")
+                    break
                 if loss is None:
                     continue  # skipped: not counted, nothing of it reached the swarm
                 progress.observe(loss, mode.samples_of_last_call(micro_batch_size), time.monotonic() - started)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any
 
 import torch
@@ -84,7 +83,12 @@ class SkipPipeMode(Rostering, TrainingMode):
             hidden_size=int(manifest.model.config["hidden_size"]),
         )
         self.service = StageService(
-            context.dht, self.staged, self.me.stage, limits, memory_microbatches=self.me.memory_microbatches
+            context.dht,
+            self.staged,
+            self.me.stage,
+            limits,
+            memory_microbatches=self.me.memory_microbatches,
+            stop=context.stop,
         )
         # No forward is served before this node runs its first iteration: one served then (a source ahead of it)
         # would be stepped over before its backward ("modified by an inplace operation", seen in a test run).
@@ -183,7 +187,7 @@ class SkipPipeMode(Rostering, TrainingMode):
             members = {peer for membership in self.history for peer in membership.peers()}
             self.service.set_members(members, self.history[-1].from_iteration)
         if self.iteration is None and not self._take_place():
-            time.sleep(WAIT_FOR_ROSTER_S)
+            self.context.stop.wait(WAIT_FOR_ROSTER_S)
             return None
         iteration = self.iteration
         assert iteration is not None

@@ -5,7 +5,7 @@ A stage-0 node sends a microbatch's hidden states to the next node of its path, 
 serves (`ping`); a stage's replicas fetch each other's gradient of an iteration (`fetch_gradient`) and a joiner a
 replica's state (`fetch_state`). Every call is bounded by its timeout, and every answer is checked as a request is
 (`hop_wire.receive_frames`: the shape, exactly its bytes, finite values); a call that gets no answer raises
-`HopFailedError` with a sentence.
+`HopFailedError` with a sentence, and every call raises `NodeStopping` once the node is stopping.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from crowdtrain.modes.skippipe.hops.hop_wire import (
     receive_frames,
     stream_values,
 )
-from crowdtrain.rpc.service import P2PService
+from crowdtrain.rpc.service import NodeStopping, P2PService
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class StageCalls(P2PService):
         where = f"peer {peer_id[-8:]}"
         try:
             return self.run(self._call(PeerID.from_base58(peer_id), call, header, tensor, where), timeout_s)
-        except HopFailedError:
+        except (HopFailedError, NodeStopping):
             raise
         except TimeoutError:
             raise HopFailedError(f"{where} did not answer a stage {call} within {timeout_s:.1f} s") from None
@@ -122,6 +122,8 @@ class StageCalls(P2PService):
         """The iteration `peer_id` serves (0 before any), or None if it does not answer within `timeout_s`."""
         try:
             answer = self.run(self._stub(peer_id).rpc_stage_ping(proto.StageHop(), timeout=timeout_s), timeout_s + 1.0)
+        except NodeStopping:
+            raise
         except Exception as e:
             logger.debug(f"peer {peer_id[-8:]} did not answer a ping: {e!r}")
             return None
@@ -160,7 +162,7 @@ class StageCalls(P2PService):
         try:
             fetching = self._fetch(PeerID.from_base58(peer_id), call, request, num_values, deadline, where, what)
             reply, payload = self.run(fetching, timeout_s + 1.0)
-        except HopFailedError:
+        except (HopFailedError, NodeStopping):
             raise
         except Exception as e:
             raise HopFailedError(f"{where} did not send its {what}: {e!r}") from None

@@ -118,8 +118,9 @@ class StageService(StageLedger, StageCalls):
         memory_microbatches: int = 4,
         hold_s: float = DEFAULT_HOLD_S,
         slot_wait_s: float = SLOT_WAIT_S,
+        stop: threading.Event | None = None,
     ):
-        super().__init__(dht, NAMESPACE, thread_name=f"skippipe-stage{stage}")
+        super().__init__(dht, NAMESPACE, thread_name=f"skippipe-stage{stage}", stop=stop)
         _quiet_refusals()
         if memory_microbatches < 1:
             raise ValueError(f"memory_microbatches must be >= 1, got {memory_microbatches}")

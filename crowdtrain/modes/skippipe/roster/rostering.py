@@ -245,7 +245,7 @@ class Rostering(StageDeclaration):
         self.service.hold(self.runner.last_iteration)
         self.runner.forgive()
         self._refound_stage_zero(iteration)
-        time.sleep(WAIT_FOR_ROSTER_S)
+        self.context.stop.wait(WAIT_FOR_ROSTER_S)
 
     def _refound_stage_zero(self, iteration: int) -> bool:
         """When every stage-0 node of the newest membership has been gone (no live declaration) for
