@@ -1,13 +1,16 @@
-"""A node's relays, read from the addresses its p2pd announces, and when its p2pd asks for one (pure logic; the
-NAT lab's tests/test_nat_relay.py shows a NATed node called through a relay)."""
+"""A node's relays, read from the addresses its p2pd announces, and when its p2pd asks for one; a read of the DHT
+process that fails in any way is one ordinary error (pure logic; the NAT lab's tests/test_nat_relay.py shows a NATed
+node called through a relay)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import Future
 
 import pytest
 
+from crowdtrain.dht.calls import DHTCallFailed, dht_answer
 from crowdtrain.dht.swarm import SwarmOptions, p2p_options
 from crowdtrain.links import relays
 from crowdtrain.links.relays import MAX_RELAYS, RelayWatch, reachability, relay_peers
@@ -47,10 +50,13 @@ def test_the_watch_rereads_after_its_interval_logs_each_change_and_keeps_its_ans
     answers: list[object] = [[DIRECT], [DIRECT, circuit(RELAY)], *failures, [DIRECT]]
 
     def addresses() -> list[str]:
+        future: Future[list[str]] = Future()
         answer = answers.pop(0)
         if isinstance(answer, BaseException):
-            raise answer
-        return answer  # type: ignore[return-value]
+            future.set_exception(answer)
+        else:
+            future.set_result(answer)  # type: ignore[arg-type]
+        return dht_answer(future, 1.0, "this node's addresses")
 
     watch = RelayWatch(addresses, interval_s=15)
     caplog.set_level(logging.INFO, logger=relays.__name__)
@@ -66,6 +72,17 @@ def test_the_watch_rereads_after_its_interval_logs_each_change_and_keeps_its_ans
     now[0] += 15
     assert watch.relays() == ()
     assert "holds no relay reservation any more" in caplog.text
+
+
+def test_a_dht_call_that_does_not_answer_in_time_is_cancelled_and_fails_as_any_other() -> None:
+    unanswered: Future[int] = Future()
+    with pytest.raises(DHTCallFailed, match="the swarm's progress: no answer within 0.05 s"):
+        dht_answer(unanswered, 0.05, "the swarm's progress")
+    assert unanswered.cancelled()
+    closed: Future[int] = Future()
+    closed.set_exception(GeneratorExit())
+    with pytest.raises(DHTCallFailed, match="GeneratorExit"):
+        dht_answer(closed, 1.0, "a read")
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,7 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.p2p import PeerID
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
+from crowdtrain.dht.calls import DHTCallFailed, dht_answer
 from crowdtrain.dht.records import MIN_PEERS_FOR_OUTLIERS, OUTLIER_RATIO, PHYSICAL_LIMITS, epoch_ceiling
 
 logger = logging.getLogger(__name__)
@@ -237,10 +238,11 @@ class BoundedProgressTracker(ProgressTracker):
         on a DHT that does not answer within `timeout` seconds the last reading stays. Called with updates paused
         (`pause_updates`, as hivemind.Optimizer's global step runs), so the tracker's own fetch can't interleave."""
         assert self.lock_global_progress.locked(), "pause the tracker's updates first"
+        future = self.dht.get(self.training_progress_key, latest=True, return_future=True)
         try:
-            found = self.dht.get(self.training_progress_key, latest=True, return_future=True).result(timeout)
-        except Exception as e:  # a timeout or a DHT shutting down: the periodic fetch goes on
-            logger.debug(f"could not read the swarm's progress now: {e!r}")
+            found = dht_answer(future, timeout, "the swarm's progress")
+        except DHTCallFailed as e:  # a timeout or a DHT shutting down: the periodic fetch goes on
+            logger.debug(f"could not read {e}")
             return
         metadata = found.value if isinstance(found, ValueWithExpiration) else None
         self.global_progress = self._parse_swarm_progress_data(metadata)

@@ -25,6 +25,7 @@ from crowdtrain.averaging.partition import PlanSharesMixin
 from crowdtrain.averaging.phases import Phase, PhaseAccumulator, wait_for_round
 from crowdtrain.averaging.progress_bounds import BoundedProgressTracker, ProgressBounds
 from crowdtrain.averaging.traffic import AggregationSettings, AveragingTraffic, TrafficCountingAverager
+from crowdtrain.dht.calls import DHTCallFailed, dht_answer
 from crowdtrain.dht.gate import AdmissionGated
 from crowdtrain.dht.records import epoch_ceiling
 from crowdtrain.state.catch_up import (
@@ -306,9 +307,9 @@ class CrowdtrainOptimizer(hivemind.Optimizer):
             return_future=True,
         )
         try:
-            stored.result(timeout=PROGRESS_REFRESH_TIMEOUT_S)
-        except Exception as e:  # a DHT that does not answer: the download goes on, unannounced
-            logger.debug(f"could not announce a state download: {e!r}")
+            dht_answer(stored, PROGRESS_REFRESH_TIMEOUT_S, "a state download's announcement")
+        except DHTCallFailed as e:  # a DHT that does not answer: the download goes on, unannounced
+            logger.debug(f"could not store {e}")
 
     def _hold_for_catching_up_peers(self) -> None:
         # Called in hivemind's global step, with the tracker's updates paused (refresh_global_progress needs it).
@@ -356,10 +357,11 @@ class CrowdtrainOptimizer(hivemind.Optimizer):
 
     def _read_announcements(self, unanswered: dict[Any, Announcement]) -> dict[Any, Announcement]:
         # The swarm's catch-up announcements; `unanswered` when the DHT does not answer in time or holds none.
+        future = self.dht.get(catch_up_key(self.run_id), latest=True, return_future=True)
         try:
-            found = self.dht.get(catch_up_key(self.run_id), latest=True, return_future=True).result(READ_TIMEOUT_S)
-        except Exception as e:
-            logger.debug(f"could not read the swarm's catch-up announcements: {e!r}")
+            found = dht_answer(future, READ_TIMEOUT_S, "the swarm's catch-up announcements")
+        except DHTCallFailed as e:
+            logger.debug(f"could not read {e}")
             return unanswered
         if not isinstance(found, ValueWithExpiration):
             return unanswered

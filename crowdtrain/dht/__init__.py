@@ -6,6 +6,7 @@ bounds     the bounds crowdtrain.proto writes beside record fields, checked in o
 validator  the DHT record validator: parses every value, caps sizes, rejects forgeries
 registry   read and write the run's records: manifests, peer statuses, admission records, revocations
 swarm      join the DHT (server or client) with bounded time and plain errors
+calls      calls into the DHT process from our threads: bounded, every failure one ordinary exception
 admission  invite-only runs: join tokens, and the access check on every DHT request
 invites    a join token's identity limit and the founder's signed revocations, decided alike by every node
 gate       which peers may call our RPCs (valid published access tokens, within limits, not revoked), asked

@@ -14,6 +14,7 @@ from hivemind.utils import get_dht_time
 
 from crowdtrain import proto
 from crowdtrain.dht import keys
+from crowdtrain.dht.calls import DHTCallFailed, dht_answer
 from crowdtrain.dht.gate import AdmissionRecords
 from crowdtrain.dht.records import (
     PublishedManifest,
@@ -147,10 +148,9 @@ def store_signed(dht: hivemind.DHT, key: str, value: bytes, owner: bytes, ttl_s:
     """Store `value` under `key`, subkey `owner` (this node's owner marker: signed), for `ttl_s`; whether it was."""
     future = dht.store(key, value, get_dht_time() + ttl_s, subkey=owner, return_future=True)
     try:
-        return bool(future.result(timeout=timeout_s))
-    except TimeoutError:
-        future.cancel()
-        logger.warning(f"DHT store of {key} timed out after {timeout_s:g} s")
+        return bool(dht_answer(future, timeout_s, f"DHT store of {key}"))
+    except DHTCallFailed as e:
+        logger.warning(f"{e}")
         return False
 
 
@@ -172,10 +172,9 @@ def read_dictionary(dht: hivemind.DHT, key: str, timeout_s: float) -> dict[bytes
     """The unexpired byte values of the dictionary under `key`, by subkey; {} if none or on timeout."""
     future = dht.get(key, latest=True, return_future=True)
     try:
-        found = future.result(timeout=timeout_s)
-    except TimeoutError:
-        future.cancel()
-        logger.warning(f"DHT lookup of {key} timed out after {timeout_s:g} s")
+        found = dht_answer(future, timeout_s, f"DHT lookup of {key}")
+    except DHTCallFailed as e:
+        logger.warning(f"{e}")
         return {}
     if found is None or not isinstance(found.value, dict):
         return {}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import logging
 import os
@@ -22,11 +21,6 @@ from crowdtrain.dht.frames import install_frame_cap
 from crowdtrain.errors import CrowdtrainError, SwarmUnreachableError
 
 logger = logging.getLogger(__name__)
-
-DHT_CALL_FAILED = (Exception, asyncio.CancelledError, GeneratorExit)
-"""What a future from hivemind's DHT process raises when the call failed there: its exception passes through as it
-is, and a coroutine cancelled or closed in that process raises CancelledError or GeneratorExit in the caller, which
-`except Exception` misses (a GeneratorExit from a read of this node's addresses once ended a daemon's heartbeat)."""
 
 _PR_SET_PDEATHSIG = 1
 P2PD_STARTUP_TIMEOUT_S = 15.0

@@ -16,7 +16,7 @@ from typing import Any
 import hivemind
 from hivemind.dht.node import DHTNode
 
-from crowdtrain.dht.swarm import DHT_CALL_FAILED
+from crowdtrain.dht.calls import DHTCallFailed, dht_answer
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ def relay_peers(addresses: Iterable[Any]) -> tuple[str, ...]:
 
 def announced_addresses(dht: hivemind.DHT) -> list[Any]:
     """The addresses this node's p2pd announces now (asked afresh, not the ones it started with)."""
-    return dht.run_coroutine(_latest_addresses, return_future=True).result(READ_TIMEOUT_S)  # type: ignore[no-any-return]
+    future = dht.run_coroutine(_latest_addresses, return_future=True)
+    return dht_answer(future, READ_TIMEOUT_S, "this node's addresses")  # type: ignore[no-any-return]
 
 
 async def _latest_addresses(_dht: hivemind.DHT, node: DHTNode) -> list[Any]:
@@ -76,8 +77,8 @@ class RelayWatch:
         self._next_read_at = now + self._interval_s
         try:
             relays = relay_peers(self._visible_addresses())
-        except DHT_CALL_FAILED as e:  # the DHT process is busy or gone: keep the last answer; the beat sees a dead DHT
-            logger.debug(f"could not read this node's addresses: {e!r}")
+        except DHTCallFailed as e:  # the DHT process is busy or gone: keep the last answer; the beat sees a dead DHT
+            logger.debug(f"could not read {e}")
             return self._relays
         if relays != self._relays:
             if relays:

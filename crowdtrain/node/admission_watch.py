@@ -14,6 +14,7 @@ from typing import Any
 import hivemind
 
 from crowdtrain.dht.admission import InviteAuthorizer
+from crowdtrain.dht.calls import DHTCallFailed, dht_answer
 from crowdtrain.dht.gate import AdmissionGate, Refusal
 from crowdtrain.dht.registry import publish_access_token, publish_revocations, read_admission
 from crowdtrain.errors import BadInputError, CrowdtrainError
@@ -161,10 +162,9 @@ class AdmissionWatch:
             return
         future = self.dht.run_coroutine(functools.partial(_revoke, dict(revoked)), return_future=True)
         try:
-            future.result(timeout=self.timeout_s)
-        except TimeoutError:
-            future.cancel()
-            logger.warning("the DHT process took no revocations this time; trying again at the next check")
+            dht_answer(future, self.timeout_s, "revocations for the DHT process")
+        except DHTCallFailed as e:
+            logger.warning(f"the DHT process took no revocations this time ({e}); trying again at the next check")
             return
         self.revoked_in_dht_process = dict(revoked)
 

@@ -18,6 +18,7 @@ import hivemind
 
 from crowdtrain import __version__, proto
 from crowdtrain.dht.admission import InviteAuthorizer
+from crowdtrain.dht.calls import DHT_CALL_FAILED
 from crowdtrain.dht.gate import AdmissionGate, set_process_gate
 from crowdtrain.dht.records import owner_marker
 from crowdtrain.dht.registry import (
@@ -28,7 +29,6 @@ from crowdtrain.dht.registry import (
     publish_peer_status,
 )
 from crowdtrain.dht.swarm import (
-    DHT_CALL_FAILED,
     SwarmOptions,
     join_swarm,
     make_forked_children_die_with_this_process,
