@@ -199,7 +199,7 @@ def test_forged_oversized_and_foreign_revocation_lists_are_refused() -> None:
         "signature is invalid": forged.SerializeToString(),
         "not 'demo'": revocation_of(token, run_id="other"),
         "over 65536": b"\x00" * (MAX_REVOCATIONS_BYTES + 1),
-        "not an InviteRevocations": b"\xff" * 100,
+        "not a valid InviteRevocations": b"\xff" * 100,
     }
     node = gate()
     for phrase, data in cases.items():

@@ -35,7 +35,7 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from crowdtrain import proto
 from crowdtrain.dht.invites import MAX_IDENTITIES, sign_since
-from crowdtrain.dht.records import RecordError, load_public_key, peer_id_of_public_key
+from crowdtrain.dht.records import RecordError, load_public_key, parse_capped, peer_id_of_public_key
 from crowdtrain.errors import BadInputError
 from crowdtrain.manifest import RUN_ID_PATTERN
 
@@ -162,12 +162,7 @@ def verify_certificate(
 ) -> tuple[proto.InviteCertificate, str]:
     """Check a serialized InviteCertificate: bounded, signed by its founder key, unexpired, and (with `run_key`)
     by that run key. Returns it and its founder's peer ID; raises AdmissionError."""
-    if len(data) > MAX_CERTIFICATE_BYTES:
-        raise AdmissionError(f"the certificate is {len(data)} bytes, over {MAX_CERTIFICATE_BYTES}")
-    try:
-        certificate = proto.InviteCertificate.FromString(data)
-    except DecodeError:
-        raise AdmissionError("the certificate is not an InviteCertificate") from None
+    certificate = parse_capped(proto.InviteCertificate, data, MAX_CERTIFICATE_BYTES, "the certificate", AdmissionError)
     if not RUN_ID_PATTERN.fullmatch(certificate.run_id):
         raise AdmissionError("the certificate names no valid run")
     if len(certificate.invite_public_key) != 32 or len(certificate.label) > MAX_LABEL_CHARS:

@@ -20,6 +20,7 @@ from hivemind.proto.auth_pb2 import AccessToken
 from crowdtrain import proto
 from crowdtrain.dht.admission import AccessChecker, AdmissionError, RevokedError
 from crowdtrain.dht.invites import Admission, RevocationError, verified_since, verify_revocations, within_limits
+from crowdtrain.dht.records import parse_capped
 
 logger = logging.getLogger(__name__)
 
@@ -193,9 +194,7 @@ class AdmissionGate:
             self.newest_revocations = (revocations.issued_at, data)
 
     def _check_record(self, claimed: str, data: bytes, now: float) -> Admission:
-        if len(data) > MAX_ADMISSION_RECORD_BYTES:
-            raise AdmissionError(f"the record is {len(data)} bytes, over {MAX_ADMISSION_RECORD_BYTES}")
-        record = proto.AdmissionRecord.FromString(data)
+        record = parse_capped(proto.AdmissionRecord, data, MAX_ADMISSION_RECORD_BYTES, "the record", AdmissionError)
         token = AccessToken(
             username=record.username,
             public_key=record.public_key,

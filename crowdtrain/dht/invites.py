@@ -18,11 +18,10 @@ from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from google.protobuf.message import DecodeError
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from crowdtrain import proto
-from crowdtrain.dht.records import RecordError, load_public_key, peer_id_of_public_key
+from crowdtrain.dht.records import RecordError, load_public_key, parse_capped, peer_id_of_public_key
 
 MAX_IDENTITIES = 1024
 """The most identities one join token may admit (`crowdtrain invite --max-identities`)."""
@@ -116,12 +115,9 @@ def sign_revocations(
 def verify_revocations(data: bytes, run_key: str, run_id: str, now: float | None = None) -> proto.InviteRevocations:
     """A serialized revocation list checked: bounded before parsing, for `run_id`, signed by `run_key`, every entry
     well-formed. Its expired entries are left in; raises RevocationError."""
-    if len(data) > MAX_REVOCATIONS_BYTES:
-        raise RevocationError(f"the revocation list is {len(data)} bytes, over {MAX_REVOCATIONS_BYTES}")
-    try:
-        revocations = proto.InviteRevocations.FromString(data)
-    except DecodeError:
-        raise RevocationError("the value is not an InviteRevocations") from None
+    revocations = parse_capped(
+        proto.InviteRevocations, data, MAX_REVOCATIONS_BYTES, "the revocation list", RevocationError
+    )
     if revocations.run_id != run_id:
         raise RevocationError(f"the revocation list is for run {revocations.run_id!r}, not {run_id!r}")
     if len(revocations.revoked) > MAX_REVOKED_INVITES or not math.isfinite(revocations.issued_at):

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
@@ -53,6 +53,7 @@ MAX_SKIPPIPE_STAGES = int(bound_max(proto.TrainingStatus, "skippipe_stage")) + 1
 """Cap on a SkipPipe run's stages: the manifest's own bound on `skippipe.stages`."""
 
 M = TypeVar("M", proto.PeerStatus, proto.SignedManifest)
+P = TypeVar("P", bound=Message)
 
 _OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
 _SHA2_256_MULTIHASH_PREFIX = b"\x12\x20"  # multihash code of sha2-256, then the digest length
@@ -233,3 +234,14 @@ def _parse(message_type: type[M], data: bytes) -> M:
         return message_type.FromString(data)
     except (DecodeError, RuntimeWarning) as e:
         raise RecordError(f"value is not a valid {message_type.__name__}: {e}") from None
+
+
+def parse_capped(message_type: type[P], data: bytes, max_bytes: int, what: str, error: type[ValueError]) -> P:
+    """`data` as a `message_type`, its size checked before protobuf reads it; raises `error`, naming `what` ("the
+    certificate"), when it is over `max_bytes` or does not parse."""
+    if len(data) > max_bytes:
+        raise error(f"{what} is {len(data)} bytes, over {max_bytes}")
+    try:
+        return message_type.FromString(data)
+    except DecodeError:
+        raise error(f"{what} is not a valid {message_type.__name__}") from None
