@@ -196,9 +196,17 @@ def fuzz(
     raise AssertionError(f"{name}: the case generator ran dry")
 
 
-def assert_all_refused(name: str, tally: Tally, *, min_benign_accepted: int = 0) -> None:
-    """No crash, no hostile case accepted; and, where `min_benign_accepted` is set, at least that many benign cases,
-    each accepted (a checker that refuses everything proves nothing)."""
+def assert_all_refused(
+    name: str,
+    decode: Callable[[Any], bool],
+    refusals: tuple[type[BaseException], ...],
+    cases: Iterator[Case],
+    *,
+    min_benign_accepted: int = 0,
+) -> None:
+    """`fuzz` `decode` with `cases`: no crash, no hostile case accepted; and, where `min_benign_accepted` is set, at
+    least that many benign cases, each accepted (a checker that refuses everything proves nothing)."""
+    tally = fuzz(name, decode, refusals, cases)
     assert tally.hostile >= CASES_PER_TYPE and tally.crashes == [] and tally.accepted == [], tally.summary(name)
     if min_benign_accepted:
         assert tally.benign >= min_benign_accepted and tally.benign_refused == [], tally.summary(name)
@@ -392,13 +400,12 @@ def test_open_manifest_refuses_every_hostile_record(signed: Keys) -> None:
     assert (
         records.open_manifest(signed.valid_manifest).manifest.created_at == 1.7e9
     )  # the mutations start from a valid one
-    tally = fuzz(
+    assert_all_refused(
         "open_manifest",
         lambda data: records.open_manifest(data) is not None,
         (records.RecordError,),
         signed_manifest_cases(random.Random(f"{SEED}:open_manifest"), signed),
     )
-    assert_all_refused("open_manifest", tally)
 
 
 def manifest_body_cases(rng: random.Random) -> Iterator[Case]:
@@ -418,13 +425,12 @@ def manifest_body_cases(rng: random.Random) -> Iterator[Case]:
 
 
 def test_manifest_from_bytes_refuses_every_hostile_body() -> None:
-    tally = fuzz(
+    assert_all_refused(
         "RunManifest.from_bytes",
         lambda data: RunManifest.from_bytes(data) is not None,
         (ValueError,),
         manifest_body_cases(random.Random(f"{SEED}:manifest_body")),
     )
-    assert_all_refused("RunManifest.from_bytes", tally)
 
 
 WRONG_TYPES: dict[type, list[Any]] = {
@@ -464,13 +470,12 @@ def manifest_table_cases(rng: random.Random) -> Iterator[Case]:
 
 
 def test_manifest_tables_with_hostile_fields_are_refused() -> None:
-    tally = fuzz(
+    assert_all_refused(
         "from_mapping(RunManifest)",
         lambda table: from_mapping(RunManifest, table) is not None,
         (FieldError,),
         manifest_table_cases(random.Random(f"{SEED}:manifest_table")),
     )
-    assert_all_refused("from_mapping(RunManifest)", tally)
 
 
 # --- peer statuses -------------------------------------------------------------------------------------------
@@ -574,13 +579,12 @@ def test_decode_peer_status_refuses_every_hostile_status(signed: Keys) -> None:
     assert records.decode_peer_status(
         records.encode_peer_status(valid_status(records.peer_id_of_owner(owner).to_base58())), owner
     )
-    tally = fuzz(
+    assert_all_refused(
         "decode_peer_status",
         lambda pair: records.decode_peer_status(*pair) is not None,
         (records.RecordError,),
         peer_status_cases(random.Random(f"{SEED}:peer_status"), owner, other),
     )
-    assert_all_refused("decode_peer_status", tally)
 
 
 # --- DHT records through the validators hivemind runs --------------------------------------------------------
@@ -656,8 +660,7 @@ def test_validators_refuse_every_hostile_record_without_raising(signed: Keys) ->
     validator = CompositeValidator(make_validators(signed.founder, [RUN_ID]))
     rng = random.Random(f"{SEED}:dht_record")
     cases = dht_record_cases(rng, validator, signed)
-    tally = fuzz("validate", validator.validate, (), cases)
-    assert_all_refused("validate", tally)
+    assert_all_refused("validate", validator.validate, (), cases)
 
 
 # --- tensor parts, whatever their codec ------------------------------------------------------------------------
@@ -824,10 +827,9 @@ def test_a_tensor_codec_refuses_every_hostile_part(
     codec: type[BoundedInt8 | SparseFloat16], cases: Callable[[random.Random], Iterator[Case]], seed: str
 ) -> None:
     name = f"{codec.__name__}.extract"
-    tally = fuzz(
+    assert_all_refused(
         name, lambda part: codec().extract(part) is not None, (ValueError,), cases(random.Random(f"{SEED}:{seed}"))
     )
-    assert_all_refused(name, tally)
 
 
 # --- downloaded states ---------------------------------------------------------------------------------------
@@ -907,13 +909,12 @@ def state_cases(rng: random.Random) -> Iterator[Case]:
 def test_check_state_refuses_every_hostile_state() -> None:
     rng = random.Random(f"{SEED}:state")
     assert check_state(*honest_state(rng), TEMPLATE) >= 5
-    tally = fuzz(
+    assert_all_refused(
         "check_state",
         lambda pair: check_state(*pair, TEMPLATE) is not None,
         (UnacceptableStateError,),
         state_cases(rng),
     )
-    assert_all_refused("check_state", tally)
 
 
 # --- state digests -------------------------------------------------------------------------------------------
@@ -1116,8 +1117,7 @@ def test_state_digests_that_are_malformed_or_disagree_never_corroborate() -> Non
     SKETCH_RELATIVE_TOLERANCE of the state's own sketch. Honest answers whose last bits differ corroborate."""
     answers = digest_answers(random.Random(f"{SEED}:digest"))
     cases = (Case(answer.label, answer, hostile=answer.verdict is not DigestVerdict.AGREES) for answer in answers)
-    tally = fuzz("read_digest", corroborates, DIGEST_REFUSALS, cases)
-    assert_all_refused("read_digest", tally, min_benign_accepted=1_000)
+    assert_all_refused("read_digest", corroborates, DIGEST_REFUSALS, cases, min_benign_accepted=1_000)
 
 
 def judge_answers(case: tuple[int, list[Answer]]) -> bool:
@@ -1153,8 +1153,9 @@ def test_hostile_digests_never_make_a_majority() -> None:
     """judge's contract: a downloaded state is corroborated only when answers at its epoch exist and a strict
     majority of the sketches, its own included, agree with it. Refused answers and answers at another epoch count
     for nothing; disagreeing ones count against it; honest majorities still corroborate."""
-    tally = fuzz("judge", judge_answers, (), majority_cases(random.Random(f"{SEED}:digest_majority")))
-    assert_all_refused("judge", tally, min_benign_accepted=1_000)
+    assert_all_refused(
+        "judge", judge_answers, (), majority_cases(random.Random(f"{SEED}:digest_majority")), min_benign_accepted=1_000
+    )
 
 
 # --- probe answers -------------------------------------------------------------------------------------------
@@ -1193,8 +1194,7 @@ def read_upload(result: proto.UploadResult) -> bool:
 
 def test_upload_answers_with_unphysical_figures_give_no_measurement() -> None:
     assert upload_sample(proto.UploadResult(measured_bytes=10**6, duration_s=0.1), SENT_BYTES).mbps == 80.0
-    tally = fuzz("upload_sample", read_upload, (), upload_cases(random.Random(f"{SEED}:upload")))
-    assert_all_refused("upload_sample", tally)
+    assert_all_refused("upload_sample", read_upload, (), upload_cases(random.Random(f"{SEED}:upload")))
 
 
 def refusal_cases(rng: random.Random) -> Iterator[Case]:
@@ -1206,13 +1206,12 @@ def refusal_cases(rng: random.Random) -> Iterator[Case]:
 
 def test_refusals_with_unusable_waits_are_not_retried() -> None:
     assert retry_after_s(proto.ProbeRefusal(retry_after_s=2.5)) == 2.5
-    tally = fuzz(
+    assert_all_refused(
         "retry_after_s",
         lambda refusal: retry_after_s(refusal) != 0.0,
         (),
         refusal_cases(random.Random(f"{SEED}:refusal")),
     )
-    assert_all_refused("retry_after_s", tally)
 
 
 VERDICT_NUMBERS = list(proto.DialAttempt.Verdict.values())
@@ -1250,13 +1249,12 @@ def test_dial_back_answers_with_unknown_verdicts_or_extra_attempts_are_refused()
     assert (
         dial_back_verdicts("peer", proto.DialBackResult(attempts=[proto.DialAttempt()]), ASKED)[0].verdict == "dialed"
     )
-    tally = fuzz(
+    assert_all_refused(
         "dial_back_verdicts",
         lambda result: dial_back_verdicts("peer", result, ASKED) is not None,
         (ValueError,),
         dial_back_cases(random.Random(f"{SEED}:dial_back")),
     )
-    assert_all_refused("dial_back_verdicts", tally)
 
 
 # --- expert requests -----------------------------------------------------------------------------------------
@@ -1421,8 +1419,13 @@ def test_expert_requests_off_the_schema_are_refused() -> None:
     its shape's bytes, every value finite; else RefusedRequestError (or hivemind's DecodeError before it, for bytes
     that don't parse). Honest requests, whatever their ignored fields, run."""
     cases = request_cases(random.Random(f"{SEED}:expert_request"))
-    tally = fuzz("check_tensors", take_request, (RefusedRequestError, DecodeError, RuntimeWarning), cases)
-    assert_all_refused("check_tensors", tally, min_benign_accepted=1_000)
+    assert_all_refused(
+        "check_tensors",
+        take_request,
+        (RefusedRequestError, DecodeError, RuntimeWarning),
+        cases,
+        min_benign_accepted=1_000,
+    )
 
 
 def stream_within_contract(frames: Sequence[Sequence[runtime_pb2.Tensor]], shape: RequestShape) -> bool:
@@ -1511,8 +1514,13 @@ def test_expert_streams_off_the_schema_or_over_their_bounds_are_refused() -> Non
     part naming a dtype, and its parts joined (each part naming a dtype starts a tensor) within check_tensors'
     contract; else RefusedRequestError, as soon as a frame is over a bound or at the end. Honest streams, whatever
     their chunking within the frames, run."""
-    tally = fuzz("StreamedRequest", take_stream, (RefusedRequestError,), stream_cases(random.Random(f"{SEED}:stream")))
-    assert_all_refused("StreamedRequest", tally, min_benign_accepted=1_000)
+    assert_all_refused(
+        "StreamedRequest",
+        take_stream,
+        (RefusedRequestError,),
+        stream_cases(random.Random(f"{SEED}:stream")),
+        min_benign_accepted=1_000,
+    )
 
 
 # --- SkipPipe declarations and rosters -----------------------------------------------------------------------
@@ -1664,13 +1672,13 @@ def declaration_cases(rng: random.Random, signers: Signers, num_stages: int | No
 def test_check_stage_declaration_refuses_every_hostile_record(signers: Signers) -> None:
     """check_stage_declaration's contract (dht/records.py): a declaration is at most MAX_STAGE_DECLARATION_BYTES, a
     SkipPipeMember whose peer ID is its signer's, on a stage below MAX_SKIPPIPE_STAGES; else RecordError."""
-    tally = fuzz(
+    assert_all_refused(
         "check_stage_declaration",
         lambda pair: records.check_stage_declaration(*pair) is not None,
         (records.RecordError,),
         declaration_cases(random.Random(f"{SEED}:check_stage_declaration"), signers, None),
+        min_benign_accepted=1_000,
     )
-    assert_all_refused("check_stage_declaration", tally, min_benign_accepted=1_000)
 
 
 def take_declaration(pair: tuple[bytes, bytes]) -> bool:
@@ -1685,13 +1693,13 @@ def take_declaration(pair: tuple[bytes, bytes]) -> bool:
 def test_parse_declaration_refuses_every_hostile_declaration(signers: Signers) -> None:
     """parse_declaration's contract (modes/skippipe/roster/membership.py): check_stage_declaration's, then a node of
     the run (member_within_contract); else RecordError. An accepted one is the node it declares."""
-    tally = fuzz(
+    assert_all_refused(
         "parse_declaration",
         take_declaration,
         (records.RecordError,),
         declaration_cases(random.Random(f"{SEED}:parse_declaration"), signers, NUM_STAGES),
+        min_benign_accepted=1_000,
     )
-    assert_all_refused("parse_declaration", tally, min_benign_accepted=1_000)
 
 
 def roster_within_contract(subkey: bytes, value: bytes, owners: dict[bytes, str], num_stages: int | None) -> bool:
@@ -1785,13 +1793,13 @@ def roster_cases(rng: random.Random, signers: Signers, num_stages: int | None) -
 def test_check_roster_refuses_every_hostile_record(signers: Signers) -> None:
     """check_roster's contract (dht/records.py): a roster is signed under an owner marker, at most
     MAX_ROSTER_BYTES, a SkipPipeRoster; else RecordError."""
-    tally = fuzz(
+    assert_all_refused(
         "check_roster",
         lambda pair: records.check_roster(*pair) is not None,
         (records.RecordError,),
         roster_cases(random.Random(f"{SEED}:check_roster"), signers, None),
+        min_benign_accepted=1_000,
     )
-    assert_all_refused("check_roster", tally, min_benign_accepted=1_000)
 
 
 def take_roster(pair: tuple[bytes, bytes]) -> bool:
@@ -1807,13 +1815,13 @@ def test_parse_roster_refuses_every_hostile_roster(signers: Signers) -> None:
     """parse_roster's contract (modes/skippipe/roster/membership.py): check_roster's, then 1 to HISTORY memberships
     in rising iterations, each of at most MAX_MEMBERS distinct valid nodes; else RecordError. An accepted roster
     holds the memberships it lists, their members in peer-ID order."""
-    tally = fuzz(
+    assert_all_refused(
         "parse_roster",
         take_roster,
         (records.RecordError,),
         roster_cases(random.Random(f"{SEED}:parse_roster"), signers, NUM_STAGES),
+        min_benign_accepted=1_000,
     )
-    assert_all_refused("parse_roster", tally, min_benign_accepted=1_000)
 
 
 # --- SkipPipe hops: who may call, what a done message may say, what a stream may carry ------------------------
@@ -1861,10 +1869,13 @@ def hop_header_cases(rng: random.Random) -> Iterator[Case]:
 def test_hop_refusal_serves_only_the_iteration_sources_hops() -> None:
     """hop_refusal's contract (modes/skippipe/hops/hop_callers.py): a hop asks for a stage 1..S-1, and, in an
     iteration, comes from one of its sources for one of its microbatches; else a sentence why not."""
-    tally = fuzz(
-        "hop_refusal", lambda case: hop_refusal(*case) is None, (), hop_header_cases(random.Random(f"{SEED}:hop"))
+    assert_all_refused(
+        "hop_refusal",
+        lambda case: hop_refusal(*case) is None,
+        (),
+        hop_header_cases(random.Random(f"{SEED}:hop")),
+        min_benign_accepted=1_000,
     )
-    assert_all_refused("hop_refusal", tally, min_benign_accepted=1_000)
 
 
 def done_cases(rng: random.Random) -> Iterator[Case]:
@@ -1903,8 +1914,7 @@ def take_done(request: proto.StageHop) -> bool:
 def test_done_loss_keeps_only_a_loss_an_honest_source_can_report() -> None:
     """done_loss's contract (modes/skippipe/hops/hop_callers.py): a done message's loss is kept only where it is
     finite, 0..MAX_DONE_LOSS, over 1..M microbatches, and then as it was sent; else None."""
-    tally = fuzz("done_loss", take_done, (), done_cases(random.Random(f"{SEED}:done")))
-    assert_all_refused("done_loss", tally, min_benign_accepted=1_000)
+    assert_all_refused("done_loss", take_done, (), done_cases(random.Random(f"{SEED}:done")), min_benign_accepted=1_000)
 
 
 class HopStreamRefusal(Exception):
@@ -2154,8 +2164,13 @@ def test_hop_streams_off_their_header_or_bounds_are_refused() -> None:
             raise AssertionError("accepted other values than the stream's")
         return True
 
-    tally = fuzz("receive_frames", take, (HopStreamRefusal,), hop_stream_cases(random.Random(f"{SEED}:hops")))
-    assert_all_refused("receive_frames", tally, min_benign_accepted=1_000)
+    assert_all_refused(
+        "receive_frames",
+        take,
+        (HopStreamRefusal,),
+        hop_stream_cases(random.Random(f"{SEED}:hops")),
+        min_benign_accepted=1_000,
+    )
 
 
 # --- SPES: gathered entries and expert answers ----------------------------------------------------------------
@@ -2287,8 +2302,13 @@ def test_gathered_entries_read_as_their_fields_only_when_well_formed_of_the_roun
     as NO_CLAIMS."""
     for entry in gathered_entries:
         assert read_round({"peer": entry.value}, entry.round_, SPES_UNITS) == {"peer": entry.claims}
-    tally = fuzz("read_round", take_gathered, (), gathered_cases(random.Random(f"{SEED}:gathered"), gathered_entries))
-    assert_all_refused("read_round", tally, min_benign_accepted=1_000)
+    assert_all_refused(
+        "read_round",
+        take_gathered,
+        (),
+        gathered_cases(random.Random(f"{SEED}:gathered"), gathered_entries),
+        min_benign_accepted=1_000,
+    )
 
 
 EXPERT_VALUES = 600
@@ -2462,10 +2482,13 @@ def test_expert_answers_off_their_header_size_or_digest_are_refused() -> None:
             raise AssertionError("took another copy than the answer's")
         return True
 
-    tally = fuzz(
-        "ExpertExchange._fetch", take, (ExpertFetchError,), expert_answer_cases(random.Random(f"{SEED}:expert"), held)
+    assert_all_refused(
+        "ExpertExchange._fetch",
+        take,
+        (ExpertFetchError,),
+        expert_answer_cases(random.Random(f"{SEED}:expert"), held),
+        min_benign_accepted=1_000,
     )
-    assert_all_refused("ExpertExchange._fetch", tally, min_benign_accepted=1_000)
 
 
 # --- what the fuzzer found, kept as plain cases ----------------------------------------------------------------
