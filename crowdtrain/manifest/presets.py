@@ -16,27 +16,14 @@ from crowdtrain.structured import FieldError
 
 def demo() -> RunManifest:
     """The default run: a small LLaMA-style causal LM on the embedded corpus, CPU-friendly."""
-    return RunManifest(
-        run_id="demo",
-        model=ModelSpec(
-            architecture="LlamaForCausalLM",
-            config={
-                "vocab_size": 260,
-                "hidden_size": 256,
-                "intermediate_size": 688,
-                "num_hidden_layers": 4,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 4,
-                "max_position_embeddings": 256,
-                "tie_word_embeddings": True,
-            },
-            tokenizer="bytes",
+    return _byte_llama_run(
+        "demo",
+        _byte_llama_config(
+            hidden_size=256, intermediate_size=688, num_layers=4, num_heads=4, max_position_embeddings=256
         ),
-        data=DataSpec(source="embedded", sequence_length=128),
+        sequence_length=128,
         optimizer=OptimizerSpec(name="adamw", learning_rate=1e-3, warmup_steps=10, total_steps=10_000),
         target_batch_size=1024,
-        training=TrainingSpec(mode="gradients"),
-        averaging=AveragingSpec(group_size=16, grid_dims=2, compression="fp16"),
     )
 
 
@@ -115,7 +102,6 @@ def skippipe_demo() -> RunManifest:
         demo(),
         run_id="skippipe-demo",
         training=TrainingSpec(mode="skippipe"),
-        averaging=AveragingSpec(group_size=16, grid_dims=2, compression="fp16"),
         skippipe=SkipPipeSpec(stages=4, skip_ratio=0.25, reorder=True, microbatches=8, wire_dtype="float16"),
     )
 
@@ -153,7 +139,6 @@ def spes_250m() -> RunManifest:
         data=DataSpec(source="embedded", sequence_length=512),
         optimizer=OptimizerSpec(name="adamw", learning_rate=6e-4, warmup_steps=50, total_steps=10_000),
         target_batch_size=512,
-        training=TrainingSpec(mode="spes"),
         averaging=AveragingSpec(group_size=16, grid_dims=2, compression="fp16", timeout_s=60.0),
         diloco=DiLoCoSpec(inner_steps=50, compression="fp16", overlap=False),
     )
@@ -183,8 +168,10 @@ def _byte_olmoe(
     return ModelSpec(architecture="OlmoeForCausalLM", config=config, tokenizer="bytes")
 
 
-def _byte_llama_config(*, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int) -> dict[str, Any]:
-    """A LlamaForCausalLM config over the byte tokenizer (260 ids), embeddings tied, as the demo's."""
+def _byte_llama_config(
+    *, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int, max_position_embeddings: int = 512
+) -> dict[str, Any]:
+    """A LlamaForCausalLM config over the byte tokenizer (260 ids), embeddings tied."""
     return {
         "vocab_size": 260,
         "hidden_size": hidden_size,
@@ -192,7 +179,7 @@ def _byte_llama_config(*, hidden_size: int, intermediate_size: int, num_layers: 
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_heads,
-        "max_position_embeddings": 512,
+        "max_position_embeddings": max_position_embeddings,
         "tie_word_embeddings": True,
     }
 
