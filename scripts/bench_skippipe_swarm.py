@@ -108,6 +108,7 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
+import bench_skippipe
 import hivemind
 import torch
 from bench_skippipe import Data, RemovedStages, held_out_loss, removed_stages
@@ -129,7 +130,7 @@ from skippipe_schedulers import conflict_based, full_pipeline, greedy_in_order, 
 
 from crowdtrain import proto
 from crowdtrain.codecs.compression import decode_int8_blocks, encode_int8_blocks
-from crowdtrain.manifest import ModelSpec, RunManifest, demo, llama_20m
+from crowdtrain.manifest import RunManifest, llama_20m
 from crowdtrain.models import ByteTokenizer, build_model
 from crowdtrain.modes.skippipe.hops import HopLimits, StageService
 from crowdtrain.modes.skippipe.iteration import IterationReport, SkipPipeNode
@@ -199,12 +200,11 @@ BASELINES = ("one-process", "one-process-all-cores")
 
 
 def bench_run(model: str) -> RunManifest:
-    """The run whose model is cut: the demo LLaMA made 8 layers deep, or llama-20m (8 layers already)."""
+    """The run whose model is cut: bench_skippipe.py's (the demo LLaMA made 8 layers deep), or llama-20m (8 layers
+    already)."""
     if model == "llama-20m":
         return llama_20m()
-    base = demo()
-    spec = ModelSpec(config={**base.model.config, "num_hidden_layers": 8}, tokenizer=base.model.tokenizer)
-    return dataclasses.replace(base, run_id="bench-skippipe-swarm", model=spec)
+    return dataclasses.replace(bench_skippipe.bench_run(), run_id="bench-skippipe-swarm")
 
 
 def staged_model(run: RunManifest, sizes: Sequence[int] | None = None) -> StagedModel:
