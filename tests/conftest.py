@@ -42,6 +42,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
             report.sections.append(("logs in the test's tmp_path: warnings, then the last lines", summary))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_data_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every daemon and command the suite starts shares one tokenised-data cache (`data_cache_dir`): each run's
+    corpus is tokenised once, not once per daemon (about 1 s of CPU each, hundreds of daemons)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CROWDTRAIN_DATA_CACHE_DIR", str(tmp_path_factory.mktemp("data-cache")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _kill_started_daemons() -> Iterator[None]:
     yield

@@ -255,9 +255,16 @@ def test_the_shared_settings_are_defined_once() -> None:
     assert shared == {
         "initial_peers", "state_dir", "run_id", "run_key", "join_token", "bootstrap_timeout_s", "log_format", "verbose"
     }  # fmt: skip
-    assert machine == {"listen", "announce", "device", "micro_batch_size", "num_threads", "throughput_s"}
+    assert machine == {
+        "listen", "announce", "device", "micro_batch_size", "num_threads", "throughput_s", "data_cache_dir"
+    }  # fmt: skip
     assert issubclass(NodeConfig, MachineSettings) and issubclass(CheckConfig, MachineSettings)
     assert issubclass(StatusConfig, SwarmSettings) and not issubclass(StatusConfig, MachineSettings)
+
+
+def test_the_data_cache_is_the_state_dirs_unless_one_is_named() -> None:
+    assert NodeConfig(state_dir="/srv/ct").data_cache_path == Path("/srv/ct/data-cache")
+    assert NodeConfig(state_dir="/srv/ct", data_cache_dir="~/tokens").data_cache_path == Path.home() / "tokens"
 
 
 @pytest.mark.parametrize(

@@ -120,3 +120,10 @@ def test_nodes_take_stages_a_joiner_enters_at_one_iteration_everywhere_and_the_s
         60,
         "three more iterations after the roster dropped the dead node",
     )
+
+    # Ctrl-C on each survivor in turn: each leaves cleanly (exit 0, its stage checkpointed), the second while its
+    # iteration waits on the partner that left first, which used to wait out a hop deadline past the leave deadline
+    for daemon, state_dir in ((founder, "node0"), (second, "node1")):
+        daemon.signal(signal.SIGINT)
+        assert daemon.wait(timeout_s=40) == 0, daemon.log()[-3000:]
+        assert list((tmp_path / state_dir / "checkpoints").glob("*/*")), f"{state_dir} left no checkpoint"

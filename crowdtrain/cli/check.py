@@ -192,6 +192,7 @@ def run_check(config: CheckConfig) -> CheckReport:
         config.num_threads,
         config.state_path / THROUGHPUT_CACHE,
         duration_s=config.throughput_s,
+        data_cache_dir=config.data_cache_path,
     )
     return CheckReport(
         version=__version__,

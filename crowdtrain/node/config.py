@@ -73,6 +73,14 @@ class MachineSettings(SwarmSettings):
     """CPU threads torch may use for training; 0 leaves torch's default (one per core)."""
     throughput_s: float = 3.0
     """Seconds of timed training steps in the throughput probe (when not cached in the state dir)."""
+    data_cache_dir: str = ""
+    """Where the run's tokenised training data is cached; empty: <state_dir>/data-cache. Daemons of one machine
+    (one per GPU) may share one, so each run's data is tokenised once."""
+
+    @property
+    def data_cache_path(self) -> Path:
+        """`data_cache_dir` with ~ expanded, or the state dir's data-cache."""
+        return Path(self.data_cache_dir).expanduser() if self.data_cache_dir else self.state_path / "data-cache"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

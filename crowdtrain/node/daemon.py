@@ -236,6 +236,7 @@ class Daemon:
             self.config.num_threads,
             self.config.state_path / THROUGHPUT_CACHE_FILE,
             duration_s=self.config.throughput_s,
+            data_cache_dir=self.config.data_cache_path,
         )
         num_parameters = spec_parameter_count(manifest.model, load_tokenizer(manifest.model).vocab_size)
         roles = NodeRoles(
@@ -269,7 +270,7 @@ class Daemon:
             checkpoint_interval_s=self.config.checkpoint_interval_s,
             eval_every=self.config.eval_every,
             start_with_peers=self.config.start_with_peers,
-            data_cache_dir=state / "data-cache",
+            data_cache_dir=self.config.data_cache_path,
             client_mode=roles.is_client,
             auxiliary=roles.running_auxiliary,
             upload_mbps=roles.own.upload_mbps,

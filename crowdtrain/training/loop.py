@@ -245,8 +245,8 @@ class Trainer:
                 except ExpertsUnavailableError as e:
                     self._wait_for_experts(e, stop)
                     continue
-                except NodeStopping as e:
-                    logger.info(f"{e}: the step under way ends unfinished; the last whole step is kept")
+                except NodeStopping:
+                    logger.info("stopped mid-step: the step under way is dropped, the last whole one is kept")
                     break
                 if loss is None:
                     continue  # skipped: not counted, nothing of it reached the swarm

@@ -43,7 +43,7 @@ from crowdtrain import proto
 from crowdtrain.codecs.compression import decode_int8_blocks, encode_int8_blocks, int8_blocks_size
 from crowdtrain.errors import CrowdtrainError
 from crowdtrain.rpc.bulk import BulkGate, BulkLimits, within_time
-from crowdtrain.rpc.service import P2PService, linger
+from crowdtrain.rpc.service import NodeStopping, P2PService, linger
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +130,8 @@ def change_bytes(num_values: int) -> int:
 class ExpertExchange(P2PService):
     """Serves this node's published experts by round; fetches other owners' ones."""
 
-    def __init__(self, dht: hivemind.DHT):
-        super().__init__(dht, NAMESPACE, thread_name="spes-experts")
+    def __init__(self, dht: hivemind.DHT, stop: threading.Event | None = None):
+        super().__init__(dht, NAMESPACE, thread_name="spes-experts", stop=stop)
         self._published: OrderedDict[int, dict[int, Published]] = OrderedDict()
         self._lock = threading.Lock()
         self.gate = BulkGate(ANSWER_LIMITS)
@@ -194,6 +194,8 @@ class ExpertExchange(P2PService):
         try:
             fetching = self._fetch(PeerID.from_base58(peer_id), unit, round_, held, time.monotonic() + timeout_s)
             return self.run(fetching, timeout_s)
+        except NodeStopping:
+            raise
         except Exception as e:
             raise _explained(e, peer_id, unit, round_, timeout_s) from e
 

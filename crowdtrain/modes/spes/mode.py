@@ -116,7 +116,7 @@ class SPESMode(DiLoCoMode):
         self.stale_experts = 0
         """Experts a round left as this node had them before it (no owner's copy came): that round's training of
         them is lost to this node."""
-        self.exchange = ExpertExchange(context.dht)
+        self.exchange = ExpertExchange(context.dht, context.stop)
         self.exchange.start()
         try:
             super().__init__(context)
