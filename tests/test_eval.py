@@ -62,12 +62,15 @@ def scores(root: Path, **options: Any) -> Evaluation:
     return evaluate(str(root / "run.toml"), run_id=None, **settings)
 
 
-def test_eval_scores_the_newest_checkpoint_and_paths_that_leave_stages_out(trained: tuple[Path, float, float]) -> None:
+def test_eval_scores_the_newest_checkpoint_and_paths_that_leave_stages_out(
+    trained: tuple[Path, float, float], tmp_path: Path
+) -> None:
     root, whole_loss, shallow_loss = trained
-    newest = scores(root)
+    newest = scores(root, data_cache_dir=str(tmp_path / "cache"))
     assert newest.epoch == 20 and newest.windows == 64 and newest.tokens_per_window == 32
     (whole,) = newest.scores
     assert whole.loss == pytest.approx(whole_loss, abs=1e-6), "the newest checkpoint, on the held-out windows"
+    assert any((tmp_path / "cache").iterdir()), "the data tokenised into the data cache it was given"
     untrained = scores(root, checkpoint=str(root / "state/checkpoints/evalrun/epoch-00000000.pt"))
     assert untrained.epoch == 0 and untrained.scores[0].loss > whole.loss + 0.5
     full, without = scores(root, num_stages=3, drop=(2,)).scores

@@ -41,7 +41,7 @@ from crowdtrain.modes.registry import mode_class
 from crowdtrain.modes.skippipe.evaluation import load_swarm_stages
 from crowdtrain.modes.skippipe.settings import skippipe_spec
 from crowdtrain.modes.skippipe.stages import StagedModel, check_path
-from crowdtrain.node.config import SwarmSettings
+from crowdtrain.node.config import MachineSettings, SwarmSettings
 from crowdtrain.node.membership import with_join_token
 from crowdtrain.training.checkpoint import Checkpoint, CheckpointError, load_checkpoint, load_latest_checkpoint
 from crowdtrain.training.held_out import window_losses
@@ -91,6 +91,7 @@ def evaluate(
     batch_size: int,
     initial_peers: Sequence[str] = (),
     join_token: str = "",
+    data_cache_dir: str = "",
 ) -> Evaluation:
     """Score the checkpoint's model (or, with `initial_peers`, a SkipPipe swarm's stages) on the run's held-out
     windows; raises BadInputError with a sentence."""
@@ -121,7 +122,8 @@ def evaluate(
         model.load_state_dict(loaded.model_state)
         source, epoch = str(loaded.path), loaded.epoch
     model.eval()
-    tokens = load_token_stream(manifest.data, tokenizer, Path(state_dir).expanduser() / "data-cache")
+    cache = MachineSettings(state_dir=state_dir, data_cache_dir=data_cache_dir).data_cache_path  # as the daemon's
+    tokens = load_token_stream(manifest.data, tokenizer, cache)
     sampler = WindowSampler(tokens, manifest.data.sequence_length, peer_seed=0)
     windows = sampler.eval_batches(batch_size, batches)
     with torch.no_grad():

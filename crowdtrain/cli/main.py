@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TOKEN",
         help="with --initial-peers: an invite-only run's token (or CROWDTRAIN_JOIN_TOKEN)",
     )
+    evaluate.add_argument(
+        "--data-cache-dir",
+        metavar="DIR",
+        help="where the run's tokenised data is cached, as the daemon's data_cache_dir (or CROWDTRAIN_DATA_CACHE_DIR; "
+        "default: <state dir>/data-cache)",
+    )
 
     preset = commands.add_parser("preset", help="print a preset as a run file to start from, or list the presets")
     preset.add_argument("name", nargs="?", metavar="NAME", help="the preset to print (default: list them all)")
@@ -326,6 +332,7 @@ def _eval(args: dict[str, Any]) -> int:
         batch_size=args["batch_size"],
         initial_peers=args["initial_peers"] or (),
         join_token=args["join_token"] or os.environ.get("CROWDTRAIN_JOIN_TOKEN", ""),
+        data_cache_dir=args["data_cache_dir"] or os.environ.get("CROWDTRAIN_DATA_CACHE_DIR", ""),
     )
     print_evaluation(evaluation, args["json"])
     return 0
