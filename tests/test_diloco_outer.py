@@ -12,6 +12,7 @@ checkpoint gives a restarted peer its round, outer momentum and residual back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +24,7 @@ from lab.diloco import close_peers, computing_peer, diloco_peers, identity_key, 
 from lab.processes import await_condition
 
 from crowdtrain import proto
+from crowdtrain.averaging.phases import Phase
 from crowdtrain.codecs.error_feedback import keep_top_k_
 from crowdtrain.manifest import DiLoCoSpec, RunManifest, TrainingSpec, demo
 from crowdtrain.modes.diloco import pseudo_gradients
@@ -35,6 +37,7 @@ from crowdtrain.modes.diloco.joining import (
 )
 from crowdtrain.modes.diloco.mode import DiLoCoMode
 from crowdtrain.modes.progress import Progress
+from crowdtrain.rpc.service import NodeStopping
 from crowdtrain.training.checkpoint import load_checkpoint, write_checkpoint
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
@@ -408,6 +411,37 @@ def test_a_round_in_flight_the_swarm_has_moved_two_rounds_past_is_given_up_not_w
         ahead.tracker.report_local_progress(3, 8)
         await_condition(lambda: behind.tracker.global_epoch == 3, 30, "the swarm to be seen at round 3")
         assert behind.tracker.ready_to_update_epoch and behind._left_behind()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_stopping_node_cancels_the_round_it_waits_for_at_once_and_keeps_its_round(overlap: bool) -> None:
+    """A Ctrl-C while the outer round waits for its group (up to the averaging timeout, 60-90 s in the presets)
+    used to wait it out: past the daemon's 28-s leave deadline, which then exits with no final checkpoint. Now the
+    wait ends at the stop with NodeStopping, the round is cancelled, and the round's state is left as it was (a
+    checkpoint holds the last applied round)."""
+    start = torch.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    run = manifest(2, "none", overlap=overlap)
+    run = dataclasses.replace(run, averaging=dataclasses.replace(run.averaging, timeout_s=120.0))
+    with diloco_peers(run, 2, [start]) as modes:
+        waiting, ahead = modes
+        ahead.round = 1  # nobody else is in round 0: the round's matchmaking finds no group
+        end_of_round(modes, start, [torch.ones(3, 4), torch.ones(3, 4)], [8, 8])
+        with ThreadPoolExecutor(1) as pool:
+            if overlap:
+                waiting._outer_round()  # the all-reduce in the background; the next round ends by waiting for it
+                outcome = pool.submit(waiting._finish_round_in_flight, True)
+            else:
+                outcome = pool.submit(waiting._outer_round)
+            looking = functools.partial(waiting.context.phases.seconds, Phase.MATCHMAKING)
+            await_condition(lambda: looking() >= 1.0, 30, "the round to look for its group for a second")
+            assert not outcome.done(), "the round waits for its group"
+            stopped_at = time.monotonic()
+            waiting.context.stop.set()
+            with pytest.raises(NodeStopping):
+                outcome.result(timeout=5)
+            assert time.monotonic() - stopped_at < 2.0
+        assert waiting.round == 0 and waiting.num_local_rounds == 0, "no round ended, alone or not"
+        assert torch.equal(waiting.global_parameters[0], start), "no outer step applied"
 
 
 def test_a_node_left_behind_that_gets_no_state_joins_the_swarms_round_with_its_own() -> None:

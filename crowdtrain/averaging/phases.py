@@ -20,6 +20,7 @@ from hivemind.averaging.control import AveragingStage
 
 from crowdtrain import proto
 from crowdtrain.dht.records import MAX_PHASE_SECONDS
+from crowdtrain.rpc.service import NodeStopping
 
 ROUND_POLL_S = 0.005
 """How often the wait for a gradient round reads the round's stage: the error of the matchmaking/all-reduce split."""
@@ -116,6 +117,11 @@ class PhaseAccumulator:
             self._seconds[phase] += seconds
             self._total_added += seconds
 
+    def seconds(self, phase: Phase) -> float:
+        """The seconds counted to `phase` in the step under way."""
+        with self._lock:
+            return self._seconds[phase]
+
     @contextmanager
     def measure(self, phase: Phase) -> Iterator[None]:
         """Count the time the block takes to `phase`, less what the block counted to phases of its own (so
@@ -161,14 +167,19 @@ def wait_for_round(
     timeout_s: float,
     give_up: Callable[[], bool] | None = None,
     poll_s: float = ROUND_POLL_S,
+    stop: threading.Event | None = None,
 ) -> bool:
     """Wait until an averaging round is done or `timeout_s` passed, counting each poll interval to matchmaking
     or all-reduce by the stage the averager process reports at its end; a retry's new matchmaking counts as
     matchmaking again. `give_up`: asked at each poll while the round looks for its group; once it says so, the
-    round is cancelled and False returned (else True)."""
+    round is cancelled and False returned (else True). `stop`: the node's stop event; once it is set the round
+    is cancelled and NodeStopping raised, so a Ctrl-C never waits out a round (up to the averaging timeout)."""
     deadline = phases.clock() + timeout_s
     previous = phases.clock()
     while not control.done() and previous < deadline:
+        if stop is not None and stop.is_set():
+            control.cancel()
+            raise NodeStopping("the node is stopping: the averaging round under way was cancelled")
         if give_up is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP and give_up():
             control.cancel()
             return False

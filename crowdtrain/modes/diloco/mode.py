@@ -286,8 +286,9 @@ class DiLoCoMode(RoundSync, OverlappedRounds, TrainingMode):
             self.tracker.update_epoch(self.round)
 
     def close(self) -> None:
-        if self._in_flight is not None:
-            self._in_flight.control.cancel()  # a checkpoint holds the last applied round; this one is lost
+        if self._in_flight is not None:  # a checkpoint holds the last applied round; this one is lost
+            if not self._in_flight.control.done():  # a stop cancelled it already (a second cancel raises)
+                self._in_flight.control.cancel()
             self._in_flight = None
         self.tracker.shutdown()
         self.averager.shutdown()
@@ -370,7 +371,7 @@ class DiLoCoMode(RoundSync, OverlappedRounds, TrainingMode):
         timeout = self.context.manifest.averaging.timeout_s
         started = time.monotonic()
         control = self.averager.step(weight=float(self.samples), gather=self._gather(), timeout=timeout, wait=False)
-        wait_for_round(control, self.context.phases, timeout)
+        wait_for_round(control, self.context.phases, timeout, stop=self.context.stop)
         gathered = self._round_gathered(control, self.round, timeout)
         if gathered is not None:
             self._note_round(gathered, time.monotonic() - started)

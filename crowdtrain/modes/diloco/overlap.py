@@ -69,7 +69,7 @@ class OverlappedRounds:
         if (
             wait
             and not flight.control.done()
-            and not wait_for_round(flight.control, self.context.phases, timeout, passed)
+            and not wait_for_round(flight.control, self.context.phases, timeout, passed, stop=self.context.stop)
         ):
             logger.warning(f"outer round {flight.round} found no group before the swarm moved on to round "
                            f"{self.tracker.global_epoch}: not averaged")  # fmt: skip
