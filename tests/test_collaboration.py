@@ -7,10 +7,13 @@ underneath replaced by a recorder: pure logic, no DHT. The accumulation test run
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
+import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -21,14 +24,14 @@ import pytest
 import torch
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.utils import ValueWithExpiration, get_dht_time
-from lab.diloco import collaborative_optimizer, loopback_dht
+from lab.diloco import collaborative_optimizer, loopback_dht, loopback_dhts
 from lab.processes import await_condition
 
 from crowdtrain.averaging.authored import Entry
 from crowdtrain.averaging.exact import require_complete
 from crowdtrain.averaging.groups import chunk_timeout_s, join_request_timeout_s
 from crowdtrain.averaging.partition import PartialAverageError, PlanSharesMixin
-from crowdtrain.averaging.phases import PhaseAccumulator, PhaseTimes
+from crowdtrain.averaging.phases import Phase, PhaseAccumulator, PhaseTimes
 from crowdtrain.collaboration import hivemind_optimizer
 from crowdtrain.collaboration.factory import (
     clear_micro_batch_gradients,
@@ -38,6 +41,7 @@ from crowdtrain.collaboration.factory import (
 from crowdtrain.collaboration.hivemind_optimizer import CrowdtrainOptimizer
 from crowdtrain.manifest import AveragingSpec, demo
 from crowdtrain.node.logs import setup_logging
+from crowdtrain.rpc.service import NodeStopping
 from crowdtrain.state.catch_up import ANNOUNCE_FOR_S, HoldBudget, catch_up_key
 
 
@@ -465,3 +469,51 @@ def test_a_huge_gradient_is_clipped_before_it_reaches_adams_moments() -> None:
     assert clipped <= (1 - 0.999) * 1.0**2 * 1.0001, "a step's gradient has norm at most max_grad_norm (1.0)"
     _, _, unclipped = _one_global_step(reuse_grad_buffers=True, loss_scale=1e6, max_grad_norm=0.0)
     assert unclipped > 1e6, "without clipping the scaled gradient lands in the moments whole"
+
+
+@pytest.mark.swarm
+def test_a_stopping_node_cancels_the_gradient_round_its_step_waits_for_and_shuts_down_cleanly() -> None:
+    """Two real optimizers; the second reported a micro-batch and then computes no more, so the first one's global
+    step waits for a group that never forms, up to the averaging timeout (60-90 s in the presets: past the daemon's
+    28-s leave deadline). Once the node's stop event is set, the step raises NodeStopping at once, nothing is
+    applied, and the optimizer shuts down without cancelling the round a second time (hivemind raises then)."""
+    averaging = dataclasses.replace(demo().averaging, timeout_s=120.0)
+    manifest = dataclasses.replace(demo(), target_batch_size=8, averaging=averaging)
+    first, second = loopback_dhts(2)
+    stop = threading.Event()
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)]
+    phases = PhaseAccumulator()
+    waiting = collaborative_optimizer(first, manifest, models[0].parameters(), 2, stop=stop, phases=phases)
+    idle = collaborative_optimizer(second, manifest, models[1].parameters(), 2)
+    inputs = torch.randn(2, 4)
+    try:
+        for model, optimizer in zip(models, (waiting, idle), strict=True):
+            model(inputs).square().mean().backward()
+            optimizer.step()  # both report: the first sees a swarm of two and averages its global step
+            clear_micro_batch_gradients(optimizer)
+        await_condition(lambda: waiting.tracker.global_progress.num_peers == 2, 60, "the first to see the second")
+        before = models[0].weight.detach().clone()
+
+        def train() -> None:
+            while waiting.local_epoch == 0:
+                models[0](inputs).square().mean().backward()
+                waiting.step()
+                clear_micro_batch_gradients(waiting)
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            stepping = pool.submit(train)
+            looking = functools.partial(phases.seconds, Phase.MATCHMAKING)
+            await_condition(lambda: looking() >= 1.0, 60, "the global step to look for its group for a second")
+            assert not stepping.done(), "the step waits for its group"
+            stopped_at = time.monotonic()
+            stop.set()
+            with pytest.raises(NodeStopping):
+                stepping.result(timeout=5)
+            assert time.monotonic() - stopped_at < 2.0
+        assert waiting.local_epoch == 0 and torch.equal(models[0].weight, before), "nothing applied"
+    finally:
+        waiting.shutdown()  # raises if it cancels the cancelled round again
+        idle.shutdown()
+        second.shutdown()
+        first.shutdown()

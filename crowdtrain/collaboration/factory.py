@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import signal
+import threading
 from collections.abc import Iterable, Iterator
 from multiprocessing.sharedctypes import Synchronized
 from typing import Any
@@ -49,6 +50,7 @@ def make_optimizer(
     traffic: AveragingTraffic | None = None,
     reuse_grad_buffers: bool = False,
     use_local_updates: bool = False,
+    stop: threading.Event | None = None,
 ) -> hivemind.Optimizer:
     """The collaborative optimizer of this node for the run described by `manifest`.
 
@@ -64,6 +66,7 @@ def make_optimizer(
     must then never zero gradients itself (see `discard_local_gradients`, `clear_micro_batch_gradients`).
     `use_local_updates` (Moshpit SGD): every peer steps its own replica and the swarm averages parameters; else
     the swarm averages gradients and every peer takes the same step (DeDLOC).
+    `stop`: the node's stop event; once set, a step waiting for its gradient round raises NodeStopping.
     """
     traffic = AveragingTraffic.new() if traffic is None else traffic
     if auxiliary and (client_mode or use_local_updates):
@@ -122,6 +125,7 @@ def make_optimizer(
             traffic=traffic,
             aggregation=aggregation,
             run_created_at=manifest.created_at,
+            stop=stop,
             # Parameters averaged every few epochs in gradient mode travel uncompressed, so rounding never
             # erases small updates; a downloaded state always does: fp16 flushes Adam's tiny second moments
             # to zero, and the next step divides by ~eps and blows the weights up.

@@ -28,6 +28,7 @@ from crowdtrain.averaging.traffic import AggregationSettings, AveragingTraffic, 
 from crowdtrain.dht.calls import DHTCallFailed, dht_answer
 from crowdtrain.dht.gate import AdmissionGated
 from crowdtrain.dht.records import epoch_ceiling
+from crowdtrain.rpc.service import NodeStopping
 from crowdtrain.state.catch_up import (
     ANNOUNCE_EVERY_S,
     ANNOUNCE_FOR_S,
@@ -133,9 +134,12 @@ class CrowdtrainOptimizer(hivemind.Optimizer):
         aggregation: AggregationSettings | None = None,
         run_created_at: float = 0.0,
         use_local_updates: bool = False,
+        stop: threading.Event | None = None,
         **kwargs: Any,
     ):
         self._requested_client_mode = client_mode
+        self.node_stop = stop
+        """The node's stop event: once set, the gradient round a step waits for is cancelled (NodeStopping)."""
         # Gradients mode: every peer takes the same averaged step, so peers at one epoch hold one state and other
         # donors can corroborate a downloaded one. Parameters mode: peers step alone between averaging rounds.
         self._states_agree_at_epoch = not use_local_updates
@@ -175,7 +179,13 @@ class CrowdtrainOptimizer(hivemind.Optimizer):
         # result: waiting for it here first, reading the stage the averager process reports, splits that wait into
         # matchmaking and all-reduce; hivemind's call then finds the result ready.
         if maybe_step_control is not None:
-            wait_for_round(maybe_step_control, self.phases, self.averaging_timeout)
+            try:
+                wait_for_round(maybe_step_control, self.phases, self.averaging_timeout, stop=self.node_stop)
+            except NodeStopping:
+                scheduled: Any = self.scheduled_grads  # type: ignore[has-type]  # a hivemind StepControl
+                if scheduled is maybe_step_control:
+                    self.scheduled_grads = None  # cancelled: shutdown() must not cancel it again (that raises)
+                raise
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
 
     def _make_state_averager(self, **kwargs: Any) -> Any:

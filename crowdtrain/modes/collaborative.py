@@ -53,6 +53,7 @@ class CollaborativeMode(TrainingMode):
             and compute is not None
             and not compute.micro_step.precision.uses_grad_scaler,
             use_local_updates=not self.accumulates_gradients,
+            stop=context.stop,
         )
         self.apply_swarm_view(context.swarm)  # the plan's share, the group size
 
