@@ -509,8 +509,8 @@ def test_a_stopping_node_cancels_the_gradient_round_its_step_waits_for_and_shuts
             stopped_at = time.monotonic()
             stop.set()
             with pytest.raises(NodeStopping):
-                stepping.result(timeout=5)
-            assert time.monotonic() - stopped_at < 2.0
+                stepping.result(timeout=10)
+            assert time.monotonic() - stopped_at < 5.0, "at the stop, not at the 120-s timeout"
         assert waiting.local_epoch == 0 and torch.equal(models[0].weight, before), "nothing applied"
     finally:
         waiting.shutdown()  # raises if it cancels the cancelled round again

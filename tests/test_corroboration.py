@@ -139,7 +139,10 @@ class Replica(RoundSync):
     def __init__(self, averager: Any, peer_id: str, round_: int, swarm_round: int):
         self.averager, self.round, self.samples = averager, round_, 0
         self.context = SimpleNamespace(
-            peer_id=peer_id, client_mode=False, phases=SimpleNamespace(measure=lambda phase: contextlib.nullcontext())
+            peer_id=peer_id,
+            client_mode=False,
+            phases=SimpleNamespace(measure=lambda phase: contextlib.nullcontext()),
+            stop=threading.Event(),
         )
         self.tracker = SimpleNamespace(global_epoch=swarm_round, distrust_unbacked_epochs=lambda *args, **kwargs: None)
         self.diverged, self._resync, self._resync_tries, self._in_flight = False, False, 0, None

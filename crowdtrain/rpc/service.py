@@ -8,8 +8,10 @@ coroutines run with `self.run(...)`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Coroutine
@@ -37,6 +39,20 @@ STOP_CHECK_S = 0.1
 
 class NodeStopping(Exception):
     """The node is stopping: a call to a peer was cut short, and no more are made (`P2PService.run`)."""
+
+
+def result_unless_stopping(
+    future: concurrent.futures.Future[T], timeout_s: float | None, stop: threading.Event | None, what: str
+) -> T:
+    """`future`'s result, waited for at most `timeout_s` (None: no limit; TimeoutError after); once `stop` (the
+    node's stop event) is set, NodeStopping instead, within STOP_CHECK_S. The future is left as it is."""
+    deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+    while stop is not None and not stop.is_set() and deadline - time.monotonic() > STOP_CHECK_S:
+        with contextlib.suppress(TimeoutError):
+            return future.result(timeout=STOP_CHECK_S)
+    if stop is not None and stop.is_set():
+        raise NodeStopping(f"the node is stopping: {what} was cut short")
+    return future.result(timeout=None if timeout_s is None else max(0.0, deadline - time.monotonic()))
 
 
 class P2PService(AdmissionGated, ServicerBase):
@@ -106,14 +122,8 @@ class P2PService(AdmissionGated, ServicerBase):
 
     def _run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float, stop: threading.Event | None = None) -> T:
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        deadline = time.monotonic() + timeout_s
         try:
-            while stop is not None and not stop.is_set() and deadline - time.monotonic() > STOP_CHECK_S:
-                with contextlib.suppress(TimeoutError):
-                    return future.result(timeout=STOP_CHECK_S)
-            if stop is not None and stop.is_set():
-                raise NodeStopping(f"the node is stopping: a {self.namespace} call was cut short")
-            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+            return result_unless_stopping(future, timeout_s, stop, f"a {self.namespace} call")
         except BaseException:
             future.cancel()
             raise

@@ -24,6 +24,7 @@ import logging
 import math
 import random
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
+from crowdtrain.rpc.service import result_unless_stopping
 from crowdtrain.state.corroboration import MAX_DIGEST_REQUESTS, NUM_CORROBORATORS, StateCorroborationMixin
 from crowdtrain.state.digest import Corroboration, sketch_state
 from crowdtrain.state.template import (
@@ -118,11 +120,14 @@ class VerifiedStateDownloadMixin(StateCorroborationMixin):
         wait: bool = True,
         timeout: float | None = None,
         above_priority: float | None = None,
+        stop: threading.Event | None = None,
     ) -> Any:
         """hivemind's DecentralizedAverager.load_state_from_peers, verified; returns (metadata, tensors) or None.
         `above_priority`: ask only donors that declared a higher priority than this. Other donors corroborate the
         state wherever honest ones hold one state per epoch (`states_agree_at_epoch`): no caller can switch that off
-        (a round that failed must not open the door to an unverified state)."""
+        (a round that failed must not open the door to an unverified state). `stop`: the node's stop event; once
+        set, the wait ends with NodeStopping and the averager process finishes or abandons the download by itself
+        (not for hivemind.Optimizer, which retries whatever a download raises but KeyboardInterrupt)."""
         future: MPFuture = MPFuture()
         template = self.state_template()
         corroborate = self.states_agree_at_epoch
@@ -141,7 +146,7 @@ class VerifiedStateDownloadMixin(StateCorroborationMixin):
         if not wait:
             return future
         try:
-            loaded = future.result(timeout=timeout)
+            loaded = result_unless_stopping(future, timeout, stop, "a state download")
         except TimeoutError:
             # The averager process gives up DEADLINE_MARGIN_S earlier; on a saturated link its answer can still come
             # late. hivemind's caller would log the TimeoutError with a traceback and retry at once; DiLoCo's would

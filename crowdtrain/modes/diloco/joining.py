@@ -171,7 +171,7 @@ class RoundSync:
         above = float(self.round) if resyncing else self._rank()
         with self.context.phases.measure(Phase.STATE_DOWNLOAD):
             loaded = self.averager.load_state_from_peers(
-                timeout=LOAD_STATE_TIMEOUT_S, above_priority=above if self.round > 0 else None
+                timeout=LOAD_STATE_TIMEOUT_S, above_priority=above if self.round > 0 else None, stop=self.context.stop
             )
         if loaded is None:
             self.diverged = False  # nobody to take a state from: go on with this one
