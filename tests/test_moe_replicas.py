@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import hivemind
@@ -17,6 +18,7 @@ from crowdtrain import proto
 from crowdtrain.manifest import RunManifest, expert_uids, manifest_from_overrides
 from crowdtrain.moe import ExpertSupervisor, HostOptions, SupervisorOptions
 from crowdtrain.moe.replicas import ReplicaError, ReplicaService, flat_parameters, mix_into, num_values
+from crowdtrain.rpc.service import NodeStopping
 from tests.messages import read_first_then_stall
 
 pytestmark = pytest.mark.timeout(120)
@@ -72,6 +74,38 @@ def test_parameters_travel_exactly_and_bad_answers_are_refused(two_dhts: tuple[h
         with pytest.raises(ReplicaError, match="non-finite"):
             client.fetch(server.peer_id, "run-ffn0.0", expected.numel())
     finally:
+        client.close()
+        server.close()
+
+
+def test_a_stopping_host_ends_a_copy_its_peer_holds_up_at_once(two_dhts: tuple[hivemind.DHT, hivemind.DHT]) -> None:
+    """A copy waits up to FETCH_TIMEOUT_S (60 s) per expert on a peer that does not answer, and an expert host copies
+    or averages its experts one after the other: a Ctrl-C waited that out past the daemon's 28-s leave deadline,
+    which exits without checkpointing the experts. The node's stop event ends the copy at once."""
+    asked, release = threading.Event(), threading.Event()
+
+    def held_up(uid: str) -> nn.Module | None:
+        asked.set()
+        release.wait(30)
+        return None
+
+    stop = threading.Event()
+    server = ReplicaService(two_dhts[0], held_up)
+    client = ReplicaService(two_dhts[1], lambda uid: None, stop)
+    server.start()
+    client.start()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            copying = pool.submit(client.fetch, server.peer_id, "run-ffn0.0", 10)
+            assert asked.wait(30), "the peer was asked"
+            assert not copying.done()
+            stop.set()
+            with pytest.raises(NodeStopping):
+                copying.result(timeout=5)
+        with pytest.raises(NodeStopping):
+            client.fetch(server.peer_id, "run-ffn0.0", 10)  # and no more copies are asked for
+    finally:
+        release.set()
         client.close()
         server.close()
 

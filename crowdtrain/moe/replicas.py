@@ -19,6 +19,7 @@ limits the asker is answered busy at once, and an answer that runs past its time
 from __future__ import annotations
 
 import logging
+import threading
 import typing
 from collections.abc import Callable, Iterator
 
@@ -31,7 +32,7 @@ from torch import nn
 from crowdtrain import proto
 from crowdtrain.errors import CrowdtrainError
 from crowdtrain.rpc.bulk import BulkGate, BulkLimits
-from crowdtrain.rpc.service import P2PService
+from crowdtrain.rpc.service import NodeStopping, P2PService
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +77,10 @@ def mix_into(module: nn.Module, values: torch.Tensor, weight: float) -> None:
 class ReplicaService(P2PService):
     """Serves the parameters of the experts `lookup` finds; fetches other hosts' ones."""
 
-    def __init__(self, dht: hivemind.DHT, lookup: Callable[[str], nn.Module | None]):
-        super().__init__(dht, NAMESPACE, thread_name="expert-replicas")
+    def __init__(
+        self, dht: hivemind.DHT, lookup: Callable[[str], nn.Module | None], stop: threading.Event | None = None
+    ):
+        super().__init__(dht, NAMESPACE, thread_name="expert-replicas", stop=stop)
         self.lookup = lookup
         self.answers = BulkGate(ANSWER_LIMITS)
 
@@ -103,10 +106,11 @@ class ReplicaService(P2PService):
                 yield proto.ExpertParametersChunk(payload=payload)
 
     def fetch(self, peer_id: str, uid: str, expected_values: int, timeout_s: float = FETCH_TIMEOUT_S) -> torch.Tensor:
-        """Expert `uid`'s parameters as served by `peer_id`; raises ReplicaError with a sentence why not."""
+        """Expert `uid`'s parameters as served by `peer_id`; raises ReplicaError with a sentence why not, or
+        NodeStopping once the node is stopping."""
         try:
             return self.run(self._fetch(PeerID.from_base58(peer_id), uid, expected_values), timeout_s)
-        except ReplicaError:
+        except (ReplicaError, NodeStopping):
             raise
         except TimeoutError as e:
             raise ReplicaError(f"peer {peer_id[-8:]} did not send expert {uid} within {timeout_s:.0f} s") from e

@@ -20,6 +20,7 @@ from crowdtrain.moe.placement import choose_experts
 from crowdtrain.moe.replicas import ReplicaError, ReplicaService, flat_parameters, mix_into, num_values
 from crowdtrain.optimizer import learning_rate_factor
 from crowdtrain.roles import Role
+from crowdtrain.rpc.service import NodeStopping
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ class SupervisorOptions:
 
 
 class ExpertSupervisor:
-    """Serves the experts placement assigns to this host until `stop` is set, then checkpoints them."""
+    """Serves the experts placement assigns to this host until `stop` is set, then checkpoints them: at once, even
+    while it copies an expert from a peer that no longer answers."""
 
     def __init__(
         self,
@@ -53,16 +55,19 @@ class ExpertSupervisor:
         host_options: HostOptions,
         options: SupervisorOptions,
         on_change: Callable[[tuple[str, ...]], None],
+        stop: threading.Event | None = None,
     ):
         self.dht, self.manifest, self.peer_id = dht, manifest, peer_id
         self.options, self.on_change = options, on_change
+        self.stop = threading.Event() if stop is None else stop
+        """The node's stop event: `run` ends once it is set, and copies from peers under way end at once."""
         self.host = ExpertHost(dht, manifest, host_options)
-        self.replicas = ReplicaService(dht, self.host.module)
+        self.replicas = ReplicaService(dht, self.host.module, self.stop)
         self.grid = expert_uids(manifest)
         self._rounds = 0
         self.epoch = ExpertEpoch(run_created_at=manifest.created_at)
 
-    def run(self, stop: threading.Event) -> None:
+    def run(self) -> None:
         self.replicas.start()
         next_checkpoint_at = time.monotonic() + self.options.checkpoint_every_s
         next_average_at = time.monotonic() + self.options.average_every_s
@@ -78,8 +83,10 @@ class ExpertSupervisor:
                 if time.monotonic() >= next_checkpoint_at:
                     next_checkpoint_at = time.monotonic() + self.options.checkpoint_every_s
                     self.host.save_checkpoints()
-                if stop.wait(self.options.recheck_s):
+                if self.stop.wait(self.options.recheck_s):
                     break
+        except NodeStopping:
+            pass  # a copy from a peer cut short: the experts as they are now are checkpointed below
         finally:
             self.replicas.close()
             self.host.shutdown()

@@ -170,7 +170,7 @@ class Daemon:
         threading.Thread(target=_enforce_leave_deadline, args=(self.stop, left, state_path), daemon=True).start()
         try:
             if self.config.fixed_role == Role.EXPERT_HOST:
-                self._expert_host(dht, identity, membership, heartbeat).run(self.stop)
+                self._expert_host(dht, identity, membership, heartbeat).run()
             else:
                 # Measured after the node is up and visible: the model's first import and the probes take a while.
                 roles = heartbeat.roles = self._measure(dht, identity, membership.manifest, multiaddrs)
@@ -217,6 +217,7 @@ class Daemon:
             config=self.config,
             device=self.device,
             on_change=heartbeat.set_experts,
+            stop=self.stop,
         )
 
     def _measure(

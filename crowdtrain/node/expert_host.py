@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import hivemind
@@ -20,6 +21,7 @@ def make_expert_supervisor(
     config: NodeConfig,
     device: str,
     on_change: Callable[[tuple[str, ...]], None],
+    stop: threading.Event,
 ) -> ExpertSupervisor:
     """Serve this run's experts as placement assigns them, announced as long-lived as the node's status."""
     if config.num_threads:
@@ -37,5 +39,11 @@ def make_expert_supervisor(
         average_every_s=config.replica_average_interval_s,
     )
     return ExpertSupervisor(
-        dht=dht, manifest=manifest, peer_id=peer_id, host_options=host_options, options=options, on_change=on_change
+        dht=dht,
+        manifest=manifest,
+        peer_id=peer_id,
+        host_options=host_options,
+        options=options,
+        on_change=on_change,
+        stop=stop,
     )
