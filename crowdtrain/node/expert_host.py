@@ -26,7 +26,7 @@ def make_expert_supervisor(
     """Serve this run's experts as placement assigns them, announced as long-lived as the node's status."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    host_options = HostOptions(
+    host = HostOptions(
         checkpoint_dir=config.state_path / "experts" / manifest.run_id,
         device=device,
         # A dead host's experts stay findable as long as its status stays listed, and no longer.
@@ -39,11 +39,5 @@ def make_expert_supervisor(
         average_every_s=config.replica_average_interval_s,
     )
     return ExpertSupervisor(
-        dht=dht,
-        manifest=manifest,
-        peer_id=peer_id,
-        host_options=host_options,
-        options=options,
-        on_change=on_change,
-        stop=stop,
+        dht=dht, manifest=manifest, peer_id=peer_id, host_options=host, options=options, on_change=on_change, stop=stop
     )
