@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import hivemind
@@ -67,9 +66,8 @@ def test_a_host_beside_an_honest_trainer_and_a_liar_follows_the_honest_schedule(
     publish_trainer(honest_dht, honest_key, manifest.run_id, epoch=3)
     publish_trainer(liar_dht, liar_key, manifest.run_id, epoch=90_000)  # within what the run could have reached
     host = supervisor(host_dht, manifest, tmp_path / "host", max_experts=0)
-    stop = threading.Event()
-    stop.set()  # one look at the swarm, then the host stops
-    host.run(stop)
+    host.stop.set()  # one look at the swarm, then the host stops
+    host.run()
     assert host.epoch.epoch == 3
     assert host.host._learning_rate_factor == learning_rate_factor(3, manifest.optimizer), (
         "the experts' learning rate is the honest epoch's, not the end of the schedule"
